@@ -1,0 +1,3 @@
+from q27py.cli import main
+
+raise SystemExit(main())
