@@ -1,0 +1,78 @@
+"""`q27py generate`: run one prompt through the engine and print the result.
+
+`--json` prints one object: {"tokens": [...], "text": "...", "stats": {prompt_tokens,
+generated_tokens, seconds, tokens_per_s, rounds, tokens_per_round, ...}}. These key
+names are a contract (external checks read them).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from q27py.config import Q27Config, apply_env, apply_overrides
+from q27py.engine.api import GenerationRequest, SamplingParams
+from q27py.errors import Q27Error
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", type=Path, default=None, help="model directory (default: the bundled q36-tiny-code)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (used as is: no chat template)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default=None, help="reference-path compute dtype")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def build_config(args) -> Q27Config:
+    cfg = apply_env(Q27Config())
+    apply_overrides(cfg.engine, {"model_dir": args.model, "device": args.device, "dtype": args.dtype})
+    return cfg
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise Q27Error(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise Q27Error("--prompt-ids is empty")
+    return ids
+
+
+def run(args) -> int:
+    from q27py.engine.engine import LocalEngine
+
+    cfg = build_config(args)
+    engine = LocalEngine.load(cfg)
+    ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else engine.tokenizer.encode(args.prompt)
+    if not ids:
+        raise Q27Error("the prompt is empty")
+    bad = [i for i in ids if not 0 <= i < engine.model_config.vocab_size]
+    if bad:
+        raise Q27Error(f"token id {bad[0]} is outside the vocabulary (0..{engine.model_config.vocab_size - 1})")
+    stop_ids = frozenset() if args.ignore_eos else frozenset(engine.tokenizer.eos_ids)
+    request = GenerationRequest(prompt_ids=ids, max_tokens=args.max_tokens, sampling=SamplingParams(), stop_ids=stop_ids)
+    tokens, text, stats = [], [], {}
+    for chunk in engine.generate(request):
+        tokens.extend(chunk.token_ids)
+        text.append(chunk.text)
+        if not args.json and chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        if chunk.stats is not None:
+            stats = dict(chunk.stats, finish_reason=chunk.finish_reason)
+    if args.json:
+        print(json.dumps({"tokens": tokens, "text": "".join(text), "stats": stats}, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        print(
+            f"[{stats.get('generated_tokens', 0)} tokens, {stats.get('tokens_per_s', 0):.1f} tok/s, "
+            f"{stats.get('tokens_per_round', 0):.2f} tokens/round]",
+            file=sys.stderr,
+        )
+    return 0
