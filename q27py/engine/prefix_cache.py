@@ -1,0 +1,378 @@
+"""Prefix reuse for a hybrid model: live sequences, GDN snapshots, and a token-verified disk cache.
+
+Attention KV rows are an append-only log addressed by position: any prefix of them
+is reusable by cutting the log back. Gated DeltaNet state is an order-dependent
+summary that can only be resumed where it was saved. So reuse is designed in:
+
+- Every live sequence remembers its tokens and keeps GDN snapshots (recurrent +
+  conv state, plus the post-norm hidden of the last token, which the MTP head needs
+  to warm its next row) at chosen positions: the renderer's stable boundary (end of
+  the last complete turn: what the next request re-sends), the end of the shared
+  system+tools block, and every `checkpoint_every` prefill tokens.
+- A new request restores, across all live sequences, the longest snapshot whose
+  tokens are a prefix of its prompt, cuts KV rows back to it, and prefills only the
+  rest. Snapshots past the restore point are dropped: their KV rows get overwritten.
+- The opt-in disk cache stores whole prefixes (tokens + KV rows + GDN state). Its
+  file names are hashes, never trusted: the stored token vector is compared element
+  by element, and a compatibility hash (model bytes, dims, format) plus a payload
+  checksum make foreign, stale, truncated or bit-flipped files invisible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from q27py.model.state import GDNState, SequenceState
+
+log = logging.getLogger("q27py.prefix")
+
+FORMAT_VERSION = 1
+MAGIC = b"Q27PREFX"
+
+
+@dataclass
+class Snapshot:
+    position: int
+    gdn: dict[int, GDNState]
+    hidden_last: np.ndarray | None  # post-norm hidden at position-1 (MTP warm-up); None at position 0
+    kind: str  # "stable" | "system" | "checkpoint" | "end"
+
+
+@dataclass
+class LiveSequence:
+    """One slot: a state, the tokens whose KV rows it holds, and its snapshots."""
+
+    state: SequenceState
+    tokens: list[int] = field(default_factory=list)
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    last_used: float = 0.0
+    busy: bool = False
+
+    def restorable(self, prompt: list[int]) -> int:
+        """The longest position this slot can resume `prompt` from (0 = nothing)."""
+        common = common_prefix(self.tokens, prompt)
+        # At least one prompt token must be prefilled, to produce the next-token logits.
+        limit = min(common, len(prompt) - 1)
+        return max((p for p in self.snapshots if p <= limit), default=0)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+def take_snapshot(state: SequenceState, hidden_last: np.ndarray | None, kind: str) -> Snapshot:
+    return Snapshot(state.position, {i: g.copy() for i, g in state.gdn.items()},
+                    None if hidden_last is None else np.array(hidden_last, copy=True), kind)
+
+
+def restore_snapshot(seq: LiveSequence, snap: Snapshot) -> None:
+    """Rewind seq to snap.position: cut KV rows, install the GDN state, forget what lay beyond."""
+    st = seq.state
+    st.position = snap.position
+    for kv in st.kv.values():
+        kv.truncate(snap.position)
+    if st.mtp_kv is not None:
+        # The MTP row of position p pairs hidden p with token p+1; rows up to p-2 stay valid.
+        st.mtp_kv.truncate(min(st.mtp_kv.length, max(snap.position - 1, 0)))
+    st.gdn = {i: g.copy() for i, g in snap.gdn.items()}
+    st.extra["hidden_last"] = None if snap.hidden_last is None else snap.hidden_last.copy()
+    del seq.tokens[snap.position:]
+    seq.snapshots = {p: s for p, s in seq.snapshots.items() if p <= snap.position}
+
+
+class PrefixCache:
+    """The live sequences and their snapshots (host memory), plus the optional disk tier."""
+
+    def __init__(self, new_state, max_sequences: int = 4, checkpoint_every: int = 4096,
+                 max_snapshots: int = 16, disk: "DiskCache | None" = None):
+        self._new_state = new_state
+        self.max_sequences = max(1, max_sequences)
+        self.checkpoint_every = checkpoint_every
+        self.max_snapshots = max_snapshots
+        self.disk = disk
+        self.slots: list[LiveSequence] = []
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+
+    def acquire(self, prompt: list[int]) -> tuple[LiveSequence, int]:
+        """A slot for `prompt`, rewound to the longest reusable prefix; returns (slot, reused tokens)."""
+        best, best_pos = None, 0
+        for seq in self.slots:
+            if seq.busy:
+                continue
+            pos = seq.restorable(prompt)
+            if pos > best_pos or best is None or (pos == best_pos and seq.last_used < best.last_used and best_pos == 0):
+                best, best_pos = seq, pos
+        if best_pos > 0:
+            restore_snapshot(best, best.snapshots[best_pos])
+            seq = best
+        else:
+            seq = self._fresh_slot(best)
+        if self.disk is not None:
+            disk_pos = self.disk.lookup_length(prompt)
+            if disk_pos > best_pos and disk_pos <= len(prompt) - 1:
+                if self.disk.load_into(seq, prompt[:disk_pos]):
+                    best_pos = disk_pos
+        seq.busy = True
+        seq.last_used = time.monotonic()
+        if best_pos:
+            self.hits += 1
+            self.reused_tokens += best_pos
+        else:
+            self.misses += 1
+        return seq, best_pos
+
+    def _fresh_slot(self, candidate: LiveSequence | None) -> LiveSequence:
+        if len(self.slots) < self.max_sequences:
+            seq = LiveSequence(self._new_state())
+            self.slots.append(seq)
+            return seq
+        idle = [s for s in self.slots if not s.busy]
+        victim = min(idle, key=lambda s: s.last_used) if idle else None
+        if victim is None:
+            victim = LiveSequence(self._new_state())  # every slot busy: a temporary one
+            return victim
+        victim.state = self._new_state()
+        victim.tokens, victim.snapshots = [], {}
+        return victim
+
+    def release(self, seq: LiveSequence) -> None:
+        seq.busy = False
+        seq.last_used = time.monotonic()
+
+    def snapshot_positions(self, start: int, prompt: list[int], stable_len: int | None, system_len: int | None) -> dict[int, str]:
+        """Where, in the prefill of prompt[start:], to stop and save GDN state."""
+        marks: dict[int, str] = {}
+        if self.checkpoint_every > 0:
+            first = (start // self.checkpoint_every + 1) * self.checkpoint_every
+            for p in range(first, len(prompt), self.checkpoint_every):
+                marks[p] = "checkpoint"
+        if system_len and start < system_len < len(prompt):
+            marks[system_len] = "system"
+        if stable_len and start < stable_len <= len(prompt):
+            marks[stable_len] = "stable"
+        return marks
+
+    def save(self, seq: LiveSequence, kind: str) -> None:
+        snap = take_snapshot(seq.state, seq.state.extra.get("hidden_last"), kind)
+        seq.snapshots[snap.position] = snap
+        if len(seq.snapshots) > self.max_snapshots:
+            # Keep boundaries; drop the oldest plain checkpoint first.
+            order = sorted(seq.snapshots.values(), key=lambda s: (s.kind != "checkpoint", s.position))
+            del seq.snapshots[order[0].position]
+        if self.disk is not None and kind in ("stable", "system"):
+            self.disk.store_async(seq, kind)
+
+    def usage(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens,
+                "live_sequences": len(self.slots),
+                "snapshots": sum(len(s.snapshots) for s in self.slots)}
+
+
+# --------------------------------------------------------------------------- disk tier
+
+
+def compat_hash(model_dir: Path, model_cfg, tier: str | None, kv_format: str) -> str:
+    """Identity of everything a stored state depends on: foreign entries hash differently."""
+    h = hashlib.sha256()
+    h.update(f"q27-prefix-v{FORMAT_VERSION}|tier={tier}|kv={kv_format}|".encode())
+    h.update(json.dumps(model_cfg.to_hf_dict(), sort_keys=True).encode())
+    model_dir = Path(model_dir)
+    for p in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.q27")):
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}|".encode())
+        with open(p, "rb") as f:  # header + first and last MiB: changes with any retrain or repack
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+def _key(tokens: list[int]) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
+
+
+def _state_arrays(state: SequenceState, hidden_last) -> dict[str, np.ndarray]:
+    n = state.position
+    arrays = {}
+    for i, g in state.gdn.items():
+        arrays[f"gdn.{i}.recurrent"] = g.recurrent
+        arrays[f"gdn.{i}.conv"] = g.conv
+    for i, kv in state.kv.items():
+        arrays[f"kv.{i}.k"] = kv.k[:n]
+        arrays[f"kv.{i}.v"] = kv.v[:n]
+    if state.mtp_kv is not None:
+        m = min(state.mtp_kv.length, max(n - 1, 0))
+        arrays["mtp.k"] = state.mtp_kv.k[:m]
+        arrays["mtp.v"] = state.mtp_kv.v[:m]
+    if hidden_last is not None:
+        arrays["hidden_last"] = np.asarray(hidden_last)
+    return arrays
+
+
+class DiskCache:
+    """Persistent prefix entries: <key>.q27p files, atomic writes from a background thread, LRU by mtime."""
+
+    def __init__(self, directory: Path, compat: str, max_bytes: int = 8 << 30, min_tokens: int = 256):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.compat = compat
+        self.max_bytes = max_bytes
+        self.min_tokens = min_tokens
+        self.lengths: dict[int, int] = {}  # prefix length -> entries with that length
+        self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self.hits = 0
+        self.rejected = 0
+        for tmp in self.dir.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)  # a crash mid-write leaves these; never read them
+        for p in self.dir.glob("*.q27p"):
+            head = self._read_header(p)
+            if head is not None:
+                self.lengths[head["n_tokens"]] = self.lengths.get(head["n_tokens"], 0) + 1
+        self._writer = threading.Thread(target=self._write_loop, name="q27-prefix-writer", daemon=True)
+        self._writer.start()
+
+    # ---- reading
+    def _read_header(self, path: Path) -> dict | None:
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(8)
+                if magic != MAGIC:
+                    raise ValueError("bad magic")
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 1 << 24:
+                    raise ValueError("bad header length")
+                head = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as exc:
+            log.warning("prefix cache: ignoring %s (%s)", path.name, exc)
+            return None
+        if head.get("compat") != self.compat or head.get("version") != FORMAT_VERSION:
+            return None  # another model / format: invisible, not an error
+        return head
+
+    def lookup_length(self, prompt: list[int]) -> int:
+        """Longest stored prefix length whose entry exists for this prompt (token-verified on load)."""
+        for n in sorted(self.lengths, reverse=True):
+            if n < len(prompt) and (self.dir / f"{_key(prompt[:n])}.q27p").exists():
+                return n
+        return 0
+
+    def load_into(self, seq: LiveSequence, tokens: list[int]) -> bool:
+        path = self.dir / f"{_key(tokens)}.q27p"
+        try:
+            data = path.read_bytes()
+            if data[:8] != MAGIC:
+                raise ValueError("bad magic")
+            (n,) = struct.unpack("<Q", data[8:16])
+            head = json.loads(data[16 : 16 + n])
+            if head.get("compat") != self.compat or head.get("version") != FORMAT_VERSION:
+                raise ValueError("foreign entry")
+            payload = memoryview(data)[16 + n :]
+            if hashlib.sha256(payload).hexdigest() != head["sha256"]:
+                raise ValueError("checksum mismatch (truncated or corrupted)")
+            arrays = {}
+            for name, (dtype, shape, off, size) in head["arrays"].items():
+                arrays[name] = np.frombuffer(payload[off : off + size], dtype=dtype).reshape(shape).copy()
+            stored = arrays.pop("tokens")
+            # Never trust the key: the whole token vector must match.
+            if stored.shape[0] != len(tokens) or not np.array_equal(stored, np.asarray(tokens, dtype=np.int32)):
+                raise ValueError("token vector differs from the prompt prefix")
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            self.rejected += 1
+            log.warning("prefix cache: not using %s (%s)", path.name, exc)
+            return False
+        st = seq.state
+        pos = len(tokens)
+        for i in st.gdn:
+            st.gdn[i] = GDNState(arrays[f"gdn.{i}.recurrent"], arrays[f"gdn.{i}.conv"])
+        for i, kv in st.kv.items():
+            kv.truncate(0)
+            kv.append(arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"])
+        if st.mtp_kv is not None and "mtp.k" in arrays:
+            st.mtp_kv.truncate(0)
+            st.mtp_kv.append(arrays["mtp.k"], arrays["mtp.v"])
+        st.position = pos
+        st.extra["hidden_last"] = arrays.get("hidden_last")
+        seq.tokens = list(tokens)
+        seq.snapshots = {pos: take_snapshot(st, st.extra["hidden_last"], "disk")}
+        os.utime(path)  # LRU by mtime
+        self.hits += 1
+        return True
+
+    # ---- writing
+    def store_async(self, seq: LiveSequence, kind: str) -> None:
+        n = seq.state.position
+        if n < self.min_tokens:
+            return
+        arrays = {k: np.array(v, copy=True) for k, v in _state_arrays(seq.state, seq.state.extra.get("hidden_last")).items()}
+        arrays["tokens"] = np.asarray(seq.tokens[:n], dtype=np.int32)
+        try:
+            self._queue.put_nowait((n, arrays))
+        except queue.Full:
+            log.info("prefix cache: writer busy, skipping an entry of %d tokens", n)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until queued entries are on disk (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _write_loop(self) -> None:
+        while True:
+            n, arrays = self._queue.get()
+            try:
+                self._write(n, arrays)
+            except OSError as exc:
+                log.warning("prefix cache: write failed (%s)", exc)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, n: int, arrays: dict[str, np.ndarray]) -> None:
+        key = _key(arrays["tokens"].tolist())
+        final = self.dir / f"{key}.q27p"
+        if final.exists():
+            os.utime(final)
+            return
+        meta, blobs, off = {}, [], 0
+        for name, a in arrays.items():
+            raw = np.ascontiguousarray(a).tobytes()
+            meta[name] = (a.dtype.str, list(a.shape), off, len(raw))
+            blobs.append(raw)
+            off += len(raw)
+        payload = b"".join(blobs)
+        head = json.dumps({"version": FORMAT_VERSION, "compat": self.compat, "n_tokens": n,
+                           "sha256": hashlib.sha256(payload).hexdigest(), "arrays": meta}).encode()
+        tmp = final.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<Q", len(head)) + head + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        self.lengths[n] = self.lengths.get(n, 0) + 1
+        self._evict()
+
+    def _evict(self) -> None:
+        files = sorted(self.dir.glob("*.q27p"), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in files)
+        while files and total > self.max_bytes:
+            victim = files.pop(0)
+            total -= victim.stat().st_size
+            victim.unlink(missing_ok=True)
+            log.info("prefix cache: evicted %s", victim.name)
