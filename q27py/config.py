@@ -25,7 +25,11 @@ class SpecConfig:
     confidence_margin: float = 0.0  # stop drafting at the first draft whose top1-top2 margin is below this
     suffix: bool = True  # suffix drafter on/off
     suffix_min_match: int = 4  # shortest context-tail match that may propose
-    max_verify_width: int = 8  # lanes in one verify (pending token + drafts)
+    max_verify_width: int = 8  # lanes in one verify (pending token + drafts); at most 16, the
+    # reference path's row-independent size (wider verifies would not be bitwise plain decoding)
+    arbitration: str = "suffix_first"  # per-round drafter choice: suffix_first | agree | mtp
+    # (see engine/drafters.py DraftPlanner)
+    trace: bool = False  # record every round's drafter, drafts and accepted count in the stats
 
 
 @dataclass
@@ -58,6 +62,12 @@ class ServerConfig:
     default_thinking: bool = True
     default_max_tokens: int = 4096
     reasoning_budget: int | None = None  # force-close <think> after this many tokens
+    # Keep earlier turns' thinking in the prompt (Qwen3.6 preserve_thinking): the rendered
+    # history then stays byte-stable across turns, which prefix reuse needs.
+    preserve_thinking: bool = True
+    default_temperature: float = 0.0  # when a request sends none; 0 = greedy
+    keepalive_interval_s: float = 10.0  # ping / in_progress events while the engine is silent
+    shutdown_grace_s: float = 10.0  # in-flight requests get this long on SIGINT/SIGTERM
 
 
 @dataclass
