@@ -1,0 +1,147 @@
+"""`q27py serve`: the Anthropic Messages, OpenAI Chat/Completions and Responses APIs on one port.
+
+Flags and environment variables map into q27py.config (Q27_API_KEY, Q27_HOST,
+Q27_PORT, Q27_MODEL, ...); API keys from the env, every --api-key and the
+--api-key-file are all accepted together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from q27py.config import Q27Config, apply_env, apply_overrides
+from q27py.errors import ConfigError
+
+log = logging.getLogger("q27py.server")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="model directory (default: the bundled tiny model, or $Q27_MODEL)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8080)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require this API key (repeatable; also $Q27_API_KEY, comma-separated)")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE",
+                   help="file with one API key per line (# comments)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="where the model runs (default cpu)")
+    p.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence (prompt + output)")
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="default_thinking", action="store_true", default=None,
+                       help="think before answering unless a request says otherwise (default)")
+    think.add_argument("--no-think", dest="default_thinking", action="store_false",
+                       help="answer without a think block unless a request asks for one")
+    p.add_argument("--reasoning-budget", type=int, metavar="N",
+                   help="force-close a think block after N tokens (default: half of max_tokens)")
+    p.add_argument("--default-max-tokens", type=int, metavar="N", help="max_tokens when a request gives none")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(cfg: Q27Config) -> None:
+    if not cfg.server.api_keys and not is_loopback(cfg.server.host):
+        log.warning("binding %s without an API key: anyone who can reach this address can use the model "
+                    "(pass --api-key or --api-key-file)", cfg.server.host)
+
+
+def build_config(args: argparse.Namespace, environ=None) -> Q27Config:
+    from q27py.server.auth import load_key_file, validate_keys
+
+    cfg = apply_env(Q27Config(), environ)
+    apply_overrides(cfg.engine, {"model_dir": args.model, "device": args.device, "max_context": args.max_context})
+    keys = list(cfg.server.api_keys) + list(args.api_key or [])
+    if args.api_key_file is not None:
+        keys += load_key_file(args.api_key_file)
+    apply_overrides(cfg.server, {"host": args.host, "port": args.port, "api_keys": validate_keys(keys),
+                                 "default_thinking": args.default_thinking,
+                                 "reasoning_budget": args.reasoning_budget,
+                                 "default_max_tokens": args.default_max_tokens})
+    if cfg.server.reasoning_budget is not None and cfg.server.reasoning_budget < 1:
+        raise ConfigError("--reasoning-budget must be at least 1")
+    if not 0 <= cfg.server.port <= 65535:
+        raise ConfigError(f"--port {cfg.server.port} is not a TCP port")
+    return cfg
+
+
+def build_app(cfg: Q27Config, engine):
+    """The App around a loaded engine (anything with the Engine protocol plus tokenizer/model_name)."""
+    from q27py.server.app import App
+    from q27py.server.auth import KeyRing
+    from q27py.server.bridge import EngineBridge
+    from q27py.server.service import ChatService
+    from q27py.tokenizer import load_stop_ids
+
+    stop_ids = getattr(engine.tokenizer, "eos_ids", None) or load_stop_ids(cfg.engine.model_dir)
+    service = ChatService(EngineBridge(engine), engine.tokenizer, model_name=engine.model_name,
+                          template=engine.chat_template, stop_ids=stop_ids, config=cfg.server,
+                          ping_interval_s=cfg.server.keepalive_interval_s)
+    return App(service, KeyRing(cfg.server.api_keys))
+
+
+def limits_for(cfg: Q27Config):
+    from q27py.server.http import Limits
+
+    s = cfg.server
+    return Limits(max_body_bytes=s.max_body_bytes, header_timeout_s=s.header_timeout_s,
+                  body_timeout_s=s.body_timeout_s, shutdown_grace_s=s.shutdown_grace_s)
+
+
+async def serve_app(app, cfg: Q27Config) -> None:
+    """Serve until SIGINT/SIGTERM (a second signal stops at once)."""
+    import trio
+
+    server = app.http_server(limits_for(cfg))
+    bridge = app.service.bridge
+    bridge.start()
+    try:
+        async with trio.open_nursery() as nursery:
+            async def run_server(task_status=trio.TASK_STATUS_IGNORED):
+                await server.serve(cfg.server.host, cfg.server.port, task_status=task_status)
+                nursery.cancel_scope.cancel()
+
+            async def watch_signals():
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        if server.draining:
+                            log.warning("second signal: stopping now")
+                            nursery.cancel_scope.cancel()
+                            return
+                        log.info("%s: finishing in-flight requests, then exiting", signal.Signals(signum).name)
+                        server.shutdown()
+
+            nursery.start_soon(watch_signals)
+            port = await nursery.start(run_server)
+            auth = f"{len(app.keys)} API key(s)" if app.keys.enabled else "no API key"
+            log.info("serving %s on http://%s:%d (%s, context %d tokens, thinking %s)",
+                     app.service.model_name, cfg.server.host, port, auth, app.service.max_context,
+                     "on" if cfg.server.default_thinking else "off")
+    finally:
+        bridge.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = build_config(args)
+    warn_if_exposed(cfg)
+
+    import trio
+
+    from q27py.engine.engine import LocalEngine
+
+    engine = LocalEngine.load(cfg)
+    app = build_app(cfg, engine)
+    trio.run(serve_app, app, cfg)
+    return 0
