@@ -60,7 +60,7 @@ class ServerConfig:
     header_timeout_s: float = 30.0
     body_timeout_s: float = 120.0
     default_thinking: bool = True
-    default_max_tokens: int = 4096
+    default_max_tokens: int = 32768  # when a client sends none (Codex never does); clamped to the context left
     reasoning_budget: int | None = None  # force-close <think> after this many tokens
     # Keep earlier turns' thinking in the prompt (Qwen3.6 preserve_thinking): the rendered
     # history then stays byte-stable across turns, which prefix reuse needs.
