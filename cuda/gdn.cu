@@ -1,0 +1,78 @@
+// Gated DeltaNet recurrence, one warp per (v-head, value column j): the warp keeps column
+// j of the head's state S[:, j] (dk floats, K-last layout [HV][dv][dk]) in registers and
+// walks the lanes (tokens) in order:
+//     S = e^g S;  u = beta (v_j - S.k);  S += k u;  o_j = S.q
+// The same kernel is the decode step (write_state=1), the verify lanes (write_state=0:
+// outputs only, committed S untouched) and the commit (emit=0, write_state=1, n lanes
+// replayed from the recorded rows): one body, so a commit of n lanes gives the bits of n
+// decode steps. Reductions are xor-butterflies, which leave every lane the same sum.
+#include "common.cuh"
+
+template <int KPL>
+__device__ __forceinline__ void gdn_body(float* __restrict__ state, const float* __restrict__ qkvn,
+                                         const float* __restrict__ gb, float* __restrict__ out, int ldo, int H, int HV,
+                                         int dk, int dv, int nlanes, int emit, int write_state) {
+    const int wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (wid >= HV * dv) return;
+    const int h = wid / dv, j = wid - h * dv, kh = h / (HV / H);
+    const int C = 2 * H * dk + HV * dv;
+    float* col = state + (i64)(h * dv + j) * dk;
+    float s[KPL];
+    bool ok[KPL];
+#pragma unroll
+    for (int i = 0; i < KPL; i++) {
+        const int kk = lane * KPL + i;
+        ok[i] = kk < dk;
+        s[i] = ok[i] ? col[kk] : 0.f;
+    }
+    for (int t = 0; t < nlanes; t++) {
+        const float* row = qkvn + (i64)t * C;
+        float q[KPL], k[KPL];
+#pragma unroll
+        for (int i = 0; i < KPL; i++) {
+            const int kk = lane * KPL + i;
+            q[i] = ok[i] ? row[kh * dk + kk] : 0.f;
+            k[i] = ok[i] ? row[H * dk + kh * dk + kk] : 0.f;
+        }
+        const float v = row[2 * H * dk + h * dv + j];
+        const float g = gb[(i64)t * 2 * HV + h], beta = gb[(i64)t * 2 * HV + HV + h];
+        const float decay = expf(g);
+        float pk = 0.f;
+#pragma unroll
+        for (int i = 0; i < KPL; i++) {
+            s[i] = s[i] * decay;
+            pk = fmaf(s[i], k[i], pk);
+        }
+        const float pred = warp_sum(pk);
+        const float u = beta * (v - pred);
+        float pq = 0.f;
+#pragma unroll
+        for (int i = 0; i < KPL; i++) {
+            s[i] = fmaf(k[i], u, s[i]);
+            pq = fmaf(s[i], q[i], pq);
+        }
+        const float o = warp_sum(pq);
+        if (emit && lane == 0) out[(i64)t * ldo + h * dv + j] = o;
+    }
+    if (write_state) {
+#pragma unroll
+        for (int i = 0; i < KPL; i++)
+            if (ok[i]) col[lane * KPL + i] = s[i];
+    }
+}
+
+// grid (ceil(HV*dv/4), layers), block 128. Per-layer strides let the commit run every GDN
+// layer in one launch; n_dev (if non-null) overrides nlanes from device memory.
+#define GDN_KERNEL(NAME, KPL)                                                                                         \
+    extern "C" __global__ void NAME(float* state, i64 state_stride, const float* qkvn, i64 qkvn_stride,              \
+                                    const float* gb, i64 gb_stride, float* out, int ldo, int H, int HV, int dk, int dv, \
+                                    int nlanes, const int* n_dev, int emit, int write_state) {                        \
+        const int L = blockIdx.y;                                                                                     \
+        gdn_body<KPL>(state + L * state_stride, qkvn + L * qkvn_stride, gb + L * gb_stride, out, ldo, H, HV, dk, dv,  \
+                      n_dev ? *n_dev : nlanes, emit, write_state);                                                    \
+    }
+
+GDN_KERNEL(gdn_step_k1, 1)
+GDN_KERNEL(gdn_step_k2, 2)
+GDN_KERNEL(gdn_step_k4, 4)

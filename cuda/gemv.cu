@@ -1,0 +1,385 @@
+// Weight-streaming GEMV for 1..16 lanes (decode, MTP drafts, verify), on tensor cores.
+//
+// y[lane][row] = sum_k W[row][k] * x[lane][k] for up to 16 lanes per launch, W in one of
+// three packed formats (docs/FORMAT.md, "packed matrices"):
+//   FMT_BF16: raw bf16 weights         activations enter as bf16 hi + lo (~16 bits): fp32-grade
+//   FMT_Q8:   int8 codes, fp16 scale per (row, 128 k)   activations rounded to bf16 once
+//   FMT_Q4:   int4 codes, fp16 scale per (row, 64 k)    activations rounded to bf16 once
+// Weights are stored in mma.m16n8k16 A-fragment order, 16 rows x 64 k per "chunk", so each
+// thread's 16-byte load is exactly its fragment (no shuffles, fully coalesced 512-byte warp
+// loads). Codes dequantize to bf16 exactly (magic-number trick) and accumulate in fp32; per
+// chunk partial sums are scaled in fp32. For bf16 weights the activations are split into bf16
+// hi + lo (x = hi + lo to ~16 bits), so that path matches fp32 math to ~1e-5; for quantized
+// weights one bf16 rounding of the activations (2^-9) is far below the weight error and
+// halves the tensor-core and conversion work.
+//
+// Work split: a CTA of 8 warps owns a unit = (R=4 row tiles = 64 rows, K split); its warps
+// interleave over the unit's chunks, each streaming through its own cp.async ring, then
+// reduce through shared memory in fixed order. Long K is split over `splits` CTAs whose
+// partials the last-arriving CTA sums in fixed order (integer ticket, no float atomics): the
+// bits never depend on timing, and never on the lane count (splits depend on the matrix
+// shape only), so lane t's output is the same for every launch width.
+//
+// One launch may run up to 4 matrices that read the same x (e.g. GDN in_proj + gates):
+// descriptors live in device memory (int64 fields, below).
+#include "common.cuh"
+
+#ifndef GEMV_R
+#define GEMV_R 4  // row tiles (of 16 rows) per unit: four independent mma chains per warp
+#endif
+#define GEMV_WARPS 8
+#define FMT_BF16 0
+#define FMT_Q8 1
+#define FMT_Q4 2
+#define MODE_STORE 0
+#define MODE_ADD 1
+#define MODE_SWIGLU 2
+
+// descriptor fields (each an int64)
+#define D_W 0
+#define D_S 1
+#define D_Y 2
+#define D_WS 3
+#define D_CNT 4
+#define D_LDY 5
+#define D_NOUT 6
+#define D_KCH 7
+#define D_RT 8
+#define D_FMT 9
+#define D_MODE 10
+#define D_SPLITS 11
+#define D_RG 12
+#define D_CTA0 13  // first unit (CTA) of this matrix in the launch
+#define D_GSC 14  // chunks per scale group (informational: q4 1, q8 2, fixed in the kernels)
+#define D_NGROUPS 15
+#define D_NFIELDS 16
+
+__device__ __forceinline__ void split_bf16(float2 v, u32& hi, u32& lo) {
+    hi = pack_bf16x2(v.x, v.y);
+    lo = pack_bf16x2(v.x - bf16x2_lo(hi), v.y - bf16x2_hi(hi));
+}
+
+// int4 nibbles at bits (4p, 16+4p) -> bf16x2 (code - 8), exact
+__device__ __forceinline__ u32 q4_pair(u32 q) {
+    return fma_bf16x2((q & 0x000F000Fu) | 0x43004300u, 0x3F803F80u, 0xC308C308u);  // (128+n)*1 - 136
+}
+
+// biased int8 bytes at bits (0, 16) -> bf16x2 (byte - 128), exact
+__device__ __forceinline__ u32 q8_pair(u32 v) {
+    u32 x = (v & 0x007F007Fu) | 0x43004300u;   // 128 + low7
+    u32 c = (v & 0x00800080u) ^ 0x43804380u;   // 256 if the top bit is clear, else 128
+    return fma_bf16x2(c, 0xBF80BF80u, x);      // x - c
+}
+
+template <int FMT>
+struct FmtInfo;
+template <>
+struct FmtInfo<FMT_BF16> { enum { CB = 2048, WPC = 4 }; };  // chunk bytes, uint4 words per thread
+template <>
+struct FmtInfo<FMT_Q8> { enum { CB = 1024, WPC = 2 }; };
+template <>
+struct FmtInfo<FMT_Q4> { enum { CB = 512, WPC = 1 }; };
+
+template <int FMT>
+__device__ __forceinline__ void frag_a(const uint4 (&wv)[FmtInfo<FMT>::WPC], int s, u32& a0, u32& a1, u32& a2, u32& a3) {
+    if (FMT == FMT_BF16) {
+        const uint4 v = wv[s & (FmtInfo<FMT>::WPC - 1)];
+        a0 = v.x; a1 = v.y; a2 = v.z; a3 = v.w;
+    } else if (FMT == FMT_Q8) {
+        const uint4 v = wv[(s >> 1) & (FmtInfo<FMT>::WPC - 1)];
+        const u32 wa = (s & 1) ? v.z : v.x;
+        const u32 wb = (s & 1) ? v.w : v.y;
+        a0 = q8_pair(wa); a1 = q8_pair(wa >> 8); a2 = q8_pair(wb); a3 = q8_pair(wb >> 8);
+    } else {
+        const uint4 v = wv[0];
+        const u32 q = s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w;
+        a0 = q4_pair(q); a1 = q4_pair(q >> 4); a2 = q4_pair(q >> 8); a3 = q4_pair(q >> 12);
+    }
+}
+
+// Weights stream through a per-thread ring of shared-memory stages filled by cp.async (each
+// thread copies exactly the 16-byte fragments it will consume, so no barrier is needed, only
+// cp.async.wait_group): STAGES-1 chunks are in flight while one is computed.
+template <int FMT>
+struct Ring;
+template <>
+struct Ring<FMT_BF16> { enum { STAGES = 2 }; };
+template <>
+struct Ring<FMT_Q8> { enum { STAGES = 3 }; };
+template <>
+struct Ring<FMT_Q4> { enum { STAGES = 4 }; };
+
+template <int FMT>
+__host__ __device__ constexpr int ring_bytes() {
+    return Ring<FMT>::STAGES * GEMV_R * (FmtInfo<FMT>::WPC * 16 + 4) * GEMV_WARPS * 32;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Slot layout [stage][tile][word][thread] (uint4) then [stage][tile][thread] (scale word): a
+// warp's 32 threads touch 512 consecutive bytes, conflict-free.
+// wslot/sslot: this thread's first weight word / scale word in the stage (shared addresses).
+// wc: this chunk of tile 0 (lane offset included); tiles are tstride bytes apart in memory.
+template <int FMT>
+__device__ __forceinline__ void issue_stage(u32 wslot, u32 sslot, const u8* wc, const u32* scc, int tstride,
+                                            int sstride) {
+    typedef FmtInfo<FMT> F;
+    constexpr int T = GEMV_WARPS * 32;
+#pragma unroll
+    for (int i = 0; i < GEMV_R; i++) {
+#pragma unroll
+        for (int j = 0; j < F::WPC; j++) cp_async16(wslot + (i * F::WPC + j) * T * 16, wc + i * tstride + j * 512);
+        if (FMT != FMT_BF16) cp_async4(sslot + i * T * 4, scc + i * sstride);
+    }
+}
+
+template <int FMT>
+struct Stage {
+    uint4 wv[GEMV_R][FmtInfo<FMT>::WPC];
+    u32 sv[GEMV_R];
+};
+
+template <int FMT>
+__device__ __forceinline__ void read_stage(Stage<FMT>& st, const u8* wslot, const u8* sslot) {
+    typedef FmtInfo<FMT> F;
+    constexpr int T = GEMV_WARPS * 32;
+#pragma unroll
+    for (int i = 0; i < GEMV_R; i++) {
+#pragma unroll
+        for (int j = 0; j < F::WPC; j++) st.wv[i][j] = *reinterpret_cast<const uint4*>(wslot + (i * F::WPC + j) * T * 16);
+        if (FMT != FMT_BF16) st.sv[i] = *reinterpret_cast<const u32*>(sslot + i * T * 4);
+    }
+}
+
+template <int FMT, int NT>
+__device__ __forceinline__ void compute_stage(float (&acc)[GEMV_R][NT][4], const Stage<FMT>& st, int c,
+                                              const float* const (&xr)[NT]) {
+    // Step-outer order keeps only one k16 step of activation fragments live.
+    float p[GEMV_R][NT][4];
+#pragma unroll
+    for (int i = 0; i < GEMV_R; i++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) p[i][nt][0] = p[i][nt][1] = p[i][nt][2] = p[i][nt][3] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        u32 bh[NT][2], bl[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const float* px = xr[nt] + c * 64 + s * 16;
+            const float2 v0 = __ldg(reinterpret_cast<const float2*>(px));
+            const float2 v1 = __ldg(reinterpret_cast<const float2*>(px + 8));
+            if (FMT == FMT_BF16) {
+                split_bf16(v0, bh[nt][0], bl[nt][0]);
+                split_bf16(v1, bh[nt][1], bl[nt][1]);
+            } else {
+                bh[nt][0] = pack_bf16x2(v0.x, v0.y);
+                bh[nt][1] = pack_bf16x2(v1.x, v1.y);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < GEMV_R; i++) {
+            u32 a0, a1, a2, a3;
+            frag_a<FMT>(st.wv[i], s, a0, a1, a2, a3);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                if (FMT == FMT_BF16) {
+                    // bf16 weights carry no scale: accumulate straight into acc, activations as hi + lo
+                    float* q = acc[i][nt];
+                    mma_bf16_16816(q[0], q[1], q[2], q[3], a0, a1, a2, a3, bh[nt][0], bh[nt][1]);
+                    mma_bf16_16816(q[0], q[1], q[2], q[3], a0, a1, a2, a3, bl[nt][0], bl[nt][1]);
+                } else {
+                    float* q = p[i][nt];
+                    mma_bf16_16816(q[0], q[1], q[2], q[3], a0, a1, a2, a3, bh[nt][0], bh[nt][1]);
+                }
+            }
+        }
+    }
+    if (FMT != FMT_BF16) {
+#pragma unroll
+        for (int i = 0; i < GEMV_R; i++) {
+            const float s_lo = half_to_float((u16)(st.sv[i] & 0xffffu));  // row g
+            const float s_hi = half_to_float((u16)(st.sv[i] >> 16));      // row g + 8
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                acc[i][nt][0] = fmaf(s_lo, p[i][nt][0], acc[i][nt][0]);
+                acc[i][nt][1] = fmaf(s_lo, p[i][nt][1], acc[i][nt][1]);
+                acc[i][nt][2] = fmaf(s_hi, p[i][nt][2], acc[i][nt][2]);
+                acc[i][nt][3] = fmaf(s_hi, p[i][nt][3], acc[i][nt][3]);
+            }
+        }
+    }
+}
+
+// A warp walks its n chunks cstart, cstart+cstep, ... through the ring. Iteration k waits for
+// chunk k, copies it to registers, refills the slot read in iteration k-1 (its values are
+// consumed, so the overwrite is safe) with chunk k+STAGES-1, then computes chunk k.
+template <int FMT, int NT>
+__device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_ptr, const u8* __restrict__ w,
+                                          const u32* __restrict__ sc, int kch, int ngroups, int rg, int cstart,
+                                          int cstep, int n, const float* const (&xr)[NT], int lane) {
+    typedef FmtInfo<FMT> F;
+    constexpr int S = Ring<FMT>::STAGES;
+    constexpr int T = GEMV_WARPS * 32;
+    constexpr int STAGE_BYTES = GEMV_R * (F::WPC * 16 + 4) * T;
+    constexpr int GSH = FMT == FMT_Q8 ? 1 : 0;  // log2(chunks per scale group): q8 groups are 128 k
+    const int tid = threadIdx.x;
+    constexpr int SCALE_OFF = GEMV_R * F::WPC * T * 16;  // scale words follow the weight words in a stage
+    const u32 wring = smem_addr(ring_ptr) + tid * 16, sring = smem_addr(ring_ptr) + SCALE_OFF + tid * 4;
+    const u8* wring_rd = ring_ptr + tid * 16;
+    const u8* sring_rd = ring_ptr + SCALE_OFF + tid * 4;
+    const int tstride = kch * F::CB, sstride = ngroups * 8;
+    const u8* wb = w + (i64)rg * GEMV_R * tstride + lane * 16;
+    const u32* sb = sc + (i64)rg * GEMV_R * sstride + (lane >> 2);
+#pragma unroll
+    for (int k = 0; k < S - 1; k++) {
+        const int c = cstart + k * cstep;
+        if (k < n)
+            issue_stage<FMT>(wring + k * STAGE_BYTES, sring + k * STAGE_BYTES, wb + (i64)c * F::CB,
+                             sb + ((c >> GSH) << 3), tstride, sstride);
+        cp_async_commit();
+    }
+    int rd = 0, wr = S - 1;  // ring slots to read and to refill
+    for (int k = 0; k < n; k++) {
+        cp_async_wait<S - 2>();
+        Stage<FMT> st;
+        read_stage<FMT>(st, wring_rd + rd * STAGE_BYTES, sring_rd + rd * STAGE_BYTES);
+        const int c = cstart + k * cstep, cn = c + (S - 1) * cstep;
+        if (k + S - 1 < n)
+            issue_stage<FMT>(wring + wr * STAGE_BYTES, sring + wr * STAGE_BYTES, wb + (i64)cn * F::CB,
+                             sb + ((cn >> GSH) << 3), tstride, sstride);
+        cp_async_commit();
+        rd = rd + 1 == S ? 0 : rd + 1;
+        wr = wr + 1 == S ? 0 : wr + 1;
+        compute_stage<FMT, NT>(acc, st, c, xr);
+    }
+    cp_async_wait<0>();
+}
+
+// A CTA owns one unit = (row group of 64 rows, K split); its 8 warps interleave over the
+// unit's chunks (short per-warp streams, so even small matrices finish fast), then reduce
+// through shared memory in fixed warp order. A unit with splits > 1 writes its partial tile;
+// the CTA that arrives last for the row group (integer ticket) sums the partials in split
+// order and runs the epilogue.
+template <int FMT, int NT>
+__device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x,
+                                          int ldx, int nlanes, int lane0) {
+    extern __shared__ __align__(16) u8 dyn_smem[];
+    constexpr int COLS = NT * 8, E = GEMV_R * 16 * COLS;
+    __shared__ int s_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, tid = threadIdx.x;
+    x += (i64)lane0 * ldx;
+    const float* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xr[nt] = x + (i64)min(nt * 8 + g, nlanes - 1) * ldx + 2 * t;
+
+    const int u = blockIdx.x;
+    int m = 0;
+    for (int i = 1; i < nmat; i++)
+        if (u >= (int)desc[i * D_NFIELDS + D_CTA0]) m = i;
+    const i64* d = desc + m * D_NFIELDS;
+    const u8* w = reinterpret_cast<const u8*>(d[D_W]);
+    const u32* sc = reinterpret_cast<const u32*>(d[D_S]);
+    const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], kch = (int)d[D_KCH];
+    const int mode = (int)d[D_MODE], splits = (int)d[D_SPLITS];
+    const int ngroups = (int)d[D_NGROUPS];  // scale group: 64 k (q4) or 128 k (q8), D_GSC
+    float* y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * ldy;
+    const int local = u - (int)d[D_CTA0];
+    const int rg = local / splits, sp = local - rg * splits;
+    const int c0 = (int)((i64)sp * kch / splits), c1 = (int)((i64)(sp + 1) * kch / splits);
+    const int cs = c0 + warp;
+    const int n = cs < c1 ? (c1 - cs + GEMV_WARPS - 1) / GEMV_WARPS : 0;
+
+    float acc[GEMV_R][NT][4];
+#pragma unroll
+    for (int i = 0; i < GEMV_R; i++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
+    gemv_loop<FMT, NT>(acc, dyn_smem, w, sc, kch, ngroups, rg, cs, GEMV_WARPS, n, xr, lane);
+    __syncthreads();  // every warp is done with its ring before it becomes the reduction buffer
+
+    float(*red)[E] = reinterpret_cast<float(*)[E]>(dyn_smem);
+#pragma unroll
+    for (int i = 0; i < GEMV_R; i++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) red[warp][(i * 16 + g + 8 * (q >> 1)) * COLS + nt * 8 + 2 * t + (q & 1)] = acc[i][nt][q];
+    __syncthreads();
+    // Each element e is summed and rewritten by one thread only, so red[0] can hold the result.
+    for (int e = tid; e < E; e += blockDim.x) {
+        float v = red[0][e];
+#pragma unroll
+        for (int wi = 1; wi < GEMV_WARPS; wi++) v += red[wi][e];
+        red[0][e] = v;
+    }
+    if (splits > 1) {
+        float* ws = reinterpret_cast<float*>(d[D_WS]);
+        int* cnt = reinterpret_cast<int*>(d[D_CNT]);
+        float* mine = ws + ((i64)rg * splits + sp) * E;
+        for (int e = tid; e < E; e += blockDim.x) mine[e] = red[0][e];
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) s_last = (atomicAdd(cnt + rg, 1) == splits - 1);
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        const float* all = ws + (i64)rg * splits * E;
+        for (int e = tid; e < E; e += blockDim.x) {
+            float v = __ldcg(all + e);
+            for (int s2 = 1; s2 < splits; s2++) v += __ldcg(all + (i64)s2 * E + e);
+            red[0][e] = v;
+        }
+        if (tid == 0) cnt[rg] = 0;  // every other CTA of this row group has already counted in
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+        const int rl = e / COLS, ln = e - rl * COLS;
+        if (ln >= nlanes) continue;
+        if (mode == MODE_SWIGLU) {
+            // rows 0..7 of a tile are gate rows, 8..15 the matching up rows
+            if ((rl & 15) >= 8) continue;
+            const int o = (rg * GEMV_R + (rl >> 4)) * 8 + (rl & 7);
+            if (o >= nout) continue;
+            const float gt = red[0][e], up = red[0][e + 8 * COLS];
+            y[(i64)ln * ldy + o] = gt * sigmoid_f(gt) * up;
+        } else {
+            const int row = rg * GEMV_R * 16 + rl;
+            if (row >= nout) continue;
+            float* dst = y + (i64)ln * ldy + row;
+            if (mode == MODE_ADD)
+                *dst += red[0][e];
+            else
+                *dst = red[0][e];
+        }
+    }
+}
+
+// One kernel per (format, lane tiles): all matrices of one launch share the format.
+// 8 lanes fit 128 registers (two CTAs per SM); 16 lanes need ~190 (one CTA per SM).
+// Dynamic shared memory: max(ring_bytes<FMT>(), 8 x 64 x NT*8 x 4 reduction bytes).
+#define GEMV_KERNEL(NAME, FMT, NT, MINB)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x, int ldx,       \
+             int nlanes, int lane0) {                                                                      \
+        gemv_body<FMT, NT>(desc, nmat, units, x, ldx, nlanes, lane0);                                      \
+    }
+
+GEMV_KERNEL(gemv_q4_nt1, FMT_Q4, 1, 2)
+GEMV_KERNEL(gemv_q4_nt2, FMT_Q4, 2, 1)
+GEMV_KERNEL(gemv_q8_nt1, FMT_Q8, 1, 2)
+GEMV_KERNEL(gemv_q8_nt2, FMT_Q8, 2, 1)
+GEMV_KERNEL(gemv_bf16_nt1, FMT_BF16, 1, 1)
+GEMV_KERNEL(gemv_bf16_nt2, FMT_BF16, 2, 1)

@@ -1,0 +1,51 @@
+// Attention front end, per (lane, head): q/k RMSNorm (zero-centred weight), partial
+// rotate-half RoPE on the first rd dims at absolute position pos0 + lane, and the K/V
+// store into the cache (fp32 or bf16). q goes to a per-lane buffer for the attention kernel.
+#include "common.cuh"
+
+// grid (nlanes, nq + nkv), block = hd rounded up to 32 (<= 1024).
+// qg: lane t row = [head0 q (hd) | head0 gate (hd) | head1 q | ...]; kv: lane t row = [k (nkv*hd) | v (nkv*hd)].
+// Cache layout [nkv][max_pos][hd]. inv_freq: fp64 [rd/2] (computed on the host like the reference).
+extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qg, int ldq, const float* __restrict__ kv, int ldkv,
+                                              const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                                              float eps, int nq, int nkv, int hd, int rd,
+                                              const double* __restrict__ inv_freq, const int* __restrict__ pos0_dev,
+                                              float* __restrict__ qout, int ldqo, void* kcache, void* vcache, int kv_bf16,
+                                              int max_pos) {
+    extern __shared__ float xs[];  // hd floats
+    __shared__ float red[32];
+    const int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
+    const bool is_q = slot < nq;
+    const int kvh = slot - nq;
+    const bool live = d < hd;
+    const float x = !live ? 0.f : is_q ? qg[(i64)t * ldq + slot * 2 * hd + d] : kv[(i64)t * ldkv + kvh * hd + d];
+    const float ss = block_sum(x * x, red);
+    const float* w = is_q ? q_norm : k_norm;
+    const float xn = live ? (x / sqrtf(ss / (float)hd + eps)) * (w[d] + 1.0f) : 0.f;
+    if (live) xs[d] = xn;
+    __syncthreads();
+    if (!live) return;
+    const int pos = *pos0_dev + t;
+    float y = xn;
+    if (d < rd) {
+        const int half = rd >> 1;
+        const int jf = d < half ? d : d - half;
+        const float ang = (float)((double)pos * inv_freq[jf]);
+        const float c = cosf(ang), s = sinf(ang);
+        const float rot = d < half ? -xs[d + half] : xs[d - half];
+        y = xn * c + rot * s;
+    }
+    if (is_q) {
+        qout[(i64)t * ldqo + slot * hd + d] = y;
+    } else {
+        const i64 off = ((i64)kvh * max_pos + pos) * hd + d;
+        const float v = kv[(i64)t * ldkv + nkv * hd + kvh * hd + d];
+        if (kv_bf16) {
+            reinterpret_cast<u16*>(kcache)[off] = float_to_bf16(y);
+            reinterpret_cast<u16*>(vcache)[off] = float_to_bf16(v);
+        } else {
+            reinterpret_cast<float*>(kcache)[off] = y;
+            reinterpret_cast<float*>(vcache)[off] = v;
+        }
+    }
+}

@@ -1,0 +1,281 @@
+"""`q27py bench --random-weights 27b`: full Qwen3.6-27B shapes, seeded random weights made on
+the GPU, timings stated against the physical limits measured in the same run.
+
+Reported (each with achieved GB/s or TFLOP/s and the fraction of the measured ceiling):
+  copy bandwidth (device-to-device, read + write bytes)   -> the HBM roofline used below
+  gemv sweeps: every layer's gate/up matrix at 1, 8, 16 lanes (weights only, no L2 reuse)
+  decode t/s at context 2K and 32K (device time per step in a CUDA graph, and host loop)
+  verify round (W lanes + commit) for W = 1..16 at 2K
+  one MTP draft step
+  prefill tok/s at 2K, 8K, 32K
+  memory per sequence at the given contexts
+Byte counts per step: weights streamed (stream_bytes) + KV read (2 x ctx x kv heads x
+head_dim x 2 B per attention layer) + GDN state read and written.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from q27py.gpu import kernels as K
+from q27py.gpu.forward import FastModel
+from q27py.gpu.graphs import capture
+from q27py.gpu.runtime import Runtime
+from q27py.gpu.weights import random_weights
+from q27py.model.config import qwen36_27b_config
+
+BF16_DENSE_PEAK_TFLOPS = 790.0
+# kernel families of one forward, for the decode time breakdown
+FAMILIES = {
+    "gemv": {"GemvPlan.run"},
+    "norms": {"rmsnorm", "embed"},
+    "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gated_rmsnorm"},
+    "attention": {"qk_norm_rope_store", "attention"},
+    "argmax": {"top2"},
+}  # the box's measured cuBLAS-class bf16 GEMM (KINDS.md); spec dense ~990
+
+
+def _time_graph(graph, stream, reps: int) -> float:
+    """Median milliseconds per replay over `reps` replays, timed in 3 batches with CUDA events."""
+    cp = Runtime.get().cp
+    for _ in range(3):  # warm-up: clocks up, caches and TLBs settled
+        graph.launch(stream)
+    stream.synchronize()
+    batches = []
+    per = max(1, reps // 3)
+    for _ in range(3):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(stream)
+        for _ in range(per):
+            graph.launch(stream)
+        e1.record(stream)
+        e1.synchronize()
+        batches.append(cp.cuda.get_elapsed_time(e0, e1) / per)
+    return float(np.median(batches))
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> dict:
+    """Device-to-device copy (read + write bytes counted) and a streaming-read probe (cuda/probe.cu)."""
+    rt = Runtime.get()
+    cp = rt.cp
+    src = cp.empty(nbytes // 4, dtype=cp.float32)
+    K.fill_uniform(src, 1, -1.0, 1.0)
+    dst = cp.empty_like(src)
+    sink = cp.zeros(1, dtype=cp.uint32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        g = capture(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3, stream.ptr), stream)
+        ms = _time_graph(g, stream, 30)
+        n16 = nbytes // 16
+        gr = capture(lambda: rt.launch("probe", "read_bw", rt.sm_count * 8, 256, (src, np.int64(n16), sink)), stream)
+        ms_read = _time_graph(gr, stream, 30)
+    return {"bytes_moved": 2 * nbytes, "ms": ms, "GBps": 2 * nbytes / ms / 1e6,
+            "read_bytes": nbytes, "read_ms": ms_read, "read_GBps": nbytes / ms_read / 1e6}
+
+
+def fmt_ms(d: dict) -> str:
+    return " ".join(f"{k} {v:.3f}" for k, v in d.items())
+
+
+class Bench:
+    def __init__(self, tier: str = "q4s", seed: int = 0, max_context: int = 32768 + 64, chunk: int = 1024, log=print):
+        self.rt = Runtime.get()
+        self.cp = self.rt.cp
+        self.log = log
+        self.cfg = qwen36_27b_config()
+        t0 = time.perf_counter()
+        self.weights = random_weights(self.cfg, tier, seed)
+        self.build_s = time.perf_counter() - t0
+        self.model = FastModel(self.weights, max_context=max_context, kv_dtype="bf16", chunk=chunk)
+        self.stream = self.model.stream
+        self.state = self.model.new_state()
+        self._randomize_state(self.state, seed)
+        self.result: dict = {"tier": tier, "device": self.rt.describe(), "weights_build_s": self.build_s,
+                             "stream_bytes": self.weights.stream_bytes(), "mtp_step_weight_bytes": self.weights.mtp_step_bytes(),
+                             "total_weight_bytes": self.weights.total_bytes()}
+
+    def _randomize_state(self, st, seed: int) -> None:
+        rt = self.rt
+        for arr in (st.k, st.v, st.mtp_k, st.mtp_v):
+            if arr is None:
+                continue
+            rt.launch("quant", "fill_random_bf16", min(-(-arr.size // 256), 65535), 256,
+                      (arr, np.int64(arr.size), np.uint64(seed + 17), np.float32(-1.0), np.float32(1.0)))
+        K.fill_uniform(st.gdn, seed + 19, -0.05, 0.05)
+        K.fill_uniform(st.window, seed + 23, -1.0, 1.0)
+        self.cp.cuda.get_current_stream().synchronize()
+
+    # ---------------------------------------------------------------- pieces
+    def kv_bytes(self, ctx: int) -> int:
+        c = self.cfg
+        return 2 * ctx * c.num_key_value_heads * c.head_dim * 2 * len(c.full_layers)
+
+    def gdn_bytes(self) -> int:
+        c = self.cfg
+        return 2 * 4 * len(c.linear_layers) * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+
+    def _set(self, st, pos: int, ids) -> None:
+        m = self.model
+        with self.stream:
+            m.ids[: len(ids)].set(np.asarray(ids, np.int32), stream=self.stream)
+            st.ctl.set(np.array([pos, pos, 1, 0], np.int32), stream=self.stream)
+        self.stream.synchronize()
+
+    def gemv_sweep(self, lanes=(1, 8, 16)) -> list[dict]:
+        m = self.model
+        out = []
+        plans = [p["up"] for p in m.layer_plans]
+        nbytes = sum(p.nbytes for p in plans)
+        for n in lanes:
+            with self.stream:
+                g = capture(lambda: [p.run(m.x, m.hp, n) for p in plans], self.stream)
+            ms = _time_graph(g, self.stream, 30)
+            out.append({"lanes": n, "matrices": len(plans), "bytes": nbytes, "ms": ms, "GBps": nbytes / ms / 1e6})
+            self.log(f"  gemv gate_up x{len(plans)} lanes={n:2d}: {ms:.3f} ms  {nbytes / ms / 1e6:.0f} GB/s")
+        return out
+
+    def decode(self, ctx: int, steps: int = 30) -> dict:
+        m, st = self.model, self.state
+        self._set(st, ctx - 1, [7])
+        st.position = ctx - 1
+        with self.stream:
+            g = capture(lambda: m.enqueue_main(st, 1, False, np.array([0])), self.stream)
+        # each replay writes the same position: fine for timing, the work per step is the same
+        ms = _time_graph(g, self.stream, steps)
+        nbytes = self.weights.stream_bytes() + self.kv_bytes(ctx) + self.gdn_bytes()
+        # host loop: ids/pos upload, graph launch, token download, per token
+        t0 = time.perf_counter()
+        n_host = 10
+        for i in range(n_host):
+            with self.stream:
+                m.ids[:1].set(np.array([7 + i], np.int32), stream=self.stream)
+                g.launch(self.stream)
+                m.tok[:1].get(stream=self.stream)
+        host_ms = (time.perf_counter() - t0) / n_host * 1e3
+        # where the time goes: the same step with only one kernel family left in
+        breakdown = {fam: self._time_only(keep, lambda: m.enqueue_main(st, 1, False, np.array([0])), 12)
+                     for fam, keep in FAMILIES.items()}
+        non_gemv = sum(v for k, v in breakdown.items() if k != "gemv")
+        return {"context": ctx, "ms_per_token_device": ms, "tokens_per_s": 1e3 / ms, "ms_per_token_host_loop": host_ms,
+                "ms_without_gemv": non_gemv, "breakdown_ms": breakdown, "bytes_per_step": nbytes,
+                "GBps": nbytes / ms / 1e6}
+
+    def _time_only(self, keep: set, enqueue, reps: int) -> float:
+        """Graph time of `enqueue` with every kernel family outside `keep` turned into a no-op."""
+        saved = {}
+        for fam, names in FAMILIES.items():
+            if names is keep:
+                continue
+            for name in names:
+                obj, attr = (K.GemvPlan, "run") if name == "GemvPlan.run" else (K, name)
+                saved[(obj, attr)] = getattr(obj, attr)
+                setattr(obj, attr, lambda *a, **k: None)
+        try:
+            with self.stream:
+                g = capture(enqueue, self.stream)
+            return _time_graph(g, self.stream, reps)
+        finally:
+            for (obj, attr), fn in saved.items():
+                setattr(obj, attr, fn)
+
+    def verify(self, ctx: int = 2048, widths=range(1, 17)) -> list[dict]:
+        m, st = self.model, self.state
+        out = []
+        for w in widths:
+            self._set(st, ctx - 1, list(range(5, 5 + w)))
+
+            def round_():
+                m.enqueue_main(st, w, True, np.arange(w))
+                m.enqueue_commit(st)
+
+            with self.stream:
+                g = capture(round_, self.stream)
+            ms = _time_graph(g, self.stream, 15)
+            nbytes = self.weights.stream_bytes() + self.kv_bytes(ctx) + 2 * self.gdn_bytes()
+            out.append({"width": w, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6})
+            self.log(f"  verify W={w:2d}: {ms:.3f} ms")
+        return out
+
+    def mtp_step(self, ctx: int = 2048) -> dict:
+        m, st = self.model, self.state
+        self._set(st, ctx - 1, [5])
+        with self.stream:
+            m.mtp_ids[:1].set(np.array([9], np.int32), stream=self.stream)
+            g = capture(lambda: m.enqueue_mtp(st, 1), self.stream)
+        ms = _time_graph(g, self.stream, 30)
+        nbytes = self.weights.mtp_step_bytes() + self.kv_bytes(ctx) // len(self.cfg.full_layers)
+        return {"context": ctx, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6}
+
+    def prefill(self, n: int) -> dict:
+        m = self.model
+        st = m.new_state()
+        ids = np.random.default_rng(n).integers(0, self.cfg.vocab_size, n)
+        m.forward(st, ids[: m.chunk], logits_rows="last")  # warm (compiles, first launches)
+        st.reset()
+        self.stream.synchronize()
+        t0 = time.perf_counter()
+        m.forward(st, ids, logits_rows="last")
+        self.stream.synchronize()
+        s = time.perf_counter() - t0
+        flops = 2.0 * (self.weights_params()) * n
+        del st
+        return {"tokens": n, "seconds": s, "tokens_per_s": n / s, "weight_TFLOPs": flops / s / 1e12}
+
+    def weights_params(self) -> int:
+        c = self.cfg
+        h, i = c.hidden_size, c.intermediate_size
+        per_mlp = 3 * h * i
+        gdn = h * (c.gdn_conv_dim + c.linear_num_value_heads * c.linear_value_head_dim + 2 * c.linear_num_value_heads) + \
+            c.linear_num_value_heads * c.linear_value_head_dim * h
+        att = h * (2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim) + \
+            c.num_attention_heads * c.head_dim * h
+        return per_mlp * c.num_hidden_layers + gdn * len(c.linear_layers) + att * len(c.full_layers)
+
+    def run(self, decode_ctx=(2048, 32768), prefill_lens=(2048, 8192, 32768), mem_ctx=(2048, 32768, 131072)) -> dict:
+        r = self.result
+        log = self.log
+        r["copy"] = copy_bandwidth()
+        bw = r["copy"]["GBps"]
+        log(f"copy bandwidth: {bw:.0f} GB/s (read+write); streaming read {r['copy']['read_GBps']:.0f} GB/s")
+        log(f"weights: {r['stream_bytes'] / 1e9:.2f} GB streamed per step, built in {self.build_s:.1f} s")
+        r["gemv"] = self.gemv_sweep()
+        r["decode"] = []
+        for ctx in decode_ctx:
+            d = self.decode(ctx)
+            d["fraction_of_copy_bw"] = d["GBps"] / bw
+            d["fraction_of_read_bw"] = d["GBps"] / r["copy"]["read_GBps"]
+            r["decode"].append(d)
+            log(f"decode ctx={ctx}: {d['tokens_per_s']:.1f} t/s ({d['ms_per_token_device']:.3f} ms device, "
+                f"{d['ms_per_token_host_loop']:.3f} ms host loop; by family {fmt_ms(d['breakdown_ms'])}), "
+                f"{d['GBps']:.0f} GB/s = {d['fraction_of_copy_bw']:.1%} of copy, {d['fraction_of_read_bw']:.1%} of read")
+        r["verify"] = self.verify()
+        w1 = r["verify"][0]["ms"]
+        for v in r["verify"]:
+            v["vs_w1"] = v["ms"] / w1
+        r["mtp"] = self.mtp_step()
+        r["mtp"]["vs_w1_round"] = r["mtp"]["ms"] / w1
+        log(f"MTP draft step: {r['mtp']['ms']:.3f} ms = {r['mtp']['vs_w1_round']:.2f} x W=1 round")
+        r["prefill"] = []
+        for n in prefill_lens:
+            p = self.prefill(n)
+            p["fraction_of_bf16_peak"] = p["weight_TFLOPs"] / BF16_DENSE_PEAK_TFLOPS
+            r["prefill"].append(p)
+            log(f"prefill {n}: {p['tokens_per_s']:.0f} tok/s ({p['weight_TFLOPs']:.1f} TFLOP/s weights)")
+        r["memory_per_sequence"] = {str(c): self.model.memory_per_sequence(c) for c in mem_ctx}
+        r["state_bytes_allocated"] = self.state.nbytes()
+        r["bars"] = self.bars()
+        return r
+
+    def bars(self) -> dict:
+        r = self.result
+        d2k = next(d for d in r["decode"] if d["context"] == 2048)
+        w = {v["width"]: v["ms"] for v in r["verify"]}
+        p8 = next((p for p in r.get("prefill", []) if p["tokens"] == 8192), None)
+        return {
+            "decode_2k_fraction_of_roofline": d2k["fraction_of_read_bw"], "decode_bar": 0.80,
+            "verify_w8_over_w1": w[8] / w[1], "verify_bar": 1.25,
+            "mtp_over_w1": r["mtp"]["vs_w1_round"], "mtp_bar": 0.30,
+            "prefill_8k_tok_s": p8["tokens_per_s"] if p8 else None, "prefill_bar": 8000,
+        }

@@ -1,0 +1,522 @@
+"""The fast forward pass: the reference model's interface, built from the kernels in cuda/.
+
+`FastModel` mirrors `q27py.model.reference.ReferenceModel`: new_state(), forward(state,
+ids, logits_rows, verify) -> output with .logits (numpy) and .hidden, commit(state, trace,
+n), mtp_forward(kv, hidden, next_ids, start). Its numerics follow the reference within the
+tolerances stated in tests/gpu (fp32 activations and state; weights as the tier stores
+them; the GEMV splits activations into bf16 hi+lo so products keep ~16 bits).
+
+How one forward of T tokens ("lanes") runs (all enqueued on one stream, no host sync):
+  embed -> per layer: RMSNorm, [GDN | attention], residual add fused into the output GEMV,
+  RMSNorm, SwiGLU fused into the gate/up GEMV, down GEMV (+residual) -> final norm ->
+  lm_head rows -> argmax with top1-top2 margin.
+GEMVs stream the weights once per block of up to 16 lanes. Everything else runs all T lanes
+in one launch.
+
+Speculative verify (verify=True) never writes committed state: GDN lanes read the committed
+S and conv window and only emit outputs; their inputs stay recorded per layer (raw
+in_proj rows, normalized q/k/v, g/beta) until `commit(n)` replays the first n of them with
+the same kernel body -- so commit(n) leaves the bits of n decode steps. Attention writes
+K/V rows past the committed position; rows past the accepted point are overwritten later.
+
+Per-lane results never depend on how many lanes run together (GEMV split-K and attention
+splits are chosen from shapes and pos0 only), so greedy output is width-invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from q27py.gpu import kernels as K
+from q27py.gpu import layout as L
+from q27py.gpu.runtime import Runtime, ptr
+from q27py.gpu.weights import LayerW, ModelWeights
+from q27py.model.config import FULL, ModelConfig
+
+VERIFY_SPAN = 16  # lane capacity the attention split size is derived from (>= any verify width)
+
+
+@dataclass
+class FastTrace:
+    """Handle of a verify forward: its records live in the model's scratch until commit."""
+
+    n_tokens: int
+    serial: int
+    state_id: int
+
+
+class FastOutput:
+    """logits: numpy [R, V] for the requested rows; hidden: post-norm [T, H] (host copy on first use)."""
+
+    def __init__(self, model: "FastModel", t: int, rows: np.ndarray, trace: FastTrace | None):
+        self._model = model
+        self._t = t
+        self.rows = rows
+        self.trace = trace
+        self.logits = model._fetch_logits(rows)
+        self._hidden = None
+
+    @property
+    def hidden(self) -> np.ndarray:
+        if self._hidden is None:
+            m = self._model
+            self._hidden = m.hidden[: self._t, : m.cfg.hidden_size].get()
+        return self._hidden
+
+    @property
+    def hidden_device(self):
+        return self._model.hidden[: self._t]
+
+
+class MtpKV:
+    """Host-side row count of a state's MTP KV cache (the device rows live in the state).
+
+    Same surface as the reference KVCache the drafters use: `length` and `truncate(n)`.
+    """
+
+    def __init__(self, state: "FastState"):
+        self.state = state
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        assert 0 <= length <= self.length
+        self.length = length
+
+
+class FastState:
+    """Per-sequence device state: KV caches, GDN recurrent state, conv windows, MTP KV, position."""
+
+    _next_id = 0
+
+    def __init__(self, model: "FastModel"):
+        cp = Runtime.get().cp
+        cfg = model.cfg
+        FastState._next_id += 1
+        self.id = FastState._next_id
+        self.model = model
+        self.position = 0
+        self.mtp_position = 0
+        kv_dtype = cp.uint16 if model.kv_bf16 else cp.float32
+        n_attn = len(cfg.full_layers)
+        kv_shape = (max(n_attn, 1), cfg.num_key_value_heads, model.max_pos, cfg.head_dim)
+        self.k = cp.zeros(kv_shape, dtype=kv_dtype)
+        self.v = cp.zeros(kv_shape, dtype=kv_dtype)
+        mtp_shape = (cfg.num_key_value_heads, model.max_pos, cfg.head_dim)
+        self.mtp_k = cp.zeros(mtp_shape, dtype=kv_dtype) if model.has_mtp else None
+        self.mtp_v = cp.zeros(mtp_shape, dtype=kv_dtype) if model.has_mtp else None
+        ng = max(len(cfg.linear_layers), 1)
+        self.gdn = cp.zeros((ng, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim),
+                            dtype=cp.float32)
+        self.window = cp.zeros((ng, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim), dtype=cp.float32)
+        # ctl[0] = main pos0, ctl[1] = MTP pos0, ctl[2] = accepted count for commit
+        self.ctl = cp.zeros(4, dtype=cp.int32)
+        self.mtp_kv = MtpKV(self) if model.has_mtp else None
+        self.extra: dict = {}  # engine-side per-sequence notes (as on the reference state)
+
+    def reset(self) -> None:
+        self.position = 0
+        self.mtp_position = 0
+        if self.mtp_kv is not None:
+            self.mtp_kv.length = 0
+        self.extra.clear()
+        self.gdn.fill(0)
+        self.window.fill(0)
+
+    def gdn_state_reference_layout(self) -> dict[int, np.ndarray]:
+        """GDN recurrent states as the reference stores them: layer -> [HV, dk, dv]."""
+        g = self.gdn.get()
+        return {li: g[j].transpose(0, 2, 1).copy() for j, li in enumerate(self.model.cfg.linear_layers)}
+
+    def nbytes(self) -> int:
+        n = self.k.nbytes + self.v.nbytes + self.gdn.nbytes + self.window.nbytes
+        if self.mtp_k is not None:
+            n += self.mtp_k.nbytes + self.mtp_v.nbytes
+        return int(n)
+
+
+class FastModel:
+    def __init__(self, weights: ModelWeights, max_context: int = 4096, kv_dtype: str = "bf16", chunk: int = 64):
+        rt = Runtime.get()
+        cp = rt.cp
+        self.rt = rt
+        self.w = weights
+        self.cfg: ModelConfig = weights.cfg
+        cfg = self.cfg
+        check_supported(cfg)
+        self.has_mtp = weights.mtp is not None
+        self.kv_bf16 = kv_dtype == "bf16"
+        self.max_pos = int(max_context)
+        self.chunk = max(VERIFY_SPAN, int(chunk))  # lanes per forward launch (prefill chunk)
+        T = self.chunk
+        h = cfg.hidden_size
+        self.hp = L.round_up(h, 64)
+        self.ws = K.Workspace()
+        z = lambda *shape: cp.zeros(shape, dtype=cp.float32)  # noqa: E731  (pads stay zero forever)
+        self.h = z(T, self.hp)
+        self.x = z(T, self.hp)
+        self.hidden = z(T, self.hp)
+        self.ids = cp.zeros(T, dtype=cp.int32)
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        c = cfg.gdn_conv_dim
+        self.ld_proj = L.round_up(c + hv * dv, 4)
+        ng = max(len(cfg.linear_layers), 1)
+        # GDN records, per layer (they outlive the forward until commit)
+        self.proj = z(ng, T, self.ld_proj)
+        self.qkvn = z(ng, T, c)
+        self.gb = z(ng, T, 2 * hv)
+        self.ab = z(T, 2 * hv)
+        self.o_gdn = z(T, hv * dv)
+        self.ld_xo = L.round_up(hv * dv, 64)
+        self.xo = z(T, self.ld_xo)
+        # attention
+        self.ld_qg = 2 * nq * hd
+        self.qg = z(T, self.ld_qg)
+        self.kvp = z(T, 2 * nkv * hd)
+        self.qbuf = z(T, nq * hd)
+        self.ld_xa = L.round_up(nq * hd, 64)
+        self.xa = z(T, self.ld_xa)
+        self.part = cp.zeros(K.attention_partials_floats(T, nq, hd), dtype=cp.float32)
+        rd = cfg.rotary_dim
+        inv = 1.0 / (cfg.rope_theta ** (np.arange(0, rd, 2, dtype=np.float64) / rd))
+        self.inv_freq = cp.asarray(inv)
+        # MLP
+        self.ld_act = L.round_up(cfg.intermediate_size, 64)
+        self.act = z(T, self.ld_act)
+        # logits + argmax
+        self.vocab = cfg.vocab_size
+        self.logits = z(T, self.vocab)
+        self.top2_part = cp.zeros((T, K.TOP2_BLOCKS, 2), dtype=cp.uint64)
+        self.tok = cp.zeros(T, dtype=cp.int32)
+        self.top1 = z(T)
+        self.margin = z(T)
+        # MTP
+        self.ld_cat = L.round_up(2 * h, 64)
+        self.cat = z(T, self.ld_cat)
+        self.mtp_hidden_in = z(T, self.hp)
+        self.mtp_out = z(T, self.hp)
+        self.mtp_ids = cp.zeros(T, dtype=cp.int32)
+        self._plans()
+        self._serial = 0
+        self._pending: FastTrace | None = None
+        self.graphs = None  # q27py.gpu.graphs.GraphCache, attached by enable_graphs()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+    # ------------------------------------------------------------------ GEMV plans
+    def _plans(self) -> None:
+        ws = self.ws
+        self.layer_plans = []
+        gi = 0
+        for lw in self.w.layers:
+            self.layer_plans.append(self._layer_plan(lw, gi))
+            if lw.kind != FULL:
+                gi += 1
+        self.lm_plan = K.GemvPlan([self.w.lm_head], [(self.logits, self.vocab)], ws)
+        if self.has_mtp:
+            m = self.w.mtp
+            self.mtp_fc_plan = K.GemvPlan([m.fc], [(self.h, self.hp)], ws)
+            self.mtp_layer_plan = self._layer_plan(m.layer, None)
+
+    def _layer_plan(self, lw: LayerW, gi: int | None) -> dict:
+        ws = self.ws
+        p = {
+            "up": K.GemvPlan([lw.gate_up], [(self.act, self.ld_act)], ws),
+            "down": K.GemvPlan([lw.down], [(self.h, self.hp)], ws),
+        }
+        if lw.kind == FULL:
+            a = lw.attn
+            p["in"] = K.GemvPlan([a.q, a.kv], [(self.qg, self.ld_qg), (self.kvp, self.kvp.shape[1])], ws)
+            p["out"] = K.GemvPlan([a.o], [(self.h, self.hp)], ws)
+        else:
+            g = lw.gdn
+            p["in"] = K.GemvPlan([g.qkvz, g.ab], [(self.proj[gi], self.ld_proj), (self.ab, self.ab.shape[1])], ws)
+            p["out"] = K.GemvPlan([g.out], [(self.h, self.hp)], ws)
+            p["gi"] = gi
+        return p
+
+    # ------------------------------------------------------------------ public interface
+    def new_state(self) -> FastState:
+        return FastState(self)
+
+    def forward(self, state: FastState, ids, logits_rows="all", verify: bool = False) -> FastOutput:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        t = int(ids.shape[0])
+        if t == 0:
+            raise ValueError("forward needs at least one token")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
+        if state.position + t > self.max_pos:
+            raise ValueError(f"context overflow: {state.position + t} > {self.max_pos} positions")
+        if verify and t > VERIFY_SPAN:
+            raise ValueError(f"verify width {t} > {VERIFY_SPAN}")
+        rows = _select_rows(t, logits_rows)
+        self._pending = None
+        with self.stream:
+            if t > self.chunk:
+                # prefill in chunks; only the last chunk's rows can be returned
+                done = 0
+                while t - done > self.chunk:
+                    self._run_main(state, ids[done : done + self.chunk], verify=False, rows=np.zeros(0, np.int64))
+                    done += self.chunk
+                rest = rows - done
+                if rest.size and rest.min() < 0:
+                    raise ValueError("logits rows before the last prefill chunk are not kept")
+                self._run_main(state, ids[done:], verify=False, rows=rest)
+                out = FastOutput(self, t - done, rest, None)
+            else:
+                self._run_main(state, ids, verify=verify, rows=rows)
+                trace = None
+                if verify:
+                    self._serial += 1
+                    trace = FastTrace(t, self._serial, state.id)
+                    self._pending = trace
+                out = FastOutput(self, t, rows, trace)
+        return out
+
+    def commit(self, state: FastState, trace: FastTrace, n: int) -> None:
+        """Keep the first n lanes of the last verify: state becomes that of n plain steps."""
+        if self._pending is None or trace.serial != self._pending.serial or trace.state_id != state.id:
+            raise RuntimeError("commit must follow its verify forward, with no forward in between")
+        if not 1 <= n <= trace.n_tokens:
+            raise ValueError(f"commit n={n} outside 1..{trace.n_tokens}")
+        with self.stream:
+            state.ctl[2:3].set(np.array([n], dtype=np.int32), stream=self.stream)
+            if self.graphs is not None:
+                self.graphs.run(state, ("commit",), lambda: self.enqueue_commit(state))
+            else:
+                self.enqueue_commit(state)
+        state.position += n
+        self._pending = None
+
+    def mtp_forward(self, kv: MtpKV, hidden, next_ids, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """One MTP pass over rows at positions start.. (writes their MTP KV rows); host arrays out.
+
+        kv is state.mtp_kv (as on the reference path): rows past `start` are dropped first.
+        """
+        if not self.has_mtp:
+            raise RuntimeError("this model has no MTP head")
+        state = kv.state
+        if start > kv.length:
+            raise ValueError(f"MTP rows must be contiguous: start {start} > {kv.length} rows")
+        kv.truncate(start)
+        cp = self.rt.cp
+        next_ids = np.asarray(next_ids, dtype=np.int64).reshape(-1)
+        t = int(next_ids.shape[0])
+        hid = hidden if isinstance(hidden, cp.ndarray) else cp.asarray(np.asarray(hidden, dtype=np.float32))
+        logits_out, hm_out = [], []
+        h = self.cfg.hidden_size
+        with self.stream:
+            for s0 in range(0, t, self.chunk):
+                n = min(self.chunk, t - s0)
+                self.mtp_ids[:n].set(next_ids[s0 : s0 + n].astype(np.int32), stream=self.stream)
+                self.mtp_hidden_in[:n, :h] = hid[s0 : s0 + n, :h]
+                state.ctl[1:2].set(np.array([start + s0], dtype=np.int32), stream=self.stream)
+                if self.graphs is not None and n <= VERIFY_SPAN:
+                    self.graphs.run(state, ("mtp", n), lambda: self.enqueue_mtp(state, n))
+                else:
+                    self.enqueue_mtp(state, n)
+                logits_out.append(self.logits[:n].get(stream=self.stream))
+                hm_out.append(self.mtp_out[:n, :h].get(stream=self.stream))
+        state.mtp_position = start + t
+        kv.length = start + t
+        return np.concatenate(logits_out), np.concatenate(hm_out)
+
+    # ------------------------------------------------------------------ device-side steps
+    def _run_main(self, state: FastState, ids: np.ndarray, verify: bool, rows: np.ndarray) -> None:
+        t = int(ids.shape[0])
+        self.ids[:t].set(ids.astype(np.int32), stream=self.stream)
+        state.ctl[0:1].set(np.array([state.position], dtype=np.int32), stream=self.stream)
+        key = ("main", t, verify, tuple(int(r) for r in rows))
+        if self.graphs is not None and t <= VERIFY_SPAN:
+            self.graphs.run(state, key, lambda: self.enqueue_main(state, t, verify, rows))
+        else:
+            self.enqueue_main(state, t, verify, rows)
+        if not verify:
+            state.position += t
+
+    def enqueue_main(self, state: FastState, t: int, verify: bool, rows) -> None:
+        """The whole forward for t lanes already in self.ids, at pos0 = state.ctl[0]."""
+        cfg = self.cfg
+        h, hp = cfg.hidden_size, self.hp
+        eps = cfg.rms_norm_eps
+        K.embed(self.ids, t, self.w.embed, h, self.h, hp)
+        ai = 0
+        for li, lw in enumerate(self.w.layers):
+            plan = self.layer_plans[li]
+            K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
+            if lw.kind == FULL:
+                self._attention(state, lw, plan, t, state.k[ai], state.v[ai], ptr(state.ctl), max(VERIFY_SPAN, t))
+                ai += 1
+            else:
+                self._gdn(state, lw, plan, t, commit=not verify)
+            self._mlp(lw, plan, t)
+        K.rmsnorm(self.h, hp, self.w.final_norm, eps, h, self.hidden, hp, t)
+        self._logits_rows(self.hidden, rows)
+
+    def enqueue_commit(self, state: FastState) -> None:
+        """Slide every GDN layer's conv window and replay its state by n = state.ctl[2] recorded lanes."""
+        cfg = self.cfg
+        ng = len(cfg.linear_layers)
+        if ng == 0:
+            return
+        c, kw = cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim
+        n_dev = ptr(state.ctl, 8)
+        K.gdn_conv_commit(state.window, state.window[0].size, self.proj, self.ld_proj, self.proj[0].size, c, kw, ng,
+                          n_dev=n_dev)
+        K.gdn_step(state.gdn, state.gdn[0].size, self.qkvn, self.qkvn[0].size, self.gb, self.gb[0].size, None, 0,
+                   cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                   cfg.linear_value_head_dim, VERIFY_SPAN, layers=ng, n_dev=n_dev, emit=False, write_state=True)
+
+    def enqueue_mtp(self, state: FastState, t: int, rows="all") -> None:
+        """MTP layer for t lanes: ids in self.mtp_ids, hidden in self.mtp_hidden_in, pos0 = state.ctl[1]."""
+        cfg = self.cfg
+        m = self.w.mtp
+        h, hp = cfg.hidden_size, self.hp
+        eps = cfg.rms_norm_eps
+        K.embed(self.mtp_ids, t, self.w.embed, h, self.x, hp)
+        K.rmsnorm(self.x, hp, m.pre_e, eps, h, self.cat, self.ld_cat, t)
+        K.rmsnorm(self.mtp_hidden_in, hp, m.pre_h, eps, h, self.cat[:, h:], self.ld_cat, t)
+        self.mtp_fc_plan.run(self.cat, self.ld_cat, t)
+        lw = m.layer
+        plan = self.mtp_layer_plan
+        K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
+        self._attention(state, lw, plan, t, state.mtp_k, state.mtp_v, ptr(state.ctl, 4), max(VERIFY_SPAN, t))
+        self._mlp(lw, plan, t)
+        K.rmsnorm(self.h, hp, m.norm, eps, h, self.mtp_out, hp, t)
+        self._logits_rows(self.mtp_out, _select_rows(t, rows))
+
+    # ------------------------------------------------------------------ blocks
+    def _gdn(self, state: FastState, lw: LayerW, plan: dict, t: int, commit: bool) -> None:
+        cfg = self.cfg
+        g = lw.gdn
+        gi = plan["gi"]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, kw, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim
+        plan["in"].run(self.x, self.hp, t)
+        raw = self.proj[gi]
+        K.gdn_conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv,
+                   dk, dv, kw, self.qkvn[gi], self.gb[gi], t)
+        if commit:
+            K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
+        K.gdn_step(state.gdn[gi], 0, self.qkvn[gi], 0, self.gb[gi], 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
+                   emit=True, write_state=commit)
+        K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv, self.xo,
+                        self.ld_xo)
+        plan["out"].run(self.xo, self.ld_xo, t)
+
+    def _attention(self, state, lw: LayerW, plan: dict, t: int, kc, vc, pos0_dev, span: int) -> None:
+        cfg = self.cfg
+        a = lw.attn
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        plan["in"].run(self.x, self.hp, t)
+        K.qk_norm_rope_store(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm, cfg.rms_norm_eps, nq,
+                             nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf, nq * hd, kc, vc, self.kv_bf16,
+                             self.max_pos, t)
+        K.attention(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, span, self.part,
+                    self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+        plan["out"].run(self.xa, self.ld_xa, t)
+
+    def _mlp(self, lw: LayerW, plan: dict, t: int) -> None:
+        cfg = self.cfg
+        K.rmsnorm(self.h, self.hp, lw.post_ln, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp, t)
+        plan["up"].run(self.x, self.hp, t)
+        plan["down"].run(self.act, self.ld_act, t)
+
+    def _logits_rows(self, src, rows: np.ndarray) -> None:
+        """lm_head + argmax for the given lanes (contiguous runs become one GEMV each)."""
+        for r0, n in _runs(rows):
+            self.lm_plan.run(src, self.hp, n, lane0=r0)
+            K.top2(self.logits[r0:], self.vocab, self.vocab, n, self.top2_part, self.tok[r0:], self.top1[r0:],
+                   self.margin[r0:])
+
+    def _fetch_logits(self, rows: np.ndarray) -> np.ndarray:
+        if rows.size == 0:
+            return np.zeros((0, self.vocab), dtype=np.float32)
+        lo, hi = int(rows.min()), int(rows.max())
+        block = self.logits[lo : hi + 1].get(stream=self.stream)
+        return block[rows - lo]
+
+    def argmax_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, top1-top2 margins) of the first n logits rows computed by the last step."""
+        self.stream.synchronize()
+        return self.tok[:n].get(), self.margin[:n].get()
+
+    # ------------------------------------------------------------------ graphs
+    def enable_graphs(self) -> None:
+        from q27py.gpu.graphs import GraphCache
+
+        self.graphs = GraphCache(self)
+
+    def memory_per_sequence(self, context: int) -> int:
+        cfg = self.cfg
+        kv_bytes = 2 if self.kv_bf16 else 4
+        per_tok = 2 * cfg.num_key_value_heads * cfg.head_dim * kv_bytes * (len(cfg.full_layers) + (1 if self.has_mtp else 0))
+        fixed = 4 * len(cfg.linear_layers) * (
+            cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+            + (cfg.linear_conv_kernel_dim - 1) * cfg.gdn_conv_dim)
+        return per_tok * context + fixed
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """Dims the kernels handle; anything else keeps the reference path (ConfigError names the field)."""
+    from q27py.errors import ConfigError
+
+    hd = cfg.head_dim
+    if hd % 32 or hd // 32 not in (1, 2, 4, 8):
+        raise ConfigError(f"fast path: head_dim {hd} unsupported (32, 64, 128 or 256)")
+    if cfg.num_attention_heads // cfg.num_key_value_heads > 8:
+        raise ConfigError("fast path: more than 8 query heads per kv head")
+    if cfg.linear_key_head_dim > 128 or max(cfg.linear_key_head_dim, cfg.linear_value_head_dim) > 1024:
+        raise ConfigError(f"fast path: GDN head dims {cfg.linear_key_head_dim}/{cfg.linear_value_head_dim} unsupported")
+    if cfg.linear_conv_kernel_dim - 1 > 8:
+        raise ConfigError(f"fast path: linear_conv_kernel_dim {cfg.linear_conv_kernel_dim} > 9")
+
+
+def _select_rows(t: int, rows) -> np.ndarray:
+    if isinstance(rows, str):
+        if rows == "all":
+            return np.arange(t)
+        if rows == "last":
+            return np.array([t - 1])
+        if rows == "none":
+            return np.zeros(0, dtype=np.int64)
+        raise ValueError(f"logits_rows {rows!r}")
+    return np.asarray(rows, dtype=np.int64).reshape(-1)
+
+
+def _runs(rows: np.ndarray):
+    """Sorted unique rows -> (start, length) runs."""
+    r = np.unique(rows)
+    i = 0
+    while i < r.size:
+        j = i
+        while j + 1 < r.size and r[j + 1] == r[j] + 1:
+            j += 1
+        yield int(r[i]), int(j - i + 1)
+        i = j + 1
+
+
+def load_fast_model(cfg) -> FastModel:
+    """EngineConfig -> FastModel (the engine's `--device cuda` path).
+
+    model_dir may be a Hugging Face checkpoint directory (quantized on the GPU to
+    cfg.engine.tier, bf16 when unset) or a repacked .q27 file (its own tier).
+    """
+    from pathlib import Path
+
+    from q27py.gpu.weights import from_checkpoint, from_q27file
+    from q27py.io.checkpoint import Checkpoint
+
+    e = cfg.engine
+    src = Path(e.model_dir)
+    if src.is_file():
+        weights = from_q27file(src, progress=True)
+    else:
+        weights = from_checkpoint(Checkpoint.open(src), tier=e.tier or "bf16", progress=True)
+    ctx = min(e.max_context, weights.cfg.max_position_embeddings)
+    # bf16 weights keep fp32 KV (the path the golden tests hold to 1e-3); quantized tiers use bf16 KV
+    model = FastModel(weights, max_context=ctx, kv_dtype="f32" if weights.tier == "bf16" else "bf16")
+    model.enable_graphs()
+    return model

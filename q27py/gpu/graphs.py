@@ -1,0 +1,66 @@
+"""CUDA graphs for the fixed-shape steps: decode, each verify width, each MTP draft width, commit.
+
+A step is captured the second time its key is seen (the first run is eager, so every kernel
+is compiled and has run once before capture) and replayed from then on. Graphs bake in
+device pointers, so keys include the sequence state; everything that changes between
+replays (token ids, positions, the accepted count) lives in small device buffers the host
+rewrites before the launch, and the kernels read it from there.
+"""
+
+from __future__ import annotations
+
+from q27py.gpu.runtime import Runtime
+
+
+class GraphCache:
+    def __init__(self, model, capture_after: int = 1):
+        self.model = model
+        self.capture_after = capture_after
+        self.graphs: dict = {}
+        self.seen: dict = {}
+        self.captures = 0
+        self.replays = 0
+
+    def run(self, state, key, enqueue) -> None:
+        """Run `enqueue` (which only launches kernels on model.stream) through a graph when possible."""
+        full = (state.id,) + tuple(key)
+        g = self.graphs.get(full)
+        if g is None:
+            n = self.seen.get(full, 0)
+            self.seen[full] = n + 1
+            if n < self.capture_after:
+                enqueue()
+                return
+            g = self._capture(enqueue)
+            self.graphs[full] = g
+            self.captures += 1
+        g.launch(self.model.stream)
+        self.replays += 1
+
+    def _capture(self, enqueue):
+        stream = self.model.stream
+        stream.begin_capture()
+        try:
+            enqueue()
+        finally:
+            graph = stream.end_capture()
+        graph.upload(stream)
+        return graph
+
+    def drop_state(self, state) -> None:
+        for k in [k for k in self.graphs if k[0] == state.id]:
+            del self.graphs[k]
+
+
+def capture(fn, stream=None):
+    """Capture fn()'s launches on `stream` into a graph (benchmarks time replays of these)."""
+    cp = Runtime.get().cp
+    stream = stream or cp.cuda.get_current_stream()
+    with stream:
+        stream.begin_capture()
+        try:
+            fn()
+        finally:
+            graph = stream.end_capture()
+    graph.upload(stream)
+    return graph

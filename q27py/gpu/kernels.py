@@ -1,0 +1,373 @@
+"""Typed Python entry points for the kernels in cuda/ (one function per kernel or fused step).
+
+Every function enqueues on CuPy's current stream and returns immediately; nothing here
+synchronizes, so the calls can be recorded into a CUDA graph. Arrays are cupy arrays;
+activations are fp32 with a row stride (`ld`) per lane.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from q27py.gpu import layout as L
+from q27py.gpu.runtime import Runtime, f32, i32, i64, ptr, u64
+
+MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2
+GEMV_R = 4  # row tiles per work unit (GEMV_R in cuda/gemv.cu)
+GEMV_ROWS_PER_CTA = 16 * GEMV_R
+GEMV_CTAS_PER_SM = {1: 2, 2: 1}  # resident CTAs of 8 warps by lane tiles (the kernels' launch bounds)
+GEMV_MAX_LANES = 16
+D_NFIELDS = 16
+ATT_NSPLIT = 64  # NSPLIT in cuda/attention.cu
+ATT_WARPS = 8  # ATT_WARPS in cuda/attention.cu
+TOP2_BLOCKS = 16
+TAB_F32, TAB_BF16, TAB_Q8 = 0, 1, 2
+
+
+@dataclass
+class GpuMatrix:
+    """A packed matrix on the device (codes + scale pairs) and how the GEMV writes it."""
+
+    shape: L.MatrixShape
+    codes: object  # cupy uint8
+    scales: object | None  # cupy uint32, None for bf16
+    mode: int = MODE_STORE
+    out_rows: int | None = None  # rows written (SwiGLU: the inner size)
+
+    @property
+    def row_groups(self) -> int:
+        return -(-self.shape.row_tiles // GEMV_R)
+
+    @property
+    def nout(self) -> int:
+        if self.out_rows is not None:
+            return self.out_rows
+        return self.shape.rows
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.code_bytes + self.shape.scale_bytes
+
+
+def upload_packed(pm: L.PackedMatrix, mode: int = MODE_STORE, out_rows: int | None = None) -> GpuMatrix:
+    cp = Runtime.get().cp
+    scales = cp.asarray(pm.scales) if pm.shape.fmt != L.FMT_BF16 else None
+    return GpuMatrix(pm.shape, cp.asarray(pm.codes), scales, mode, out_rows)
+
+
+def choose_splits(row_groups: int, kchunks: int, sm_count: int) -> int:
+    """Split-K count from the matrix shape only (never the lane count: lane bits stay width-invariant).
+
+    Units (row group x split, one CTA each) should fill the resident CTAs about once (2 per SM
+    for 8-lane launches), each keeping >= 8 chunks of K (one per warp).
+    """
+    want = round(GEMV_CTAS_PER_SM[1] * sm_count / max(row_groups, 1))
+    return int(max(1, min(want, kchunks // 8)))
+
+
+class Workspace:
+    """Split-K partials and tickets shared by GEMV launches on one stream (they run one at a time).
+
+    Growing never frees the old buffers: plans built earlier keep valid pointers to them.
+    """
+
+    def __init__(self):
+        self.floats = 0
+        self.counters = 0
+        self.ws = None
+        self.cnt = None
+        self._keep = []
+
+    def reserve(self, floats: int, counters: int) -> None:
+        cp = Runtime.get().cp
+        if self.ws is None or floats > self.floats:
+            self.floats = max(floats, self.floats)
+            self.ws = cp.zeros(max(self.floats, 1), dtype=cp.float32)
+            self._keep.append(self.ws)
+        if self.cnt is None or counters > self.counters:
+            self.counters = max(counters, self.counters)
+            self.cnt = cp.zeros(max(self.counters, 1), dtype=cp.int32)
+            self._keep.append(self.cnt)
+
+
+FMT_KERNEL = {L.FMT_BF16: "bf16", L.FMT_Q8: "q8", L.FMT_Q4: "q4"}
+# cp.async ring depth per format (Ring<FMT>::STAGES in cuda/gemv.cu)
+GEMV_STAGES = {L.FMT_BF16: 2, L.FMT_Q8: 3, L.FMT_Q4: 4}
+GEMV_WPC = {L.FMT_BF16: 4, L.FMT_Q8: 2, L.FMT_Q4: 1}
+
+
+def gemv_shared_bytes(fmt: int, nt: int) -> int:
+    """Dynamic shared memory of one GEMV CTA: the warps' cp.async rings, or the reduction if larger."""
+    ring = GEMV_STAGES[fmt] * GEMV_R * (GEMV_WPC[fmt] * 16 + 4) * 256
+    return max(ring, 8 * GEMV_ROWS_PER_CTA * nt * 8 * 4)
+
+
+class GemvPlan:
+    """One logical GEMV: up to 4 matrices reading the same activations x (one launch per format).
+
+    outputs: list of (cupy fp32 array, row stride) per matrix.
+    """
+
+    def __init__(self, mats: list[GpuMatrix], outputs: list[tuple[object, int]], workspace: Workspace):
+        assert 1 <= len(mats) <= 4 and len(mats) == len(outputs)
+        rt = Runtime.get()
+        assert len({m.shape.kchunks for m in mats}) == 1, "matrices in one plan share K"
+        for m in mats:  # the kernels assume these scale groups (GSH in cuda/gemv.cu)
+            assert m.shape.fmt == L.FMT_BF16 or m.shape.group == L.DEFAULT_GROUP[m.shape.fmt], m.shape
+        self.mats = mats
+        self.kpad = mats[0].shape.kpad
+        self.workspace = workspace
+        self.outputs = outputs
+        self.splits = [choose_splits(m.row_groups, m.shape.kchunks, rt.sm_count) for m in mats]
+        e = GEMV_ROWS_PER_CTA * GEMV_MAX_LANES  # partial tile per (row group, split)
+        ws_need, cnt_need = 0, 0
+        groups: dict[int, list[int]] = {}
+        for j, m in enumerate(mats):
+            groups.setdefault(m.shape.fmt, []).append(j)
+        rows = []  # (fmt, desc rows, ctas)
+        for fmt, idx in groups.items():
+            # largest matrices first: their CTAs start earliest
+            idx = sorted(idx, key=lambda j: -mats[j].row_groups * self.splits[j])
+            desc = np.zeros((len(idx), D_NFIELDS), dtype=np.int64)
+            cta = 0
+            for r, j in enumerate(idx):
+                m, (y, ldy), s = mats[j], outputs[j], self.splits[j]
+                desc[r] = [int(ptr(m.codes)), int(ptr(m.scales)), int(ptr(y)), ws_need, cnt_need, ldy, m.nout,
+                           m.shape.kchunks, m.shape.row_tiles, m.shape.fmt, m.mode, s, m.row_groups, cta,
+                           m.shape.group_chunks, m.shape.groups]
+                cta += m.row_groups * s
+                if s > 1:
+                    ws_need += m.row_groups * s * e
+                    cnt_need += m.row_groups
+            rows.append((fmt, desc, cta))
+        workspace.reserve(ws_need, cnt_need)
+        ws_base, cnt_base = int(ptr(workspace.ws)), int(ptr(workspace.cnt))
+        self.launches = []
+        for fmt, desc, units in rows:
+            desc[:, 3] = ws_base + desc[:, 3] * 4
+            desc[:, 4] = cnt_base + desc[:, 4] * 4
+            self.launches.append((fmt, rt.cp.asarray(desc), len(desc), units))
+
+    def run(self, x, ldx: int, nlanes: int, lane0: int = 0, allow_gemm: bool = True) -> None:
+        """y[lane0 + t] for t < nlanes: the prefill GEMM for many tokens (q4/q8 matrices), else
+        the GEMV in blocks of at most 16 lanes."""
+        rt = Runtime.get()
+        use_gemm = allow_gemm and nlanes >= GEMM_MIN_TOKENS
+        if use_gemm:
+            for m, (y, ldy) in zip(self.mats, self.outputs):
+                if gemm_supported(m):
+                    gemm(m, x[lane0:] if lane0 else x, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
+        done = 0
+        while done < nlanes:
+            n = min(GEMV_MAX_LANES, nlanes - done)
+            nt = 1 if n <= 8 else 2
+            for fmt, desc, nmat, units in self.launches:
+                if use_gemm and fmt != L.FMT_BF16:
+                    continue  # done by the GEMM above
+                rt.launch("gemv", f"gemv_{FMT_KERNEL[fmt]}_nt{nt}", units, 256,
+                          (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(lane0 + done)),
+                          shared_mem=gemv_shared_bytes(fmt, nt))
+            done += n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.mats)
+
+
+# ---------------------------------------------------------------- prefill GEMM
+GEMM_MIN_TOKENS = 32  # below this the GEMV (16 lanes per weight pass) is as good
+
+
+def gemm_supported(m: GpuMatrix) -> bool:
+    # bf16 weights stay on the GEMV, whose hi + lo activations keep fp32-grade results
+    return m.shape.fmt in (L.FMT_Q4, L.FMT_Q8) and m.shape.group == L.DEFAULT_GROUP[m.shape.fmt]
+
+
+def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int) -> None:
+    """Y[t] (mode)= W x[t] for ntok tokens, tensor-core tiles of 128 rows x 64 tokens (cuda/gemm.cu)."""
+    fmt = m.shape.fmt
+    slot = (2 if fmt == L.FMT_Q8 else 1) * 16 + 4
+    smem = 2 * 64 * 72 * 2 + 4 * 256 * slot
+    Runtime.get().launch("gemm", f"gemm_{FMT_KERNEL[fmt]}", (-(-m.shape.row_tiles // 8), -(-ntok // 64)), 256,
+                         (m.codes, m.scales, i32(m.shape.kchunks), i32(m.shape.groups), i32(m.shape.row_tiles), x,
+                          i32(ldx), i32(ntok), y, i32(ldy), i32(m.nout), i32(m.mode)), shared_mem=smem)
+
+
+# ---------------------------------------------------------------- quantize / pack on the GPU
+def pack_on_gpu(src, rows: int, cols: int, fmt: int, group: int | None = None, src_bf16: bool = False,
+                ld: int | None = None, mode: int = MODE_STORE, out_rows: int | None = None) -> GpuMatrix:
+    """Quantize + pack a device matrix (fp32, or bf16 bits as uint16) into the GEMV layout."""
+    rt = Runtime.get()
+    cp = rt.cp
+    shape = L.matrix_shape(rows, cols, fmt, group)
+    ld = cols if ld is None else ld
+    codes = cp.empty(shape.code_bytes, dtype=cp.uint8)
+    scales = None
+    plain = None
+    if fmt != L.FMT_BF16:
+        scales = cp.empty(shape.row_tiles * shape.groups * 8, dtype=cp.uint32)
+        plain = cp.empty(rows * shape.groups, dtype=cp.uint16)
+        n = rows * shape.groups
+        rt.launch("quant", "quant_scales", -(-n // 256), 256,
+                  (src, i32(src_bf16), i32(rows), i32(cols), i64(ld), i32(shape.group), f32(L.QMAX[fmt]),
+                   i32(shape.groups), plain))
+    rt.launch("quant", "pack_matrix", (shape.kchunks, shape.row_tiles), 32,
+              (src, i32(src_bf16), i32(rows), i32(cols), i64(ld), i32(fmt), i32(shape.kchunks),
+               i32(shape.group_chunks), i32(shape.groups), plain, codes, scales))
+    return GpuMatrix(shape, codes, scales, mode, out_rows)
+
+
+def random_matrix(rows: int, cols: int, fmt: int, seed: int, scale: float, mode: int = MODE_STORE,
+                  out_rows: int | None = None) -> GpuMatrix:
+    """Seeded random codes and scales made on the device (benchmarks: no host copy of the model).
+
+    Codes are uniform, so a weight's standard deviation is about 4.6 * scale (q4) or
+    74 * scale (q8); bf16 weights are uniform in [-scale, scale).
+    """
+    rt = Runtime.get()
+    cp = rt.cp
+    shape = L.matrix_shape(rows, cols, fmt)
+    codes = cp.empty(shape.code_bytes, dtype=cp.uint8)
+    if fmt == L.FMT_BF16:
+        n = shape.code_bytes // 2
+        rt.launch("quant", "fill_random_bf16", min(-(-n // 256), 65535), 256,
+                  (codes, i64(n), u64(seed), f32(-scale), f32(scale)))
+        return GpuMatrix(shape, codes, None, mode, out_rows)
+    n = shape.code_bytes // 4
+    rt.launch("quant", "fill_random_u32", min(-(-n // 256), 65535), 256, (codes, i64(n), u64(seed)))
+    scales = cp.empty(shape.row_tiles * shape.groups * 8, dtype=cp.uint32)
+    rt.launch("quant", "fill_random_scales", min(-(-scales.size // 256), 65535), 256,
+              (scales, i64(scales.size), u64(seed + 1), f32(0.5 * scale), f32(1.5 * scale)))
+    return GpuMatrix(shape, codes, scales, mode, out_rows)
+
+
+def fill_uniform(arr, seed: int, lo: float, hi: float) -> None:
+    Runtime.get().launch("quant", "fill_random_f32", min(-(-arr.size // 256), 65535), 256,
+                         (arr, i64(arr.size), u64(seed), f32(lo), f32(hi)))
+
+
+# ---------------------------------------------------------------- embeddings
+@dataclass
+class GpuTable:
+    """Row-major embedding table on the device (fp32, bf16 bits, or int8 codes + fp16 scales)."""
+
+    fmt: int
+    data: object
+    ld: int
+    scales: object | None = None
+    group: int = 128
+    groups: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes) + (int(self.scales.nbytes) if self.scales is not None else 0)
+
+
+def table_on_gpu(src, rows: int, cols: int, fmt: int, src_bf16: bool = False, group: int = 128) -> GpuTable:
+    rt = Runtime.get()
+    cp = rt.cp
+    if fmt == TAB_F32:
+        return GpuTable(TAB_F32, src.astype(cp.float32).reshape(rows, cols), cols)
+    if fmt == TAB_BF16:
+        out = cp.empty(rows * cols, dtype=cp.uint16)
+        rt.launch("quant", "to_bf16_rows", -(-out.size // 256), 256, (src, i32(src_bf16), i64(out.size), out))
+        return GpuTable(TAB_BF16, out, cols)
+    groups = -(-cols // group)
+    plain = cp.empty(rows * groups, dtype=cp.uint16)
+    rt.launch("quant", "quant_scales", -(-(rows * groups) // 256), 256,
+              (src, i32(src_bf16), i32(rows), i32(cols), i64(cols), i32(group), f32(127.0), i32(groups), plain))
+    codes = cp.empty(rows * cols, dtype=cp.int8)
+    rt.launch("quant", "quant_rows_q8", -(-codes.size // 256), 256,
+              (src, i32(src_bf16), i32(rows), i32(cols), i64(cols), i32(group), i32(groups), plain, codes, i64(cols)))
+    return GpuTable(TAB_Q8, codes, cols, plain, group, groups)
+
+
+def embed(ids, nlanes: int, table: GpuTable, hidden: int, out, ldo: int) -> None:
+    Runtime.get().launch("embed", "embed_rows", nlanes, 256,
+                         (ids, table.data, i32(table.fmt), i64(table.ld), table.scales, i32(table.groups),
+                          i32(table.group), i32(hidden), out, i32(ldo)))
+
+
+# ---------------------------------------------------------------- norms
+def rmsnorm(x, ldx: int, w, eps: float, hidden: int, y, ldy: int, nlanes: int, add_one: bool = True) -> None:
+    Runtime.get().launch("norm", "rmsnorm_rows", nlanes, 1024 if hidden >= 2048 else 256,
+                         (x, i32(ldx), w, f32(1.0 if add_one else 0.0), f32(eps), i32(hidden), y, i32(ldy)))
+
+
+def gated_rmsnorm(o, ldo: int, z, ldz: int, w, eps: float, nlanes: int, hv: int, dv: int, y, ldy: int) -> None:
+    block = max(32, -(-dv // 32) * 32)
+    Runtime.get().launch("norm", "gated_rmsnorm", (nlanes, hv), block,
+                         (o, i32(ldo), z, i32(ldz), w, f32(eps), i32(dv), y, i32(ldy)))
+
+
+# ---------------------------------------------------------------- Gated DeltaNet
+def gdn_conv(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int, dv: int, kw: int,
+             qkvn, gb, nlanes: int) -> None:
+    block = max(32, -(-max(dk, dv) // 32) * 32)
+    Runtime.get().launch("conv", "gdn_conv", (nlanes, 2 * h + hv), block,
+                         (raw, i32(ldr), window, convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv), i32(dk),
+                          i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb))
+
+
+def gdn_conv_commit(window, window_stride: int, raw, ldr: int, raw_stride: int, channels: int, kw: int, layers: int,
+                    n_dev=None, n: int = 0) -> None:
+    Runtime.get().launch("conv", "gdn_conv_commit", (-(-channels // 256), layers), 256,
+                         (window, i64(window_stride), raw, i32(ldr), i64(raw_stride), i32(channels), i32(kw),
+                          n_dev, i32(n)))
+
+
+def gdn_step(state, state_stride: int, qkvn, qkvn_stride: int, gb, gb_stride: int, out, ldo: int, h: int, hv: int,
+             dk: int, dv: int, nlanes: int, layers: int = 1, n_dev=None, emit: bool = True,
+             write_state: bool = False) -> None:
+    kpl = -(-dk // 32)
+    kernel = {1: "gdn_step_k1", 2: "gdn_step_k2", 3: "gdn_step_k4", 4: "gdn_step_k4"}[kpl] if kpl <= 4 else None
+    if kernel is None:
+        raise ValueError(f"GDN key head dim {dk} > 128 is not supported by the fast path")
+    warps = hv * dv
+    Runtime.get().launch("gdn", kernel, (-(-warps // 4), layers), 128,
+                         (state, i64(state_stride), qkvn, i64(qkvn_stride), gb, i64(gb_stride), out, i32(ldo), i32(h),
+                          i32(hv), i32(dk), i32(dv), i32(nlanes), n_dev, i32(1 if emit else 0),
+                          i32(1 if write_state else 0)))
+
+
+# ---------------------------------------------------------------- attention
+def qk_norm_rope_store(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int, rd: int,
+                       inv_freq, pos0_dev, qout, ldqo: int, kcache, vcache, kv_bf16: bool, max_pos: int,
+                       nlanes: int) -> None:
+    Runtime.get().launch("rope", "qk_norm_rope_store", (nlanes, nq + nkv), max(32, -(-hd // 32) * 32),
+                         (qg, i32(ldq), kv, i32(ldkv), q_norm, k_norm, f32(eps), i32(nq), i32(nkv), i32(hd), i32(rd),
+                          inv_freq, pos0_dev, qout, i32(ldqo), kcache, vcache, i32(1 if kv_bf16 else 0),
+                          i32(max_pos)), shared_mem=4 * hd)
+
+
+def attention(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
+              span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+    """Split-K attention + combine with the sigmoid gate; out[t][h*hd + d]."""
+    dpl = hd // 32
+    if hd % 32 or dpl not in (1, 2, 4, 8):
+        raise ValueError(f"attention head dim {hd} not supported by the fast path (32, 64, 128 or 256)")
+    rep = nq // nkv
+    if rep > 8:
+        raise ValueError(f"{rep} q heads per kv head > 8 not supported by the fast path")
+    kernel = f"attn_split_{'bf16' if kv_bf16 else 'f32'}_d{dpl}"
+    rt = Runtime.get()
+    rt.launch("attention", kernel, (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
+              (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5), pos0_dev, i32(span),
+               part), shared_mem=4 * ATT_WARPS * rep * (hd + 2))
+    rt.launch("attention", "attn_combine", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo)))
+
+
+def attention_partials_floats(max_lanes: int, nq: int, hd: int) -> int:
+    return max_lanes * nq * ATT_NSPLIT * (hd + 2)
+
+
+# ---------------------------------------------------------------- argmax / sampling
+def top2(logits, ld: int, vocab: int, rows: int, part, ids, top1, margin, inv_temp: float = 0.0, seed: int = 0,
+         pos0_dev=None) -> None:
+    rt = Runtime.get()
+    rt.launch("sampling", "top2_partial", (rows, TOP2_BLOCKS), 256,
+              (logits, i32(ld), i32(vocab), f32(inv_temp), u64(seed), pos0_dev, part))
+    rt.launch("sampling", "top2_final", rows, 32, (part, i32(TOP2_BLOCKS), ids, top1, margin))

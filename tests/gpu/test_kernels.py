@@ -1,0 +1,463 @@
+"""Every kernel in cuda/ against the numpy reference (q27py/model/ops.py, q27py/gpu/layout.py)
+on random inputs. Outputs are poisoned with NaN before each launch, so an unwritten element
+fails. Tolerances (relative L2 unless stated):
+  GEMV vs float64 with the same dequantized weights: 2e-5. bf16 weights see the activations
+    as bf16 hi+lo (~2^-17 per element); q8/q4 weights see them rounded to bf16 once (the
+    reference rounds them too), the weights exactly.
+  fp32 elementwise / reduction kernels (norms, conv, rope, GDN, attention on fp32 KV): 2e-5.
+  attention on bf16 KV vs fp32 math on the bf16-rounded cache: 2e-5.
+Bitwise checks: lane results independent of the launch width; GPU packer == numpy packer;
+verify + commit == decode steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from q27py.gpu import layout as L
+from q27py.model import ops
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    from q27py.gpu.runtime import Runtime
+
+    Runtime.get().warm_all()
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def K(cp):
+    from q27py.gpu import kernels
+
+    return kernels
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def poisoned(cp, shape):
+    return cp.full(shape, np.nan, dtype=cp.float32)
+
+
+def padded_x(cp, x: np.ndarray, kpad: int):
+    buf = np.zeros((x.shape[0], kpad), dtype=np.float32)
+    buf[:, : x.shape[1]] = x
+    return cp.asarray(buf)
+
+
+# ---------------------------------------------------------------- GEMV
+GEMV_SHAPES = [(300, 640), (96, 5120), (1040, 256), (37, 200)]
+
+
+@pytest.mark.parametrize("fmt", [L.FMT_BF16, L.FMT_Q8, L.FMT_Q4])
+@pytest.mark.parametrize("rows,cols", GEMV_SHAPES)
+def test_gemv_matches_float64(cp, K, fmt, rows, cols):
+    rng = np.random.default_rng(rows + cols + fmt)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    pm = L.pack_matrix(w, fmt)
+    wd = L.unpack(pm).astype(np.float64)
+    m = K.upload_packed(pm)
+    ws = K.Workspace()
+    for n in (1, 3, 8, 9, 16):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        y = poisoned(cp, (n, rows))
+        plan = K.GemvPlan([m], [(y, rows)], ws)
+        plan.run(padded_x(cp, x, pm.shape.kpad), pm.shape.kpad, n)
+        got = y.get()
+        assert np.isfinite(got).all(), f"unwritten outputs at n={n}"
+        # bf16 weights: activations enter as hi + lo (fp32-grade); q8/q4: rounded to bf16 once
+        xa = x if fmt == L.FMT_BF16 else L.bf16_to_f32(L.bf16_bits(x))
+        ref = xa.astype(np.float64) @ wd.T
+        assert rel(got, ref) < 2e-5, (n, rel(got, ref))
+
+
+@pytest.mark.parametrize("fmt", [L.FMT_Q4, L.FMT_BF16])
+def test_gemv_lanes_are_width_invariant(cp, K, fmt):
+    rng = np.random.default_rng(7)
+    rows, cols = 200, 1024
+    pm = L.pack_matrix(rng.standard_normal((rows, cols)).astype(np.float32), fmt)
+    m = K.upload_packed(pm)
+    ws = K.Workspace()
+    x = padded_x(cp, rng.standard_normal((16, cols)).astype(np.float32), pm.shape.kpad)
+    outs = {}
+    for n in range(1, 17):
+        y = poisoned(cp, (16, rows))
+        K.GemvPlan([m], [(y, rows)], ws).run(x, pm.shape.kpad, n)
+        outs[n] = y.get()
+    for n in range(1, 17):
+        for t in range(n):
+            np.testing.assert_array_equal(outs[n][t], outs[16][t])
+
+
+def test_gemv_split_k_is_repeatable_and_lane_offset_works(cp, K):
+    rng = np.random.default_rng(8)
+    rows, cols = 64, 8192  # few row groups, long K: many splits and the last-CTA reduction
+    pm = L.pack_matrix(rng.standard_normal((rows, cols)).astype(np.float32), L.FMT_Q4)
+    m = K.upload_packed(pm)
+    ws = K.Workspace()
+    x = padded_x(cp, rng.standard_normal((20, cols)).astype(np.float32), pm.shape.kpad)
+    y1, y2 = poisoned(cp, (20, rows)), poisoned(cp, (20, rows))
+    p1 = K.GemvPlan([m], [(y1, rows)], ws)
+    assert p1.splits[0] > 1
+    p1.run(x, pm.shape.kpad, 20)  # 16 + 4 lanes: two launches, the second at lane0 = 16
+    K.GemvPlan([m], [(y2, rows)], ws).run(x, pm.shape.kpad, 20)
+    np.testing.assert_array_equal(y1.get(), y2.get())
+    xb = L.bf16_to_f32(L.bf16_bits(x.get()[:, :cols]))  # q4: activations rounded to bf16
+    ref = xb.astype(np.float64) @ L.unpack(pm).astype(np.float64).T
+    assert rel(y1.get(), ref) < 2e-5
+
+
+def test_gemv_residual_add_and_multi_matrix(cp, K):
+    rng = np.random.default_rng(9)
+    cols = 512
+    wa = rng.standard_normal((130, cols)).astype(np.float32) * 0.1
+    wb = rng.standard_normal((48, cols)).astype(np.float32) * 0.1
+    pa, pb = L.pack_matrix(wa, L.FMT_Q4), L.pack_matrix(wb, L.FMT_BF16)
+    ma = K.upload_packed(pa, mode=K.MODE_ADD)
+    mb = K.upload_packed(pb)
+    x = rng.standard_normal((5, cols)).astype(np.float32)
+    base = rng.standard_normal((5, 130)).astype(np.float32)
+    ya, yb = cp.asarray(base), poisoned(cp, (5, 48))
+    K.GemvPlan([ma, mb], [(ya, 130), (yb, 48)], K.Workspace()).run(padded_x(cp, x, 512), 512, 5)
+    xb = L.bf16_to_f32(L.bf16_bits(x))
+    assert rel(ya.get(), base + xb.astype(np.float64) @ L.unpack(pa).T) < 2e-5
+    assert rel(yb.get(), x.astype(np.float64) @ L.unpack(pb).T) < 2e-5
+
+
+@pytest.mark.parametrize("fmt", [L.FMT_Q8, L.FMT_BF16])
+def test_gemv_swiglu_epilogue(cp, K, fmt):
+    rng = np.random.default_rng(10)
+    inter, cols = 100, 256
+    gate = rng.standard_normal((inter, cols)).astype(np.float32) * 0.1
+    up = rng.standard_normal((inter, cols)).astype(np.float32) * 0.1
+    pm = L.pack_matrix(L.interleave_gate_up(gate, up), fmt)
+    m = K.upload_packed(pm, mode=K.MODE_SWIGLU, out_rows=inter)
+    wd = L.unpack(pm).astype(np.float64)
+    x = rng.standard_normal((4, cols)).astype(np.float32)
+    y = poisoned(cp, (4, inter))
+    K.GemvPlan([m], [(y, inter)], K.Workspace()).run(padded_x(cp, x, 256), 256, 4)
+    xa = x if fmt == L.FMT_BF16 else L.bf16_to_f32(L.bf16_bits(x))
+    gu = xa.astype(np.float64) @ wd.T  # interleaved rows
+    tiles = gu.reshape(4, -1, 2, 8)
+    g, u = tiles[:, :, 0, :].reshape(4, -1)[:, :inter], tiles[:, :, 1, :].reshape(4, -1)[:, :inter]
+    assert rel(y.get(), ops.silu(g) * u) < 2e-5
+
+
+@pytest.mark.parametrize("fmt", [L.FMT_Q8, L.FMT_Q4])
+@pytest.mark.parametrize("mode", ["store", "add", "swiglu"])
+def test_prefill_gemm_matches_float64(cp, K, fmt, mode):
+    rng = np.random.default_rng(30 + fmt)
+    rows, cols, ntok = 300, 640, 100  # ragged rows, a partial token tile
+    if mode == "swiglu":
+        w = L.interleave_gate_up(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05,
+                                 rng.standard_normal((rows, cols)).astype(np.float32) * 0.05)
+    else:
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    pm = L.pack_matrix(w, fmt)
+    kmode = {"store": K.MODE_STORE, "add": K.MODE_ADD, "swiglu": K.MODE_SWIGLU}[mode]
+    m = K.upload_packed(pm, mode=kmode, out_rows=rows if mode == "swiglu" else None)
+    x = rng.standard_normal((ntok, cols)).astype(np.float32)
+    base = rng.standard_normal((ntok, rows)).astype(np.float32)
+    y = cp.asarray(base) if mode == "add" else poisoned(cp, (ntok, rows))
+    plan = K.GemvPlan([m], [(y, rows)], K.Workspace())
+    plan.run(padded_x(cp, x, pm.shape.kpad), pm.shape.kpad, ntok)  # >= 32 tokens: the GEMM
+    full = L.bf16_to_f32(L.bf16_bits(x)).astype(np.float64) @ L.unpack(pm).astype(np.float64).T
+    if mode == "swiglu":
+        t = full.reshape(ntok, -1, 2, 8)
+        ref = ops.silu(t[:, :, 0, :].reshape(ntok, -1)[:, :rows]) * t[:, :, 1, :].reshape(ntok, -1)[:, :rows]
+    else:
+        ref = full + (base if mode == "add" else 0)
+    assert rel(y.get(), ref) < 2e-5
+    # the GEMV path (16 lanes at a time) agrees to rounding
+    y2 = cp.asarray(base) if mode == "add" else poisoned(cp, (ntok, rows))
+    K.GemvPlan([m], [(y2, rows)], K.Workspace()).run(padded_x(cp, x, pm.shape.kpad), pm.shape.kpad, ntok,
+                                                     allow_gemm=False)
+    assert rel(y.get(), y2.get()) < 2e-5
+
+
+@pytest.mark.parametrize("fmt", [L.FMT_BF16, L.FMT_Q8, L.FMT_Q4])
+@pytest.mark.parametrize("src_bf16", [False, True])
+def test_gpu_packer_matches_numpy_packer(cp, K, fmt, src_bf16):
+    rng = np.random.default_rng(11 + fmt)
+    rows, cols = 45, 200
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w[3, :64] = 0.0  # an all-zero group: scale 0, codes 0
+    if src_bf16:
+        bits = L.bf16_bits(w)
+        w = L.bf16_to_f32(bits)
+        src = cp.asarray(bits)
+    else:
+        src = cp.asarray(w)
+    ref = L.pack_matrix(w, fmt)
+    got = K.pack_on_gpu(src, rows, cols, fmt, src_bf16=src_bf16)
+    np.testing.assert_array_equal(got.codes.get(), ref.codes)
+    if fmt != L.FMT_BF16:
+        np.testing.assert_array_equal(got.scales.get(), ref.scales)
+
+
+def test_random_matrix_is_seeded_and_sane(cp, K):
+    a = K.random_matrix(256, 512, L.FMT_Q4, seed=5, scale=0.01)
+    b = K.random_matrix(256, 512, L.FMT_Q4, seed=5, scale=0.01)
+    np.testing.assert_array_equal(a.codes.get(), b.codes.get())
+    deq = L.unpack(L.PackedMatrix(a.shape, a.codes.get(), a.scales.get()))
+    assert np.isfinite(deq).all() and 0.02 < deq.std() < 0.07
+
+
+# ---------------------------------------------------------------- embeddings and norms
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8"])
+def test_embed_rows(cp, K, fmt):
+    rng = np.random.default_rng(12)
+    v, h = 50, 200
+    table = rng.standard_normal((v, h)).astype(np.float32)
+    code = {"f32": K.TAB_F32, "bf16": K.TAB_BF16, "q8": K.TAB_Q8}[fmt]
+    tab = K.table_on_gpu(cp.asarray(table), v, h, code)
+    ids = np.array([3, 0, 49, 3], dtype=np.int32)
+    out = poisoned(cp, (4, 256))
+    K.embed(cp.asarray(ids), 4, tab, h, out, 256)
+    if fmt == "f32":
+        expect = table[ids]
+    elif fmt == "bf16":
+        expect = L.bf16_to_f32(L.bf16_bits(table))[ids]
+    else:
+        codes, scales = L.quantize(table, L.FMT_Q8, 128)
+        expect = L.dequantize(codes, scales, 128)[ids]
+    np.testing.assert_allclose(out.get()[:, :h], expect, rtol=1e-6, atol=1e-7)
+
+
+def test_rmsnorm_rows(cp, K):
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((5, 300)).astype(np.float32) * 3
+    w = rng.standard_normal(300).astype(np.float32) * 0.1
+    y = poisoned(cp, (5, 320))
+    K.rmsnorm(cp.asarray(x), 300, cp.asarray(w), 1e-6, 300, y, 320, 5)
+    assert rel(y.get()[:, :300], ops.rms_norm(x.astype(np.float64), w, 1e-6)) < 2e-6
+    y2 = poisoned(cp, (5, 300))
+    K.rmsnorm(cp.asarray(x), 300, cp.asarray(w), 1e-6, 300, y2, 300, 5, add_one=False)
+    var = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
+    assert rel(y2.get(), x / np.sqrt(var + 1e-6) * w) < 2e-6
+
+
+def test_gated_rmsnorm(cp, K):
+    rng = np.random.default_rng(14)
+    t, hv, dv = 3, 6, 64
+    o = rng.standard_normal((t, hv * dv)).astype(np.float32)
+    z = rng.standard_normal((t, hv * dv + 10)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+    y = poisoned(cp, (t, hv * dv))
+    K.gated_rmsnorm(cp.asarray(o), hv * dv, cp.asarray(z), hv * dv + 10, cp.asarray(w), 1e-6, t, hv, dv, y, hv * dv)
+    ref = ops.rms_norm_gated(o.reshape(t, hv, dv).astype(np.float64), z[:, : hv * dv].reshape(t, hv, dv), w, 1e-6)
+    assert rel(y.get(), ref.reshape(t, -1)) < 2e-6
+
+
+# ---------------------------------------------------------------- Gated DeltaNet
+GDN_DIMS = {"tiny": dict(h=4, hv=8, dk=16, dv=8), "small": dict(h=2, hv=6, dk=64, dv=64),
+            "k32": dict(h=2, hv=6, dk=32, dv=32), "27b": dict(h=16, hv=48, dk=128, dv=128)}
+
+
+def conv_inputs(rng, t, h, hv, dk, dv, kw=4):
+    c = 2 * h * dk + hv * dv
+    raw = rng.standard_normal((t, c)).astype(np.float32)
+    window = rng.standard_normal((kw - 1, c)).astype(np.float32)
+    convw = (rng.standard_normal((c, kw)) * 0.5).astype(np.float32)
+    ab = rng.standard_normal((t, 2 * hv)).astype(np.float32)
+    neg_a = (-np.exp(rng.standard_normal(hv) * 0.5)).astype(np.float32)
+    dt = rng.standard_normal(hv).astype(np.float32)
+    return c, raw, window, convw, ab, neg_a, dt
+
+
+@pytest.mark.parametrize("dims", sorted(GDN_DIMS))
+def test_gdn_conv_gates_and_norms(cp, K, dims):
+    d = GDN_DIMS[dims]
+    h, hv, dk, dv = d["h"], d["hv"], d["dk"], d["dv"]
+    rng = np.random.default_rng(15)
+    t = 5
+    c, raw, window, convw, ab, neg_a, dt = conv_inputs(rng, t, h, hv, dk, dv)
+    qkvn, gb = poisoned(cp, (t, c)), poisoned(cp, (t, 2 * hv))
+    K.gdn_conv(cp.asarray(raw), c, cp.asarray(window), cp.asarray(convw), cp.asarray(ab), 2 * hv, cp.asarray(neg_a),
+               cp.asarray(dt), h, hv, dk, dv, 4, qkvn, gb, t)
+    y, _ = ops.causal_conv1d(raw.astype(np.float64), convw.astype(np.float64), window.astype(np.float64))
+    y = ops.silu(y)
+    kd = h * dk
+    q = ops.l2norm(y[:, :kd].reshape(t, h, dk)) * dk ** -0.5
+    k = ops.l2norm(y[:, kd : 2 * kd].reshape(t, h, dk))
+    ref = np.concatenate([q.reshape(t, -1), k.reshape(t, -1), y[:, 2 * kd :]], axis=1)
+    assert rel(qkvn.get(), ref) < 2e-5
+    g = neg_a * ops.softplus(ab[:, hv:].astype(np.float64) + dt)
+    beta = ops.sigmoid(ab[:, :hv].astype(np.float64))
+    got = gb.get()
+    assert rel(got[:, :hv], g) < 2e-6 and rel(got[:, hv:], beta) < 2e-6
+
+
+def test_gdn_conv_commit_slides_window(cp, K):
+    rng = np.random.default_rng(16)
+    c, kw = 300, 4
+    window = rng.standard_normal((2, kw - 1, c)).astype(np.float32)  # two layers
+    raw = rng.standard_normal((2, 6, c)).astype(np.float32)
+    for n in (1, 2, 5):
+        win = cp.asarray(window)
+        n_dev = cp.asarray(np.array([n], dtype=np.int32))
+        K.gdn_conv_commit(win, (kw - 1) * c, cp.asarray(raw), c, 6 * c, c, kw, 2, n_dev=n_dev)
+        for layer in range(2):
+            hist = np.concatenate([window[layer], raw[layer, :n]])
+            np.testing.assert_array_equal(win.get()[layer], hist[-(kw - 1):])
+
+
+def gdn_inputs(rng, t, h, hv, dk, dv):
+    q = ops.l2norm(rng.standard_normal((t, h, dk))) * dk ** -0.5
+    k = ops.l2norm(rng.standard_normal((t, h, dk)))
+    v = rng.standard_normal((t, hv, dv))
+    g = -np.exp(rng.standard_normal((t, hv)) * 0.5) * 0.3
+    beta = 1 / (1 + np.exp(-rng.standard_normal((t, hv))))
+    qkvn = np.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=1).astype(np.float32)
+    gb = np.concatenate([g, beta], axis=1).astype(np.float32)
+    return q, k, v, g, beta, qkvn, gb
+
+
+@pytest.mark.parametrize("dims", sorted(GDN_DIMS))
+def test_gdn_step_verify_and_commit(cp, K, dims):
+    d = GDN_DIMS[dims]
+    h, hv, dk, dv = d["h"], d["hv"], d["dk"], d["dv"]
+    rng = np.random.default_rng(17)
+    t = 6
+    q, k, v, g, beta, qkvn, gb = gdn_inputs(rng, t, h, hv, dk, dv)
+    s0 = rng.standard_normal((hv, dk, dv)) * 0.3
+    s_dev = cp.asarray(s0.transpose(0, 2, 1).astype(np.float32))  # K-last [HV][dv][dk]
+    out = poisoned(cp, (t, hv * dv))
+    # verify: outputs for all lanes, committed state untouched
+    K.gdn_step(s_dev, 0, cp.asarray(qkvn), 0, cp.asarray(gb), 0, out, hv * dv, h, hv, dk, dv, t, emit=True,
+               write_state=False)
+    o_ref, s_ref, all_ref = ops.gdn_recurrent(q, k, v, g, beta, s0, return_all_states=True)
+    assert rel(out.get(), o_ref.reshape(t, -1)) < 2e-5
+    np.testing.assert_array_equal(s_dev.get(), s0.transpose(0, 2, 1).astype(np.float32))
+    # decode path: one lane at a time, writing the state
+    s_dec = cp.asarray(s0.transpose(0, 2, 1).astype(np.float32))
+    dec_out = poisoned(cp, (t, hv * dv))
+    for i in range(t):
+        K.gdn_step(s_dec, 0, cp.asarray(qkvn[i : i + 1]), 0, cp.asarray(gb[i : i + 1]), 0, dec_out[i:], hv * dv, h, hv,
+                   dk, dv, 1, emit=True, write_state=True)
+        if i == 2:
+            after3 = s_dec.get()
+    np.testing.assert_array_equal(dec_out.get(), out.get())  # verify lanes == decode steps, bitwise
+    assert rel(s_dec.get(), s_ref.transpose(0, 2, 1)) < 2e-5
+    # commit n=3 from the recorded lanes == three decode steps, bitwise
+    n_dev = cp.asarray(np.array([3], dtype=np.int32))
+    K.gdn_step(s_dev, 0, cp.asarray(qkvn), 0, cp.asarray(gb), 0, None, 0, h, hv, dk, dv, t, n_dev=n_dev, emit=False,
+               write_state=True)
+    np.testing.assert_array_equal(s_dev.get(), after3)
+    assert rel(after3, all_ref[2].transpose(0, 2, 1)) < 2e-5
+
+
+# ---------------------------------------------------------------- attention
+def test_qk_norm_rope_store(cp, K):
+    rng = np.random.default_rng(18)
+    t, nq, nkv, hd, rd, max_pos, pos0 = 3, 6, 2, 64, 16, 40, 7
+    qg = rng.standard_normal((t, 2 * nq * hd)).astype(np.float32)
+    kv = rng.standard_normal((t, 2 * nkv * hd)).astype(np.float32)
+    qn, kn = (rng.standard_normal(hd) * 0.1).astype(np.float32), (rng.standard_normal(hd) * 0.1).astype(np.float32)
+    inv = 1.0 / (1e7 ** (np.arange(0, rd, 2, dtype=np.float64) / rd))
+    qout = poisoned(cp, (t, nq * hd))
+    kc, vc = poisoned(cp, (nkv, max_pos, hd)), poisoned(cp, (nkv, max_pos, hd))
+    K.qk_norm_rope_store(cp.asarray(qg), 2 * nq * hd, cp.asarray(kv), 2 * nkv * hd, cp.asarray(qn), cp.asarray(kn), 1e-6,
+                         nq, nkv, hd, rd, cp.asarray(inv), cp.asarray(np.array([pos0], np.int32)), qout, nq * hd, kc, vc,
+                         False, max_pos, t)
+    pos = np.arange(pos0, pos0 + t)
+    cos, sin = ops.rope_cos_sin(pos, rd, 1e7)
+    q = qg.reshape(t, nq, 2 * hd)[..., :hd].astype(np.float64)
+    q_ref = ops.apply_rope(ops.rms_norm(q, qn, 1e-6), cos, sin)
+    k_ref = ops.apply_rope(ops.rms_norm(kv[:, : nkv * hd].reshape(t, nkv, hd).astype(np.float64), kn, 1e-6), cos, sin)
+    assert rel(qout.get().reshape(t, nq, hd), q_ref) < 2e-6
+    assert rel(kc.get()[:, pos0 : pos0 + t].transpose(1, 0, 2), k_ref) < 2e-6
+    np.testing.assert_array_equal(vc.get()[:, pos0 : pos0 + t].transpose(1, 0, 2), kv[:, nkv * hd :].reshape(t, nkv, hd))
+
+
+def run_attention(cp, K, q, kcache, vcache, gate, pos0, kv_bf16, span=16):
+    t, nq, hd = q.shape
+    nkv, max_pos = kcache.shape[0], kcache.shape[1]
+    if kv_bf16:
+        kd, vd = cp.asarray(L.bf16_bits(kcache)), cp.asarray(L.bf16_bits(vcache))
+    else:
+        kd, vd = cp.asarray(kcache), cp.asarray(vcache)
+    qg = np.zeros((t, nq, 2 * hd), np.float32)
+    qg[..., hd:] = gate
+    out = poisoned(cp, (t, nq * hd))
+    part = cp.zeros(K.attention_partials_floats(t, nq, hd), dtype=cp.float32)
+    K.attention(cp.asarray(q.reshape(t, -1)), nq * hd, kd, vd, kv_bf16, max_pos, nq, nkv, hd,
+                cp.asarray(np.array([pos0], np.int32)), span, part, cp.asarray(qg.reshape(t, -1)), 2 * nq * hd, out,
+                nq * hd, t)
+    return out.get().reshape(t, nq, hd)
+
+
+@pytest.mark.parametrize("hd,nq,nkv", [(32, 4, 1), (64, 4, 2), (256, 24, 4)])
+@pytest.mark.parametrize("pos0", [0, 62, 64, 300, 4097])
+@pytest.mark.parametrize("kv_bf16", [False, True])
+def test_attention_matches_reference(cp, K, hd, nq, nkv, pos0, kv_bf16):
+    rng = np.random.default_rng(pos0 + hd)
+    t = 3
+    max_pos = pos0 + t + 5
+    q = rng.standard_normal((t, nq, hd)).astype(np.float32)
+    kc = rng.standard_normal((nkv, max_pos, hd)).astype(np.float32)
+    vc = rng.standard_normal((nkv, max_pos, hd)).astype(np.float32)
+    gate = rng.standard_normal((t, nq, hd)).astype(np.float32)
+    got = run_attention(cp, K, q, kc, vc, gate, pos0, kv_bf16)
+    if kv_bf16:
+        kc, vc = L.bf16_to_f32(L.bf16_bits(kc)), L.bf16_to_f32(L.bf16_bits(vc))
+    keys = kc[:, : pos0 + t].transpose(1, 0, 2).astype(np.float64)
+    vals = vc[:, : pos0 + t].transpose(1, 0, 2).astype(np.float64)
+    ref = ops.attention(q.astype(np.float64), keys, vals, np.arange(pos0, pos0 + t), hd ** -0.5) * ops.sigmoid(
+        gate.astype(np.float64))
+    assert rel(got, ref) < 2e-5
+
+
+def test_attention_lanes_are_width_invariant(cp, K):
+    rng = np.random.default_rng(19)
+    nq, nkv, hd, pos0 = 4, 2, 64, 700
+    q = rng.standard_normal((16, nq, hd)).astype(np.float32)
+    kc = rng.standard_normal((nkv, pos0 + 20, hd)).astype(np.float32)
+    vc = rng.standard_normal((nkv, pos0 + 20, hd)).astype(np.float32)
+    gate = rng.standard_normal((16, nq, hd)).astype(np.float32)
+    full = run_attention(cp, K, q, kc, vc, gate, pos0, True)
+    for w in (1, 2, 5, 9):
+        part = run_attention(cp, K, q[:w], kc, vc, gate[:w], pos0, True)
+        np.testing.assert_array_equal(part, full[:w])
+
+
+# ---------------------------------------------------------------- argmax / sampling
+def test_top2_argmax_margin_and_ties(cp, K):
+    rng = np.random.default_rng(20)
+    rows, v = 5, 248320
+    x = rng.standard_normal((rows, v)).astype(np.float32)
+    x[1, 1000] = x[1, 77] = 9.0  # exact tie: lowest index wins, margin 0
+    x[2, :] = -1.0
+    x[2, 5] = -0.5
+    xd = cp.asarray(x)
+    part = cp.zeros((rows, K.TOP2_BLOCKS, 2), dtype=cp.uint64)
+    ids, top1, margin = cp.zeros(rows, cp.int32), poisoned(cp, rows), poisoned(cp, rows)
+    K.top2(xd, v, v, rows, part, ids, top1, margin)
+    srt = np.sort(x, axis=1)
+    np.testing.assert_array_equal(ids.get(), np.argmax(x, axis=1))
+    np.testing.assert_array_equal(top1.get(), srt[:, -1])
+    np.testing.assert_array_equal(margin.get(), srt[:, -1] - srt[:, -2])
+
+
+def test_gumbel_sampling_follows_softmax(cp, K):
+    v, draws = 8, 4000
+    logits = np.log(np.array([0.4, 0.2, 0.1, 0.1, 0.1, 0.05, 0.03, 0.02], dtype=np.float32))
+    x = cp.asarray(np.tile(logits, (draws, 1)))
+    part = cp.zeros((draws, K.TOP2_BLOCKS, 2), dtype=cp.uint64)
+    ids, top1, margin = cp.zeros(draws, cp.int32), cp.zeros(draws, cp.float32), cp.zeros(draws, cp.float32)
+    pos = cp.asarray(np.array([123], np.int32))
+    K.top2(x, v, v, draws, part, ids, top1, margin, inv_temp=1.0, seed=42, pos0_dev=pos)
+    got = np.bincount(ids.get(), minlength=v) / draws
+    p = np.exp(logits) / np.exp(logits).sum()
+    assert np.abs(got - p).max() < 0.035
+    ids2 = cp.zeros(draws, cp.int32)
+    K.top2(x, v, v, draws, part, ids2, top1, margin, inv_temp=1.0, seed=42, pos0_dev=pos)
+    np.testing.assert_array_equal(ids.get(), ids2.get())  # keyed by (seed, position, index) only
