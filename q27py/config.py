@@ -17,18 +17,25 @@ from q27py import DEFAULT_MODEL_DIR
 
 @dataclass
 class SpecConfig:
-    """Self-speculative decoding (MTP draft ladder + suffix drafter)."""
+    """Self-speculative decoding (MTP draft ladder + suffix drafter).
+
+    Defaults are measured on held-out code with the bundled model and priced with
+    the CUDA path's measured round costs (docs/PERF.md, "Speculative decoding
+    (reference path)"; tools/spec_measure.py). Deeper or wider settings commit
+    more tokens per round but cost more per round than they gain there.
+    """
 
     enabled: bool | None = None  # None: on when the checkpoint has an MTP head
-    max_depth: int = 3  # MTP ladder depth (1..7)
-    adaptive_depth: bool = True  # let the controller move depth within 1..max_depth
-    confidence_margin: float = 0.0  # stop drafting at the first draft whose top1-top2 margin is below this
+    max_depth: int = 3  # MTP ladder depth ceiling (1..7)
+    adaptive_depth: bool = True  # let the controller move depth within 1..max_depth (saves lanes at deep levels)
+    confidence_margin: float = 0.0  # stop drafting at the first draft whose top1-top2 logit margin is below
+    # this; 0 = off: every margin measured lost more tokens/round than the lanes it saved
     suffix: bool = True  # suffix drafter on/off
     suffix_min_match: int = 4  # shortest context-tail match that may propose
-    max_verify_width: int = 8  # lanes in one verify (pending token + drafts); at most 16, the
-    # reference path's row-independent size (wider verifies would not be bitwise plain decoding)
-    arbitration: str = "suffix_first"  # per-round drafter choice: suffix_first | agree | mtp
-    # (see engine/drafters.py DraftPlanner)
+    max_verify_width: int = 8  # lanes in one verify (pending token + drafts); bounds suffix proposals. At most
+    # 16, the reference path's row-independent size (wider verifies would not be bitwise plain decoding)
+    arbitration: str = "agree"  # per-round drafter choice: agree | suffix_first | mtp
+    # (engine/drafters.py DraftPlanner; "agree" measured above "suffix_first" in tokens/round and lanes)
     trace: bool = False  # record every round's drafter, drafts and accepted count in the stats
 
 

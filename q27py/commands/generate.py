@@ -1,12 +1,15 @@
 """`q27py generate`: run one prompt through the engine and print the result.
 
 `--json` prints one object: {"tokens": [...], "text": "...", "stats": {prompt_tokens,
-generated_tokens, seconds, tokens_per_s, rounds, tokens_per_round, ...}}. These key
+generated_tokens, seconds, tokens_per_s, rounds, tokens_per_round, ...}}; with --trace,
+stats.trace is a per-round list of {"source": "mtp"|"suffix"|"none", "drafts": [...],
+"accepted": n} (n = tokens the round committed; the prefill is round one). These key
 names are a contract (external checks read them).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,12 +29,37 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default=None, help="reference-path compute dtype")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    spec = p.add_argument_group("speculative decoding (output is identical either way; only speed changes)")
+    spec.add_argument("--spec", action=argparse.BooleanOptionalAction, default=None,
+                      help="speculate (default: on when the checkpoint has an MTP head)")
+    spec.add_argument("--max-depth", type=int, default=None, help="MTP draft ladder depth ceiling, 1..7")
+    spec.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=None,
+                      help="suffix drafter (copies earlier continuations of the context tail)")
+    spec.add_argument("--trace", action="store_true",
+                      help="with --json: stats.trace lists every round's drafter, drafts and accepted count")
+    samp = p.add_argument_group("sampling (default greedy)")
+    samp.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    samp.add_argument("--top-p", type=float, default=None, help="nucleus mass kept, (0, 1]")
+    samp.add_argument("--top-k", type=int, default=None, help="most probable tokens kept (0 = off)")
+    samp.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability")
+    samp.add_argument("--seed", type=int, default=None, help="same seed => same output, whatever --spec settings")
 
 
 def build_config(args) -> Q27Config:
     cfg = apply_env(Q27Config())
     apply_overrides(cfg.engine, {"model_dir": args.model, "device": args.device, "dtype": args.dtype})
+    apply_overrides(cfg.spec, {"enabled": args.spec, "max_depth": args.max_depth, "suffix": args.suffix,
+                               "trace": True if args.trace else None})
     return cfg
+
+
+def build_sampling(args) -> SamplingParams:
+    s = SamplingParams()
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(s, name, value)
+    return s
 
 
 def parse_ids(text: str) -> list[int]:
@@ -56,7 +84,7 @@ def run(args) -> int:
     if bad:
         raise Q27Error(f"token id {bad[0]} is outside the vocabulary (0..{engine.model_config.vocab_size - 1})")
     stop_ids = frozenset() if args.ignore_eos else frozenset(engine.tokenizer.eos_ids)
-    request = GenerationRequest(prompt_ids=ids, max_tokens=args.max_tokens, sampling=SamplingParams(), stop_ids=stop_ids)
+    request = GenerationRequest(prompt_ids=ids, max_tokens=args.max_tokens, sampling=build_sampling(args), stop_ids=stop_ids)
     tokens, text, stats = [], [], {}
     for chunk in engine.generate(request):
         tokens.extend(chunk.token_ids)

@@ -1,53 +1,152 @@
 """Decoding one sequence: prefill, then rounds that each commit one or more tokens.
 
 This is the plain (non-speculative) decoder: one token per round. The
-speculative decoder (engine/spec.py) keeps the same interface.
+speculative decoder (engine/spec.py) keeps the same interface and, for the same
+seed, emits exactly the same tokens (engine/sampling.py explains why).
+
+Conventions shared by both decoders:
+- `run` continues from state.position: prompt tokens before it are taken as
+  already in the state (prefix reuse), the rest are prefilled.
+- A round is one main-model forward that decides tokens; the prefill is the
+  first round (it decides the first token). The last emitted token is never run
+  through the model (as in plain decoding), so when generation ends the state
+  holds prompt + output minus the last token.
+- state.extra["hidden_last"] is kept as the post-norm hidden at position - 1:
+  what the MTP head needs to resume a restored state.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from q27py.engine.api import SamplingParams
+from q27py.engine.sampling import PositionSampler, validate
 from q27py.model.state import SequenceState
+
+SOURCES = ("none", "mtp", "suffix")
 
 
 @dataclass
 class DecodeStats:
+    """What happened in one request, counted as it happened."""
+
     rounds: int = 0
     generated: int = 0
-    trace: list = field(default_factory=list)
+    record_trace: bool = False
+    trace: list = field(default_factory=list)  # per round: {"source", "drafts", "accepted"}
+    rounds_by_source: dict = field(default_factory=lambda: {s: 0 for s in SOURCES})
+    # Per source, index k-1: drafts proposed at depth k / of those, accepted.
+    drafted_by_depth: dict = field(default_factory=lambda: {"mtp": [], "suffix": []})
+    accepted_by_depth: dict = field(default_factory=lambda: {"mtp": [], "suffix": []})
+    mtp_steps: int = 0  # MTP layer passes (draft steps; step 0 also writes committed rows)
+    lanes: int = 0  # tokens run through the main model after the prefill (decode + verify lanes)
+
+    def record_round(self, source: str, drafts: list[int], accepted_drafts: int, emitted: int,
+                     lanes: int = 0, mtp_steps: int = 0) -> None:
+        """One round: `drafts` verified, the first `accepted_drafts` accepted, `emitted` tokens committed."""
+        assert 0 <= accepted_drafts <= len(drafts) and accepted_drafts <= emitted
+        self.rounds += 1
+        self.generated += emitted
+        self.rounds_by_source[source] += 1
+        self.lanes += lanes
+        self.mtp_steps += mtp_steps
+        if drafts:
+            proposed, accepted = self.drafted_by_depth[source], self.accepted_by_depth[source]
+            while len(proposed) < len(drafts):
+                proposed.append(0)
+                accepted.append(0)
+            for k in range(len(drafts)):
+                proposed[k] += 1
+                accepted[k] += k < accepted_drafts
+        if self.record_trace:
+            self.trace.append({"source": source, "drafts": [int(t) for t in drafts], "accepted": int(emitted)})
+
+    def acceptance_by_depth(self, sources=("mtp", "suffix")) -> list[float]:
+        """Share of drafts proposed at depth k (1-based: index k-1) that were accepted."""
+        depth = max((len(self.drafted_by_depth[s]) for s in sources), default=0)
+        out = []
+        for k in range(depth):
+            p = sum(self.drafted_by_depth[s][k] for s in sources if k < len(self.drafted_by_depth[s]))
+            a = sum(self.accepted_by_depth[s][k] for s in sources if k < len(self.accepted_by_depth[s]))
+            out.append(a / p if p else 0.0)
+        return out
 
     def as_dict(self) -> dict:
-        return {
+        d = {
             "rounds": self.rounds,
             "tokens_per_round": (self.generated / self.rounds) if self.rounds else 0.0,
+            "rounds_by_source": dict(self.rounds_by_source),
+            "share_by_source": {s: (n / self.rounds if self.rounds else 0.0) for s, n in self.rounds_by_source.items()},
+            "acceptance_by_depth": self.acceptance_by_depth(),
+            "acceptance_by_depth_by_source": {s: self.acceptance_by_depth((s,)) for s in ("mtp", "suffix")},
+            "drafted_by_depth": [sum(v) for v in _zip_longest(self.drafted_by_depth["mtp"], self.drafted_by_depth["suffix"])],
+            "mtp_steps": self.mtp_steps,
+            "verify_lanes": self.lanes,
         }
+        if self.record_trace:
+            d["trace"] = list(self.trace)
+        return d
 
 
-def greedy_pick(logits: np.ndarray) -> int:
-    return int(np.argmax(logits))
+def _zip_longest(a: list[int], b: list[int]) -> list[tuple[int, int]]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0, b[i] if i < len(b) else 0) for i in range(n)]
+
+
+PrefillBreaks = dict[int, Callable[[SequenceState], None]]
+
+
+def prefill(model, state: SequenceState, ids: list[int], chunk: int,
+            breaks: PrefillBreaks | None = None, on_chunk=None) -> np.ndarray:
+    """Feed ids at state.position.. in chunks; returns the logits row after the last one.
+
+    Chunks also end at every position in `breaks`, whose callback then sees the
+    state there (prefix-reuse snapshots). on_chunk(start, chunk_ids, hidden) sees
+    every chunk's post-norm hidden states (the MTP warm-up). Both decoders prefill
+    through here, so their first logits are the same bits.
+    """
+    assert ids, "prefill needs at least one token"
+    # A model that splits long forwards itself returns hidden rows of its last split
+    # only (the fast path's `chunk`); feeding it no more than that keeps every row.
+    chunk = min(chunk, getattr(model, "chunk", chunk))
+    start, end = state.position, state.position + len(ids)
+    cuts = sorted({p for p in (breaks or {}) if start < p < end} | set(range(start + chunk, end, chunk)) | {end})
+    last, done = None, start
+    for cut in cuts:
+        piece = ids[done - start : cut - start]
+        out = model.forward(state, piece, logits_rows="last")
+        hidden = np.asarray(out.hidden)
+        if on_chunk is not None:
+            on_chunk(done, piece, hidden)
+        state.extra["hidden_last"] = hidden[-1:].copy()
+        last, done = out.logits[-1], cut
+        if breaks and cut in breaks:
+            breaks[cut](state)
+    return last
+
+
+def prompt_suffix(state: SequenceState, prompt_ids: list[int]) -> list[int]:
+    """The prompt tokens not yet in the state (all of them for a fresh state)."""
+    if not 0 <= state.position < len(prompt_ids):
+        raise ValueError(f"state holds {state.position} tokens; the prompt has {len(prompt_ids)} (need at least one to prefill)")
+    return list(prompt_ids[state.position :])
 
 
 class Decoder:
     """Plain decoding: prefill in chunks, then one forward per token."""
 
-    def __init__(self, model, prefill_chunk: int = 2048):
+    def __init__(self, model, prefill_chunk: int = 2048, trace: bool = False):
         self.model = model
         self.prefill_chunk = prefill_chunk
+        self.trace = trace
 
     def prefill(self, state: SequenceState, ids) -> np.ndarray:
-        """Feed prompt tokens (in chunks); returns the logits of the last one."""
-        ids = list(ids)
-        assert ids, "prefill needs at least one token"
-        last = None
-        for i in range(0, len(ids), self.prefill_chunk):
-            last = self.model.forward(state, ids[i : i + self.prefill_chunk], logits_rows="last").logits[-1]
-        return last
+        """Feed prompt tokens (in chunks) from state.position; returns the logits of the last one."""
+        return prefill(self.model, state, list(ids), self.prefill_chunk)
 
     def run(
         self,
@@ -58,19 +157,39 @@ class Decoder:
         stop_ids=frozenset(),
         cancel: threading.Event | None = None,
         stats: DecodeStats | None = None,
+        prefill_breaks: PrefillBreaks | None = None,
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by each round until a stop id, max_tokens or cancel."""
-        if sampling.temperature > 0:
-            raise NotImplementedError("sampling needs the speculative decoder (engine/spec.py)")
+        validate(sampling)
+        sampler = PositionSampler(sampling)
         stats = stats if stats is not None else DecodeStats()
-        logits = self.prefill(state, prompt_ids)
+        stats.record_trace = stats.record_trace or self.trace
+        if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
+            return
+        logits = prefill(self.model, state, prompt_suffix(state, prompt_ids), self.prefill_chunk, prefill_breaks)
         produced = 0
-        while produced < max_tokens and not (cancel is not None and cancel.is_set()):
-            tok = greedy_pick(logits)
+        while True:
+            tok = sampler.pick(logits, state.position)
             produced += 1
-            stats.rounds += 1
-            stats.generated += 1
+            stats.record_round("none", [], 0, 1, lanes=1 if produced > 1 else 0)
             yield [tok]
-            if tok in stop_ids or produced >= max_tokens:
+            if tok in stop_ids or produced >= max_tokens or (cancel is not None and cancel.is_set()):
                 return
-            logits = self.model.forward(state, [tok]).logits[-1]
+            out = self.model.forward(state, [tok])
+            state.extra["hidden_last"] = out.hidden[-1:].copy()
+            logits = out.logits[-1]
+
+
+def build_decoder(model, cfg):
+    """The decoder the config asks for: speculative unless cfg.spec.enabled is False.
+
+    enabled=None means "on when the checkpoint has an MTP head"; enabled=True on a
+    model without one still speculates with the suffix drafter alone.
+    """
+    spec = cfg.spec
+    use_spec = spec.enabled if spec.enabled is not None else bool(getattr(model, "has_mtp", False))
+    if use_spec:
+        from q27py.engine.spec import SpecDecoder  # spec.py imports this module
+
+        return SpecDecoder(model, spec, prefill_chunk=cfg.engine.prefill_chunk)
+    return Decoder(model, prefill_chunk=cfg.engine.prefill_chunk, trace=spec.trace)

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-from q27py.model.state import GDNState, SequenceState
 
 log = logging.getLogger("q27py.prefix")
 
@@ -44,16 +43,16 @@ MAGIC = b"Q27PREFX"
 @dataclass
 class Snapshot:
     position: int
-    gdn: dict[int, GDNState]
+    recurrent: dict[str, np.ndarray]  # the model's save_recurrent(): GDN + conv state, host memory
     hidden_last: np.ndarray | None  # post-norm hidden at position-1 (MTP warm-up); None at position 0
-    kind: str  # "stable" | "system" | "checkpoint" | "end"
+    kind: str  # "stable" | "system" | "checkpoint" | "disk"
 
 
 @dataclass
 class LiveSequence:
-    """One slot: a state, the tokens whose KV rows it holds, and its snapshots."""
+    """One slot: a model state, the tokens whose KV rows it holds, and its snapshots."""
 
-    state: SequenceState
+    state: object  # the model's per-sequence state (reference SequenceState or the fast path's)
     tokens: list[int] = field(default_factory=list)
     snapshots: dict[int, Snapshot] = field(default_factory=dict)
     last_used: float = 0.0
@@ -64,7 +63,15 @@ class LiveSequence:
         common = common_prefix(self.tokens, prompt)
         # At least one prompt token must be prefilled, to produce the next-token logits.
         limit = min(common, len(prompt) - 1)
-        return max((p for p in self.snapshots if p <= limit), default=0)
+        best = max((p for p in self.snapshots if p <= limit), default=0)
+        if self.resumable_end() and self.state.position <= limit:
+            best = max(best, self.state.position)  # continue the live state where it stands
+        return best
+
+    def resumable_end(self) -> bool:
+        """The live state can continue from its own end (no snapshot needed)."""
+        return (self.state.position > 0 and self.state.position == len(self.tokens)
+                and self.state.extra.get("hidden_last") is not None)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -76,22 +83,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def take_snapshot(state: SequenceState, hidden_last: np.ndarray | None, kind: str) -> Snapshot:
-    return Snapshot(state.position, {i: g.copy() for i, g in state.gdn.items()},
-                    None if hidden_last is None else np.array(hidden_last, copy=True), kind)
+def take_snapshot(model, state, kind: str) -> Snapshot:
+    hidden = state.extra.get("hidden_last")
+    return Snapshot(state.position, model.save_recurrent(state),
+                    None if hidden is None else np.array(hidden, dtype=np.float32, copy=True).reshape(-1), kind)
 
 
-def restore_snapshot(seq: LiveSequence, snap: Snapshot) -> None:
-    """Rewind seq to snap.position: cut KV rows, install the GDN state, forget what lay beyond."""
-    st = seq.state
-    st.position = snap.position
-    for kv in st.kv.values():
-        kv.truncate(snap.position)
-    if st.mtp_kv is not None:
-        # The MTP row of position p pairs hidden p with token p+1; rows up to p-2 stay valid.
-        st.mtp_kv.truncate(min(st.mtp_kv.length, max(snap.position - 1, 0)))
-    st.gdn = {i: g.copy() for i, g in snap.gdn.items()}
-    st.extra["hidden_last"] = None if snap.hidden_last is None else snap.hidden_last.copy()
+def restore_snapshot(model, seq: LiveSequence, snap: Snapshot) -> None:
+    """Rewind seq to snap.position: cut KV rows, install the GDN state, forget what lay beyond.
+
+    Snapshots past the restore point are dropped: the prefill that follows overwrites
+    their KV rows, so they could never be used again (the alias rule).
+    """
+    model.rewind(seq.state, snap.position, snap.recurrent)
+    seq.state.extra["hidden_last"] = None if snap.hidden_last is None else snap.hidden_last.copy()
     del seq.tokens[snap.position:]
     seq.snapshots = {p: s for p, s in seq.snapshots.items() if p <= snap.position}
 
@@ -99,9 +104,9 @@ def restore_snapshot(seq: LiveSequence, snap: Snapshot) -> None:
 class PrefixCache:
     """The live sequences and their snapshots (host memory), plus the optional disk tier."""
 
-    def __init__(self, new_state, max_sequences: int = 4, checkpoint_every: int = 4096,
+    def __init__(self, model, max_sequences: int = 4, checkpoint_every: int = 4096,
                  max_snapshots: int = 16, disk: "DiskCache | None" = None):
-        self._new_state = new_state
+        self.model = model
         self.max_sequences = max(1, max_sequences)
         self.checkpoint_every = checkpoint_every
         self.max_snapshots = max_snapshots
@@ -121,14 +126,15 @@ class PrefixCache:
             if pos > best_pos or best is None or (pos == best_pos and seq.last_used < best.last_used and best_pos == 0):
                 best, best_pos = seq, pos
         if best_pos > 0:
-            restore_snapshot(best, best.snapshots[best_pos])
+            if not (best.resumable_end() and best_pos == best.state.position):
+                restore_snapshot(self.model, best, best.snapshots[best_pos])
             seq = best
         else:
             seq = self._fresh_slot(best)
         if self.disk is not None:
             disk_pos = self.disk.lookup_length(prompt)
             if disk_pos > best_pos and disk_pos <= len(prompt) - 1:
-                if self.disk.load_into(seq, prompt[:disk_pos]):
+                if self.disk.load_into(self.model, seq, prompt[:disk_pos]):
                     best_pos = disk_pos
         seq.busy = True
         seq.last_used = time.monotonic()
@@ -141,21 +147,26 @@ class PrefixCache:
 
     def _fresh_slot(self, candidate: LiveSequence | None) -> LiveSequence:
         if len(self.slots) < self.max_sequences:
-            seq = LiveSequence(self._new_state())
+            seq = LiveSequence(self.model.new_state())
             self.slots.append(seq)
             return seq
         idle = [s for s in self.slots if not s.busy]
         victim = min(idle, key=lambda s: s.last_used) if idle else None
         if victim is None:
-            victim = LiveSequence(self._new_state())  # every slot busy: a temporary one
-            return victim
-        victim.state = self._new_state()
+            return LiveSequence(self.model.new_state())  # every slot busy: a temporary one
+        victim.state = self.model.new_state()
         victim.tokens, victim.snapshots = [], {}
         return victim
 
-    def release(self, seq: LiveSequence) -> None:
+    def release(self, seq: LiveSequence, tokens: list[int], healthy: bool = True) -> None:
+        """The request is over: `tokens` are what the state now holds (prompt + output committed)."""
         seq.busy = False
         seq.last_used = time.monotonic()
+        if healthy and len(tokens) == seq.state.position:
+            seq.tokens = list(tokens)
+        else:  # state and tokens disagree (an error mid-forward): never resume from it
+            seq.state = self.model.new_state()
+            seq.tokens, seq.snapshots = [], {}
 
     def snapshot_positions(self, start: int, prompt: list[int], stable_len: int | None, system_len: int | None) -> dict[int, str]:
         """Where, in the prefill of prompt[start:], to stop and save GDN state."""
@@ -171,14 +182,14 @@ class PrefixCache:
         return marks
 
     def save(self, seq: LiveSequence, kind: str) -> None:
-        snap = take_snapshot(seq.state, seq.state.extra.get("hidden_last"), kind)
+        snap = take_snapshot(self.model, seq.state, kind)
         seq.snapshots[snap.position] = snap
         if len(seq.snapshots) > self.max_snapshots:
             # Keep boundaries; drop the oldest plain checkpoint first.
             order = sorted(seq.snapshots.values(), key=lambda s: (s.kind != "checkpoint", s.position))
             del seq.snapshots[order[0].position]
         if self.disk is not None and kind in ("stable", "system"):
-            self.disk.store_async(seq, kind)
+            self.disk.store_async(self.model, seq)
 
     def usage(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens,
@@ -189,10 +200,10 @@ class PrefixCache:
 # --------------------------------------------------------------------------- disk tier
 
 
-def compat_hash(model_dir: Path, model_cfg, tier: str | None, kv_format: str) -> str:
+def compat_hash(model_dir: Path, model_cfg, tier: str | None, state_format: str) -> str:
     """Identity of everything a stored state depends on: foreign entries hash differently."""
     h = hashlib.sha256()
-    h.update(f"q27-prefix-v{FORMAT_VERSION}|tier={tier}|kv={kv_format}|".encode())
+    h.update(f"q27-prefix-v{FORMAT_VERSION}|tier={tier}|state={state_format}|".encode())
     h.update(json.dumps(model_cfg.to_hf_dict(), sort_keys=True).encode())
     model_dir = Path(model_dir)
     for p in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.q27")):
@@ -207,24 +218,6 @@ def compat_hash(model_dir: Path, model_cfg, tier: str | None, kv_format: str) ->
 
 def _key(tokens: list[int]) -> str:
     return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
-
-
-def _state_arrays(state: SequenceState, hidden_last) -> dict[str, np.ndarray]:
-    n = state.position
-    arrays = {}
-    for i, g in state.gdn.items():
-        arrays[f"gdn.{i}.recurrent"] = g.recurrent
-        arrays[f"gdn.{i}.conv"] = g.conv
-    for i, kv in state.kv.items():
-        arrays[f"kv.{i}.k"] = kv.k[:n]
-        arrays[f"kv.{i}.v"] = kv.v[:n]
-    if state.mtp_kv is not None:
-        m = min(state.mtp_kv.length, max(n - 1, 0))
-        arrays["mtp.k"] = state.mtp_kv.k[:m]
-        arrays["mtp.v"] = state.mtp_kv.v[:m]
-    if hidden_last is not None:
-        arrays["hidden_last"] = np.asarray(hidden_last)
-    return arrays
 
 
 class DiskCache:
@@ -274,7 +267,7 @@ class DiskCache:
                 return n
         return 0
 
-    def load_into(self, seq: LiveSequence, tokens: list[int]) -> bool:
+    def load_into(self, model, seq: LiveSequence, tokens: list[int]) -> bool:
         path = self.dir / f"{_key(tokens)}.q27p"
         try:
             data = path.read_bytes()
@@ -298,30 +291,25 @@ class DiskCache:
             self.rejected += 1
             log.warning("prefix cache: not using %s (%s)", path.name, exc)
             return False
-        st = seq.state
-        pos = len(tokens)
-        for i in st.gdn:
-            st.gdn[i] = GDNState(arrays[f"gdn.{i}.recurrent"], arrays[f"gdn.{i}.conv"])
-        for i, kv in st.kv.items():
-            kv.truncate(0)
-            kv.append(arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"])
-        if st.mtp_kv is not None and "mtp.k" in arrays:
-            st.mtp_kv.truncate(0)
-            st.mtp_kv.append(arrays["mtp.k"], arrays["mtp.v"])
-        st.position = pos
-        st.extra["hidden_last"] = arrays.get("hidden_last")
+        hidden = arrays.pop("hidden_last", None)
+        model.import_prefix(seq.state, arrays, len(tokens))
+        seq.state.extra["hidden_last"] = hidden
         seq.tokens = list(tokens)
-        seq.snapshots = {pos: take_snapshot(st, st.extra["hidden_last"], "disk")}
+        seq.snapshots = {len(tokens): take_snapshot(model, seq.state, "disk")}
         os.utime(path)  # LRU by mtime
         self.hits += 1
         return True
 
     # ---- writing
-    def store_async(self, seq: LiveSequence, kind: str) -> None:
+    def store_async(self, model, seq: LiveSequence) -> None:
+        """Queue the sequence's current prefix for writing (copies taken now, written later)."""
         n = seq.state.position
-        if n < self.min_tokens:
+        if n < self.min_tokens or len(seq.tokens) < n:
             return
-        arrays = {k: np.array(v, copy=True) for k, v in _state_arrays(seq.state, seq.state.extra.get("hidden_last")).items()}
+        arrays = model.export_prefix(seq.state)
+        hidden = seq.state.extra.get("hidden_last")
+        if hidden is not None:
+            arrays["hidden_last"] = np.asarray(hidden, dtype=np.float32).reshape(-1)
         arrays["tokens"] = np.asarray(seq.tokens[:n], dtype=np.int32)
         try:
             self._queue.put_nowait((n, arrays))

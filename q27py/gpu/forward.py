@@ -449,6 +449,49 @@ class FastModel:
 
         self.graphs = GraphCache(self)
 
+    # ------------------------------------------------------------------ state transfer (prefix reuse)
+    # The reference model's four methods, on device arrays. Saved states are host copies:
+    # checkpoints live in host memory so they never compete with the KV cache for VRAM.
+    @property
+    def state_format(self) -> str:
+        return f"cuda-{'bf16' if self.kv_bf16 else 'f32'}kv"
+
+    def save_recurrent(self, state: FastState) -> dict[str, np.ndarray]:
+        self.stream.synchronize()
+        return {"gdn": state.gdn.get(), "window": state.window.get()}
+
+    def rewind(self, state: FastState, position: int, recurrent: dict[str, np.ndarray]) -> None:
+        """Back to `position`: KV rows past it are dead (overwritten by the next forward)."""
+        state.position = position
+        if state.mtp_kv is not None:
+            state.mtp_kv.truncate(min(state.mtp_kv.length, max(position - 1, 0)))
+            state.mtp_position = state.mtp_kv.length
+        state.gdn.set(np.ascontiguousarray(recurrent["gdn"]), stream=self.stream)
+        state.window.set(np.ascontiguousarray(recurrent["window"]), stream=self.stream)
+        self._pending = None
+
+    def export_prefix(self, state: FastState) -> dict[str, np.ndarray]:
+        n = state.position
+        arrays = self.save_recurrent(state)
+        arrays["k"] = state.k[:, :, :n].get()
+        arrays["v"] = state.v[:, :, :n].get()
+        if state.mtp_kv is not None:
+            m = min(state.mtp_kv.length, max(n - 1, 0))
+            arrays["mtp.k"] = state.mtp_k[:, :m].get()
+            arrays["mtp.v"] = state.mtp_v[:, :m].get()
+        return arrays
+
+    def import_prefix(self, state: FastState, arrays: dict[str, np.ndarray], position: int) -> None:
+        cp = self.rt.cp
+        state.k[:, :, :position] = cp.asarray(arrays["k"])
+        state.v[:, :, :position] = cp.asarray(arrays["v"])
+        if state.mtp_kv is not None and "mtp.k" in arrays:
+            m = arrays["mtp.k"].shape[1]
+            state.mtp_k[:, :m] = cp.asarray(arrays["mtp.k"])
+            state.mtp_v[:, :m] = cp.asarray(arrays["mtp.v"])
+            state.mtp_kv.length = m
+        self.rewind(state, position, arrays)
+
     def memory_per_sequence(self, context: int) -> int:
         cfg = self.cfg
         kv_bytes = 2 if self.kv_bf16 else 4

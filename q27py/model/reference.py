@@ -223,6 +223,52 @@ class ReferenceModel:
         hm = self._norm(h, "mtp.norm.weight")
         return self.logits(hm), hm
 
+    # ------------------------------------------------------------------ state transfer
+    # What prefix reuse needs from a model (the fast path has the same methods): save and
+    # install the GDN + conv state, rewind a sequence to a position, and move whole
+    # prefixes (KV rows included) to and from plain numpy arrays for the disk cache.
+    state_format = "reference"
+
+    def save_recurrent(self, state: SequenceState) -> dict[str, np.ndarray]:
+        out = {}
+        for i, g in state.gdn.items():
+            out[f"gdn.{i}.recurrent"] = g.recurrent.copy()
+            out[f"gdn.{i}.conv"] = g.conv.copy()
+        return out
+
+    def rewind(self, state: SequenceState, position: int, recurrent: dict[str, np.ndarray]) -> None:
+        """Cut KV rows back to `position` and install the GDN state saved there."""
+        state.position = position
+        for kv in state.kv.values():
+            kv.truncate(min(kv.length, position))
+        if state.mtp_kv is not None:
+            # The MTP row of position p pairs hidden p with token p+1: rows up to p-2 stay valid.
+            state.mtp_kv.truncate(min(state.mtp_kv.length, max(position - 1, 0)))
+        for i in state.gdn:
+            state.gdn[i] = GDNState(recurrent[f"gdn.{i}.recurrent"].copy(), recurrent[f"gdn.{i}.conv"].copy())
+
+    def export_prefix(self, state: SequenceState) -> dict[str, np.ndarray]:
+        n = state.position
+        arrays = self.save_recurrent(state)
+        for i, kv in state.kv.items():
+            arrays[f"kv.{i}.k"] = kv.k[:n].copy()
+            arrays[f"kv.{i}.v"] = kv.v[:n].copy()
+        if state.mtp_kv is not None:
+            m = min(state.mtp_kv.length, max(n - 1, 0))
+            arrays["mtp.k"] = state.mtp_kv.k[:m].copy()
+            arrays["mtp.v"] = state.mtp_kv.v[:m].copy()
+        return arrays
+
+    def import_prefix(self, state: SequenceState, arrays: dict[str, np.ndarray], position: int) -> None:
+        for i, kv in state.kv.items():
+            kv.truncate(0)
+            kv.append(arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"])
+        if state.mtp_kv is not None:
+            state.mtp_kv.truncate(0)
+            if "mtp.k" in arrays:
+                state.mtp_kv.append(arrays["mtp.k"], arrays["mtp.v"])
+        self.rewind(state, position, arrays)
+
 
 def _select_rows(t: int, rows) -> np.ndarray:
     if isinstance(rows, str):
@@ -232,3 +278,4 @@ def _select_rows(t: int, rows) -> np.ndarray:
             return np.array([t - 1])
         raise ValueError(f"logits_rows {rows!r}")
     return np.asarray(rows, dtype=np.int64)
+

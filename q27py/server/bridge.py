@@ -125,7 +125,9 @@ class EngineBridge:
             fraction = float(usage())
         else:  # one sequence at a time: its length over the context window
             fraction = min(1.0, tokens / max(1, self.max_context))
-        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=fraction)
+        prefix_stats = getattr(self.engine, "prefix_stats", None)
+        prefix = dict(prefix_stats()) if callable(prefix_stats) else None
+        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=fraction, prefix=prefix)
 
     # ---- the engine thread ---------------------------------------------
 

@@ -37,6 +37,7 @@ class EngineLoad:
     running: int
     waiting: int
     kv_cache_usage: float  # 0..1
+    prefix: dict | None = None  # the engine's prefix-cache counters (hits, misses, reused_tokens), if it has one
 
 
 class Metrics:
@@ -93,6 +94,13 @@ class Metrics:
                    [(dict(model, finished_reason=r), n) for r, n in sorted(self._finished.items())])
             metric("q27py_cached_prompt_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
                    [(model, self.cached_prompt_tokens)])
+            if load.prefix is not None:
+                metric("q27py_prefix_cache_hits_total", "counter", "Requests that restored a cached prefix.",
+                       [(model, load.prefix.get("hits", 0))])
+                metric("q27py_prefix_cache_misses_total", "counter", "Requests that prefilled from scratch.",
+                       [(model, load.prefix.get("misses", 0))])
+                metric("q27py_prefix_cache_reused_tokens_total", "counter", "Prompt tokens restored instead of prefilled.",
+                       [(model, load.prefix.get("reused_tokens", 0))])
             metric("q27py_reasoning_tokens_total", "counter", "Generated tokens inside think blocks.",
                    [(model, self.reasoning_tokens)])
             metric("q27py_http_requests_total", "counter", "HTTP requests by API and status.",

@@ -44,12 +44,12 @@ def test_round_trip_restores_exact_state(model, tmp_path):
     tokens = list(range(10, 50))
     seq = _prefilled(model, tokens)
     disk = DiskCache(tmp_path, compat="abc", min_tokens=1)
-    disk.store_async(seq, "stable")
+    disk.store_async(model, seq)
     disk.flush()
     prompt = tokens + [7, 8]
     assert disk.lookup_length(prompt) == len(tokens)
     fresh = LiveSequence(model.new_state())
-    assert disk.load_into(fresh, tokens)
+    assert disk.load_into(model, fresh, tokens)
     _states_equal(fresh.state, seq.state)
     # and a continuation from the restored state equals one from the original
     a = model.forward(fresh.state, [7, 8]).logits
@@ -61,26 +61,26 @@ def test_foreign_and_corrupt_entries_are_ignored(model, tmp_path, caplog):
     tokens = list(range(100, 140))
     seq = _prefilled(model, tokens)
     disk = DiskCache(tmp_path, compat="model-A", min_tokens=1)
-    disk.store_async(seq, "stable")
+    disk.store_async(model, seq)
     disk.flush()
     (entry,) = tmp_path.glob("*.q27p")
 
     # another model's cache: invisible
     other = DiskCache(tmp_path, compat="model-B", min_tokens=1)
     assert other.lookup_length(tokens + [1]) == 0
-    assert not other.load_into(LiveSequence(model.new_state()), tokens)
+    assert not other.load_into(model, LiveSequence(model.new_state()), tokens)
 
     # a bit flip in the payload: detected by the checksum, logged, not used
     data = bytearray(entry.read_bytes())
     data[-5] ^= 0x40
     entry.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="q27py.prefix"):
-        assert not disk.load_into(LiveSequence(model.new_state()), tokens)
+        assert not disk.load_into(model, LiveSequence(model.new_state()), tokens)
     assert "checksum" in caplog.text
 
     # a truncated file
     entry.write_bytes(bytes(data[: len(data) // 2]))
-    assert not disk.load_into(LiveSequence(model.new_state()), tokens)
+    assert not disk.load_into(model, LiveSequence(model.new_state()), tokens)
     assert disk.rejected == 2
 
 
@@ -88,19 +88,19 @@ def test_key_collision_never_continues_the_wrong_conversation(model, tmp_path):
     """A file under the right name but holding other tokens (a hash collision, a stale file) is refused."""
     a, b = list(range(200, 230)), list(range(300, 330))
     disk = DiskCache(tmp_path, compat="c", min_tokens=1)
-    disk.store_async(_prefilled(model, a), "stable")
+    disk.store_async(model, _prefilled(model, a))
     disk.flush()
     (entry,) = tmp_path.glob("*.q27p")
     from q27py.engine.prefix_cache import _key
 
     entry.rename(tmp_path / f"{_key(b)}.q27p")  # now the name claims to be prefix b
-    assert not disk.load_into(LiveSequence(model.new_state()), b)
+    assert not disk.load_into(model, LiveSequence(model.new_state()), b)
 
 
 def test_lru_eviction_by_size(model, tmp_path):
     disk = DiskCache(tmp_path, compat="c", min_tokens=1, max_bytes=1)  # every new entry evicts the older ones
     for start in (0, 50):
-        disk.store_async(_prefilled(model, list(range(start, start + 20))), "stable")
+        disk.store_async(model, _prefilled(model, list(range(start, start + 20))))
         disk.flush()
     assert len(list(tmp_path.glob("*.q27p"))) <= 1
 
@@ -112,14 +112,14 @@ def test_stale_tmp_files_swept(tmp_path):
 
 
 def test_live_slot_routing_prefers_longest_restorable(model):
-    cache = PrefixCache(model.new_state, max_sequences=2, checkpoint_every=0)
+    cache = PrefixCache(model, max_sequences=2, checkpoint_every=0)
     s1, _ = cache.acquire([1, 2, 3, 4, 5, 6])
     model.forward(s1.state, [1, 2, 3, 4])
     s1.tokens = [1, 2, 3, 4]
     cache.save(s1, "stable")
-    cache.release(s1)
+    cache.release(s1, s1.tokens)
     s2, reused = cache.acquire([9, 9, 9])
     assert s2 is not s1 and reused == 0
-    cache.release(s2)
+    cache.release(s2, [])
     s3, reused = cache.acquire([1, 2, 3, 4, 77])
     assert s3 is s1 and reused == 4 and s3.state.position == 4

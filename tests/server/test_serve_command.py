@@ -85,6 +85,29 @@ def test_real_model_answers_all_apis(served):
     assert 'vllm:num_requests_running{model_name="q36-tiny-code"} 0' in metrics
 
 
+def test_prefix_reuse_reported_in_usage_and_metrics(served):
+    """The second turn of a conversation restores the first turn's prefix on the real engine."""
+    proc, port, _ = served
+    first = [{"role": "system", "content": "You write Python. " * 40}, {"role": "user", "content": "def add"}]
+    body = {"model": "any", "max_tokens": 3, "messages": first}
+    status, _, raw = http_request(port, "POST", "/v1/chat/completions", body, KEY, timeout=60)
+    assert status == 200
+    reply = json.loads(raw)["choices"][0]["message"]["content"] or "ok"
+    second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and sub"}]
+    status, _, raw = http_request(port, "POST", "/v1/chat/completions", dict(body, messages=second), KEY, timeout=60)
+    usage = json.loads(raw)["usage"]
+    assert status == 200 and usage["prompt_tokens_details"]["cached_tokens"] > 100
+    status, _, raw = http_request(port, "POST", "/v1/messages",
+                                  {"model": "any", "max_tokens": 3, "system": "You write Python. " * 40,
+                                   "messages": [{"role": "user", "content": "def mul"}]},
+                                  {"x-api-key": "secret"}, timeout=60)
+    assert status == 200 and json.loads(raw)["usage"]["cache_read_input_tokens"] > 100  # the shared system block
+    metrics = http_request(port, "GET", "/metrics", None, KEY)[2].decode()
+    hits = re.search(r'q27py_prefix_cache_hits_total\{model_name="q36-tiny-code"\} (\d+)', metrics)
+    assert hits and int(hits.group(1)) >= 2
+    assert re.search(r'q27py_prefix_cache_reused_tokens_total\{model_name="q36-tiny-code"\} [1-9]', metrics)
+
+
 def test_sigint_exits_cleanly(served):
     proc, port, lines = served
     proc.send_signal(signal.SIGINT)

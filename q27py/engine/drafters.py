@@ -1,0 +1,276 @@
+"""Where draft tokens come from: the MTP ladder, the suffix drafter, and the choice between them.
+
+A draft is only a guess: verification decides what is emitted, so nothing here
+can change the output, only how many tokens each verify forward commits.
+
+- MTPLadder chains the model's single MTP layer (model.md §5): step 0 is the MTP
+  row of the last committed position with the pending token; step k feeds the
+  MTP's own post-norm output, draft k and the next position. Its KV rows of
+  committed positions are kept warm; draft rows are dropped after each ladder.
+- SuffixIndex finds the longest earlier occurrence of the context tail in
+  prompt + output and proposes what followed it (code repeats itself).
+- DepthController floats the ladder's depth ceiling from what verification accepts.
+- DraftPlanner picks a drafter per round (SpecConfig.arbitration).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from q27py.config import SpecConfig
+from q27py.model.state import KVCache
+
+NONE, MTP, SUFFIX = "none", "mtp", "suffix"
+
+
+@dataclass
+class Draft:
+    source: str  # NONE | MTP | SUFFIX
+    tokens: list[int] = field(default_factory=list)
+    gated: bool = False  # MTP: the confidence gate stopped the ladder before the depth ceiling
+    mtp_steps: int = 0  # MTP layer passes run for this round (warming included in step 0)
+
+
+def top2_margin(logits: np.ndarray) -> float:
+    """top1 - top2 logit: how sure the head is of its first choice."""
+    if logits.shape[0] < 2:
+        return float("inf")
+    top = np.partition(logits, -2)[-2:]
+    return float(top[1] - top[0])
+
+
+class MTPLadder:
+    """The MTP draft chain plus the bookkeeping that keeps the MTP KV cache warm.
+
+    The MTP row of position p pairs the main model's post-norm hidden at p with the
+    token at p+1, so it can only be written once that token is known. Rows whose
+    next token is known but that are not yet written wait in a backlog; the next
+    ladder writes them in the same pass as its step 0 (whose row is the last one:
+    the last committed position with the pending token). Invariant between rounds:
+    kv.length + backlog == committed position, backlog >= 1.
+    """
+
+    # A long run of suffix rounds would grow the backlog without bound; past this
+    # many rows it is written eagerly (all but the last, which step 0 needs).
+    MAX_BACKLOG = 256
+
+    def __init__(self, model, kv: KVCache):
+        self.model = model
+        self.kv = kv
+        self._hidden: list[np.ndarray] = []  # [rows, H] blocks, positions kv.length..
+        self._next: list[int] = []
+
+    @property
+    def backlog(self) -> int:
+        return len(self._next)
+
+    def defer(self, hidden: np.ndarray, next_ids) -> None:
+        """Queue rows: main hidden at the next unwritten positions, and the token after each."""
+        self._hidden.append(np.asarray(hidden))
+        self._next.extend(int(t) for t in next_ids)
+        if len(self._next) > self.MAX_BACKLOG:
+            self.flush(keep_last=True)
+
+    def flush(self, keep_last: bool = False) -> None:
+        """Write the queued rows now (keep_last: all but the newest, which step 0 will write)."""
+        keep = 1 if keep_last else 0
+        if len(self._next) <= keep:
+            return
+        rows = np.concatenate(self._hidden)
+        cut = len(self._next) - keep
+        self.model.mtp_forward(self.kv, rows[:cut], self._next[:cut], self.kv.length)
+        self._hidden, self._next = [rows[cut:]] if keep else [], self._next[cut:]
+
+    def draft(self, max_drafts: int, min_margin: float, position: int,
+              stop_if_first: Callable[[int], bool] | None = None) -> Draft:
+        """Up to max_drafts drafts for positions position+1.. (`position` = the pending token's).
+
+        Drafts are the head's argmax, also when sampling (engine/sampling.py says
+        why). Stops at the first draft whose top1-top2 logit margin is below min_margin
+        (that draft is dropped), or after the first draft when stop_if_first(it)
+        holds (arbitration probes). Leaves the MTP KV with every committed row
+        written and no draft rows.
+        """
+        if max_drafts <= 0:
+            return Draft(NONE)
+        start = self.kv.length
+        assert start + self.backlog == position, "MTP backlog out of step with the committed position"
+        rows = np.concatenate(self._hidden)
+        logits, hm = self.model.mtp_forward(self.kv, rows, self._next, start)
+        self._hidden, self._next = [], []
+        warm_length = self.kv.length  # == position: row position-1 (step 0) is a committed row
+        step_logits, h = logits[-1], hm[-1:]
+        tokens: list[int] = []
+        gated = False
+        steps = 1
+        while True:
+            if top2_margin(step_logits) < min_margin:
+                gated = True
+                break
+            tok = int(np.argmax(step_logits))
+            tokens.append(tok)
+            if len(tokens) >= max_drafts or (len(tokens) == 1 and stop_if_first and stop_if_first(tok)):
+                break
+            lg, h = self.model.mtp_forward(self.kv, h, [tok], position - 1 + len(tokens))
+            step_logits = lg[0]
+            steps += 1
+        self.kv.truncate(warm_length)  # draft rows are guesses: never keep them
+        return Draft(MTP if tokens else NONE, tokens, gated, steps)
+
+
+class SuffixIndex:
+    """Incremental index of the token stream (prompt + output) for suffix drafting.
+
+    Every `key_len`-gram maps to its most recent end positions. A proposal looks
+    up the tail's key, measures how far each earlier occurrence matches backwards
+    (up to max_match), keeps the longest (ties: the most recent) and copies what
+    followed it. If the copy reaches the end of the stream it continues from its
+    own proposal, so a period repeats. Dict keys are token tuples, so lookups have
+    no false matches to guard against.
+    """
+
+    def __init__(self, key_len: int = 4, max_candidates: int = 64, max_match: int = 256):
+        assert key_len >= 1
+        self.key_len = key_len
+        self.max_candidates = max_candidates
+        self.max_match = max_match
+        self._tokens = np.zeros(1024, dtype=np.int64)
+        self.length = 0
+        self._index: dict[tuple, deque] = {}
+
+    def extend(self, ids) -> None:
+        for t in ids:
+            if self.length == self._tokens.shape[0]:
+                self._tokens = np.concatenate([self._tokens, np.zeros_like(self._tokens)])
+            self._tokens[self.length] = int(t)
+            self.length += 1
+            if self.length >= self.key_len:
+                key = tuple(self._tokens[self.length - self.key_len : self.length].tolist())
+                slot = self._index.get(key)
+                if slot is None:
+                    slot = self._index[key] = deque(maxlen=self.max_candidates)
+                slot.append(self.length - 1)
+
+    def longest_match(self) -> tuple[int, int]:
+        """(end position of the best earlier match of the tail, its length); (-1, 0) if none."""
+        n = self.length
+        if n <= self.key_len:
+            return -1, 0
+        key = tuple(self._tokens[n - self.key_len : n].tolist())
+        ends = np.array([e for e in self._index.get(key, ()) if e < n - 1], dtype=np.int64)
+        if ends.size == 0:
+            return -1, 0
+        span = min(self.max_match, n - 1)
+        j = np.arange(span)
+        left = ends[:, None] - j[None, :]
+        tail = self._tokens[n - 1 - j]
+        same = (left >= 0) & (self._tokens[np.maximum(left, 0)] == tail[None, :])
+        lengths = np.where(same.all(axis=1), span, np.argmin(same, axis=1))
+        best = int(lengths.max())
+        end = int(ends[lengths == best].max())  # ties: the most recent occurrence
+        return end, best
+
+    def propose(self, k: int, min_match: int) -> tuple[list[int], int]:
+        """(up to k drafts, match length); no drafts when the match is shorter than min_match."""
+        end, length = self.longest_match()
+        if k <= 0 or length < min_match:
+            return [], length
+        n, out = self.length, []
+        for i in range(k):
+            src = end + 1 + i
+            out.append(int(self._tokens[src]) if src < n else out[src - n])
+        return out, length
+
+
+class DepthController:
+    """Floats the MTP depth ceiling d in 1..max_depth from what verification accepts.
+
+    One statistic, over MTP rounds that drafted all d drafts: full = EMA[all d
+    accepted], an estimate of how often the deepest draft pays (each draft costs a
+    verify lane and an MTP pass whether or not it is accepted). Promote when
+    full >= promote_at: the ceiling cuts runs that would likely have gone on.
+    Demote when full < demote_below: the deepest draft rarely earns its cost.
+    The gap between the two thresholds is the hysteresis (after a promotion,
+    full drops by one draft's conditional acceptance), and entering a level resets
+    full to their midpoint, so a move must be re-earned. Rounds the confidence
+    gate stopped early say nothing about the ceiling and are not counted.
+    """
+
+    def __init__(self, max_depth: int, adaptive: bool = True, ema: float = 1 / 16,
+                 promote_at: float = 0.5, demote_below: float = 0.2):
+        if not 1 <= max_depth <= 7:
+            raise ValueError(f"max_depth must be in 1..7, got {max_depth}")
+        assert demote_below < promote_at
+        self.max_depth = max_depth
+        self.adaptive = adaptive
+        self.ema = ema
+        self.promote_at = promote_at
+        self.demote_below = demote_below
+        self.depth = max_depth
+        self.changes = 0
+        self.full = (promote_at + demote_below) / 2
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if not self.adaptive or proposed < self.depth:
+            return
+        self.full += self.ema * ((1.0 if accepted >= self.depth else 0.0) - self.full)
+        if self.full >= self.promote_at and self.depth < self.max_depth:
+            self.depth += 1
+        elif self.full < self.demote_below and self.depth > 1:
+            self.depth -= 1
+        else:
+            return
+        self.changes += 1
+        self.full = (self.promote_at + self.demote_below) / 2
+
+
+class DraftPlanner:
+    """Per round: which drafter proposes, and how many tokens.
+
+    Arbitration (SpecConfig.arbitration):
+      "agree":        the suffix proposal (when its match is long enough) only if the MTP
+                      ladder's first draft equals its first token, else the ladder; one MTP
+                      pass buys a check before a wide verify (the measured default);
+      "suffix_first": the suffix drafter whenever its match is long enough, else the MTP
+                      ladder (q27's order: a long match in code is usually a verbatim repeat);
+      "mtp":          the MTP ladder only.
+    """
+
+    POLICIES = ("agree", "suffix_first", "mtp")
+
+    def __init__(self, cfg: SpecConfig, ladder: MTPLadder | None, suffix: SuffixIndex | None):
+        if cfg.arbitration not in self.POLICIES:
+            raise ValueError(f"arbitration must be one of {self.POLICIES}, got {cfg.arbitration!r}")
+        self.cfg = cfg
+        self.ladder = ladder
+        self.suffix = suffix if cfg.suffix and cfg.arbitration != "mtp" else None
+        self.depth = DepthController(cfg.max_depth, cfg.adaptive_depth) if ladder is not None else None
+
+    def plan(self, max_drafts: int, position: int) -> Draft:
+        """Drafts for the token positions after `position` (the pending token's), at most max_drafts."""
+        if max_drafts <= 0:
+            return Draft(NONE)
+        proposal: list[int] = []
+        if self.suffix is not None:
+            proposal, _ = self.suffix.propose(max_drafts, self.cfg.suffix_min_match)
+        if proposal and self.cfg.arbitration == "suffix_first":
+            return Draft(SUFFIX, proposal)
+        if self.ladder is None:
+            return Draft(SUFFIX, proposal) if proposal else Draft(NONE)
+        depth = min(max_drafts, self.depth.depth)
+        if not proposal:
+            return self.ladder.draft(depth, self.cfg.confidence_margin, position)
+        # "agree": the ladder's first step decides; when it agrees the ladder stops there.
+        ladder = self.ladder.draft(depth, self.cfg.confidence_margin, position,
+                                   stop_if_first=lambda tok: tok == proposal[0])
+        if ladder.tokens and ladder.tokens[0] == proposal[0]:
+            return Draft(SUFFIX, proposal, mtp_steps=ladder.mtp_steps)
+        return ladder
+
+    def observe(self, draft: Draft, accepted_drafts: int) -> None:
+        if draft.source == MTP and self.depth is not None and not draft.gated:
+            self.depth.observe(len(draft.tokens), accepted_drafts)

@@ -1,0 +1,174 @@
+"""Self-speculative decoding of one sequence: draft, verify W lanes in one forward, accept, commit.
+
+Between rounds the sequence has a committed state at position P (tokens 0..P-1
+run through the model) and a pending token x_P (chosen, not yet run). A round:
+
+1. draft: up to W-1 guesses d_1.. for positions P+1.. (engine/drafters.py);
+2. verify: ONE forward of [x_P, d_1, .., d_{W-1}] at positions P..P+W-1 in
+   verify mode. Lane t attends only up to its own position, and on the reference
+   path (W <= 16) each lane's numbers are those of a plain decode step;
+3. accept: lane t's logits choose the token at P+t+1 with the position-keyed
+   sampler (argmax when greedy). Walk t = 0, 1, ..: emit that token; continue
+   only while it equals d_{t+1} (then lane t+1 saw the right prefix) and is no
+   stop id. n = tokens emitted; the last one becomes the new pending token;
+4. commit: keep lanes 0..n-1.
+
+GDN rollback is the model's: on the reference path per-lane state slots
+(model.md §6, vLLM's layout: verify records every lane's recurrent state and
+conv window without writing the committed ones, commit(n) installs lane n-1's);
+the fast path records lane inputs and replays n of them (record-then-fold,
+q27-design.md §3.6). Rejected lanes leave nothing behind; attention KV rows past
+the committed position are cut back. tests/engine/test_spec_rollback.py proves
+commit(n) == n plain steps, bitwise, for every array of the state, and
+test_spec_exactness.py that a whole speculative run ends in plain decoding's state.
+
+Model calls follow the fast path's rules: commit directly after its verify
+forward, and hidden rows read before the next model call.
+
+Because the token at each position is a function of (logits row, seed,
+position) only, the output equals plain decoding's for every width, depth and
+drafter: drafts change how many tokens a round commits, never which.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import numpy as np
+
+from q27py.config import SpecConfig
+from q27py.engine.api import SamplingParams
+from q27py.engine.decoder import DecodeStats, PrefillBreaks, prefill, prompt_suffix
+from q27py.engine.drafters import DraftPlanner, MTPLadder, SuffixIndex
+from q27py.engine.sampling import PositionSampler, validate
+from q27py.errors import ConfigError
+from q27py.model.state import SequenceState
+
+# The reference forward computes T <= 16 tokens row by row (model/reference.py
+# SMALL_T); a wider verify would use batched matmuls whose rounding differs
+# from a plain decode step, and greedy output could drift on near ties.
+MAX_VERIFY_WIDTH = 16
+
+
+class SpecDecoder:
+    """Speculative decoding with the plain Decoder's interface (engine/decoder.py)."""
+
+    def __init__(self, model, spec: SpecConfig, prefill_chunk: int = 2048):
+        if not 1 <= spec.max_verify_width <= MAX_VERIFY_WIDTH:
+            raise ConfigError(f"spec.max_verify_width must be in 1..{MAX_VERIFY_WIDTH}, got {spec.max_verify_width}")
+        if not 1 <= spec.max_depth <= 7:
+            raise ConfigError(f"spec.max_depth must be in 1..7, got {spec.max_depth}")
+        if spec.suffix_min_match < 1:
+            raise ConfigError(f"spec.suffix_min_match must be >= 1, got {spec.suffix_min_match}")
+        if spec.arbitration not in DraftPlanner.POLICIES:
+            raise ConfigError(f"spec.arbitration must be one of {DraftPlanner.POLICIES}, got {spec.arbitration!r}")
+        self.model = model
+        self.cfg = spec
+        self.prefill_chunk = prefill_chunk
+        self.width = spec.max_verify_width
+
+    def _ladder(self, state: SequenceState, todo: list[int]) -> MTPLadder | None:
+        """The MTP ladder for this request, primed with the row it owes; None if it cannot run."""
+        if not getattr(self.model, "has_mtp", False) or state.mtp_kv is None:
+            return None
+        ladder = MTPLadder(self.model, state.mtp_kv)
+        if state.position == 0:
+            state.mtp_kv.truncate(0)
+            return ladder
+        # A reused prefix: the MTP rows must reach position-2 and the hidden at
+        # position-1 must be known (its row pairs it with the first new token).
+        # (A request abandoned mid-stream, e.g. at a stop string, may leave them short:
+        # then this request drafts with the suffix drafter only.)
+        hidden_last = state.extra.get("hidden_last")
+        if hidden_last is None or state.mtp_kv.length < state.position - 1:
+            return None  # drafting without those rows would read a hole in the MTP KV
+        state.mtp_kv.truncate(state.position - 1)
+        ladder.defer(np.asarray(hidden_last).reshape(1, -1), [todo[0]])
+        return ladder
+
+    def run(
+        self,
+        state: SequenceState,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_ids=frozenset(),
+        cancel: threading.Event | None = None,
+        stats: DecodeStats | None = None,
+        prefill_breaks: PrefillBreaks | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield the tokens committed by each round until a stop id, max_tokens or cancel."""
+        validate(sampling)
+        sampler = PositionSampler(sampling)
+        stats = stats if stats is not None else DecodeStats()
+        stats.record_trace = stats.record_trace or self.cfg.trace
+        if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
+            return
+        todo = prompt_suffix(state, prompt_ids)
+        ladder = self._ladder(state, todo)
+        suffix = SuffixIndex(key_len=min(4, self.cfg.suffix_min_match)) if self.cfg.suffix else None
+        planner = DraftPlanner(self.cfg, ladder, suffix)
+        if suffix is not None:
+            suffix.extend(prompt_ids)
+
+        def warm(start: int, piece: list[int], hidden) -> None:
+            # Rows whose next token is a prompt token are written chunk by chunk;
+            # the last prompt position waits for the first generated token.
+            end = start + len(piece)
+            known = len(piece) if end < len(prompt_ids) else len(piece) - 1
+            ladder.defer(hidden[:known], prompt_ids[start + 1 : start + 1 + known])
+            ladder.flush()
+
+        logits = prefill(self.model, state, todo, self.prefill_chunk, prefill_breaks,
+                         on_chunk=warm if ladder is not None else None)
+        pending = sampler.pick(logits, state.position)
+        if ladder is not None:
+            ladder.defer(state.extra["hidden_last"], [pending])
+        if suffix is not None:
+            suffix.extend([pending])
+        produced = 1
+        stats.record_round("none", [], 0, 1)
+        new = [pending]
+        while True:
+            last = pending in stop_ids or produced >= max_tokens
+            if last and ladder is not None:
+                # At rest the MTP rows reach position-2 (prefix reuse resumes from there).
+                # Written before the final yield: a consumer stops iterating at EOS.
+                ladder.flush(keep_last=True)
+            yield new
+            if last:
+                return
+            if cancel is not None and cancel.is_set():
+                if ladder is not None:
+                    ladder.flush(keep_last=True)
+                return
+            new = self._round(state, pending, max_tokens - produced, sampler, planner, ladder, suffix, stop_ids, stats)
+            produced += len(new)
+            pending = new[-1]
+
+    def _round(self, state, pending, remaining, sampler, planner, ladder, suffix, stop_ids, stats) -> list[int]:
+        position = state.position  # the pending token's position
+        draft = planner.plan(min(self.width - 1, remaining - 1), position)
+        lanes = [pending] + draft.tokens
+        out = self.model.forward(state, lanes, logits_rows="all", verify=True)
+        new: list[int] = []
+        for t in range(len(lanes)):
+            tok = sampler.pick(out.logits[t], position + t + 1)
+            new.append(tok)
+            if tok in stop_ids or t >= len(draft.tokens) or tok != draft.tokens[t]:
+                break
+        n = len(new)
+        accepted = 0
+        while accepted < min(n, len(draft.tokens)) and new[accepted] == draft.tokens[accepted]:
+            accepted += 1
+        hidden = np.array(out.hidden[:n])  # read before commit: the fast path reuses its scratch
+        self.model.commit(state, out.trace, n)
+        state.extra["hidden_last"] = hidden[n - 1 :]
+        if ladder is not None:
+            ladder.defer(hidden, new)
+        if suffix is not None:
+            suffix.extend(new)
+        planner.observe(draft, accepted)
+        stats.record_round(draft.source, draft.tokens, accepted, n, lanes=len(lanes), mtp_steps=draft.mtp_steps)
+        return new

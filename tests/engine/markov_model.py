@@ -1,0 +1,121 @@
+"""A tiny model object with the reference model's decoding interface, for fast statistical tests.
+
+The next-token logits depend only on the last token (a Markov chain), so the
+exact probability of any continuation is a product of table rows. Its "GDN
+state" is the last token run through it, with the same verify/commit contract
+as the reference model: verify records the state after every lane and leaves
+the committed one alone; commit(n) installs lane n-1's. The MTP head predicts
+the token after next from a second table, so drafts are right only sometimes.
+
+StrictMarkovModel adds the fast path's (q27py/gpu/forward.py) usage rules, so the
+decoders are tested against them on the CPU: `commit` must directly follow its
+verify forward, and an output's hidden rows live in a scratch buffer that the
+next model call overwrites.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from q27py.model.reference import ForwardOutput, Trace
+from q27py.model.state import GDNState, KVCache, SequenceState
+
+
+class MarkovModel:
+    def __init__(self, logits: np.ndarray, mtp_logits: np.ndarray | None = None):
+        self.table = np.asarray(logits, dtype=np.float32)
+        self.vocab = self.table.shape[0]
+        self.mtp_table = None if mtp_logits is None else np.asarray(mtp_logits, dtype=np.float32)
+        self.has_mtp = mtp_logits is not None
+        self.cfg = SimpleNamespace(vocab_size=self.vocab)
+        self.forward_calls = 0
+
+    @classmethod
+    def random(cls, vocab: int, seed: int, sharpness: float = 2.0, mtp_noise: float = 1.0) -> "MarkovModel":
+        rng = np.random.default_rng(seed)
+        main = rng.normal(size=(vocab, vocab)) * sharpness
+        # MTP(next) ~ the main chain two steps ahead, blurred: right often, not always.
+        p = np.exp(main - main.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        mtp = np.log(p @ p + 1e-9) + rng.normal(size=(vocab, vocab)) * mtp_noise
+        return cls(main, mtp)
+
+    def new_state(self) -> SequenceState:
+        gdn = {0: GDNState(np.full((1, 1, 1), -1.0, dtype=np.float32), np.zeros((0, 1), dtype=np.float32))}
+        return SequenceState(0, {}, gdn, KVCache(1, 1, np.float32) if self.has_mtp else None)
+
+    def _hidden(self, ids) -> np.ndarray:
+        return np.eye(self.vocab, dtype=np.float32)[np.asarray(ids, dtype=np.int64)]
+
+    def forward(self, state: SequenceState, ids, logits_rows="all", verify: bool = False) -> ForwardOutput:
+        self.forward_calls += 1
+        ids = [int(t) for t in np.asarray(ids).reshape(-1)]
+        logits = self.table[ids]
+        hidden = self._hidden(ids)
+        states = np.array(ids, dtype=np.float32).reshape(-1, 1, 1, 1)
+        trace = None
+        if verify:
+            trace = Trace(len(ids), {0: states}, {0: np.zeros((len(ids), 0, 1), dtype=np.float32)})
+        else:
+            state.gdn[0] = GDNState(states[-1].copy(), np.zeros((0, 1), dtype=np.float32))
+            state.position += len(ids)
+        if logits_rows == "last":
+            logits = logits[-1:]
+        elif logits_rows != "all":
+            logits = logits[np.asarray(logits_rows)]
+        return ForwardOutput(logits.copy(), hidden, trace)
+
+    def commit(self, state: SequenceState, trace: Trace, n: int) -> None:
+        assert 1 <= n <= trace.n_tokens
+        state.position += n
+        state.gdn[0] = GDNState(trace.recurrent[0][n - 1].copy(), trace.conv[0][n - 1].copy())
+
+    def mtp_forward(self, kv: KVCache, hidden, next_ids, start: int):
+        kv.truncate(start)
+        next_ids = [int(t) for t in np.asarray(next_ids).reshape(-1)]
+        assert len(next_ids) == np.asarray(hidden).shape[0]
+        kv.append(np.zeros((len(next_ids), 1, 1), np.float32), np.zeros((len(next_ids), 1, 1), np.float32))
+        return self.mtp_table[next_ids].copy(), self._hidden(next_ids)
+
+    def last_token(self, state: SequenceState) -> int:
+        return int(state.gdn[0].recurrent.reshape(-1)[0])
+
+
+class _ScratchOutput:
+    def __init__(self, model: "StrictMarkovModel", out: ForwardOutput):
+        self._model, self._epoch = model, model.epoch
+        self.logits, self.trace, self._hidden = out.logits, out.trace, out.hidden
+
+    @property
+    def hidden(self):
+        assert self._epoch == self._model.epoch, "hidden read after a later model call overwrote it"
+        return self._hidden
+
+
+class StrictMarkovModel(MarkovModel):
+    epoch = 0
+    _pending = None
+
+    chunk = 4  # like the fast path, a longer prefill returns the hidden rows of its last split only
+
+    def forward(self, state, ids, logits_rows="all", verify=False):
+        self.epoch += 1
+        out = super().forward(state, ids, logits_rows, verify)
+        if not verify:
+            n = len(out.hidden)
+            out.hidden = out.hidden[(n - 1) // self.chunk * self.chunk :]
+        self._pending = out.trace
+        return _ScratchOutput(self, out)
+
+    def commit(self, state, trace, n):
+        assert trace is not None and trace is self._pending, "commit must directly follow its verify forward"
+        self.epoch += 1
+        self._pending = None
+        super().commit(state, trace, n)
+
+    def mtp_forward(self, kv, hidden, next_ids, start):
+        self.epoch += 1
+        self._pending = None
+        return super().mtp_forward(kv, hidden, next_ids, start)
