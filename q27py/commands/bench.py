@@ -2,6 +2,8 @@
 
   q27py bench --random-weights 27b [--tier q4s] [--json]   full 27B shapes, random weights made on the GPU
   q27py bench shortbench [--model DIR] [--json]            5 short prompts x 128 tokens through the engine
+  q27py bench replay [--model DIR | --random-weights 27b] [--device cpu|cuda] [--json]
+                                                           a Claude-Code-shaped session: prefix reuse and TTFT
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from q27py.errors import Q27Error
 def add_arguments(p) -> None:
     from q27py.gpu.weights import TIERS
 
-    p.add_argument("suite", nargs="?", choices=["shortbench"], help="shortbench (default: --random-weights run)")
+    p.add_argument("suite", nargs="?", choices=["shortbench", "replay"],
+                   help="shortbench or replay (default: the --random-weights kernel bench)")
     p.add_argument("--random-weights", choices=["27b"], help="full Qwen3.6-27B shapes with seeded random weights")
     p.add_argument("--tier", choices=sorted(TIERS), default=None,
                    help="weight tier (random weights: default q4s; shortbench: the checkpoint's own bf16)")
@@ -25,6 +28,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", type=Path, default=None, help="model directory for shortbench")
     p.add_argument("--tokens", type=int, default=128, help="tokens per shortbench prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="replay: engine device (default cuda)")
+    p.add_argument("--system-tokens", type=int, default=20000, help="replay: size of the system + tools block")
+    p.add_argument("--turns", type=int, default=30, help="replay: turns in the session")
 
 
 def run(args) -> int:
@@ -37,6 +43,8 @@ def run(args) -> int:
         cfg = apply_env(Q27Config())
         apply_overrides(cfg.engine, {"model_dir": args.model, "device": "cuda", "tier": args.tier})
         result = run_shortbench(LocalEngine.load(cfg), args.tokens, log)
+    elif args.suite == "replay":
+        result = _replay(args, log)
     elif args.random_weights:
         from q27py.bench.random_weights import Bench
 
@@ -51,6 +59,39 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result, indent=1, default=float))
     return 0
+
+
+def _replay(args, log) -> dict:
+    """Build engines (one warm, fresh cold ones) over one shared model, then replay."""
+    from q27py.bench.replay import run_replay
+    from q27py.config import Q27Config, apply_env, apply_overrides
+    from q27py.engine.engine import LocalEngine, load_model
+    from q27py.tokenizer import Tokenizer
+
+    cfg = apply_env(Q27Config())
+    device = args.device or "cuda"
+    apply_overrides(cfg.engine, {"model_dir": args.model, "device": device, "tier": args.tier,
+                                 "max_context": args.system_tokens + 2048 * args.turns + 4096})
+    if args.random_weights:
+        from q27py.gpu.forward import FastModel
+        from q27py.gpu.weights import random_weights
+        from q27py.model.config import qwen36_27b_config
+        from q27py.model.tiny import FULL_TOKENIZER
+
+        model = FastModel(random_weights(qwen36_27b_config(), args.tier or "q4s", args.seed),
+                          max_context=cfg.engine.max_context, kv_dtype="bf16", chunk=1024)
+        model.enable_graphs()
+        tokenizer = Tokenizer.from_file(FULL_TOKENIZER)
+    else:
+        model = load_model(cfg)
+        tokenizer = Tokenizer.from_model_dir(cfg.engine.model_dir)
+    log(f"replay: {type(model).__name__} on {device}, system block ~{args.system_tokens} tokens, {args.turns} turns")
+    result = run_replay(lambda: LocalEngine(cfg, model, tokenizer), tokenizer, args.system_tokens, args.turns,
+                        seed=args.seed, log=log)
+    log(f"token-weighted reuse {result['token_weighted_reuse']:.1%}; warm TTFT mean {result['warm_ttft_mean_s'] * 1000:.0f} ms; "
+        f"turn of {result['turn_at_target']['prompt_tokens']} tokens: warm {result['turn_at_target']['ttft_s'] * 1000:.0f} ms, "
+        f"cold {result['turn_at_target']['cold_ttft_s'] * 1000:.0f} ms")
+    return result
 
 
 def _narrow(verify):

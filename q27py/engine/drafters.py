@@ -82,7 +82,7 @@ class MTPLadder:
             return
         rows = np.concatenate(self._hidden)
         cut = len(self._next) - keep
-        self.model.mtp_forward(self.kv, rows[:cut], self._next[:cut], self.kv.length)
+        self.model.mtp_forward(self.kv, rows[:cut], self._next[:cut], self.kv.length, logits_rows="none")
         self._hidden, self._next = [rows[cut:]] if keep else [], self._next[cut:]
 
     def draft(self, max_drafts: int, min_margin: float, position: int,
@@ -100,7 +100,7 @@ class MTPLadder:
         start = self.kv.length
         assert start + self.backlog == position, "MTP backlog out of step with the committed position"
         rows = np.concatenate(self._hidden)
-        logits, hm = self.model.mtp_forward(self.kv, rows, self._next, start)
+        logits, hm = self.model.mtp_forward(self.kv, rows, self._next, start, logits_rows="last")
         self._hidden, self._next = [], []
         warm_length = self.kv.length  # == position: row position-1 (step 0) is a committed row
         step_logits, h = logits[-1], hm[-1:]

@@ -290,7 +290,7 @@ class FastModel:
         state.position += n
         self._pending = None
 
-    def mtp_forward(self, kv: MtpKV, hidden, next_ids, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def mtp_forward(self, kv: MtpKV, hidden, next_ids, start: int, logits_rows="all") -> tuple[np.ndarray, np.ndarray]:
         """One MTP pass over rows at positions start.. (writes their MTP KV rows); host arrays out.
 
         kv is state.mtp_kv (as on the reference path): rows past `start` are dropped first.
@@ -305,6 +305,12 @@ class FastModel:
         next_ids = np.asarray(next_ids, dtype=np.int64).reshape(-1)
         t = int(next_ids.shape[0])
         hid = hidden if isinstance(hidden, cp.ndarray) else cp.asarray(np.asarray(hidden, dtype=np.float32))
+        # Warming MTP rows during prefill needs no logits: skipping the lm_head there saves
+        # a GEMM and a [rows x vocab] download per chunk.
+        if isinstance(logits_rows, str) and logits_rows == "none":
+            want = np.zeros(0, np.int64)
+        else:
+            want = _select_rows(t, logits_rows)
         logits_out, hm_out = [], []
         h = self.cfg.hidden_size
         with self.stream:
@@ -313,15 +319,22 @@ class FastModel:
                 self.mtp_ids[:n].set(next_ids[s0 : s0 + n].astype(np.int32), stream=self.stream)
                 self.mtp_hidden_in[:n, :h] = hid[s0 : s0 + n, :h]
                 state.ctl[1:2].set(np.array([start + s0], dtype=np.int32), stream=self.stream)
-                if self.graphs is not None and n <= VERIFY_SPAN:
-                    self.graphs.run(state, ("mtp", n), lambda: self.enqueue_mtp(state, n))
+                local = want[(want >= s0) & (want < s0 + n)] - s0
+                if local.size == n:
+                    mode = "all"
                 else:
-                    self.enqueue_mtp(state, n)
-                logits_out.append(self.logits[:n].get(stream=self.stream))
+                    mode = tuple(int(r) for r in local)
+                if self.graphs is not None and n <= VERIFY_SPAN:
+                    self.graphs.run(state, ("mtp", n, mode), lambda: self.enqueue_mtp(state, n, "all" if mode == "all" else local))
+                else:
+                    self.enqueue_mtp(state, n, "all" if mode == "all" else local)
+                if local.size:
+                    logits_out.append(self._fetch_logits(local))
                 hm_out.append(self.mtp_out[:n, :h].get(stream=self.stream))
         state.mtp_position = start + t
         kv.length = start + t
-        return np.concatenate(logits_out), np.concatenate(hm_out)
+        logits = np.concatenate(logits_out) if logits_out else np.zeros((0, self.vocab), dtype=np.float32)
+        return logits, np.concatenate(hm_out)
 
     # ------------------------------------------------------------------ device-side steps
     def _run_main(self, state: FastState, ids: np.ndarray, verify: bool, rows: np.ndarray) -> None:
@@ -560,6 +573,7 @@ def load_fast_model(cfg) -> FastModel:
         weights = from_checkpoint(Checkpoint.open(src), tier=e.tier or "bf16", progress=True)
     ctx = min(e.max_context, weights.cfg.max_position_embeddings)
     # bf16 weights keep fp32 KV (the path the golden tests hold to 1e-3); quantized tiers use bf16 KV
-    model = FastModel(weights, max_context=ctx, kv_dtype="f32" if weights.tier == "bf16" else "bf16")
+    # chunk 1024: prefill runs the tensor-core GEMM on up to 1024 rows per weight pass (docs/PERF.md)
+    model = FastModel(weights, max_context=ctx, kv_dtype="f32" if weights.tier == "bf16" else "bf16", chunk=1024)
     model.enable_graphs()
     return model

@@ -152,6 +152,8 @@ class ReferenceModel:
         return self.w["embed_tokens.weight"][ids].astype(self.dtype)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
+        if hidden.shape[0] == 0:
+            return np.zeros((0, self.lm_head.shape[0]), dtype=self.dtype)
         if hidden.shape[0] <= SMALL_T:
             return np.stack([hidden[i] @ self.lm_head.T for i in range(hidden.shape[0])])
         return hidden @ self.lm_head.T
@@ -202,12 +204,14 @@ class ReferenceModel:
             state.gdn[i] = GDNState(trace.recurrent[i][n - 1].copy(), trace.conv[i][n - 1].copy())
 
     # ------------------------------------------------------------------ MTP head
-    def mtp_forward(self, kv: KVCache, hidden: np.ndarray, next_ids, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def mtp_forward(self, kv: KVCache, hidden: np.ndarray, next_ids, start: int,
+                    logits_rows="all") -> tuple[np.ndarray, np.ndarray]:
         """One MTP layer pass over rows at positions start.. (appends their KV rows).
 
         Row i pairs the main model's post-norm hidden state at position start+i with
         the token at position start+i+1 and predicts the token after that. Returns
-        (logits [T, V], post-mtp.norm hidden [T, H]); the hidden feeds the next draft step.
+        (logits [R, V] for logits_rows ("all", "last", "none" or row indices), post-mtp.norm
+        hidden [T, H]); the hidden feeds the next draft step. Warming rows needs no logits.
         """
         if not self.has_mtp:
             raise RuntimeError("this checkpoint has no MTP head")
@@ -221,7 +225,8 @@ class ReferenceModel:
         h = self._round(r + y)
         h = self._round(h + self._mlp(self._norm(h, p + "post_attention_layernorm.weight"), p))
         hm = self._norm(h, "mtp.norm.weight")
-        return self.logits(hm), hm
+        rows = np.zeros(0, np.int64) if isinstance(logits_rows, str) and logits_rows == "none" else _select_rows(hm.shape[0], logits_rows)
+        return self.logits(hm[rows]), hm
 
     # ------------------------------------------------------------------ state transfer
     # What prefix reuse needs from a model (the fast path has the same methods): save and

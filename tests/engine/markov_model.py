@@ -72,12 +72,17 @@ class MarkovModel:
         state.position += n
         state.gdn[0] = GDNState(trace.recurrent[0][n - 1].copy(), trace.conv[0][n - 1].copy())
 
-    def mtp_forward(self, kv: KVCache, hidden, next_ids, start: int):
+    def mtp_forward(self, kv: KVCache, hidden, next_ids, start: int, logits_rows="all"):
         kv.truncate(start)
         next_ids = [int(t) for t in np.asarray(next_ids).reshape(-1)]
         assert len(next_ids) == np.asarray(hidden).shape[0]
         kv.append(np.zeros((len(next_ids), 1, 1), np.float32), np.zeros((len(next_ids), 1, 1), np.float32))
-        return self.mtp_table[next_ids].copy(), self._hidden(next_ids)
+        logits = self.mtp_table[next_ids].copy()
+        if isinstance(logits_rows, str):
+            logits = {"all": logits, "last": logits[-1:], "none": logits[:0]}[logits_rows]
+        else:
+            logits = logits[np.asarray(logits_rows)]
+        return logits, self._hidden(next_ids)
 
     def last_token(self, state: SequenceState) -> int:
         return int(state.gdn[0].recurrent.reshape(-1)[0])
@@ -115,7 +120,7 @@ class StrictMarkovModel(MarkovModel):
         self._pending = None
         super().commit(state, trace, n)
 
-    def mtp_forward(self, kv, hidden, next_ids, start):
+    def mtp_forward(self, kv, hidden, next_ids, start, logits_rows="all"):
         self.epoch += 1
         self._pending = None
-        return super().mtp_forward(kv, hidden, next_ids, start)
+        return super().mtp_forward(kv, hidden, next_ids, start, logits_rows)

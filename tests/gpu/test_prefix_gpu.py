@@ -1,0 +1,71 @@
+"""Prefix reuse on the fast path: rewind / export / import of device state, and warm == cold greedy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from q27py import DEFAULT_MODEL_DIR
+
+pytestmark = pytest.mark.gpu
+
+
+def _engine(**engine):
+    from q27py.config import Q27Config
+    from q27py.engine.engine import LocalEngine
+
+    cfg = Q27Config()
+    cfg.engine.device = "cuda"
+    cfg.engine.checkpoint_every = 64
+    for k, v in engine.items():
+        setattr(cfg.engine, k, v)
+    return LocalEngine.load(cfg)
+
+
+def test_rewind_and_import_reproduce_logits_bitwise():
+    from q27py.gpu.forward import load_fast_model
+    from q27py.config import Q27Config
+
+    cfg = Q27Config()
+    cfg.engine.device = "cuda"
+    model = load_fast_model(cfg)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 16000, 100).tolist(), rng.integers(0, 16000, 7).tolist()
+    st = model.new_state()
+    model.forward(st, a)
+    saved = model.save_recurrent(st)
+    exported = model.export_prefix(st)
+    want = model.forward(st, b).logits
+    model.rewind(st, len(a), saved)
+    assert np.array_equal(model.forward(st, b).logits, want)
+    other = model.new_state()
+    model.import_prefix(other, exported, len(a))
+    assert np.array_equal(model.forward(other, b).logits, want)
+
+
+def test_warm_engine_equals_cold_engine_over_turns(tmp_path):
+    from q27py.chat.render import render_messages
+    from q27py.engine.api import GenerationRequest
+
+    warm = _engine(prefix_cache_dir=tmp_path)
+    warm.prefix.disk.min_tokens = 1
+    msgs = [{"role": "system", "content": "You are a coding agent. " * 30}, {"role": "user", "content": "Fix utils.py"}]
+    cached = []
+    for turn in range(3):
+        r = render_messages(msgs, enable_thinking=False, preserve_thinking=True)
+        head = warm.tokenizer.encode(r.text[: r.stable_len])
+        ids = head + warm.tokenizer.encode(r.text[r.stable_len :])
+        outs = []
+        for eng in (warm, _engine()):
+            toks, stats = [], None
+            for chunk in eng.generate(GenerationRequest(prompt_ids=ids, max_tokens=12, stable_len=len(head))):
+                toks += chunk.token_ids
+                stats = chunk.stats or stats
+            outs.append(toks)
+            if eng is warm:
+                cached.append(stats["cached_tokens"])
+        assert outs[0] == outs[1]
+        msgs += [{"role": "assistant", "content": warm.tokenizer.decode(outs[0])}, {"role": "user", "content": f"step {turn}"}]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    warm.prefix.disk.flush()
+    assert list(tmp_path.glob("*.q27p"))
