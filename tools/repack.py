@@ -23,9 +23,34 @@ def repack(src: Path, out: Path, tier: str, progress: bool = True) -> dict:
 
     ckpt = Checkpoint.open(src)
     t0 = time.perf_counter()
+    copied = copy_tokenizer_files(src, out.parent)  # first: a conflict should cost no repack time
     header = write(out, ckpt, tier, progress=progress)
     return {"out": str(out), "tier": tier, "tensors": len(header["tensors"]), "bytes": out.stat().st_size,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "tokenizer_files": copied}
+
+
+# The .q27 container holds weights only; the engine reads these from the file's folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer_files(src: Path, dest: Path) -> list[str]:
+    """Copy the tokenizer / generation / template files beside the .q27 file (never overwrite a different one)."""
+    import shutil
+
+    from q27py.errors import CheckpointError
+
+    copied = []
+    for name in TOKENIZER_FILES:
+        a, b = Path(src) / name, Path(dest) / name
+        if not a.exists() or a.resolve() == b.resolve():
+            continue
+        if b.exists():
+            if a.read_bytes() != b.read_bytes():
+                raise CheckpointError(f"{b} exists and differs from {a}: put the .q27 file in its own folder")
+            continue
+        shutil.copyfile(a, b)
+        copied.append(name)
+    return copied
 
 
 def main(argv=None) -> int:

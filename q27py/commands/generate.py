@@ -14,29 +14,22 @@ import json
 import sys
 from pathlib import Path
 
+from q27py.commands.engine_flags import add_engine_arguments, apply_engine_arguments
 from q27py.config import Q27Config, apply_env, apply_overrides
 from q27py.engine.api import GenerationRequest, SamplingParams
 from q27py.errors import Q27Error
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", type=Path, default=None, help="model directory (default: the bundled q36-tiny-code)")
+    add_engine_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (used as is: no chat template)")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default=None, help="reference-path compute dtype")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    spec = p.add_argument_group("speculative decoding (output is identical either way; only speed changes)")
-    spec.add_argument("--spec", action=argparse.BooleanOptionalAction, default=None,
-                      help="speculate (default: on when the checkpoint has an MTP head)")
-    spec.add_argument("--max-depth", type=int, default=None, help="MTP draft ladder depth ceiling, 1..7")
-    spec.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=None,
-                      help="suffix drafter (copies earlier continuations of the context tail)")
-    spec.add_argument("--trace", action="store_true",
-                      help="with --json: stats.trace lists every round's drafter, drafts and accepted count")
+    p.add_argument("--trace", action="store_true",
+                   help="with --json: stats.trace lists every round's drafter, drafts and accepted count")
     samp = p.add_argument_group("sampling (default greedy)")
     samp.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     samp.add_argument("--top-p", type=float, default=None, help="nucleus mass kept, (0, 1]")
@@ -47,9 +40,8 @@ def add_arguments(p) -> None:
 
 def build_config(args) -> Q27Config:
     cfg = apply_env(Q27Config())
-    apply_overrides(cfg.engine, {"model_dir": args.model, "device": args.device, "dtype": args.dtype})
-    apply_overrides(cfg.spec, {"enabled": args.spec, "max_depth": args.max_depth, "suffix": args.suffix,
-                               "trace": True if args.trace else None})
+    apply_engine_arguments(cfg, args)
+    apply_overrides(cfg.spec, {"trace": True if args.trace else None})
     return cfg
 
 

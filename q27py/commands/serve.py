@@ -14,6 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
+from q27py.commands.engine_flags import add_engine_arguments, apply_engine_arguments
 from q27py.config import Q27Config, apply_env, apply_overrides
 from q27py.errors import ConfigError
 
@@ -21,15 +22,13 @@ log = logging.getLogger("q27py.server")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="model directory (default: the bundled tiny model, or $Q27_MODEL)")
+    add_engine_arguments(p, serving=True)
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8080)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require this API key (repeatable; also $Q27_API_KEY, comma-separated)")
     p.add_argument("--api-key-file", type=Path, metavar="FILE",
                    help="file with one API key per line (# comments)")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="where the model runs (default cpu)")
-    p.add_argument("--max-context", type=int, metavar="N", help="tokens per sequence (prompt + output)")
     think = p.add_mutually_exclusive_group()
     think.add_argument("--think", dest="default_thinking", action="store_true", default=None,
                        help="think before answering unless a request says otherwise (default)")
@@ -60,7 +59,7 @@ def build_config(args: argparse.Namespace, environ=None) -> Q27Config:
     from q27py.server.auth import load_key_file, validate_keys
 
     cfg = apply_env(Q27Config(), environ)
-    apply_overrides(cfg.engine, {"model_dir": args.model, "device": args.device, "max_context": args.max_context})
+    apply_engine_arguments(cfg, args)
     keys = list(cfg.server.api_keys) + list(args.api_key or [])
     if args.api_key_file is not None:
         keys += load_key_file(args.api_key_file)

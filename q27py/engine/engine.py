@@ -73,8 +73,10 @@ class LocalEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_config = model.cfg
-        self.model_dir = Path(cfg.engine.model_dir)
-        self.model_name = self.model_dir.name
+        source = Path(cfg.engine.model_dir)
+        # A repacked .q27 file keeps its tokenizer and template files in its own folder.
+        self.model_dir = source if source.is_dir() or not source.exists() else source.parent
+        self.model_name = source.stem if source.is_file() else source.name
         self.max_context = min(cfg.engine.max_context, self.model_config.max_position_embeddings)
         self.has_mtp = bool(getattr(model, "has_mtp", False))
         self.chat_template = _detect_template(self.model_dir)
@@ -91,7 +93,7 @@ class LocalEngine:
         e = cfg.engine
         if e.prefix_cache_dir is None:
             return None
-        compat = compat_hash(self.model_dir, self.model_config, e.tier, getattr(self.model, "state_format", "?"))
+        compat = compat_hash(Path(e.model_dir), self.model_config, e.tier, getattr(self.model, "state_format", "?"))
         return DiskCache(Path(e.prefix_cache_dir), compat, max_bytes=e.prefix_cache_max_bytes)
 
     @classmethod
@@ -99,7 +101,8 @@ class LocalEngine:
         from q27py.tokenizer import Tokenizer
 
         model = load_model(cfg)
-        return cls(cfg, model, Tokenizer.from_model_dir(cfg.engine.model_dir))
+        source = Path(cfg.engine.model_dir)
+        return cls(cfg, model, Tokenizer.from_model_dir(source.parent if source.is_file() else source))
 
     def check_context(self, prompt_tokens: int) -> None:
         if prompt_tokens >= self.max_context:

@@ -205,8 +205,8 @@ def compat_hash(model_dir: Path, model_cfg, tier: str | None, state_format: str)
     h = hashlib.sha256()
     h.update(f"q27-prefix-v{FORMAT_VERSION}|tier={tier}|state={state_format}|".encode())
     h.update(json.dumps(model_cfg.to_hf_dict(), sort_keys=True).encode())
-    model_dir = Path(model_dir)
-    for p in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.q27")):
+    source = Path(model_dir)  # a checkpoint directory or a repacked .q27 file
+    for p in [source] if source.is_file() else sorted(source.glob("*.safetensors")):
         size = p.stat().st_size
         h.update(f"{p.name}:{size}|".encode())
         with open(p, "rb") as f:  # header + first and last MiB: changes with any retrain or repack

@@ -1,0 +1,48 @@
+"""Engine flags shared by `generate`, `serve` and the benches: model, device, tier, speculation, prefix cache.
+
+Flags map into q27py/config.py's dataclasses here, once; an absent flag (None)
+leaves the environment's or the default value.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, serving: bool = False) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="Hugging Face checkpoint directory or repacked .q27 file (default: the bundled q36-tiny-code, or $Q27_MODEL)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="cpu = numpy reference path; cuda = fast path")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default=None, help="reference-path compute dtype")
+    p.add_argument("--tier", choices=["bf16", "q8", "q5f", "q4s"], default=None,
+                   help="cuda: quantize a bf16 checkpoint on load to this tier (docs/QUANT.md)")
+    p.add_argument("--max-context", type=int, metavar="N", default=None, help="tokens per sequence (prompt + output)")
+    spec = p.add_argument_group("speculative decoding (output is identical either way; only speed changes)")
+    spec.add_argument("--spec", action=argparse.BooleanOptionalAction, default=None,
+                      help="speculate (default: on when the checkpoint has an MTP head)")
+    spec.add_argument("--max-depth", type=int, default=None, help="MTP draft ladder depth ceiling, 1..7")
+    spec.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=None,
+                      help="suffix drafter (copies earlier continuations of the context tail)")
+    if serving:
+        pre = p.add_argument_group("prefix reuse")
+        pre.add_argument("--prefix-cache", type=Path, metavar="DIR", default=None,
+                         help="persistent prefix cache directory (opt-in; token-verified, survives restarts)")
+        pre.add_argument("--prefix-cache-gb", type=float, default=None, help="size cap of --prefix-cache (LRU)")
+        pre.add_argument("--checkpoint-every", type=int, metavar="N", default=None,
+                         help="save GDN state every N prefill tokens so edited history rewinds there (0 = off)")
+        pre.add_argument("--max-sequences", type=int, metavar="N", default=None,
+                         help="live sequences kept for reuse")
+
+
+def apply_engine_arguments(cfg, args) -> None:
+    from q27py.config import apply_overrides
+
+    get = lambda name: getattr(args, name, None)  # noqa: E731 - flags a command did not add stay None
+    apply_overrides(cfg.engine, {
+        "model_dir": get("model"), "device": get("device"), "dtype": get("dtype"), "tier": get("tier"),
+        "max_context": get("max_context"), "prefix_cache_dir": get("prefix_cache"),
+        "prefix_cache_max_bytes": int(get("prefix_cache_gb") * (1 << 30)) if get("prefix_cache_gb") else None,
+        "checkpoint_every": get("checkpoint_every"), "max_sequences": get("max_sequences"),
+    })
+    apply_overrides(cfg.spec, {"enabled": get("spec"), "max_depth": get("max_depth"), "suffix": get("suffix")})
