@@ -34,6 +34,7 @@ from q27py.gpu import layout as L
 from q27py.gpu.runtime import Runtime, ptr
 from q27py.gpu.weights import LayerW, ModelWeights
 from q27py.model.config import FULL, ModelConfig
+from q27py.model.reference import select_rows
 
 VERIFY_SPAN = 16  # lane capacity the attention split size is derived from (>= any verify width)
 
@@ -251,7 +252,7 @@ class FastModel:
             raise ValueError(f"context overflow: {state.position + t} > {self.max_pos} positions")
         if verify and t > VERIFY_SPAN:
             raise ValueError(f"verify width {t} > {VERIFY_SPAN}")
-        rows = _select_rows(t, logits_rows)
+        rows = select_rows(t, logits_rows)
         self._pending = None
         with self.stream:
             if t > self.chunk:
@@ -307,10 +308,7 @@ class FastModel:
         hid = hidden if isinstance(hidden, cp.ndarray) else cp.asarray(np.asarray(hidden, dtype=np.float32))
         # Warming MTP rows during prefill needs no logits: skipping the lm_head there saves
         # a GEMM and a [rows x vocab] download per chunk.
-        if isinstance(logits_rows, str) and logits_rows == "none":
-            want = np.zeros(0, np.int64)
-        else:
-            want = _select_rows(t, logits_rows)
+        want = select_rows(t, logits_rows)
         logits_out, hm_out = [], []
         h = self.cfg.hidden_size
         with self.stream:
@@ -398,7 +396,7 @@ class FastModel:
         self._attention(state, lw, plan, t, state.mtp_k, state.mtp_v, ptr(state.ctl, 4), max(VERIFY_SPAN, t))
         self._mlp(lw, plan, t)
         K.rmsnorm(self.h, hp, m.norm, eps, h, self.mtp_out, hp, t)
-        self._logits_rows(self.mtp_out, _select_rows(t, rows))
+        self._logits_rows(self.mtp_out, select_rows(t, rows))
 
     # ------------------------------------------------------------------ blocks
     def _gdn(self, state: FastState, lw: LayerW, plan: dict, t: int, commit: bool) -> None:
@@ -528,18 +526,6 @@ def check_supported(cfg: ModelConfig) -> None:
         raise ConfigError(f"fast path: GDN head dims {cfg.linear_key_head_dim}/{cfg.linear_value_head_dim} unsupported")
     if cfg.linear_conv_kernel_dim - 1 > 8:
         raise ConfigError(f"fast path: linear_conv_kernel_dim {cfg.linear_conv_kernel_dim} > 9")
-
-
-def _select_rows(t: int, rows) -> np.ndarray:
-    if isinstance(rows, str):
-        if rows == "all":
-            return np.arange(t)
-        if rows == "last":
-            return np.array([t - 1])
-        if rows == "none":
-            return np.zeros(0, dtype=np.int64)
-        raise ValueError(f"logits_rows {rows!r}")
-    return np.asarray(rows, dtype=np.int64).reshape(-1)
 
 
 def _runs(rows: np.ndarray):

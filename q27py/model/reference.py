@@ -191,7 +191,7 @@ class ReferenceModel:
         hidden = self._norm(h, "norm.weight")
         if not verify:
             state.position = start + t
-        rows = _select_rows(t, logits_rows)
+        rows = select_rows(t, logits_rows)
         return ForwardOutput(self.logits(hidden[rows]), hidden, trace)
 
     def commit(self, state: SequenceState, trace: Trace, n: int) -> None:
@@ -225,8 +225,7 @@ class ReferenceModel:
         h = self._round(r + y)
         h = self._round(h + self._mlp(self._norm(h, p + "post_attention_layernorm.weight"), p))
         hm = self._norm(h, "mtp.norm.weight")
-        rows = np.zeros(0, np.int64) if isinstance(logits_rows, str) and logits_rows == "none" else _select_rows(hm.shape[0], logits_rows)
-        return self.logits(hm[rows]), hm
+        return self.logits(hm[select_rows(hm.shape[0], logits_rows)]), hm
 
     # ------------------------------------------------------------------ state transfer
     # What prefix reuse needs from a model (the fast path has the same methods): save and
@@ -275,12 +274,15 @@ class ReferenceModel:
         self.rewind(state, position, arrays)
 
 
-def _select_rows(t: int, rows) -> np.ndarray:
+def select_rows(t: int, rows) -> np.ndarray:
+    """logits_rows ("all", "last", "none" or row indices) -> indices into T rows (both forward paths)."""
     if isinstance(rows, str):
         if rows == "all":
             return np.arange(t)
         if rows == "last":
             return np.array([t - 1])
+        if rows == "none":
+            return np.zeros(0, dtype=np.int64)
         raise ValueError(f"logits_rows {rows!r}")
-    return np.asarray(rows, dtype=np.int64)
+    return np.asarray(rows, dtype=np.int64).reshape(-1)
 
