@@ -37,6 +37,10 @@ from q27py.model.config import FULL, ModelConfig
 from q27py.model.reference import select_rows
 
 VERIFY_SPAN = 16  # lane capacity the attention split size is derived from (>= any verify width)
+# Launches of more lanes than any verify (prefill chunks, MTP warm-up) run the tiled tensor-core
+# attention, which reads each K/V tile once per 64 query rows instead of once per lane. Decode
+# and verify keep the per-lane kernel, whose bits the gates and width invariance rely on.
+PREFILL_ATTENTION = True
 
 
 @dataclass
@@ -425,8 +429,12 @@ class FastModel:
         K.qk_norm_rope_store(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm, cfg.rms_norm_eps, nq,
                              nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf, nq * hd, kc, vc, self.kv_bf16,
                              self.max_pos, t)
-        K.attention(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, span, self.part,
-                    self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+        if PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, self.kv_bf16):
+            K.attention_prefill(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, self.qg,
+                                self.ld_qg, self.xa, self.ld_xa, t)
+        else:
+            K.attention(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, span, self.part,
+                        self.qg, self.ld_qg, self.xa, self.ld_xa, t)
         plan["out"].run(self.xa, self.ld_xa, t)
 
     def _mlp(self, lw: LayerW, plan: dict, t: int) -> None:

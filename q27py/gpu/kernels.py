@@ -371,3 +371,54 @@ def top2(logits, ld: int, vocab: int, rows: int, part, ids, top1, margin, inv_te
     rt.launch("sampling", "top2_partial", (rows, TOP2_BLOCKS), 256,
               (logits, i32(ld), i32(vocab), f32(inv_temp), u64(seed), pos0_dev, part))
     rt.launch("sampling", "top2_final", rows, 32, (part, i32(TOP2_BLOCKS), ids, top1, margin))
+
+
+# ---------------------------------------------------------------- prefill attention (tensor-core tiles)
+PF_ROWS = 64  # PF_ROWS in cuda/attention_prefill.cu: (lane, q head) rows per CTA
+PF_THREADS = 128
+
+
+def prefill_key_tile(hd: int, kv_bf16: bool) -> int:
+    """Keys per shared-memory tile (the NK each kernel in cuda/attention_prefill.cu is built with)."""
+    return 16 if (hd == 256 and not kv_bf16) else 32
+
+
+def attention_prefill_shared_bytes(hd: int, kv_bf16: bool) -> int:
+    """PfLayout::BYTES: Q hi/lo for 64 rows + one K tile and one transposed V tile (hi, and lo for fp32)."""
+    nk = prefill_key_tile(hd, kv_bf16)
+    parts = 1 if kv_bf16 else 2
+    return 2 * (2 * PF_ROWS * (hd + 8) + parts * (nk * (hd + 8) + hd * (nk + 8)))
+
+
+_SMEM_OPTIN: dict[int, int] = {}
+
+
+def attention_prefill_fits(hd: int, kv_bf16: bool) -> bool:
+    """Whether this device grants the kernel's shared memory. sm_80/sm_90 parts (163-227 KB) take
+    every variant; 99 KB parts (sm_86/89) not the head-dim-256 ones, which then keep the per-lane kernel."""
+    rt = Runtime.get()
+    if rt.device.id not in _SMEM_OPTIN:
+        try:  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+            _SMEM_OPTIN[rt.device.id] = int(rt.cp.cuda.runtime.deviceGetAttribute(97, rt.device.id))
+        except Exception:  # unknown: let the launch itself report a shortfall
+            _SMEM_OPTIN[rt.device.id] = 1 << 30
+    return attention_prefill_shared_bytes(hd, kv_bf16) <= _SMEM_OPTIN[rt.device.id]
+
+
+def attention_prefill(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
+                      qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+    """Causal attention of nlanes prefill lanes at pos0.. (lane i sees keys 0..pos0+i) + the sigmoid
+    gate; out[t][h*hd + d]. Same contract as attention() minus the partials buffer, but each K/V
+    tile is read once per 64 (lane, q head) rows instead of once per lane."""
+    if hd not in (32, 64, 128, 256):
+        raise ValueError(f"prefill attention head dim {hd} not supported (32, 64, 128 or 256)")
+    if nq % nkv:
+        raise ValueError(f"{nq} q heads do not split evenly over {nkv} kv heads")
+    if ldq % 4 or ldo < nq * hd or ldqg < 2 * nq * hd:
+        raise ValueError("q rows must be float4-aligned (ldq % 4 == 0) and out / qg rows wide enough")
+    rows = nq // nkv * nlanes
+    kernel = f"attn_prefill_{'bf16' if kv_bf16 else 'f32'}_d{hd}"
+    Runtime.get().launch("attention_prefill", kernel, (nkv, -(-rows // PF_ROWS)), PF_THREADS,
+                         (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), i32(nlanes), f32(hd ** -0.5),
+                          pos0_dev, qg, i32(ldqg), out, i32(ldo)),
+                         shared_mem=attention_prefill_shared_bytes(hd, kv_bf16))
