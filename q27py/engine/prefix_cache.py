@@ -257,7 +257,9 @@ class DiskCache:
             log.warning("prefix cache: ignoring %s (%s)", path.name, exc)
             return None
         if head.get("compat") != self.compat or head.get("version") != FORMAT_VERSION:
-            return None  # another model / format: invisible, not an error
+            # another model, tier or format: never used, and said once at startup
+            log.info("prefix cache: ignoring %s (written for another model or format)", path.name)
+            return None
         return head
 
     def lookup_length(self, prompt: list[int]) -> int:
