@@ -11,9 +11,10 @@ import time
 import unicodedata
 from pathlib import Path
 
+import random
+import sys
+
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from q27py.errors import ConfigError, TokenizerError
 from q27py.tokenizer import IncrementalDecoder, Tokenizer, load_stop_ids
@@ -211,11 +212,35 @@ def small_bpe(vocab_dirs) -> BPE:
     return BPE(spec["model"]["vocab"], ranks, ignore_merges=False)
 
 
-@settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet=" \nabcdeinorst_=(", max_size=60))
-def test_heap_bpe_equals_the_textbook_loop(small_bpe, text):
-    word = to_alphabet(text)
-    assert small_bpe.merge(list(word)) == _naive_bpe(list(word), small_bpe.merge_ranks)
+def _random_text(rng: random.Random, max_size: int) -> str:
+    """Any code point but surrogates, biased towards ASCII, combining marks, CJK and emoji."""
+    out = []
+    for _ in range(rng.randint(0, max_size)):
+        pick = rng.random()
+        if pick < 0.5:
+            c = chr(rng.randint(0x20, 0x7E))
+        elif pick < 0.6:
+            c = rng.choice("\n\t\r \u00a0\u3000")
+        elif pick < 0.7:
+            c = chr(rng.randint(0x300, 0x36F))
+        elif pick < 0.8:
+            c = chr(rng.randint(0x4E00, 0x9FFF))
+        elif pick < 0.9:
+            c = chr(rng.randint(0x1F300, 0x1FAFF))
+        else:
+            c = chr(rng.randint(0, sys.maxunicode))
+            if 0xD800 <= ord(c) <= 0xDFFF:
+                c = "x"
+        out.append(c)
+    return "".join(out)
+
+
+def test_heap_bpe_equals_the_textbook_loop(small_bpe):
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(" \nabcdeinorst_=(") for _ in range(rng.randint(0, 60)))
+        word = to_alphabet(text)
+        assert small_bpe.merge(list(word)) == _naive_bpe(list(word), small_bpe.merge_ranks), text
 
 
 def test_bpe_merges_by_rank_not_by_position():
@@ -296,11 +321,12 @@ def test_normalization_happens_between_special_tokens():
 # ----- decoding -----
 
 
-@settings(max_examples=200, deadline=None)
-@given(text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=40))
-def test_decode_inverts_encode_up_to_nfc(tokenizers, text):
+def test_decode_inverts_encode_up_to_nfc(tokenizers):
     tok = tokenizers["qwen36-first2048"]
-    assert tok.decode(tok.encode(text, allow_special=False)) == unicodedata.normalize("NFC", text)
+    rng = random.Random(1)
+    for _ in range(200):
+        text = _random_text(rng, 40)
+        assert tok.decode(tok.encode(text, allow_special=False)) == unicodedata.normalize("NFC", text), repr(text)
 
 
 def test_lone_surrogate_encodes_as_replacement_character(bundled):
@@ -332,21 +358,21 @@ def test_incremental_decoder_holds_back_split_characters(tokenizers):
     assert "".join(pieces) + dec.flush() == tok.decode(ids) == text
 
 
-@settings(max_examples=300, deadline=None)
-@given(data=st.data())
-def test_incremental_output_equals_one_shot_decode(tokenizers, data):
+def test_incremental_output_equals_one_shot_decode(tokenizers):
     tok = tokenizers["qwen36-first2048"]
-    # Arbitrary ids: byte tokens (0..255 are single bytes, often invalid UTF-8), merges, specials.
-    ids = data.draw(st.lists(st.integers(0, tok.vocab_size + 2), max_size=30))
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=6)))
-    skip = data.draw(st.booleans())
-    dec = tok.new_decoder(skip_special=skip)
-    out, prev = [], 0
-    for cut in [*cuts, len(ids)]:
-        out.append(dec.feed(ids[prev:cut]))
-        prev = cut
-    out.append(dec.flush())
-    assert "".join(out) == tok.decode(ids, skip_special=skip)
+    rng = random.Random(2)
+    for _ in range(300):
+        # Arbitrary ids: byte tokens (0..255 are single bytes, often invalid UTF-8), merges, specials.
+        ids = [rng.randint(0, tok.vocab_size + 2) for _ in range(rng.randint(0, 30))]
+        cuts = sorted(rng.randint(0, len(ids)) for _ in range(rng.randint(0, 6)))
+        skip = rng.random() < 0.5
+        dec = tok.new_decoder(skip_special=skip)
+        out, prev = [], 0
+        for cut in [*cuts, len(ids)]:
+            out.append(dec.feed(ids[prev:cut]))
+            prev = cut
+        out.append(dec.flush())
+        assert "".join(out) == tok.decode(ids, skip_special=skip), ids
 
 
 def test_incremental_decoder_flush_reports_an_unfinished_character():
