@@ -2,7 +2,7 @@
 
     python3 tools/tokenizer_speed.py [--tokenizer PATH_OR_MODEL_DIR] [--text FILE] [--kb 100]
 
-Defaults to the real 248K vocabulary in ../shared/fixtures/tokenizers/qwen36-full and a
+Defaults to the real 248K vocabulary bundled in q27py/data/tokenizers and a
 prompt cut from this Python's standard-library sources (real code, deterministic).
 """
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO))
 
 from q27py.tokenizer import Tokenizer  # noqa: E402
 
-DEFAULT_TOKENIZER = REPO.parent / "shared" / "fixtures" / "tokenizers" / "qwen36-full" / "tokenizer.json.gz"
+DEFAULT_TOKENIZER = REPO / "q27py" / "data" / "tokenizers" / "qwen36-full.tokenizer.json.gz"  # bundled real vocabulary
 
 
 def code_prompt(n_bytes: int) -> str:
