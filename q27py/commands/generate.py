@@ -9,10 +9,8 @@ names are a contract (external checks read them).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
 from q27py.commands.engine_flags import add_engine_arguments, apply_engine_arguments
 from q27py.config import Q27Config, apply_env, apply_overrides

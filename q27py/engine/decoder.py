@@ -129,6 +129,14 @@ def prefill(model, state: SequenceState, ids: list[int], chunk: int,
     return last
 
 
+def begin_run(sampling: SamplingParams, stats: DecodeStats | None, trace: bool) -> tuple[PositionSampler, DecodeStats]:
+    """What every decoder does first: check the sampling settings, key the sampler, set up stats."""
+    validate(sampling)
+    stats = stats if stats is not None else DecodeStats()
+    stats.record_trace = stats.record_trace or trace
+    return PositionSampler(sampling), stats
+
+
 def prompt_suffix(state: SequenceState, prompt_ids: list[int]) -> list[int]:
     """The prompt tokens not yet in the state (all of them for a fresh state)."""
     if not 0 <= state.position < len(prompt_ids):
@@ -160,10 +168,7 @@ class Decoder:
         prefill_breaks: PrefillBreaks | None = None,
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by each round until a stop id, max_tokens or cancel."""
-        validate(sampling)
-        sampler = PositionSampler(sampling)
-        stats = stats if stats is not None else DecodeStats()
-        stats.record_trace = stats.record_trace or self.trace
+        sampler, stats = begin_run(sampling, stats, self.trace)
         if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
             return
         logits = prefill(self.model, state, prompt_suffix(state, prompt_ids), self.prefill_chunk, prefill_breaks)

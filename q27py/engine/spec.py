@@ -39,9 +39,8 @@ import numpy as np
 
 from q27py.config import SpecConfig
 from q27py.engine.api import SamplingParams
-from q27py.engine.decoder import DecodeStats, PrefillBreaks, prefill, prompt_suffix
+from q27py.engine.decoder import DecodeStats, PrefillBreaks, begin_run, prefill, prompt_suffix
 from q27py.engine.drafters import DraftPlanner, MTPLadder, SuffixIndex
-from q27py.engine.sampling import PositionSampler, validate
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
 
@@ -99,10 +98,7 @@ class SpecDecoder:
         prefill_breaks: PrefillBreaks | None = None,
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by each round until a stop id, max_tokens or cancel."""
-        validate(sampling)
-        sampler = PositionSampler(sampling)
-        stats = stats if stats is not None else DecodeStats()
-        stats.record_trace = stats.record_trace or self.cfg.trace
+        sampler, stats = begin_run(sampling, stats, self.cfg.trace)
         if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
             return
         todo = prompt_suffix(state, prompt_ids)

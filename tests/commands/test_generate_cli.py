@@ -4,9 +4,7 @@ import json
 import subprocess
 import sys
 
-import pytest
 
-from q27py import DEFAULT_MODEL_DIR
 
 
 def _run(*args):

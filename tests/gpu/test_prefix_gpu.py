@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from q27py import DEFAULT_MODEL_DIR
 
 pytestmark = pytest.mark.gpu
 
