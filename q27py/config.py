@@ -50,10 +50,18 @@ class EngineConfig:
     tier: str | None = None  # weight tier when quantizing a bf16 checkpoint on load (q4s | q5f | q8 | None)
     max_context: int = 32768  # tokens per sequence (clamped to the model's max_position_embeddings)
     max_sequences: int = 4  # live sequences (slots) kept for prefix reuse
-    prefill_chunk: int = 2048  # tokens per prefill chunk
+    prefill_chunk: int = 2048  # tokens per prefill chunk (CPU paths)
+    # cuda: tokens per fast-path forward launch. Large, because the cuBLAS prefill route expands
+    # each packed matrix to bf16 once per launch (~20 ms for the 27B), amortized over the chunk.
+    gpu_prefill_chunk: int = 4096
+    prefill_gemm: str = "auto"  # cuda: "auto" (cuBLAS on bf16 expansions for big chunks) | "kernel" (mma.sync only)
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30
+
+    def engine_prefill_chunk(self) -> int:
+        """Tokens per prefill piece the decoder feeds the model on this device."""
+        return self.gpu_prefill_chunk if self.device == "cuda" else self.prefill_chunk
 
 
 @dataclass

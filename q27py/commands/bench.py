@@ -79,7 +79,7 @@ def _replay(args, log) -> dict:
         from q27py.model.tiny import FULL_TOKENIZER
 
         model = FastModel(random_weights(qwen36_27b_config(), args.tier or "q4s", args.seed),
-                          max_context=cfg.engine.max_context, kv_dtype="bf16", chunk=1024)
+                          max_context=cfg.engine.max_context, kv_dtype="bf16", chunk=cfg.engine.gpu_prefill_chunk)
         model.enable_graphs()
         tokenizer = Tokenizer.from_file(FULL_TOKENIZER)
     else:

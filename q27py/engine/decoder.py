@@ -196,5 +196,5 @@ def build_decoder(model, cfg):
     if use_spec:
         from q27py.engine.spec import SpecDecoder  # spec.py imports this module
 
-        return SpecDecoder(model, spec, prefill_chunk=cfg.engine.prefill_chunk)
-    return Decoder(model, prefill_chunk=cfg.engine.prefill_chunk, trace=spec.trace)
+        return SpecDecoder(model, spec, prefill_chunk=cfg.engine.engine_prefill_chunk())
+    return Decoder(model, prefill_chunk=cfg.engine.engine_prefill_chunk(), trace=spec.trace)

@@ -36,6 +36,7 @@ from q27py.gpu.weights import LayerW, ModelWeights
 from q27py.model.config import FULL, ModelConfig
 from q27py.model.reference import select_rows
 
+LOGIT_ROWS = 1024  # logits rows one forward chunk can return (compact storage, see FastModel.logits)
 VERIFY_SPAN = 16  # lane capacity the attention split size is derived from (>= any verify width)
 # Launches of more lanes than any verify (prefill chunks, MTP warm-up) run the tiled tensor-core
 # attention, which reads each K/V tile once per 64 query rows instead of once per lane. Decode
@@ -168,10 +169,16 @@ class FastModel:
         c = cfg.gdn_conv_dim
         self.ld_proj = L.round_up(c + hv * dv, 4)
         ng = max(len(cfg.linear_layers), 1)
-        # GDN records, per layer (they outlive the forward until commit)
-        self.proj = z(ng, T, self.ld_proj)
-        self.qkvn = z(ng, T, c)
-        self.gb = z(ng, T, 2 * hv)
+        # GDN records, per layer (they outlive a verify forward until commit): verify widths only.
+        # Prefill chunks (t > VERIFY_SPAN) never commit from records, so they share one scratch
+        # of T rows -- at T = 4096 per-layer records would cost 48 x T x 107 KB = 21 GB.
+        R = VERIFY_SPAN
+        self.proj = z(ng, R, self.ld_proj)
+        self.qkvn = z(ng, R, c)
+        self.gb = z(ng, R, 2 * hv)
+        self.proj_big = z(T, self.ld_proj) if T > R else None
+        self.qkvn_big = z(T, c) if T > R else None
+        self.gb_big = z(T, 2 * hv) if T > R else None
         self.ab = z(T, 2 * hv)
         self.o_gdn = z(T, hv * dv)
         self.ld_xo = L.round_up(hv * dv, 64)
@@ -183,16 +190,21 @@ class FastModel:
         self.qbuf = z(T, nq * hd)
         self.ld_xa = L.round_up(nq * hd, 64)
         self.xa = z(T, self.ld_xa)
-        self.part = cp.zeros(K.attention_partials_floats(T, nq, hd), dtype=cp.float32)
+        # split-K partials: decode / verify lanes only, unless this card cannot run the tiled
+        # prefill attention (then prefill chunks take the per-lane kernel too)
+        part_lanes = VERIFY_SPAN if (PREFILL_ATTENTION and K.attention_prefill_fits(hd, self.kv_bf16)) else T
+        self.part = cp.zeros(K.attention_partials_floats(part_lanes, nq, hd), dtype=cp.float32)
         rd = cfg.rotary_dim
         inv = 1.0 / (cfg.rope_theta ** (np.arange(0, rd, 2, dtype=np.float64) / rd))
         self.inv_freq = cp.asarray(inv)
         # MLP
         self.ld_act = L.round_up(cfg.intermediate_size, 64)
         self.act = z(T, self.ld_act)
-        # logits + argmax
+        # logits + argmax. Rows are stored compactly (the i-th requested row of a launch in row i),
+        # so a long prefill chunk does not need T x vocab floats (4 GB at T = 4096 on the 27B).
         self.vocab = cfg.vocab_size
-        self.logits = z(T, self.vocab)
+        self.logit_rows = min(T, LOGIT_ROWS)
+        self.logits = z(self.logit_rows, self.vocab)
         self.top2_part = cp.zeros((T, K.TOP2_BLOCKS, 2), dtype=cp.uint64)
         self.tok = cp.zeros(T, dtype=cp.int32)
         self.top1 = z(T)
@@ -237,6 +249,8 @@ class FastModel:
         else:
             g = lw.gdn
             p["in"] = K.GemvPlan([g.qkvz, g.ab], [(self.proj[gi], self.ld_proj), (self.ab, self.ab.shape[1])], ws)
+            if self.proj_big is not None:  # prefill chunks write the shared scratch, not the records
+                p["in_big"] = K.GemvPlan([g.qkvz, g.ab], [(self.proj_big, self.ld_proj), (self.ab, self.ab.shape[1])], ws)
             p["out"] = K.GemvPlan([g.out], [(self.h, self.hp)], ws)
             p["gi"] = gi
         return p
@@ -409,13 +423,16 @@ class FastModel:
         gi = plan["gi"]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, kw, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim
-        plan["in"].run(self.x, self.hp, t)
-        raw = self.proj[gi]
+        if t > VERIFY_SPAN:  # prefill chunk: one shared scratch (never replayed by commit)
+            raw, qkvn, gb = self.proj_big, self.qkvn_big, self.gb_big
+        else:  # decode / verify: this layer's records
+            raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
+        plan["in_big" if t > VERIFY_SPAN else "in"].run(self.x, self.hp, t)
         K.gdn_conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv,
-                   dk, dv, kw, self.qkvn[gi], self.gb[gi], t)
+                   dk, dv, kw, qkvn, gb, t)
         if commit:
             K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
-        K.gdn_step(state.gdn[gi], 0, self.qkvn[gi], 0, self.gb[gi], 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
+        K.gdn_step(state.gdn[gi], 0, qkvn, 0, gb, 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
                    emit=True, write_state=commit)
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv, self.xo,
                         self.ld_xo)
@@ -444,18 +461,26 @@ class FastModel:
         plan["down"].run(self.act, self.ld_act, t)
 
     def _logits_rows(self, src, rows: np.ndarray) -> None:
-        """lm_head + argmax for the given lanes (contiguous runs become one GEMV each)."""
+        """lm_head + argmax for the given lanes (contiguous runs become one GEMV each).
+
+        The i-th distinct requested lane (ascending) lands in logits / tok row i: lane r0 of a
+        run placed at row c reads src row r0 = (r0 - c) + c, i.e. src shifted by r0 - c and lane0 = c.
+        """
+        c = 0
         for r0, n in _runs(rows):
-            self.lm_plan.run(src, self.hp, n, lane0=r0)
-            K.top2(self.logits[r0:], self.vocab, self.vocab, n, self.top2_part, self.tok[r0:], self.top1[r0:],
-                   self.margin[r0:])
+            if c + n > self.logit_rows:
+                raise ValueError(f"more than {self.logit_rows} logits rows requested from one forward chunk")
+            self.lm_plan.run(src[r0 - c :], self.hp, n, lane0=c)
+            K.top2(self.logits[c:], self.vocab, self.vocab, n, self.top2_part, self.tok[c:], self.top1[c:],
+                   self.margin[c:])
+            c += n
 
     def _fetch_logits(self, rows: np.ndarray) -> np.ndarray:
         if rows.size == 0:
             return np.zeros((0, self.vocab), dtype=np.float32)
-        lo, hi = int(rows.min()), int(rows.max())
-        block = self.logits[lo : hi + 1].get(stream=self.stream)
-        return block[rows - lo]
+        u = np.unique(rows)
+        block = self.logits[: u.size].get(stream=self.stream)
+        return block[np.searchsorted(u, rows)]
 
     def argmax_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, top1-top2 margins) of the first n logits rows computed by the last step."""
@@ -567,7 +592,10 @@ def load_fast_model(cfg) -> FastModel:
         weights = from_checkpoint(Checkpoint.open(src), tier=e.tier or "bf16", progress=True)
     ctx = min(e.max_context, weights.cfg.max_position_embeddings)
     # bf16 weights keep fp32 KV (the path the golden tests hold to 1e-3); quantized tiers use bf16 KV
-    # chunk 1024: prefill runs the tensor-core GEMM on up to 1024 rows per weight pass (docs/PERF.md)
-    model = FastModel(weights, max_context=ctx, kv_dtype="f32" if weights.tier == "bf16" else "bf16", chunk=1024)
+    # chunk: prefill runs the GEMM (cuBLAS on bf16 expansions, or the mma.sync kernel) on up to
+    # this many rows per weight pass (docs/PERF.md)
+    K.PREFILL_GEMM = e.prefill_gemm
+    model = FastModel(weights, max_context=ctx, kv_dtype="f32" if weights.tier == "bf16" else "bf16",
+                      chunk=e.gpu_prefill_chunk)
     model.enable_graphs()
     return model

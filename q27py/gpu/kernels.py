@@ -185,8 +185,19 @@ def gemm_supported(m: GpuMatrix) -> bool:
     return m.shape.fmt in (L.FMT_Q4, L.FMT_Q8) and m.shape.group == L.DEFAULT_GROUP[m.shape.fmt]
 
 
+# "auto": cuBLAS on a bf16 expansion of the weights for chunks of >= blas.MIN_TOKENS tokens, the
+# mma.sync kernel below that; "kernel": always the kernel (A/B runs). Set from EngineConfig.prefill_gemm.
+PREFILL_GEMM = "auto"
+
+
 def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int) -> None:
-    """Y[t] (mode)= W x[t] for ntok tokens, tensor-core tiles of 128 rows x 64 tokens (cuda/gemm.cu)."""
+    """Y[t] (mode)= W x[t] for ntok tokens, tensor-core tiles of 128 rows x 64 tokens (cuda/gemm.cu),
+    or through cuBLAS (q27py/gpu/blas.py) for large chunks."""
+    from q27py.gpu import blas
+
+    if PREFILL_GEMM != "kernel" and ntok >= blas.MIN_TOKENS and blas.available():
+        blas.prefill_gemm(m, x, ldx, ntok, y, ldy)
+        return
     fmt = m.shape.fmt
     slot = (2 if fmt == L.FMT_Q8 else 1) * 16 + 4
     smem = 2 * 64 * 72 * 2 + 4 * 256 * slot
