@@ -33,7 +33,7 @@ BF16_DENSE_PEAK_TFLOPS = 790.0
 FAMILIES = {
     "gemv": {"GemvPlan.run"},
     "norms": {"rmsnorm", "embed"},
-    "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gated_rmsnorm"},
+    "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm"},
     "attention": {"qk_norm_rope_store", "attention", "attention_prefill"},
     "argmax": {"top2"},
 }  # the box's measured cuBLAS-class bf16 GEMM (KINDS.md); spec dense ~990

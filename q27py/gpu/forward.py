@@ -432,8 +432,11 @@ class FastModel:
                    dk, dv, kw, qkvn, gb, t)
         if commit:
             K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
-        K.gdn_step(state.gdn[gi], 0, qkvn, 0, gb, 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
-                   emit=True, write_state=commit)
+        if commit and t > VERIFY_SPAN and K.gdn_prefill_supported(dk, dv):
+            K.gdn_prefill(state.gdn[gi], qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, t)
+        else:
+            K.gdn_step(state.gdn[gi], 0, qkvn, 0, gb, 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
+                       emit=True, write_state=commit)
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv, self.xo,
                         self.ld_xo)
         plan["out"].run(self.xo, self.ld_xo, t)

@@ -343,6 +343,20 @@ def gdn_step(state, state_stride: int, qkvn, qkvn_stride: int, gb, gb_stride: in
                           i32(1 if write_state else 0)))
 
 
+def gdn_prefill_supported(dk: int, dv: int) -> bool:
+    return dk <= 128 and dv % 4 == 0
+
+
+def gdn_prefill(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int) -> None:
+    """gdn_step(emit=True, write_state=True) for a long run of lanes, bitwise equal to it: four value
+    columns per warp, so the warps fit one wave and the per-token chains overlap (cuda/gdn.cu)."""
+    kpl = -(-dk // 32)
+    kernel = {1: "gdn_prefill_k1", 2: "gdn_prefill_k2", 3: "gdn_prefill_k4", 4: "gdn_prefill_k4"}[kpl]
+    warps = hv * dv // 4
+    Runtime.get().launch("gdn", kernel, -(-warps // 4), 128,
+                         (state, qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dk), i32(dv), i32(nlanes)))
+
+
 # ---------------------------------------------------------------- attention
 def qk_norm_rope_store(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int, rd: int,
                        inv_freq, pos0_dev, qout, ldqo: int, kcache, vcache, kv_bf16: bool, max_pos: int,

@@ -89,3 +89,29 @@ def test_cublas_prefill_gemm(cp, fmt, mode):
     finally:
         K.PREFILL_GEMM = saved
     assert rel(y.get(), y2.get()) < 4e-3
+
+
+@pytest.mark.parametrize("dk,dv,h,hv", [(128, 128, 4, 8), (64, 32, 2, 4), (32, 64, 1, 3)])
+def test_gdn_prefill_is_bitwise_the_step_kernel(cp, dk, dv, h, hv):
+    """The 4-columns-per-warp prefill kernel gives the decode kernel's bits (state and outputs)."""
+    from q27py.gpu import kernels as K
+    from q27py.gpu.runtime import Runtime
+
+    Runtime.get().module("gdn")
+    rng = np.random.default_rng(dk + dv)
+    t = 200
+    c = 2 * h * dk + hv * dv
+    qkvn = cp.asarray(rng.standard_normal((t, c)).astype(np.float32) * 0.3)
+    gb = np.empty((t, 2 * hv), np.float32)
+    gb[:, :hv] = -rng.random((t, hv)) * 0.5  # log decay <= 0
+    gb[:, hv:] = rng.random((t, hv))  # beta in [0, 1)
+    gb = cp.asarray(gb)
+    s0 = cp.asarray(rng.standard_normal((hv, dv, dk)).astype(np.float32) * 0.1)
+    a, b = s0.copy(), s0.copy()
+    oa = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
+    ob = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
+    K.gdn_step(a, 0, qkvn, 0, gb, 0, oa, hv * dv, h, hv, dk, dv, t, emit=True, write_state=True)
+    K.gdn_prefill(b, qkvn, gb, ob, hv * dv, h, hv, dk, dv, t)
+    np.testing.assert_array_equal(oa.get(), ob.get())
+    np.testing.assert_array_equal(a.get(), b.get())
+    assert not np.isnan(ob.get()).any()
