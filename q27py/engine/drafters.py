@@ -100,6 +100,8 @@ class MTPLadder:
         start = self.kv.length
         assert start + self.backlog == position, "MTP backlog out of step with the committed position"
         rows = np.concatenate(self._hidden)
+        if hasattr(self.model, "mtp_draft_chain"):
+            return self._draft_on_device(rows, max_drafts, min_margin, position, stop_if_first)
         logits, hm = self.model.mtp_forward(self.kv, rows, self._next, start, logits_rows="last")
         self._hidden, self._next = [], []
         warm_length = self.kv.length  # == position: row position-1 (step 0) is a committed row
@@ -120,6 +122,25 @@ class MTPLadder:
             steps += 1
         self.kv.truncate(warm_length)  # draft rows are guesses: never keep them
         return Draft(MTP if tokens else NONE, tokens, gated, steps)
+
+
+    def _draft_on_device(self, rows, max_drafts: int, min_margin: float, position: int, stop_if_first) -> Draft:
+        """The same ladder with every step chained on the device (the fast path's mtp_draft_chain):
+        all max_drafts steps run in one graph, then the gate and the probe cut the list here --
+        the drafts kept are exactly the host ladder's; the extra steps only cost device time."""
+        ids, margins = self.model.mtp_draft_chain(self.kv, rows, self._next, self.kv.length, max_drafts)
+        self._hidden, self._next = [], []
+        tokens: list[int] = []
+        gated = False
+        for k in range(max_drafts):
+            if margins[k] < min_margin:
+                gated = True
+                break
+            tokens.append(int(ids[k]))
+            if len(tokens) == 1 and stop_if_first and stop_if_first(tokens[0]):
+                break
+        self.kv.truncate(position)  # draft rows are guesses: never keep them
+        return Draft(MTP if tokens else NONE, tokens, gated, max_drafts)
 
 
 class SuffixIndex:

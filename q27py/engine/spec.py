@@ -39,7 +39,7 @@ import numpy as np
 
 from q27py.config import SpecConfig
 from q27py.engine.api import SamplingParams
-from q27py.engine.decoder import DecodeStats, PrefillBreaks, begin_run, prefill, prompt_suffix
+from q27py.engine.decoder import DecodeStats, PrefillBreaks, begin_run, pick_row, prefill, prompt_suffix
 from q27py.engine.drafters import DraftPlanner, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
@@ -150,7 +150,7 @@ class SpecDecoder:
         out = self.model.forward(state, lanes, logits_rows="all", verify=True)
         new: list[int] = []
         for t in range(len(lanes)):
-            tok = sampler.pick(out.logits[t], position + t + 1)
+            tok = pick_row(sampler, out, t, position + t + 1)
             new.append(tok)
             if tok in stop_ids or t >= len(draft.tokens) or tok != draft.tokens[t]:
                 break

@@ -31,7 +31,7 @@ import numpy as np
 
 from q27py.gpu import kernels as K
 from q27py.gpu import layout as L
-from q27py.gpu.runtime import Runtime, ptr
+from q27py.gpu.runtime import Runtime, i32, ptr
 from q27py.gpu.weights import LayerW, ModelWeights
 from q27py.model.config import FULL, ModelConfig
 from q27py.model.reference import select_rows
@@ -54,19 +54,45 @@ class FastTrace:
 
 
 class FastOutput:
-    """logits: numpy [R, V] for the requested rows; hidden: post-norm [T, H] (host copy on first use)."""
+    """logits: numpy [R, V] for the requested rows (host copy on first use); hidden: post-norm
+    [T, H] (host copy on first use); greedy_ids(): the device argmax of each requested row.
+
+    Nothing is downloaded until asked for: a greedy round needs W token ids (W x 4 bytes), not
+    W logits rows (W x 1 MB on the 27B) and a host argmax over each. Read before the next
+    forward (the model reuses its scratch), as with hidden.
+    """
 
     def __init__(self, model: "FastModel", t: int, rows: np.ndarray, trace: FastTrace | None):
         self._model = model
         self._t = t
         self.rows = rows
         self.trace = trace
-        self.logits = model._fetch_logits(rows)
+        self._logits = None
         self._hidden = None
+        self._serial = model._out_serial
+
+    def _check_fresh(self) -> None:
+        if self._serial != self._model._out_serial:
+            raise RuntimeError("FastOutput read after a later forward reused the model's scratch")
+
+    @property
+    def logits(self) -> np.ndarray:
+        if self._logits is None:
+            self._check_fresh()
+            self._logits = self._model._fetch_logits(self.rows)
+        return self._logits
+
+    def greedy_ids(self) -> np.ndarray:
+        """numpy.argmax of each requested logits row (lowest index on ties), computed on the device."""
+        if self._logits is not None:
+            return np.argmax(self._logits, axis=1)
+        self._check_fresh()
+        return self._model._fetch_ids(self.rows)
 
     @property
     def hidden(self) -> np.ndarray:
         if self._hidden is None:
+            self._check_fresh()
             m = self._model
             self._hidden = m.hidden[: self._t, : m.cfg.hidden_size].get()
         return self._hidden
@@ -217,6 +243,7 @@ class FastModel:
         self.mtp_ids = cp.zeros(T, dtype=cp.int32)
         self._plans()
         self._serial = 0
+        self._out_serial = 0  # bumped by every forward / mtp_forward: outputs older than it are stale
         self._pending: FastTrace | None = None
         self.graphs = None  # q27py.gpu.graphs.GraphCache, attached by enable_graphs()
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -272,6 +299,7 @@ class FastModel:
             raise ValueError(f"verify width {t} > {VERIFY_SPAN}")
         rows = select_rows(t, logits_rows)
         self._pending = None
+        self._out_serial += 1
         with self.stream:
             if t > self.chunk:
                 # prefill in chunks; only the last chunk's rows can be returned
@@ -327,6 +355,8 @@ class FastModel:
         # Warming MTP rows during prefill needs no logits: skipping the lm_head there saves
         # a GEMM and a [rows x vocab] download per chunk.
         want = select_rows(t, logits_rows)
+        if want.size:
+            self._out_serial += 1  # the logits rows of an earlier forward's output are overwritten
         logits_out, hm_out = [], []
         h = self.cfg.hidden_size
         with self.stream:
@@ -351,6 +381,64 @@ class FastModel:
         kv.length = start + t
         logits = np.concatenate(logits_out) if logits_out else np.zeros((0, self.vocab), dtype=np.float32)
         return logits, np.concatenate(hm_out)
+
+    def mtp_draft_chain(self, kv: MtpKV, hidden, next_ids, start: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """A whole greedy MTP ladder on the device: step 0 over the t rows at start.. (their KV rows
+        are committed rows, kept), then depth - 1 steps each fed the previous step's argmax and
+        post-norm output. Returns (draft ids [depth], top1 - top2 margins [depth]) in one download.
+
+        The drafts are what MTPLadder.draft computes on the host (device argmax = numpy.argmax);
+        the caller applies the confidence gate to the margins and truncates the KV to start + t.
+        One CUDA graph per (t, depth); backlogs over VERIFY_SPAN rows are written first.
+        """
+        if not self.has_mtp:
+            raise RuntimeError("this model has no MTP head")
+        cp = self.rt.cp
+        rows = hidden if isinstance(hidden, cp.ndarray) else np.asarray(hidden, dtype=np.float32)
+        next_ids = np.asarray(next_ids, dtype=np.int64).reshape(-1)
+        t = int(next_ids.shape[0])
+        if t > VERIFY_SPAN:  # long backlog (suffix rounds): plain warm-up rows first
+            self.mtp_forward(kv, rows[: t - 1], next_ids[: t - 1], start, logits_rows="none")
+            rows, next_ids, start, t = rows[t - 1 :], next_ids[t - 1 :], start + t - 1, 1
+        state = kv.state
+        if start > kv.length:
+            raise ValueError(f"MTP rows must be contiguous: start {start} > {kv.length} rows")
+        kv.truncate(start)
+        depth = max(1, int(depth))
+        if not hasattr(self, "_chain_draft"):
+            self._chain_draft = cp.zeros(8, dtype=cp.int32)
+            self._chain_margin = cp.zeros(8, dtype=cp.float32)
+        if depth > self._chain_draft.size:
+            raise ValueError(f"MTP chain depth {depth} > {self._chain_draft.size}")
+        h = self.cfg.hidden_size
+        self._out_serial += 1
+        hid = rows if isinstance(rows, cp.ndarray) else cp.asarray(rows)
+        with self.stream:
+            self.mtp_ids[:t].set(next_ids.astype(np.int32), stream=self.stream)
+            self.mtp_hidden_in[:t, :h] = hid[:t, :h]
+            state.ctl[1:2].set(np.array([start], dtype=np.int32), stream=self.stream)
+
+            def chain():
+                rt = self.rt
+                self.enqueue_mtp(state, t, np.array([t - 1]))
+                for k in range(depth):
+                    feed = k + 1 < depth
+                    src = self.mtp_out[t - 1 if k == 0 else 0]
+                    rt.launch("chain", "mtp_chain_step", 1, 256,
+                              (self.tok, self.margin, self._chain_draft, self._chain_margin, i32(k), i32(int(feed)),
+                               self.mtp_ids, self.mtp_hidden_in, src, i32(h), state.ctl, i32(t if k == 0 else 1)))
+                    if feed:
+                        self.enqueue_mtp(state, 1, np.array([0]))
+
+            if self.graphs is not None:
+                self.graphs.run(state, ("mtp-chain", t, depth), chain)
+            else:
+                chain()
+            ids = self._chain_draft[:depth].get(stream=self.stream).astype(np.int64)
+            margins = self._chain_margin[:depth].get(stream=self.stream)
+        kv.length = start + t + depth - 1
+        state.mtp_position = kv.length
+        return ids, margins
 
     # ------------------------------------------------------------------ device-side steps
     def _run_main(self, state: FastState, ids: np.ndarray, verify: bool, rows: np.ndarray) -> None:
@@ -477,6 +565,14 @@ class FastModel:
             K.top2(self.logits[c:], self.vocab, self.vocab, n, self.top2_part, self.tok[c:], self.top1[c:],
                    self.margin[c:])
             c += n
+
+    def _fetch_ids(self, rows: np.ndarray) -> np.ndarray:
+        """Device argmax ids of the rows computed by the last _logits_rows (compact order)."""
+        if rows.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        u = np.unique(rows)
+        ids = self.tok[: u.size].get(stream=self.stream).astype(np.int64)
+        return ids[np.searchsorted(u, rows)]
 
     def _fetch_logits(self, rows: np.ndarray) -> np.ndarray:
         if rows.size == 0:
