@@ -348,9 +348,11 @@ class HttpServer:
                 if conn.our_state is not h11.SEND_RESPONSE:
                     await trio.sleep(0.05)
                     return _tcp_state(stream.socket) == TCP_CLOSE_WAIT
+                if conn.their_http_version != b"1.1":
+                    return False  # no interim responses to HTTP/1.0 clients (RFC 9110 15.2): EOF = gone
                 try:
                     probe = conn.send(h11.InformationalResponse(status_code=100, headers=[]))
-                except h11.LocalProtocolError:  # e.g. an HTTP/1.0 client: no interim responses
+                except h11.LocalProtocolError:
                     return False
                 try:
                     await stream.raw.send_all(probe)
