@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from q27py import DEFAULT_MODEL_DIR
+from q27py.errors import ConfigError
 
 
 @dataclass
@@ -92,6 +93,15 @@ class Q27Config:
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
+def _key_list(value: str) -> list[str]:
+    """Q27_API_KEY: comma-separated keys. A set variable naming an empty key ("," or "a,,b") is an
+    error, as an empty key file is: a server the operator meant to protect must not start open."""
+    keys = [k.strip() for k in value.split(",")]
+    if not all(keys):
+        raise ConfigError("Q27_API_KEY holds an empty key (comma-separated keys, none of them empty)")
+    return keys
+
+
 # Environment variables, all here. Value: (section, field, parser).
 ENV_VARS = {
     "Q27_MODEL": ("engine", "model_dir", Path),
@@ -100,7 +110,7 @@ ENV_VARS = {
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
-    "Q27_API_KEY": ("server", "api_keys", lambda s: [k for k in s.split(",") if k]),
+    "Q27_API_KEY": ("server", "api_keys", _key_list),
 }
 
 
