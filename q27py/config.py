@@ -44,9 +44,12 @@ class EngineConfig:
     """What model runs where, and how much of it fits."""
 
     model_dir: Path = DEFAULT_MODEL_DIR
-    device: str = "cpu"  # "cpu" (numpy reference) or "cuda" (fast path)
+    device: str = "cpu"  # "cpu" (numpy) or "cuda" (CuPy RawModule kernels)
     dtype: str = "float32"  # reference path compute dtype: float32 | float64 | bfloat16 (bf16-rounded)
-    backend: str = "auto"  # cuda only: "fast" (RawModule kernels) or "reference"; auto = fast
+    # "fast" or "reference" (the readable numpy spec, q27py/model/reference.py). On the CPU, fast is
+    # q27py/model/fastcpu.py (float32 only); on cuda, the RawModule kernels. auto = fast, except that
+    # a CPU dtype other than float32 runs the reference (the only path that computes in it).
+    backend: str = "auto"
     tier: str | None = None  # weight tier when quantizing a bf16 checkpoint on load (q4s | q5f | q8 | None)
     max_context: int = 32768  # tokens per sequence (clamped to the model's max_position_embeddings)
     max_sequences: int = 4  # live sequences (slots) kept for prefix reuse
@@ -88,6 +91,7 @@ class Q27Config:
 ENV_VARS = {
     "Q27_MODEL": ("engine", "model_dir", Path),
     "Q27_DEVICE": ("engine", "device", str),
+    "Q27_BACKEND": ("engine", "backend", str),
     "Q27_MAX_CONTEXT": ("engine", "max_context", int),
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
     "Q27_HOST": ("server", "host", str),
