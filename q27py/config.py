@@ -71,7 +71,18 @@ class ServerConfig:
     body_timeout_s: float = 120.0
     default_thinking: bool = True
     default_max_tokens: int = 32768  # when a client sends none (Codex never does); clamped to the context left
-    reasoning_budget: int | None = None  # force-close <think> after this many tokens
+    reasoning_budget: int | None = None  # force-close <think> after this many tokens (None: half of max_tokens)
+    max_tokens_ceiling: int | None = None  # ceiling on any request's max_tokens, a client's own included (None: none)
+    # The CPU path's values of the three above, installed by `apply_device_defaults` when the
+    # engine runs on the CPU (flags still win). A small model on a laptop CPU decodes ~100-200
+    # tokens/s: 32,768 tokens of a turn that never closes would hold a client for minutes. The
+    # bundled q36-tiny-agent was trained on conversations of at most 8K tokens whose answers run
+    # ~20-200 tokens and whose think blocks ~30-90 (its train_report.json): 1,024 tokens cover any
+    # answer it gives, 256 think tokens leave room for the answer after a forced close, and
+    # 4,096 bounds clients that always ask for more (Claude Code asks for 32,000).
+    cpu_default_max_tokens: int = 1024
+    cpu_reasoning_budget: int = 256
+    cpu_max_tokens_ceiling: int = 4096
     # Keep earlier turns' thinking in the prompt (Qwen3.6 preserve_thinking): the rendered
     # history then stays byte-stable across turns, which prefix reuse needs.
     preserve_thinking: bool = True
@@ -106,6 +117,17 @@ def apply_env(cfg: Q27Config, environ: dict[str, str] | None = None) -> Q27Confi
     for var, (section, name, parse) in ENV_VARS.items():
         if var in environ and environ[var] != "":
             setattr(getattr(cfg, section), name, parse(environ[var]))
+    return cfg
+
+
+def apply_device_defaults(cfg: Q27Config) -> Q27Config:
+    """Install the CPU path's output limits (ServerConfig.cpu_*) when the engine runs on the CPU.
+    Call after env and engine flags (which pick the device), before the server flags (which win)."""
+    if cfg.engine.device == "cpu":
+        s = cfg.server
+        s.default_max_tokens = s.cpu_default_max_tokens
+        s.reasoning_budget = s.cpu_reasoning_budget
+        s.max_tokens_ceiling = s.cpu_max_tokens_ceiling
     return cfg
 
 
