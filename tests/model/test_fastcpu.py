@@ -18,7 +18,7 @@ from q27py.engine.decoder import Decoder, prefill
 from q27py.engine.engine import load_model
 from q27py.engine.spec import SpecDecoder
 from q27py.model import ops
-from q27py.model.fastcpu import FastCPUModel, blocked_attention, gdn_chunked, gdn_steps
+from q27py.model.fastcpu import FastCPUModel, attend_row, blocked_attention, gdn_chunked, gdn_steps
 from q27py.model.reference import ReferenceModel
 from q27py.tokenizer import Tokenizer
 
@@ -185,3 +185,22 @@ def test_load_model_picks_the_fast_path_by_default():
     cfg.engine.backend = "fast"
     with pytest.raises(ValueError, match="float32"):
         load_model(cfg)
+
+
+def test_attend_row_equals_full():
+    rng = np.random.default_rng(9)
+    n, nq, nkv, hd = 33, 4, 2, 16
+    q = rng.standard_normal((1, nq, hd)).astype(np.float32)
+    keys, values = (rng.standard_normal((n, nkv, hd)).astype(np.float32) for _ in range(2))
+    want = ops.attention(q.astype(np.float64), keys.astype(np.float64), values.astype(np.float64), np.array([n - 1]), hd ** -0.5)
+    np.testing.assert_allclose(attend_row(q[0], keys, values, hd ** -0.5), want[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [5, 16, 64, 37])
+def test_unit_lower_inverse(n):
+    from q27py.model.fastcpu import unit_lower_inverse
+
+    rng = np.random.default_rng(n)
+    a = np.tril(rng.uniform(-0.5, 0.5, (3, n, n)), -1) + np.eye(n)
+    x = unit_lower_inverse(a.astype(np.float32))
+    np.testing.assert_allclose(x @ a, np.broadcast_to(np.eye(n), a.shape), atol=1e-5)
