@@ -105,13 +105,18 @@ def test_prefill_logits_match_the_reference(models):
         np.testing.assert_allclose(sf.gdn[i].recurrent, sr.gdn[i].recurrent, atol=1e-4 * np.abs(sr.gdn[i].recurrent).max())
 
 
-def test_golden_fixtures_through_the_fast_path(fixtures_dir):
-    """The fast path against transformers' own numbers on a fixture with dk != dv and tied embeddings."""
-    base = fixtures_dir / "golden" / "rand-b"
+@pytest.mark.parametrize("name", ["rand-a", "rand-b", "rand-c-vl-layout", "q36-tiny-code"])
+def test_golden_fixtures_through_the_fast_path(fixtures_dir, name):
+    """The fast path against transformers' own numbers (prefill logits, then greedy decode logits)."""
+    base = fixtures_dir / "golden" / name
+    model_dir = base if name != "q36-tiny-code" else fixtures_dir.parent / "models" / name
     gold = dict(np.load(base / "golden.npz"))
-    model = FastCPUModel.load(base)
-    out = model.forward(model.new_state(), gold["prompt_ids"], logits_rows=gold["prefill_logits_positions"])
+    model = FastCPUModel.load(model_dir)
+    st = model.new_state()
+    out = model.forward(st, gold["prompt_ids"], logits_rows=gold["prefill_logits_positions"])
     _close(out.logits, gold["prefill_logits"])
+    got = np.stack([model.forward(st, [int(t)]).logits[0] for t in gold["decode_tokens"]])
+    _close(got, gold["decode_logits"])
 
 
 def test_greedy_decoding_equals_the_reference(models, tok):
