@@ -223,8 +223,8 @@ class FastCPUModel(ReferenceModel):
             else:
                 a = p + "linear_attn."
                 names = [a + "in_proj_qkv.weight", a + "in_proj_z.weight", a + "in_proj_b.weight", a + "in_proj_a.weight"]
-                w[a + "fused.weight"] = np.ascontiguousarray(np.concatenate([w[n] for n in names]))
                 self._gdn_split = np.cumsum([w[n].shape[0] for n in names])[:-1]
+                w[a + "fused.weight"] = self._fuse(names)
             self._fuse_mlp(p)
         if self.has_mtp:
             self._fuse_attention("mtp.layers.0.")
@@ -235,14 +235,19 @@ class FastCPUModel(ReferenceModel):
     def load(cls, model_dir, dtype: str = "float32") -> "FastCPUModel":
         return cls(Checkpoint.open(model_dir), dtype)
 
+    def _fuse(self, names: list[str]) -> np.ndarray:
+        """One [sum(out), in] matrix from row blocks; the parts are dropped (no second copy in memory)."""
+        fused = np.ascontiguousarray(np.concatenate([self.w[n] for n in names]))
+        for n in names:
+            del self.w[n]
+        return fused
+
     def _fuse_attention(self, p: str) -> None:
-        w = self.w
         names = [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"]
-        w[p + "self_attn.qkv.weight"] = np.ascontiguousarray(np.concatenate([w[n] for n in names]))
+        self.w[p + "self_attn.qkv.weight"] = self._fuse(names)
 
     def _fuse_mlp(self, p: str) -> None:
-        w = self.w
-        w[p + "mlp.gate_up.weight"] = np.ascontiguousarray(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]))
+        self.w[p + "mlp.gate_up.weight"] = self._fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
 
     # ------------------------------------------------------------------ primitives
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
