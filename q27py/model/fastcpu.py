@@ -94,30 +94,36 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
     nc = -(-t_all // chunk)
     pad = nc * chunk - t_all
 
-    def blocks(x):  # [T, heads, d] -> [nc, HV, C, d]; padded tokens have k = v = beta = g = 0
-        if x.shape[1] != hv:
-            x = np.repeat(x, rep, axis=1)
+    def blocks(x):  # [T, heads, d] -> [nc, heads, C, d] contiguous; padded tokens have k = v = beta = g = 0
         if pad:
             x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], dtype=x.dtype)])
-        return x.reshape(nc, chunk, hv, -1).transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(x.reshape(nc, chunk, x.shape[1], -1).transpose(0, 2, 1, 3))
 
-    qc, kc, vc = blocks(q), blocks(k), blocks(v)
+    def per_v_head(x):  # [nc, H, ...] -> [nc, HV, ...]: v-head j reads k-head j // rep
+        return np.repeat(x, rep, axis=1) if rep > 1 else x
+
+    qk_h, kk_h = blocks(q), blocks(k)  # [nc, H, C, dk]
+    vc = blocks(v)
     gc, bc = blocks(g[:, :, None])[..., 0], blocks(beta[:, :, None])[..., 0]  # [nc, HV, C]
     # A padded token (k = v = beta = g = 0) adds nothing to u, o or the state: it only keeps
     # the shapes whole; its outputs are cut off below.
     gam = np.cumsum(gc, axis=-1)
     lower_incl = np.tri(chunk, dtype=bool)
     diff = gam[..., :, None] - gam[..., None, :]
-    decay = np.exp(np.where(lower_incl, diff, -np.inf)).astype(np.float32)  # D[t,s]; 0 above the diagonal
-    kt = kc.transpose(0, 1, 3, 2)
-    a = (bc[..., :, None] * (kc @ kt)) * decay
-    a[..., np.arange(chunk), np.arange(chunk)] = 0.0  # strictly lower
-    a += np.eye(chunk, dtype=np.float32)
+    decay = np.zeros_like(diff)
+    np.exp(diff, out=decay, where=lower_incl)  # D[t,s]; 0 above the diagonal (never exponentiated)
+    # K K^T and Q K^T are shared by the v-heads of one k-head: computed per k-head, then repeated.
+    kt_h = kk_h.transpose(0, 1, 3, 2)
+    kc, qc = per_v_head(kk_h), per_v_head(qk_h)
+    a = bc[..., :, None] * per_v_head(kk_h @ kt_h)
+    a *= decay
+    a[..., np.arange(chunk), np.arange(chunk)] = 1.0  # unit diagonal; A itself is strictly lower
     inv = unit_lower_inverse(a)  # unit lower triangular, so always invertible
     eg = np.exp(gam)
     uh = inv @ (bc[..., None] * vc)  # [nc, HV, C, dv]
     wk = inv @ ((bc * eg)[..., None] * kc)  # [nc, HV, C, dk]
-    qk = (qc @ kt) * decay
+    qk = per_v_head(qk_h @ kt_h)
+    qk *= decay
     eq = eg[..., None] * qc
     ktail = (kc * np.exp(gam[..., -1:] - gam)[..., None]).transpose(0, 1, 3, 2)  # [nc, HV, dk, C]
     # With u = Uh - W S0 substituted, a chunk is affine in its entering state S0:
@@ -127,7 +133,9 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
     # one [dk x dk] @ [dk x dv] product each.
     o_state = eq - qk @ wk  # [nc, HV, C, dk]
     o_const = qk @ uh  # [nc, HV, C, dv]
-    s_state = np.exp(gam[..., -1])[..., None, None] * np.eye(dk, dtype=np.float32) - ktail @ wk  # [nc, HV, dk, dk]
+    s_state = ktail @ wk  # [nc, HV, dk, dk], negated and given its e^{G_n} diagonal in place:
+    np.negative(s_state, out=s_state)
+    s_state[..., np.arange(dk), np.arange(dk)] += np.exp(gam[..., -1:])
     s_const = ktail @ uh  # [nc, HV, dk, dv]
     s = state.astype(np.float32, copy=True)
     entering = np.empty((nc, hv, dk, dv), dtype=np.float32)
