@@ -19,7 +19,7 @@ from q27py import DEFAULT_MODEL_DIR
 class SpecConfig:
     """Self-speculative decoding (MTP draft ladder + suffix drafter).
 
-    Defaults are measured on held-out code with the bundled model and priced with
+    Defaults are measured on held-out code with q36-tiny-code (the bundled model then) and priced with
     the CUDA path's measured round costs (docs/PERF.md, "Speculative decoding
     (reference path)"; tools/spec_measure.py). Deeper or wider settings commit
     more tokens per round but cost more per round than they gain there.
