@@ -23,7 +23,7 @@ from q27py.tokenizer.byte_level import BYTE_TO_CHAR, from_alphabet, to_alphabet
 from q27py.tokenizer.regex_translate import compile_split_regex
 
 REPO = Path(__file__).resolve().parents[1]
-BUNDLED_MODEL = REPO / "q27py" / "data" / "models" / "q36-tiny-code"
+BUNDLED_MODEL = REPO / "q27py" / "data" / "models" / "q36-tiny-agent"
 VOCABS = {
     "qwen36-first2048": "tokenizer.json",
     "qwen36-first16384": "tokenizer.json",
