@@ -25,6 +25,7 @@ splits are chosen from shapes and pos0 only), so greedy output is width-invarian
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +118,12 @@ class MtpKV:
         self.length = length
 
 
+def _release_graphs(model_ref, state_id: int) -> None:
+    model = model_ref()
+    if model is not None and model.graphs is not None:
+        model.graphs.drop_id(state_id)
+
+
 class FastState:
     """Per-sequence device state: KV caches, GDN recurrent state, conv windows, MTP KV, position."""
 
@@ -146,6 +153,8 @@ class FastState:
         self.ctl = cp.zeros(4, dtype=cp.int32)
         self.mtp_kv = MtpKV(self) if model.has_mtp else None
         self.extra: dict = {}  # engine-side per-sequence notes (as on the reference state)
+        # when this state is freed (the prefix cache replaces a slot's state), its graphs go too
+        weakref.finalize(self, _release_graphs, weakref.ref(model), self.id)
 
     def reset(self) -> None:
         self.position = 0

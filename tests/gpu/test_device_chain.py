@@ -77,3 +77,20 @@ def test_greedy_ids_are_numpy_argmax(model):
     with pytest.raises(RuntimeError):
         _ = out.hidden  # not read before the next forward: a stale output refuses
     assert out2.greedy_ids().shape == (1,)
+
+
+def test_graphs_are_released_with_their_state(model):
+    import gc
+
+    if model.graphs is None:
+        pytest.skip("graphs off")
+    st = model.new_state()
+    sid = st.id
+    model.forward(st, [1, 2, 3], logits_rows="last")
+    for t in range(3):  # the second decode step is captured
+        model.forward(st, [4 + t])
+    assert any(k[0] == sid for k in model.graphs.graphs)
+    del st
+    gc.collect()
+    assert not any(k[0] == sid for k in model.graphs.graphs)
+    assert not any(k[0] == sid for k in model.graphs.seen)
