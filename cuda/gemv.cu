@@ -344,15 +344,15 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
 // 8 lanes fit 128 registers (two CTAs per SM); 16 lanes need ~190 (one CTA per SM).
 // Dynamic shared memory: max(ring_bytes<FMT>(), 8 x 64 x NT*8 x 4 reduction bytes).
 #define GEMV_KERNEL(NAME, FMT, NT, MINB)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                                \
         NAME(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x, int ldx,       \
              int nlanes, int lane0) {                                                                      \
         gemv_body<FMT, NT>(desc, nmat, units, x, ldx, nlanes, lane0);                                      \
     }
 
-GEMV_KERNEL(gemv_q4_nt1, FMT_Q4, 1, 2)
-GEMV_KERNEL(gemv_q4_nt2, FMT_Q4, 2, 1)
-GEMV_KERNEL(gemv_q8_nt1, FMT_Q8, 1, 2)
-GEMV_KERNEL(gemv_q8_nt2, FMT_Q8, 2, 1)
-GEMV_KERNEL(gemv_bf16_nt1, FMT_BF16, 1, 1)
-GEMV_KERNEL(gemv_bf16_nt2, FMT_BF16, 2, 1)
+GEMV_KERNEL(gemv_q4_nt1, FMT_Q4, 1, V1_CTAS_NT1)
+GEMV_KERNEL(gemv_q4_nt2, FMT_Q4, 2, V1_CTAS_NT2)
+GEMV_KERNEL(gemv_q8_nt1, FMT_Q8, 1, V1_CTAS_NT1)
+GEMV_KERNEL(gemv_q8_nt2, FMT_Q8, 2, V1_CTAS_NT2)
+GEMV_KERNEL(gemv_bf16_nt1, FMT_BF16, 1, V1_CTAS_BF16)
+GEMV_KERNEL(gemv_bf16_nt2, FMT_BF16, 2, V1_CTAS_BF16)

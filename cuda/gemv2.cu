@@ -357,7 +357,8 @@ __device__ __forceinline__ void gemv2_body(const i64* __restrict__ desc, int nma
     }
 }
 
-// One kernel per (format, lane tiles); 2 CTAs of 8 warps per SM at every width (128 registers).
+// One kernel per (format, lane tiles). Resident CTAs of 4 warps per SM (launch bounds, constants
+// table): 4 at 1-8 lanes (128 registers), 3 at 9-16 (168), 2 for q8 at 9-16 (255, deeper pipeline).
 #define GEMV2_KERNEL(NAME, FMT, NT, PIPE, XPF, MINB)                                                        \
     extern "C" __global__ void __launch_bounds__(G2_WARPS * 32, MINB)                                      \
         NAME(const i64* __restrict__ desc, int nmat, const float* __restrict__ x, int ldx, int nlanes,      \
@@ -368,6 +369,6 @@ __device__ __forceinline__ void gemv2_body(const i64* __restrict__ desc, int nma
 GEMV2_KERNEL(gemv2_q4_nt1, FMT_Q4, 1, PIPE_Q4, true, G2_CTAS_NT1)
 GEMV2_KERNEL(gemv2_q4_nt2, FMT_Q4, 2, PIPE2_Q4, false, G2_CTAS_NT2)
 GEMV2_KERNEL(gemv2_q8_nt1, FMT_Q8, 1, PIPE_Q8, true, G2_CTAS_NT1)
-GEMV2_KERNEL(gemv2_q8_nt2, FMT_Q8, 2, PIPE2_Q8, false, G2_CTAS_NT2)
+GEMV2_KERNEL(gemv2_q8_nt2, FMT_Q8, 2, PIPE2_Q8, false, G2_CTAS_NT2_Q8)
 GEMV2_KERNEL(gemv2_bf16_nt1, FMT_BF16, 1, PIPE_BF16, true, G2_CTAS_NT1)
 GEMV2_KERNEL(gemv2_bf16_nt2, FMT_BF16, 2, PIPE2_BF16, false, G2_CTAS_NT2)

@@ -29,15 +29,17 @@ MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2
 GEMV_R = 4  # row tiles (16 rows) per row group: the rows a warp owns
 GEMV_WARPS = 8  # warps per CTA
 GEMV_MAX_LANES = 16  # lanes per launch (two 8-lane mma tiles)
-# v1 cp.async ring depth per format
+# v1 cp.async ring depth per format, and resident CTAs of 8 warps per SM (its launch bounds)
 RING_BF16, RING_Q8, RING_Q4 = 2, 3, 4
+V1_CTAS_NT1, V1_CTAS_NT2, V1_CTAS_BF16 = 2, 1, 1
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
 G2_WARPS = 4
 G2_CTAS_NT1, G2_CTAS_NT2 = 4, 3
+G2_CTAS_NT2_Q8 = 2  # q8 at 16 lanes spills at 3 CTAs unless its pipeline is 1 deep: 2 CTAs, 4 slices
 # v2 register pipeline: 16-byte slices (one per row tile) kept in flight per warp, by format
 PIPE_BF16, PIPE_Q8, PIPE_Q4 = 3, 3, 3  # 8-lane kernels (they also load activations a slice ahead)
-PIPE2_BF16, PIPE2_Q8, PIPE2_Q4 = 3, 1, 2  # 16-lane kernels (168 registers: deeper ones spill)
+PIPE2_BF16, PIPE2_Q8, PIPE2_Q4 = 3, 4, 2  # 16-lane kernels (168 registers, q8 255: deeper ones spill)
 # descriptor fields (int64 each), one row per matrix of a launch
 D_W, D_S, D_Y, D_WS, D_CNT, D_LDY, D_NOUT, D_KCH = 0, 1, 2, 3, 4, 5, 6, 7
 D_RT, D_FMT, D_MODE, D_SPLITS, D_RG, D_CTA0, D_GSC, D_NGROUPS = 8, 9, 10, 11, 12, 13, 14, 15

@@ -20,7 +20,7 @@ from q27py.gpu.runtime import Runtime, f32, i32, i64, ptr, u64
 MODE_STORE, MODE_ADD, MODE_SWIGLU = C.MODE_STORE, C.MODE_ADD, C.MODE_SWIGLU
 GEMV_R = C.GEMV_R  # row tiles per row group
 GEMV_ROWS_PER_CTA = 16 * GEMV_R  # rows of one row group (v1: one CTA)
-GEMV_CTAS_PER_SM = {1: 2, 2: 1}  # v1: resident CTAs of 8 warps by lane tiles (its kernels' launch bounds)
+GEMV_CTAS_PER_SM = {1: C.V1_CTAS_NT1, 2: C.V1_CTAS_NT2}  # v1: resident CTAs of 8 warps by lane tiles
 GEMV_MAX_LANES = C.GEMV_MAX_LANES
 D_NFIELDS = C.D_NFIELDS
 ATT_NSPLIT = C.NSPLIT
@@ -437,8 +437,8 @@ def attention(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int,
     if hd % 32 or dpl not in (1, 2, 4, 8):
         raise ValueError(f"attention head dim {hd} not supported by the fast path (32, 64, 128 or 256)")
     rep = nq // nkv
-    if rep > 8:
-        raise ValueError(f"{rep} q heads per kv head > 8 not supported by the fast path")
+    if rep > C.REPMAX:
+        raise ValueError(f"{rep} q heads per kv head > {C.REPMAX} not supported by the fast path")
     kernel = f"attn_split_{'bf16' if kv_bf16 else 'f32'}_d{dpl}"
     rt = Runtime.get()
     rt.launch("attention", kernel, (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
