@@ -16,7 +16,7 @@ import sys
 
 _FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_BRA = re.compile(r"\bBRA\b(?:\.\w+)*\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)")
+_HEX = re.compile(r"0x[0-9a-f]+")
 
 
 def parse(text: str) -> dict[str, list[tuple[int, str]]]:
@@ -45,10 +45,12 @@ def hot_loop(insns: list[tuple[int, str]]):
     """(start, end, instructions) of the backward-branch loop with the most HMMA, or None."""
     best = None
     for addr, text in insns:
-        m = _BRA.search(text)
-        if not m:
+        if not opcode(text).startswith("BRA"):  # BRA, BRA.U (uniform predicate forms too)
             continue
-        target = int(m.group(1), 16)
+        targets = _HEX.findall(text)
+        if not targets:
+            continue
+        target = int(targets[-1], 16)
         if target >= addr:
             continue
         body = [t for a, t in insns if target <= a <= addr]
