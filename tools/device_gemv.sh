@@ -2,7 +2,8 @@
 # One device call for the GEMV (issue 10, deliverable 1): build + SASS counts of the stream loops,
 # the GEMV kernel tests for both implementations, and the 27B probe table for v1 and v2.
 #   PYTHONPATH=. bash tools/device_gemv.sh            (logs under $OUT if set, else /tmp/q27-gemv)
-# Stages can be picked: bash tools/device_gemv.sh sass tests probe  (default: all three)
+# Stages can be picked: bash tools/device_gemv.sh sass tests probe  (the default); `sweep` (optional,
+# ~1.5 min) forces v2 partitions on gate_up and attn_o.
 # Budget: ~4 minutes on an H200 (sass ~0.5 min, tests ~2 min cold incl. NVRTC compiles, probes ~1.5 min).
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -62,6 +63,14 @@ PY
       timeout 200 python3 -m q27py.bench.gemv_probe --shapes gate_up down gdn_in gdn_out attn_in attn_o lm_head --impl v2 \
         --lanes 1 9 16 --set G2_CTAS_NT2=2 PIPE2_Q4=4 PIPE2_Q8=4 PIPE2_BF16=4 \
         --json "$OUT/gemv_probe_nt2deep.json" 2>&1 | tee "$OUT/gemv_probe_nt2deep.txt" | tee -a "$LOG" || rc=1 ;;
+    sweep)
+      # optional (not in the default set): v2 partitions forced on a big and a mid-size launch, to
+      # check kernels.choose_partition's cost model against the device
+      for part in "4 1" "4 4" "4 7" "2 7" "2 13" "1 13" "1 20"; do
+        say "sweep: v2 partition $part"
+        timeout 120 python3 -m q27py.bench.gemv_probe --shapes gate_up attn_o --impl v2 --lanes 1 8 16 \
+          --partition $part 2>&1 | tee -a "$OUT/gemv_sweep.txt" | tee -a "$LOG" || rc=1
+      done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done
