@@ -6,11 +6,13 @@
 // What changed, and why (v1 was issue-bound: ncu 9.8 active warps/SM, ~600 SASS per 2 KB):
 // - No shared-memory ring. Each thread loads its own 16-byte fragments straight into registers
 //   (ld.global.nc.L1::no_allocate: weights are read once, so they must not evict the activations
-//   from L1) and keeps PIPE slices of R row tiles in flight: a q4 warp at PIPE 3 has 2 x 4 x 512 B
-//   outstanding while it computes, 64 KB per SM at 16 warps, above the ~35 KB Little's law asks
+//   from L1) through a ring of PIPE register slots of R row tiles; a tile's slot is refilled as
+//   soon as it is decoded, so ~PIPE - 1/2 slices stay in flight: at 1-8 lanes (PIPE 3, 4 CTAs of
+//   4 warps per SM) ~2.5 x 4 x 512 B per warp, ~80 KB per SM, above the ~35 KB Little's law asks
 //   for at 4.5 TB/s and ~1 us of loaded latency. No cp.async wait / LDS round trip per chunk.
 // - Tile-outer compute: per row tile the partial p lives for one slice only, so the registers are
-//   R x NT accumulators + one p, and 16 lanes fit 128 registers (2 CTAs = 16 warps per SM).
+//   R x NT accumulators + one p: 8 lanes fit 128 registers (16 warps per SM), 16 lanes 168
+//   (12 warps; q8 255 with 8 warps and a deeper ring). Occupancy and depths: constants table.
 // - Activations are loaded once per slice and reused by the R tiles (fp32 -> bf16 once per warp
 //   and slice); with D_RGB row groups per CTA the warps that share K chunks read the same x
 //   through L1, cutting activation traffic from L2 by D_RGB.
@@ -55,7 +57,7 @@ template <>
 struct G2Fmt<FMT_Q4> { enum { CB = CB_Q4, WPC = WPC_Q4, SPS = 4 / WPC_Q4, GSC = GSC_Q4 }; };
 
 // Where a warp's slice qi lives: chunk j = qi / WPC of the warp's chunks (cs + j * kw), word
-// w = qi % WPC of that chunk. Returns the byte offset of tile 0's word and the scale index.
+// w = qi % WPC of that chunk.
 template <int FMT>
 __device__ __forceinline__ void g2_slice(int qi, int cs, int kw, int& chunk, int& word) {
     typedef G2Fmt<FMT> F;
@@ -64,8 +66,8 @@ __device__ __forceinline__ void g2_slice(int qi, int cs, int kw, int& chunk, int
     chunk = cs + j * kw;
 }
 
-// Addressing: 32-bit offsets from fixed per-matrix bases, so each load costs one wide multiply-add
-// (IMAD.WIDE) instead of 64-bit pointer arithmetic; tiles are ts16 uint4 apart.
+// Addressing (here and in g2_next): 32-bit offsets from fixed per-warp bases, so a load costs one
+// wide multiply-add instead of 64-bit pointer arithmetic; tiles are ts16 uint4 apart.
 // Activations of one slice as fp32 pairs: xf[step][nt] = (k, k+1) and (k+8, k+9) of lane nt*8+g.
 // One 32-bit k offset per slice; the steps are immediate offsets from it.
 template <int FMT, int NT>
