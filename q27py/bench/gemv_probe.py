@@ -149,8 +149,8 @@ def main(argv=None) -> int:
     if probe:
         print(f"{rt.name}: streaming-read probe {probe:.0f} GB/s; GB/s per lane count (% of the probe at 1/8/16 lanes)"
               + (f"; constants {' '.join(args.set)}" if args.set else ""))
-    w = max(len(n) for n in shapes) + 4
-    print(f"{'launch':{w}s} {'MB':>6s} {'impl':4s} part  " + " ".join(f"{n:>5d}" for n in args.lanes)
+    w = max(max(len(n) for n in shapes) + 2, len("GEMV family/forward"))
+    print(f"{'launch':{w}s} {'MB':>6s} {'impl':4s} {'rgb x splits':12s} " + " ".join(f"{n:>5d}" for n in args.lanes)
           + "   %@1  %@8 %@16  W8/1 W16/1")
     fam = {impl: {n: 0.0 for n in args.lanes} for impl in impls}
     fam_bytes = 0
@@ -166,13 +166,13 @@ def main(argv=None) -> int:
             for n in args.lanes:
                 fam[impl][n] += per_forward * us[n]
             part = "/".join(f"{a}x{b}" for a, b in r[impl]["partition"]) if impl == "v2" else "-"
-            print(f"{name:{w}s} {r['bytes'] / 1e6:6.1f} {impl:4s} {part:5s} " + " ".join(f"{gbs[n]:5.0f}" for n in args.lanes)
+            print(f"{name:{w}s} {r['bytes'] / 1e6:6.1f} {impl:4s} {part:12s} " + " ".join(f"{gbs[n]:5.0f}" for n in args.lanes)
                   + "  " + _fractions(gbs, us, probe, args.lanes))
     if fam_bytes and not args.once:
         for impl in impls:
             us = fam[impl]
             gbs = {n: fam_bytes / (us[n] * 1e3) for n in args.lanes}
-            print(f"{'GEMV family/forward':{w}s} {fam_bytes / 1e6:6.0f} {impl:4s} {'':5s} "
+            print(f"{'GEMV family/forward':{w}s} {fam_bytes / 1e6:6.0f} {impl:4s} {'':12s} "
                   + " ".join(f"{gbs[n]:5.0f}" for n in args.lanes) + "  " + _fractions(gbs, us, probe, args.lanes)
                   + f"  ({us[args.lanes[0]] / 1e3:.2f} ms at {args.lanes[0]} lane)")
             results.setdefault("family_us", {})[impl] = us
