@@ -7,9 +7,6 @@
 // applies the sigmoid output gate.
 #include "common.cuh"
 
-#define NSPLIT 64
-#define REPMAX 8
-#define ATT_WARPS 8
 
 __device__ __forceinline__ int split_size(int pos0, int span) {
     const int need = (pos0 + span + NSPLIT - 1) / NSPLIT;

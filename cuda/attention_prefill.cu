@@ -20,8 +20,6 @@
 //   vh (vl)  [HD][NK + 8]    V tile transposed, row = dim (B fragments need key pairs adjacent)
 #include "common.cuh"
 
-#define PF_ROWS 64
-#define PF_THREADS 128
 
 template <int HD, int NK, bool F32KV>
 struct PfLayout {

@@ -1,6 +1,9 @@
 // Helpers shared by every kernel file in cuda/. Header-only, no CUDA headers needed:
 // NVRTC under CuPy compiles these sources without a toolkit include path, so the few
 // half/bf16 conversions we need are written as inline PTX on plain integer types.
+// Named kernel constants (formats, modes, tile sizes, warps, stages, descriptor fields) are not
+// defined in cuda/: they come from the table in q27py/gpu/constants.py as -D compile options
+// (runtime.compile_options), so Python and CUDA never hold two copies of a number.
 #pragma once
 
 typedef unsigned int u32;

@@ -14,11 +14,7 @@
 // a warp's mma.m16n8k16 A fragments; lane l: g = l / 4, t = l % 4, k = 16 s + 2 t.
 #include "common.cuh"
 
-#define DQ_FMT_BF16 0
-#define DQ_FMT_Q8 1
-#define DQ_FMT_Q4 2
-#define DQ_WARPS 8
-#define DQ_LD 72  // bf16 per staged row (64 + 8 pad: 16-byte aligned rows, no bank conflicts)
+// FMT_*, DQ_WARPS and DQ_LD come from the constants table (q27py/gpu/constants.py, -D defines).
 
 // One warp expands one (tile, chunk) block into shared memory, then the warp writes the 16 x 64
 // block out as 16-byte row segments (each row's 128 bytes are contiguous in the output).
@@ -34,12 +30,12 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ codes, const
     const int tile = (int)(b / kchunks), chunk = (int)(b - (i64)tile * kchunks);
     u16* s = blk[warp];
     float s_lo = 1.f, s_hi = 1.f;  // scales of rows g and g + 8 for this chunk's group
-    if (FMT != DQ_FMT_BF16) {
+    if (FMT != FMT_BF16) {
         const u32 pair = __ldg(scales + ((i64)tile * ngroups + chunk / group_chunks) * 8 + g);
         s_lo = half_to_float((u16)(pair & 0xffffu));
         s_hi = half_to_float((u16)(pair >> 16));
     }
-    if (FMT == DQ_FMT_Q4) {
+    if (FMT == FMT_Q4) {
         const uint4 v = __ldg(reinterpret_cast<const uint4*>(codes + b * 512) + lane);
         const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -52,7 +48,7 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ codes, const
                 s[row * DQ_LD + k] = float_to_bf16(c * (row < 8 ? s_lo : s_hi));
             }
         }
-    } else if (FMT == DQ_FMT_Q8) {
+    } else if (FMT == FMT_Q8) {
 #pragma unroll
         for (int jj = 0; jj < 2; jj++) {
             const uint4 v = __ldg(reinterpret_cast<const uint4*>(codes + b * 1024 + jj * 512) + lane);
@@ -98,9 +94,9 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ codes, const
         dequant_body<FMT>(codes, scales, row_tiles, kchunks, ngroups, group_chunks, out, ldo);             \
     }
 
-DQ_KERNEL(dequant_q4, DQ_FMT_Q4)
-DQ_KERNEL(dequant_q8, DQ_FMT_Q8)
-DQ_KERNEL(dequant_bf16, DQ_FMT_BF16)
+DQ_KERNEL(dequant_q4, FMT_Q4)
+DQ_KERNEL(dequant_q8, FMT_Q8)
+DQ_KERNEL(dequant_bf16, FMT_BF16)
 
 // x fp32 [rows][ldx] (first `cols` columns) -> bf16 bits [rows][ldo], round to nearest even.
 // cols must be a multiple of 4 (the packed K is a multiple of 64). grid (ceil(cols / 1024), rows), block 256.

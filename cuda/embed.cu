@@ -3,9 +3,6 @@
 // scale per (row, group) (docs/FORMAT.md "row tables").
 #include "common.cuh"
 
-#define TAB_F32 0
-#define TAB_BF16 1
-#define TAB_Q8 2
 
 // grid (nlanes), block 256. ids live on the device so the launch can sit in a CUDA graph.
 extern "C" __global__ void embed_rows(const int* __restrict__ ids, const void* __restrict__ table, int fmt, i64 ld_table,

@@ -166,12 +166,13 @@ __device__ __forceinline__ void gdn_prefill_body(float* __restrict__ state, cons
     }
 }
 
-// grid ceil(HV * dv / 4 / 4), block 128: emits outputs and writes the state (a prefill chunk).
+// grid ceil(HV * dv / GDN_PF_COLS / GDN_PF_WARPS), block 32 * GDN_PF_WARPS: emits outputs and
+// writes the state (a prefill chunk).
 #define GDN_PREFILL_KERNEL(NAME, KPL)                                                                        \
-    extern "C" __global__ void __launch_bounds__(128)                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * GDN_PF_WARPS)                                         \
         NAME(float* state, const float* qkvn, const float* gb, float* out, int ldo, int H, int HV, int dk,  \
              int dv, int nlanes) {                                                                          \
-        gdn_prefill_body<KPL, 4>(state, qkvn, gb, out, ldo, H, HV, dk, dv, nlanes);                         \
+        gdn_prefill_body<KPL, GDN_PF_COLS>(state, qkvn, gb, out, ldo, H, HV, dk, dv, nlanes);               \
     }
 
 GDN_PREFILL_KERNEL(gdn_prefill_k1, 1)

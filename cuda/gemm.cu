@@ -10,15 +10,6 @@
 // the chunks in order -- not bitwise equal to the GEMV's split order, tolerance-equal.
 #include "common.cuh"
 
-#define FMT_Q8 1
-#define FMT_Q4 2
-#define MODE_STORE 0
-#define MODE_ADD 1
-#define MODE_SWIGLU 2
-#define GM_WARPS 8
-#define GM_TOK 64        // tokens per CTA
-#define GM_XS 72         // bf16 per activation row in shared memory (64 + 8 pad: conflict-free)
-#define GM_STAGES 4
 
 __device__ __forceinline__ u32 gm_smem_addr(const void* p) {
     u32 a;
@@ -50,9 +41,9 @@ template <int FMT>
 __device__ __forceinline__ void gemm_body(const u8* __restrict__ w, const u32* __restrict__ sc, int kch, int ngroups,
                                           int row_tiles, const float* __restrict__ x, int ldx, int ntok,
                                           float* __restrict__ y, int ldy, int nout, int mode) {
-    constexpr int WPC = FMT == FMT_Q8 ? 2 : 1;
-    constexpr int CB = FMT == FMT_Q8 ? 1024 : 512;
-    constexpr int GSH = FMT == FMT_Q8 ? 1 : 0;
+    constexpr int WPC = FMT == FMT_Q8 ? WPC_Q8 : WPC_Q4;
+    constexpr int CB = FMT == FMT_Q8 ? CB_Q8 : CB_Q4;
+    constexpr unsigned GSC = FMT == FMT_Q8 ? GSC_Q8 : GSC_Q4;  // chunks per scale group
     constexpr int SLOT = WPC * 16 + 4;  // bytes per thread per stage
     extern __shared__ __align__(16) u8 gsm[];
     u16* xs = reinterpret_cast<u16*>(gsm);                       // [2][64][GM_XS]
@@ -71,7 +62,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ w, const u32* _
         const u32 d = rbase + stage * 256 * SLOT;
 #pragma unroll
         for (int j = 0; j < WPC; j++) gm_cp16(d + (j * 256 + tid) * 16, wb + (i64)c * CB + j * 512);
-        gm_cp4(d + WPC * 256 * 16 + tid * 4, sb + ((c >> GSH) << 3));
+        gm_cp4(d + WPC * 256 * 16 + tid * 4, sb + (((unsigned)c / GSC) << 3));
     };
     // activation tile loader: thread covers 16 consecutive floats of one token row
     const int xt = tid >> 2, xk = (tid & 3) * 16;

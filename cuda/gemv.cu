@@ -24,35 +24,8 @@
 // descriptors live in device memory (int64 fields, below).
 #include "common.cuh"
 
-#ifndef GEMV_R
-#define GEMV_R 4  // row tiles (of 16 rows) per unit: four independent mma chains per warp
-#endif
-#define GEMV_WARPS 8
-#define FMT_BF16 0
-#define FMT_Q8 1
-#define FMT_Q4 2
-#define MODE_STORE 0
-#define MODE_ADD 1
-#define MODE_SWIGLU 2
-
-// descriptor fields (each an int64)
-#define D_W 0
-#define D_S 1
-#define D_Y 2
-#define D_WS 3
-#define D_CNT 4
-#define D_LDY 5
-#define D_NOUT 6
-#define D_KCH 7
-#define D_RT 8
-#define D_FMT 9
-#define D_MODE 10
-#define D_SPLITS 11
-#define D_RG 12
-#define D_CTA0 13  // first unit (CTA) of this matrix in the launch
-#define D_GSC 14  // chunks per scale group (informational: q4 1, q8 2, fixed in the kernels)
-#define D_NGROUPS 15
-#define D_NFIELDS 16
+// Formats, modes, GEMV_R, GEMV_WARPS, ring depths and the descriptor fields (D_*) come from the
+// constants table (q27py/gpu/constants.py) as -D defines; gemv2.cu shares the descriptor.
 
 __device__ __forceinline__ void split_bf16(float2 v, u32& hi, u32& lo) {
     hi = pack_bf16x2(v.x, v.y);
@@ -74,11 +47,11 @@ __device__ __forceinline__ u32 q8_pair(u32 v) {
 template <int FMT>
 struct FmtInfo;
 template <>
-struct FmtInfo<FMT_BF16> { enum { CB = 2048, WPC = 4 }; };  // chunk bytes, uint4 words per thread
+struct FmtInfo<FMT_BF16> { enum { CB = CB_BF16, WPC = WPC_BF16 }; };  // chunk bytes, uint4 words per thread
 template <>
-struct FmtInfo<FMT_Q8> { enum { CB = 1024, WPC = 2 }; };
+struct FmtInfo<FMT_Q8> { enum { CB = CB_Q8, WPC = WPC_Q8 }; };
 template <>
-struct FmtInfo<FMT_Q4> { enum { CB = 512, WPC = 1 }; };
+struct FmtInfo<FMT_Q4> { enum { CB = CB_Q4, WPC = WPC_Q4 }; };
 
 template <int FMT>
 __device__ __forceinline__ void frag_a(const uint4 (&wv)[FmtInfo<FMT>::WPC], int s, u32& a0, u32& a1, u32& a2, u32& a3) {
@@ -103,11 +76,11 @@ __device__ __forceinline__ void frag_a(const uint4 (&wv)[FmtInfo<FMT>::WPC], int
 template <int FMT>
 struct Ring;
 template <>
-struct Ring<FMT_BF16> { enum { STAGES = 2 }; };
+struct Ring<FMT_BF16> { enum { STAGES = RING_BF16 }; };
 template <>
-struct Ring<FMT_Q8> { enum { STAGES = 3 }; };
+struct Ring<FMT_Q8> { enum { STAGES = RING_Q8 }; };
 template <>
-struct Ring<FMT_Q4> { enum { STAGES = 4 }; };
+struct Ring<FMT_Q4> { enum { STAGES = RING_Q4 }; };
 
 template <int FMT>
 __host__ __device__ constexpr int ring_bytes() {
@@ -234,7 +207,7 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
     constexpr int S = Ring<FMT>::STAGES;
     constexpr int T = GEMV_WARPS * 32;
     constexpr int STAGE_BYTES = GEMV_R * (F::WPC * 16 + 4) * T;
-    constexpr int GSH = FMT == FMT_Q8 ? 1 : 0;  // log2(chunks per scale group): q8 groups are 128 k
+    constexpr unsigned GSC = FMT == FMT_Q8 ? GSC_Q8 : GSC_Q4;  // chunks per scale group: q8 groups are 128 k
     const int tid = threadIdx.x;
     constexpr int SCALE_OFF = GEMV_R * F::WPC * T * 16;  // scale words follow the weight words in a stage
     const u32 wring = smem_addr(ring_ptr) + tid * 16, sring = smem_addr(ring_ptr) + SCALE_OFF + tid * 4;
@@ -248,7 +221,7 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
         const int c = cstart + k * cstep;
         if (k < n)
             issue_stage<FMT>(wring + k * STAGE_BYTES, sring + k * STAGE_BYTES, wb + (i64)c * F::CB,
-                             sb + ((c >> GSH) << 3), tstride, sstride);
+                             sb + (((unsigned)c / GSC) << 3), tstride, sstride);
         cp_async_commit();
     }
     int rd = 0, wr = S - 1;  // ring slots to read and to refill
@@ -259,7 +232,7 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
         const int c = cstart + k * cstep, cn = c + (S - 1) * cstep;
         if (k + S - 1 < n)
             issue_stage<FMT>(wring + wr * STAGE_BYTES, sring + wr * STAGE_BYTES, wb + (i64)cn * F::CB,
-                             sb + ((cn >> GSH) << 3), tstride, sstride);
+                             sb + (((unsigned)cn / GSC) << 3), tstride, sstride);
         cp_async_commit();
         rd = rd + 1 == S ? 0 : rd + 1;
         wr = wr + 1 == S ? 0 : wr + 1;
@@ -371,15 +344,15 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
 // 8 lanes fit 128 registers (two CTAs per SM); 16 lanes need ~190 (one CTA per SM).
 // Dynamic shared memory: max(ring_bytes<FMT>(), 8 x 64 x NT*8 x 4 reduction bytes).
 #define GEMV_KERNEL(NAME, FMT, NT, MINB)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                                \
         NAME(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x, int ldx,       \
              int nlanes, int lane0) {                                                                      \
         gemv_body<FMT, NT>(desc, nmat, units, x, ldx, nlanes, lane0);                                      \
     }
 
-GEMV_KERNEL(gemv_q4_nt1, FMT_Q4, 1, 2)
-GEMV_KERNEL(gemv_q4_nt2, FMT_Q4, 2, 1)
-GEMV_KERNEL(gemv_q8_nt1, FMT_Q8, 1, 2)
-GEMV_KERNEL(gemv_q8_nt2, FMT_Q8, 2, 1)
-GEMV_KERNEL(gemv_bf16_nt1, FMT_BF16, 1, 1)
-GEMV_KERNEL(gemv_bf16_nt2, FMT_BF16, 2, 1)
+GEMV_KERNEL(gemv_q4_nt1, FMT_Q4, 1, V1_CTAS_NT1)
+GEMV_KERNEL(gemv_q4_nt2, FMT_Q4, 2, V1_CTAS_NT2)
+GEMV_KERNEL(gemv_q8_nt1, FMT_Q8, 1, V1_CTAS_NT1)
+GEMV_KERNEL(gemv_q8_nt2, FMT_Q8, 2, V1_CTAS_NT2)
+GEMV_KERNEL(gemv_bf16_nt1, FMT_BF16, 1, V1_CTAS_BF16)
+GEMV_KERNEL(gemv_bf16_nt2, FMT_BF16, 2, V1_CTAS_BF16)

@@ -5,7 +5,6 @@
 // Qwen norms (input/post-attention/final/MTP), 0 for a plain weight.
 // grid (rows), block 256..1024. A thread keeps its (up to 8) elements in registers between
 // the two passes, so the row is read once and every load is issued before the first use.
-#define NORM_PER_THREAD 8
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, const float* __restrict__ w, float add_one,
                                         float eps, int H, float* __restrict__ y, int ldy) {
     __shared__ float red[32];

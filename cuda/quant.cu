@@ -5,9 +5,6 @@
 // clamp(rint(w / scale), -qmax, qmax), the division in fp32 by the fp16-rounded scale.
 #include "common.cuh"
 
-#define FMT_BF16 0
-#define FMT_Q8 1
-#define FMT_Q4 2
 
 __device__ __forceinline__ float src_at(const void* src, int src_bf16, int nrows, int K, i64 ld, int r, int k) {
     if (r >= nrows || k >= K) return 0.f;

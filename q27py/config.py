@@ -62,6 +62,9 @@ class EngineConfig:
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30
+    # cuda fast path GEMV: "v1" (cuda/gemv.cu) or "v2" (cuda/gemv2.cu, register-streamed). v1 stays the
+    # default until v2 has passed the GPU tests and gates on the device (v2 sums in another order)
+    gemv: str = "v1"
 
     def engine_prefill_chunk(self) -> int:
         """Tokens per prefill piece the decoder feeds the model on this device."""
@@ -123,6 +126,7 @@ ENV_VARS = {
     "Q27_BACKEND": ("engine", "backend", str),
     "Q27_MAX_CONTEXT": ("engine", "max_context", int),
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
+    "Q27_GEMV": ("engine", "gemv", str),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

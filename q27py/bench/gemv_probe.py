@@ -1,17 +1,119 @@
-"""GEMV micro-benchmark: one matrix shape, rotated over enough copies to defeat the L2, timed
-with CUDA graphs; prints achieved GB/s per lane count (and is what `ncu` is pointed at).
+"""GEMV micro-benchmark: matrix shapes rotated over enough distinct copies to defeat the L2, timed
+with CUDA graphs; achieved GB/s per lane count against a streaming-read probe measured in the same
+run (cuda/probe.cu), for either GEMV implementation (cuda/gemv.cu v1, cuda/gemv2.cu v2).
 
     python3 -m q27py.bench.gemv_probe --rows 34816 --cols 5120 --fmt q4 --lanes 1 8 16
+    python3 -m q27py.bench.gemv_probe --shapes 27b --impl v1 v2 --lanes 1 2 4 8 9 12 16
+
+--shapes 27b runs the Qwen3.6-27B launches of one decode step (q4s tier, as q27py/gpu/weights.py
+random_weights builds them; the GDN and attention input projections are one launch of two
+matrices, as in q27py/gpu/forward.py) and adds a "GEMV family" row: the step's GEMV time at each
+width, weighted by how often each launch runs per forward. `--once` (one launch, no timing) is
+what `ncu` is pointed at.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+
+import numpy as np
 
 from q27py.gpu import kernels as K
 from q27py.gpu import layout as L
 from q27py.gpu.graphs import capture
 from q27py.gpu.runtime import Runtime
+
+L2_DEFEAT_BYTES = 256 << 20  # rotate copies until one pass streams > 4x the H200's 60 MB L2
+MAX_COPIES = 64
+
+# name -> (matrices [(rows, cols, fmt)], launches per forward of the 27B: 48 GDN + 16 attention layers)
+SHAPES_27B = {
+    "gate_up": ([(34816, 5120, "q4")], 64),
+    "down": ([(5120, 17408, "q4")], 64),
+    "gdn_in": ([(16384, 5120, "q4"), (96, 5120, "bf16")], 48),  # qkvz + ab (decay / beta gates)
+    "gdn_out": ([(5120, 6144, "q4")], 48),
+    "attn_in": ([(12288, 5120, "q4"), (2048, 5120, "q8")], 16),  # q (+gate) + k/v
+    "attn_o": ([(5120, 6144, "q4")], 16),
+    "lm_head": ([(248320, 5120, "q4")], 1),
+    "mtp_gate_up_q8": ([(34816, 5120, "q8")], 0),  # MTP layer (q8), not in the forward's bytes
+    "mtp_down_q8": ([(5120, 17408, "q8")], 0),
+}
+
+
+def read_probe(nbytes: int = 2 << 30) -> float:
+    """Streaming-read ceiling in GB/s (the kernel random_weights.copy_bandwidth uses)."""
+    rt = Runtime.get()
+    cp = rt.cp
+    src = cp.empty(nbytes // 4, dtype=cp.float32)
+    K.fill_uniform(src, 1, -1.0, 1.0)
+    sink = cp.zeros(1, dtype=cp.uint32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        g = capture(lambda: rt.launch("probe", "read_bw", rt.sm_count * 8, 256, (src, np.int64(nbytes // 16), sink)),
+                    stream)
+        ms = _time(g, stream, 20)
+    del src
+    return nbytes / ms / 1e6
+
+
+def _time(graph, stream, reps: int) -> float:
+    """Median ms per replay over 3 batches (after warm-up)."""
+    cp = Runtime.get().cp
+    for _ in range(3):
+        graph.launch(stream)
+    stream.synchronize()
+    out = []
+    per = max(1, reps // 3)
+    for _ in range(3):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(stream)
+        for _ in range(per):
+            graph.launch(stream)
+        e1.record(stream)
+        e1.synchronize()
+        out.append(cp.cuda.get_elapsed_time(e0, e1) / per)
+    return float(np.median(out))
+
+
+def measure(mats_spec, impls, lanes, copies: int | None = None, partition=None, once: bool = False) -> dict:
+    """{impl: {lanes: us per launch}} for one launch shape (1..4 matrices sharing x)."""
+    rt = Runtime.get()
+    cp = rt.cp
+    fmts = [L.FMT_NAMES[f] for _, _, f in mats_spec]
+    one = sum(L.matrix_shape(r, c, f).code_bytes + L.matrix_shape(r, c, f).scale_bytes
+              for (r, c, _), f in zip(mats_spec, fmts))
+    if copies is None:
+        copies = int(min(MAX_COPIES, max(2, -(-L2_DEFEAT_BYTES // one))))
+    sets = []
+    for i in range(copies):
+        ms = [K.random_matrix(r, c, f, seed=1000 * i + j, scale=0.01 if f != L.FMT_BF16 else 0.05)
+              for j, ((r, c, _), f) in enumerate(zip(mats_spec, fmts))]
+        sets.append(ms)
+    kpad = sets[0][0].shape.kpad
+    x = cp.zeros((16, kpad), dtype=cp.float32)
+    K.fill_uniform(x, 3, -1, 1)
+    ys = [cp.zeros((16, r), dtype=cp.float32) for r, _, _ in mats_spec]
+    ws = K.Workspace()
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = {"bytes": one, "copies": copies}
+    for impl in impls:
+        plans = [K.GemvPlan(ms, [(y, y.shape[1]) for y in ys], ws, impl=impl, partition=partition) for ms in sets]
+        out[impl] = {"partition": [list(p) for p in zip(plans[0].rgb, plans[0].splits)],
+                     "ctas": [u for _, _, _, u in plans[0].launches], "us": {}}
+        for n in lanes:
+            with stream:
+                if once:
+                    plans[0].run(x, kpad, n)
+                    stream.synchronize()
+                    continue
+                g = capture(lambda: [p.run(x, kpad, n) for p in plans], stream)
+                ms_ = _time(g, stream, 12)
+            out[impl]["us"][n] = ms_ * 1e3 / len(plans)
+        del plans
+    del sets
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
 
 
 def main(argv=None) -> int:
@@ -19,43 +121,90 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=34816)
     ap.add_argument("--cols", type=int, default=5120)
     ap.add_argument("--fmt", choices=["q4", "q8", "bf16"], default="q4")
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="'27b' (every 27B launch) or names from it; default: the one --rows/--cols/--fmt matrix")
+    ap.add_argument("--impl", nargs="+", choices=list(K.GEMV_IMPLS), default=None, help="default: the configured one")
     ap.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 16])
-    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--copies", type=int, default=None, help="distinct copies rotated (default: enough to defeat L2)")
+    ap.add_argument("--partition", type=int, nargs=2, metavar=("RGB", "SPLITS"), default=None,
+                    help="v2: force row groups per CTA and splits (sweeps)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE",
+                    help="override constants-table entries (q27py/gpu/constants.py) before the kernels compile, "
+                         "e.g. G2_CTAS_NT2=2 PIPE2_Q4=4: A/B of pipeline depth and occupancy in one run")
     ap.add_argument("--once", action="store_true", help="one launch, no timing (for ncu)")
+    ap.add_argument("--json", default=None, help="also write the full numbers here")
     args = ap.parse_args(argv)
+    overrides = _apply_overrides(args.set)
+    impls = args.impl or [K.gemv_impl()]
+    if args.shapes is None:
+        shapes = {f"{args.rows}x{args.cols} {args.fmt}": ([(args.rows, args.cols, args.fmt)], 0)}
+    elif args.shapes == ["27b"] or args.shapes == []:
+        shapes = SHAPES_27B
+    else:
+        shapes = {n: SHAPES_27B[n] for n in args.shapes}
     rt = Runtime.get()
-    cp = rt.cp
-    fmt = L.FMT_NAMES[args.fmt]
-    mats = [K.random_matrix(args.rows, args.cols, fmt, seed=i, scale=0.01) for i in range(args.copies)]
-    ws = K.Workspace()
-    kpad = mats[0].shape.kpad
-    x = cp.zeros((16, kpad), dtype=cp.float32)
-    K.fill_uniform(x, 3, -1, 1)
-    ys = [cp.zeros((16, args.rows), dtype=cp.float32) for _ in mats]
-    plans = [K.GemvPlan([m], [(y, args.rows)], ws) for m, y in zip(mats, ys)]
-    stream = cp.cuda.Stream(non_blocking=True)
-    nbytes = mats[0].nbytes
-    print(f"{args.rows}x{args.cols} {args.fmt}: {nbytes / 1e6:.1f} MB per matrix, splits {plans[0].splits}, "
-          f"units {plans[0].launches[0][3]}")
-    for n in args.lanes:
-        with stream:
-            if args.once:
-                plans[0].run(x, kpad, n)
-                stream.synchronize()
-                continue
-            g = capture(lambda: [p.run(x, kpad, n) for p in plans], stream)
-            for _ in range(3):
-                g.launch(stream)
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(stream)
-            reps = 10
-            for _ in range(reps):
-                g.launch(stream)
-            e1.record(stream)
-            e1.synchronize()
-        ms = cp.cuda.get_elapsed_time(e0, e1) / reps / len(plans)
-        print(f"  lanes {n:2d}: {ms * 1e3:8.1f} us per matrix  {nbytes / ms / 1e6:7.0f} GB/s")
+    probe = None if args.once else read_probe()
+    results = {"device": rt.describe(), "read_probe_GBps": probe, "lanes": args.lanes, "overrides": overrides,
+               "shapes": {}}
+    if probe:
+        print(f"{rt.name}: streaming-read probe {probe:.0f} GB/s; GB/s per lane count (% of the probe at 1/8/16 lanes)"
+              + (f"; constants {' '.join(args.set)}" if args.set else ""))
+    w = max(max(len(n) for n in shapes) + 2, len("GEMV family/forward"))
+    print(f"{'launch':{w}s} {'MB':>6s} {'impl':4s} {'rgb x splits':12s} " + " ".join(f"{n:>5d}" for n in args.lanes)
+          + "   %@1  %@8 %@16  W8/1 W16/1")
+    fam = {impl: {n: 0.0 for n in args.lanes} for impl in impls}
+    fam_bytes = 0
+    for name, (spec, per_forward) in shapes.items():
+        r = measure(spec, impls, args.lanes, args.copies, tuple(args.partition) if args.partition else None, args.once)
+        results["shapes"][name] = r
+        if args.once:
+            continue
+        fam_bytes += per_forward * r["bytes"]
+        for impl in impls:
+            us = r[impl]["us"]
+            gbs = {n: r["bytes"] / (us[n] * 1e3) for n in args.lanes}
+            for n in args.lanes:
+                fam[impl][n] += per_forward * us[n]
+            part = "/".join(f"{a}x{b}" for a, b in r[impl]["partition"]) if impl == "v2" else "-"
+            print(f"{name:{w}s} {r['bytes'] / 1e6:6.1f} {impl:4s} {part:12s} " + " ".join(f"{gbs[n]:5.0f}" for n in args.lanes)
+                  + "  " + _fractions(gbs, us, probe, args.lanes))
+    if fam_bytes and not args.once:
+        for impl in impls:
+            us = fam[impl]
+            gbs = {n: fam_bytes / (us[n] * 1e3) for n in args.lanes}
+            print(f"{'GEMV family/forward':{w}s} {fam_bytes / 1e6:6.0f} {impl:4s} {'':12s} "
+                  + " ".join(f"{gbs[n]:5.0f}" for n in args.lanes) + "  " + _fractions(gbs, us, probe, args.lanes)
+                  + f"  ({us[args.lanes[0]] / 1e3:.2f} ms at {args.lanes[0]} lane)")
+            results.setdefault("family_us", {})[impl] = us
+        results["family_bytes"] = fam_bytes
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
     return 0
+
+
+def _apply_overrides(items: list[str]) -> dict[str, int]:
+    """NAME=VALUE pairs onto the constants table (the compile options read it at first compile)."""
+    from q27py.gpu import constants as C
+
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in C.table():
+            raise SystemExit(f"--set: {name!r} is not in the constants table")
+        setattr(C, name, int(value))
+        out[name] = int(value)
+    return out
+
+
+def _fractions(gbs: dict, us: dict, probe: float | None, lanes) -> str:
+    def pct(n):
+        return f"{100 * gbs[n] / probe:4.0f}" if (probe and n in gbs) else "   -"
+
+    def ratio(n):
+        return f"{us[n] / us[lanes[0]]:5.2f}" if n in us else "    -"
+
+    return f"{pct(1)} {pct(8)} {pct(16)} {ratio(8)} {ratio(16)}"
 
 
 if __name__ == "__main__":

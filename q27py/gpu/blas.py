@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from q27py.gpu import constants as C
 from q27py.gpu import layout as L
 from q27py.gpu.runtime import Runtime, i32, i64
 
@@ -31,7 +32,6 @@ _OP_N, _OP_T = 0, 1
 _R_32F, _R_16BF = 0, 14
 _COMPUTE_32F = 68
 _GEMM_DEFAULT = -1
-_DQ_WARPS = 8  # DQ_WARPS in cuda/dequant.cu
 
 MIN_TOKENS = 128  # below this the mma.sync GEMM (no expansion pass) is faster: measured, docs/PERF.md
 _ONE = np.ones(1, dtype=np.float32)
@@ -86,7 +86,7 @@ def dequantize_to_bf16(m, out=None):
         out = _SCRATCH.get("w", nrows * sh.kpad * 2)
     kern = {L.FMT_Q4: "dequant_q4", L.FMT_Q8: "dequant_q8", L.FMT_BF16: "dequant_bf16"}[sh.fmt]
     nblk = sh.row_tiles * sh.kchunks
-    rt.launch("dequant", kern, -(-nblk // _DQ_WARPS), 32 * _DQ_WARPS,
+    rt.launch("dequant", kern, -(-nblk // C.DQ_WARPS), 32 * C.DQ_WARPS,
               (m.codes, m.scales, i32(sh.row_tiles), i32(sh.kchunks), i32(sh.groups), i32(sh.group_chunks), out,
                i64(sh.kpad)))
     return out

@@ -11,19 +11,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from q27py.gpu import constants as C
 from q27py.gpu import layout as L
 from q27py.gpu.runtime import Runtime, f32, i32, i64, ptr, u64
 
-MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2
-GEMV_R = 4  # row tiles per work unit (GEMV_R in cuda/gemv.cu)
-GEMV_ROWS_PER_CTA = 16 * GEMV_R
-GEMV_CTAS_PER_SM = {1: 2, 2: 1}  # resident CTAs of 8 warps by lane tiles (the kernels' launch bounds)
-GEMV_MAX_LANES = 16
-D_NFIELDS = 16
-ATT_NSPLIT = 64  # NSPLIT in cuda/attention.cu
-ATT_WARPS = 8  # ATT_WARPS in cuda/attention.cu
-TOP2_BLOCKS = 16
-TAB_F32, TAB_BF16, TAB_Q8 = 0, 1, 2
+# Kernel constants live in one table (q27py/gpu/constants.py) that the CUDA sources are compiled
+# with; the names below are that table's values, re-exported for callers.
+MODE_STORE, MODE_ADD, MODE_SWIGLU = C.MODE_STORE, C.MODE_ADD, C.MODE_SWIGLU
+GEMV_R = C.GEMV_R  # row tiles per row group
+GEMV_ROWS_PER_CTA = 16 * GEMV_R  # rows of one row group (v1: one CTA)
+GEMV_CTAS_PER_SM = {1: C.V1_CTAS_NT1, 2: C.V1_CTAS_NT2}  # v1: resident CTAs of 8 warps by lane tiles
+GEMV_MAX_LANES = C.GEMV_MAX_LANES
+D_NFIELDS = C.D_NFIELDS
+ATT_NSPLIT = C.NSPLIT
+ATT_WARPS = C.ATT_WARPS
+TOP2_BLOCKS = C.TOP2_BLOCKS
+TAB_F32, TAB_BF16, TAB_Q8 = C.TAB_F32, C.TAB_BF16, C.TAB_Q8
+GEMV_IMPLS = ("v1", "v2")
 
 
 @dataclass
@@ -58,13 +62,74 @@ def upload_packed(pm: L.PackedMatrix, mode: int = MODE_STORE, out_rows: int | No
 
 
 def choose_splits(row_groups: int, kchunks: int, sm_count: int) -> int:
-    """Split-K count from the matrix shape only (never the lane count: lane bits stay width-invariant).
+    """v1 split-K count from the matrix shape only (never the lane count: lane bits stay width-invariant).
 
     Units (row group x split, one CTA each) should fill the resident CTAs about once (2 per SM
     for 8-lane launches), each keeping >= 8 chunks of K (one per warp).
     """
     want = round(GEMV_CTAS_PER_SM[1] * sm_count / max(row_groups, 1))
     return int(max(1, min(want, kchunks // 8)))
+
+
+# v2 partition model (choose_partition): a warp should keep >= this many chunks of its split
+G2_MIN_CHUNKS = 2
+G2_FILL_ITEMS = 1.5  # per-CTA start + drain, in (row group x chunk) items of one warp
+G2_MODEL_LANES = 8  # the width the split / activation traffic terms are priced at
+ITEM_BYTES = {fmt: 4 * cb + (0 if fmt == L.FMT_BF16 else 64 * 2 * L.CHUNK_K // L.DEFAULT_GROUP[fmt])
+              for fmt, cb in L.CHUNK_BYTES.items()}  # one row group x one chunk, codes + scales
+
+
+def choose_partition(row_groups: int, kchunks: int, sm_count: int, fmt: int) -> tuple[int, int]:
+    """v2 (row groups per CTA, K splits) from the matrix shape only, so lane bits never depend on
+    the launch width. A small cost model, best score wins:
+      wave quantization  units / (waves x resident CTAs)   (a partial wave leaves SMs idle), times
+                         the share of a block's row groups that exist
+      fill and drain     items per warp / (items + G2_FILL_ITEMS)
+      split partials     2 x (rows x lanes x 4 B) per CTA over its weight bytes  (L2 traffic, half weight)
+      activations        x bytes per CTA over its weight bytes: one read per CTA, shared by its row
+                         groups through L1  (L2 traffic, 0.3 weight)
+    """
+    slots = C.G2_CTAS_NT1 * sm_count
+    ib = ITEM_BYTES[fmt]
+    best = None
+    for rgb in (4, 2, 1):
+        if rgb > row_groups and rgb > 1:
+            continue  # a block of more row groups than exist idles warps for nothing
+        kw = C.G2_WARPS // rgb
+        blocks = -(-row_groups // rgb)
+        for s in range(1, max(1, kchunks // (kw * G2_MIN_CHUNKS)) + 1):
+            units = blocks * s
+            # a block past the last row group leaves its warps idle
+            quant = units / (-(-units // slots) * slots) * row_groups / (blocks * rgb)
+            items = rgb * kchunks / s / C.G2_WARPS
+            fill = items / (items + G2_FILL_ITEMS)
+            wbytes = rgb * (kchunks / s) * ib
+            split = 2 * rgb * GEMV_ROWS_PER_CTA * G2_MODEL_LANES * 4 / wbytes if s > 1 else 0.0
+            act = (kchunks / s) * L.CHUNK_K * G2_MODEL_LANES * 4 / wbytes
+            score = quant * fill / (1 + 0.5 * split + 0.3 * act)
+            if best is None or score > best[0] + 1e-12:
+                best = (score, rgb, s)
+    return best[1], best[2]
+
+
+def gemv_impl() -> str:
+    """The GEMV implementation plans use by default: EngineConfig.gemv (env Q27_GEMV), read once."""
+    global _GEMV_IMPL
+    if _GEMV_IMPL is None:
+        from q27py.config import Q27Config, apply_env
+
+        set_gemv_impl(apply_env(Q27Config()).engine.gemv)
+    return _GEMV_IMPL
+
+
+def set_gemv_impl(name: str) -> None:
+    if name not in GEMV_IMPLS:
+        raise ValueError(f"unknown GEMV implementation {name!r} (choose from {', '.join(GEMV_IMPLS)})")
+    global _GEMV_IMPL
+    _GEMV_IMPL = name
+
+
+_GEMV_IMPL: str | None = None
 
 
 class Workspace:
@@ -93,61 +158,78 @@ class Workspace:
 
 
 FMT_KERNEL = {L.FMT_BF16: "bf16", L.FMT_Q8: "q8", L.FMT_Q4: "q4"}
-# cp.async ring depth per format (Ring<FMT>::STAGES in cuda/gemv.cu)
-GEMV_STAGES = {L.FMT_BF16: 2, L.FMT_Q8: 3, L.FMT_Q4: 4}
-GEMV_WPC = {L.FMT_BF16: 4, L.FMT_Q8: 2, L.FMT_Q4: 1}
+# v1 cp.async ring depth and 16-byte words per thread and chunk, per format (cuda/gemv.cu)
+GEMV_STAGES = {L.FMT_BF16: C.RING_BF16, L.FMT_Q8: C.RING_Q8, L.FMT_Q4: C.RING_Q4}
+GEMV_WPC = {L.FMT_BF16: C.WPC_BF16, L.FMT_Q8: C.WPC_Q8, L.FMT_Q4: C.WPC_Q4}
 
 
 def gemv_shared_bytes(fmt: int, nt: int) -> int:
     """Dynamic shared memory of one GEMV CTA: the warps' cp.async rings, or the reduction if larger."""
-    ring = GEMV_STAGES[fmt] * GEMV_R * (GEMV_WPC[fmt] * 16 + 4) * 256
-    return max(ring, 8 * GEMV_ROWS_PER_CTA * nt * 8 * 4)
+    threads = 32 * C.GEMV_WARPS
+    ring = GEMV_STAGES[fmt] * GEMV_R * (GEMV_WPC[fmt] * 16 + 4) * threads
+    return max(ring, C.GEMV_WARPS * GEMV_ROWS_PER_CTA * nt * 8 * 4)
 
 
 class GemvPlan:
     """One logical GEMV: up to 4 matrices reading the same activations x (one launch per format).
 
-    outputs: list of (cupy fp32 array, row stride) per matrix.
+    outputs: list of (cupy fp32 array, row stride) per matrix. impl: "v1" (cuda/gemv.cu) or "v2"
+    (cuda/gemv2.cu), default gemv_impl(). partition (v2 only, benchmarks): force (row groups per
+    CTA, splits) for every matrix instead of choose_partition.
     """
 
-    def __init__(self, mats: list[GpuMatrix], outputs: list[tuple[object, int]], workspace: Workspace):
+    def __init__(self, mats: list[GpuMatrix], outputs: list[tuple[object, int]], workspace: Workspace,
+                 impl: str | None = None, partition: tuple[int, int] | None = None):
         assert 1 <= len(mats) <= 4 and len(mats) == len(outputs)
         rt = Runtime.get()
+        self.impl = gemv_impl() if impl is None else impl
+        if self.impl not in GEMV_IMPLS:
+            raise ValueError(f"unknown GEMV implementation {self.impl!r}")
         assert len({m.shape.kchunks for m in mats}) == 1, "matrices in one plan share K"
-        for m in mats:  # the kernels assume these scale groups (GSH in cuda/gemv.cu)
+        for m in mats:  # the kernels assume these scale groups (GSC_* in the constants table)
             assert m.shape.fmt == L.FMT_BF16 or m.shape.group == L.DEFAULT_GROUP[m.shape.fmt], m.shape
         self.mats = mats
         self.kpad = mats[0].shape.kpad
         self.workspace = workspace
         self.outputs = outputs
-        self.splits = [choose_splits(m.row_groups, m.shape.kchunks, rt.sm_count) for m in mats]
-        e = GEMV_ROWS_PER_CTA * GEMV_MAX_LANES  # partial tile per (row group, split)
+        v2 = self.impl == "v2"
+        if v2:
+            parts = [partition or choose_partition(m.row_groups, m.shape.kchunks, rt.sm_count, m.shape.fmt) for m in mats]
+        else:
+            parts = [(1, choose_splits(m.row_groups, m.shape.kchunks, rt.sm_count)) for m in mats]
+        self.rgb = [p[0] for p in parts]  # row groups per CTA
+        self.splits = [p[1] for p in parts]
+        e = GEMV_ROWS_PER_CTA * GEMV_MAX_LANES  # one row group's partial tile at the widest launch
         ws_need, cnt_need = 0, 0
         groups: dict[int, list[int]] = {}
         for j, m in enumerate(mats):
             groups.setdefault(m.shape.fmt, []).append(j)
         rows = []  # (fmt, desc rows, ctas)
         for fmt, idx in groups.items():
+            blocks = {j: -(-mats[j].row_groups // self.rgb[j]) for j in idx}
             # largest matrices first: their CTAs start earliest
-            idx = sorted(idx, key=lambda j: -mats[j].row_groups * self.splits[j])
+            idx = sorted(idx, key=lambda j: -blocks[j] * self.splits[j])
             desc = np.zeros((len(idx), D_NFIELDS), dtype=np.int64)
             cta = 0
             for r, j in enumerate(idx):
-                m, (y, ldy), s = mats[j], outputs[j], self.splits[j]
-                desc[r] = [int(ptr(m.codes)), int(ptr(m.scales)), int(ptr(y)), ws_need, cnt_need, ldy, m.nout,
-                           m.shape.kchunks, m.shape.row_tiles, m.shape.fmt, m.mode, s, m.row_groups, cta,
-                           m.shape.group_chunks, m.shape.groups]
-                cta += m.row_groups * s
+                m, (y, ldy), s, rgb = mats[j], outputs[j], self.splits[j], self.rgb[j]
+                f = desc[r]
+                f[C.D_W], f[C.D_S], f[C.D_Y] = int(ptr(m.codes)), int(ptr(m.scales)), int(ptr(y))
+                f[C.D_WS], f[C.D_CNT], f[C.D_LDY], f[C.D_NOUT] = ws_need, cnt_need, ldy, m.nout
+                f[C.D_KCH], f[C.D_RT], f[C.D_FMT], f[C.D_MODE] = m.shape.kchunks, m.shape.row_tiles, m.shape.fmt, m.mode
+                f[C.D_SPLITS], f[C.D_RG], f[C.D_CTA0] = s, m.row_groups, cta
+                f[C.D_GSC], f[C.D_NGROUPS], f[C.D_RGB] = m.shape.group_chunks, m.shape.groups, rgb
+                cta += blocks[j] * s
                 if s > 1:
-                    ws_need += m.row_groups * s * e
-                    cnt_need += m.row_groups
+                    ws_need += blocks[j] * s * rgb * e
+                    cnt_need += blocks[j]
             rows.append((fmt, desc, cta))
         workspace.reserve(ws_need, cnt_need)
         ws_base, cnt_base = int(ptr(workspace.ws)), int(ptr(workspace.cnt))
         self.launches = []
         for fmt, desc, units in rows:
-            desc[:, 3] = ws_base + desc[:, 3] * 4
-            desc[:, 4] = cnt_base + desc[:, 4] * 4
+            desc[:, C.D_WS] = ws_base + desc[:, C.D_WS] * 4
+            desc[:, C.D_CNT] = cnt_base + desc[:, C.D_CNT] * 4
             self.launches.append((fmt, rt.cp.asarray(desc), len(desc), units))
 
     def run(self, x, ldx: int, nlanes: int, lane0: int = 0, allow_gemm: bool = True) -> None:
@@ -166,9 +248,13 @@ class GemvPlan:
             for fmt, desc, nmat, units in self.launches:
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
-                rt.launch("gemv", f"gemv_{FMT_KERNEL[fmt]}_nt{nt}", units, 256,
-                          (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(lane0 + done)),
-                          shared_mem=gemv_shared_bytes(fmt, nt))
+                if self.impl == "v2":
+                    rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
+                              (desc, i32(nmat), x, i32(ldx), i32(n), i32(lane0 + done)))
+                else:
+                    rt.launch("gemv", f"gemv_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
+                              (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(lane0 + done)),
+                              shared_mem=gemv_shared_bytes(fmt, nt))
             done += n
 
     @property
@@ -199,9 +285,11 @@ def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int) -> None:
         blas.prefill_gemm(m, x, ldx, ntok, y, ldy)
         return
     fmt = m.shape.fmt
-    slot = (2 if fmt == L.FMT_Q8 else 1) * 16 + 4
-    smem = 2 * 64 * 72 * 2 + 4 * 256 * slot
-    Runtime.get().launch("gemm", f"gemm_{FMT_KERNEL[fmt]}", (-(-m.shape.row_tiles // 8), -(-ntok // 64)), 256,
+    slot = GEMV_WPC[fmt] * 16 + 4  # weight words + scale word per thread and stage
+    threads = 32 * C.GM_WARPS
+    smem = 2 * C.GM_TOK * C.GM_XS * 2 + C.GM_STAGES * threads * slot
+    grid = (-(-m.shape.row_tiles // C.GM_WARPS), -(-ntok // C.GM_TOK))  # a 16-row tile per warp
+    Runtime.get().launch("gemm", f"gemm_{FMT_KERNEL[fmt]}", grid, threads,
                          (m.codes, m.scales, i32(m.shape.kchunks), i32(m.shape.groups), i32(m.shape.row_tiles), x,
                           i32(ldx), i32(ntok), y, i32(ldy), i32(m.nout), i32(m.mode)), shared_mem=smem)
 
@@ -344,7 +432,7 @@ def gdn_step(state, state_stride: int, qkvn, qkvn_stride: int, gb, gb_stride: in
 
 
 def gdn_prefill_supported(dk: int, dv: int) -> bool:
-    return dk <= 128 and dv % 4 == 0
+    return dk <= 128 and dv % C.GDN_PF_COLS == 0
 
 
 def gdn_prefill(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int) -> None:
@@ -352,8 +440,8 @@ def gdn_prefill(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: in
     columns per warp, so the warps fit one wave and the per-token chains overlap (cuda/gdn.cu)."""
     kpl = -(-dk // 32)
     kernel = {1: "gdn_prefill_k1", 2: "gdn_prefill_k2", 3: "gdn_prefill_k4", 4: "gdn_prefill_k4"}[kpl]
-    warps = hv * dv // 4
-    Runtime.get().launch("gdn", kernel, -(-warps // 4), 128,
+    warps = hv * dv // C.GDN_PF_COLS
+    Runtime.get().launch("gdn", kernel, -(-warps // C.GDN_PF_WARPS), 32 * C.GDN_PF_WARPS,
                          (state, qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dk), i32(dv), i32(nlanes)))
 
 
@@ -374,8 +462,8 @@ def attention(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int,
     if hd % 32 or dpl not in (1, 2, 4, 8):
         raise ValueError(f"attention head dim {hd} not supported by the fast path (32, 64, 128 or 256)")
     rep = nq // nkv
-    if rep > 8:
-        raise ValueError(f"{rep} q heads per kv head > 8 not supported by the fast path")
+    if rep > C.REPMAX:
+        raise ValueError(f"{rep} q heads per kv head > {C.REPMAX} not supported by the fast path")
     kernel = f"attn_split_{'bf16' if kv_bf16 else 'f32'}_d{dpl}"
     rt = Runtime.get()
     rt.launch("attention", kernel, (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
@@ -399,8 +487,8 @@ def top2(logits, ld: int, vocab: int, rows: int, part, ids, top1, margin, inv_te
 
 
 # ---------------------------------------------------------------- prefill attention (tensor-core tiles)
-PF_ROWS = 64  # PF_ROWS in cuda/attention_prefill.cu: (lane, q head) rows per CTA
-PF_THREADS = 128
+PF_ROWS = C.PF_ROWS  # (lane, q head) rows per CTA
+PF_THREADS = C.PF_THREADS
 
 
 def prefill_key_tile(hd: int, kv_bf16: bool) -> int:

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from q27py.gpu import layout as L
+from q27py.gpu.constants import MODE_ADD, MODE_STORE, MODE_SWIGLU  # the epilogues (no cupy: repack runs on CPUs)
 from q27py.io.q27file import TIERS, Q27Writer, role_format
 from q27py.model.config import FULL, ModelConfig
-
-MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2  # q27py.gpu.kernels' epilogues (kept here so repack needs no cupy)
 
 
 @dataclass(frozen=True)

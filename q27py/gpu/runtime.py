@@ -33,7 +33,7 @@ def _find_cuda_dir() -> Path:
 
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
-KERNEL_FILES = ("gemv", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "rope", "attention", "attention_prefill",
+KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "rope", "attention", "attention_prefill",
                 "sampling", "probe")
 
 
@@ -64,6 +64,15 @@ def ptr(a, offset_bytes: int = 0) -> np.uint64:
     if isinstance(a, (int, np.integer)):
         return np.uint64(int(a) + offset_bytes)
     return np.uint64(a.data.ptr + offset_bytes)
+
+
+def compile_options() -> tuple[str, ...]:
+    """What every kernel module is compiled with: C++17 and the shared constants table as -D
+    defines (q27py/gpu/constants.py), so kernels and Python read one set of numbers. CuPy's
+    on-disk cache key covers the options, so a changed constant recompiles."""
+    from q27py.gpu.constants import defines
+
+    return ("--std=c++17",) + defines()
 
 
 def source_text(name: str) -> str:
@@ -117,7 +126,7 @@ class Runtime:
     def module(self, name: str):
         mod = self._modules.get(name)
         if mod is None:
-            mod = self.cp.RawModule(code=source_text(name), options=("--std=c++17",))
+            mod = self.cp.RawModule(code=source_text(name), options=compile_options())
             mod.compile()
             self._modules[name] = mod
         return mod

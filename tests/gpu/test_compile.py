@@ -3,6 +3,7 @@ as NVRTC will see it, and the packed layout's decode matches its own spec (no GP
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -10,10 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from q27py.gpu import constants as C
 from q27py.gpu import layout as L
-from q27py.gpu.runtime import CUDA_DIR, KERNEL_FILES, source_text
+from q27py.gpu.runtime import CUDA_DIR, KERNEL_FILES, compile_options, source_text
 
 NVCC = shutil.which("nvcc")
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # the portable path builds everywhere; sm_90 is the H200
 
 
 def test_every_cuda_file_is_listed():
@@ -21,19 +24,108 @@ def test_every_cuda_file_is_listed():
     assert on_disk == sorted(KERNEL_FILES)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-def test_kernels_compile_with_nvcc(tmp_path):
-    def build(name: str):
-        src = tmp_path / f"{name}.cu"
-        src.write_text(source_text(name), encoding="utf-8")
-        r = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), str(src)],
-                           capture_output=True, text=True)
-        return name, r.returncode, r.stderr
+def _nvcc(tmp_path, name: str, arch: str, extra=()):
+    src = tmp_path / f"{name}.cu"
+    src.write_text(source_text(name), encoding="utf-8")
+    r = subprocess.run([NVCC, *compile_options(), *extra, f"-arch={arch}", "-cubin", "-Xptxas", "-v",
+                        "-o", str(tmp_path / f"{name}_{arch}.cubin"), str(src)], capture_output=True, text=True)
+    return r.returncode, r.stderr
 
+
+def _ptxas_report(text: str) -> dict[str, tuple[int, int]]:
+    """kernel -> (registers, spill bytes stored + loaded) from ptxas -v output."""
+    out, cur, spill = {}, None, 0
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            cur = m.group(1)
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            spill = int(m.group(1)) + int(m.group(2))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and cur:
+            out[cur] = (int(m.group(1)), spill)
+    return out
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", ["sm_90"])
+def test_kernels_compile_with_nvcc(tmp_path, arch):
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(build, KERNEL_FILES))
+        results = list(pool.map(lambda n: (n, *_nvcc(tmp_path, n, arch)), KERNEL_FILES))
     failed = [(n, err[-2000:]) for n, rc, err in results if rc != 0]
     assert not failed, failed
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemv_kernels_build_without_spills(tmp_path, arch):
+    """Both GEMV generations build for every supported arch, and v2 keeps every stream loop in
+    registers: a spill would put local-memory traffic beside the weight stream (its pipeline
+    depths in the constants table are sized to fit the launch bounds)."""
+    for name in ("gemv", "gemv2"):
+        rc, err = _nvcc(tmp_path, name, arch)
+        assert rc == 0, err[-2000:]
+        if name == "gemv2":
+            rep = _ptxas_report(err)
+            assert len(rep) == 6, rep
+            assert all(spill == 0 for _, spill in rep.values()), rep
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_sources_need_the_constants_table(tmp_path):
+    """A kernel built without the table's -D defines must fail: the numbers are not hidden in the
+    sources (guards against a re-added #ifndef default)."""
+    src = tmp_path / "gemv2.cu"
+    src.write_text(source_text("gemv2"), encoding="utf-8")
+    r = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "x.cubin"), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "G2_WARPS" in r.stderr
+
+
+# ---------------------------------------------------------------- the constants table
+_DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)(\(?)\s*(.*)$", re.M)
+_LOCAL_MACROS = {"FULL_MASK", "INFINITY"}  # helpers local to common.cuh, not shared with Python
+
+
+def _cuda_sources() -> dict[str, str]:
+    return {p.name: p.read_text(encoding="utf-8") for p in sorted(CUDA_DIR.glob("*.cu*"))}
+
+
+def test_constants_table_is_the_only_definition():
+    table = C.table()
+    assert len(table) == len(set(table)) and len(table) > 20
+    for fname, text in _cuda_sources().items():
+        for name, paren, body in _DEFINE.findall(text):
+            assert name not in table, f"{fname} defines {name}, which the constants table owns"
+            if not paren and re.fullmatch(r"[-+()\w\s]*\d[\w]*\)?\s*(//.*)?", body.strip()):
+                assert name in _LOCAL_MACROS, f"{fname} defines numeric constant {name}: add it to q27py/gpu/constants.py"
+        assert not re.search(r"#\s*ifndef\s+(" + "|".join(table) + r")\b", text), f"{fname} keeps a default"
+
+
+def test_every_table_constant_is_used_and_python_mirrors_none():
+    """Each name is used by a kernel source or the Python side, and no Python module re-defines a
+    table name with its own literal (kernels.py re-exports them from the table)."""
+    sources = "\n".join(_cuda_sources().values())
+    pkg = CUDA_DIR.parent / "q27py"
+    py = {p: p.read_text(encoding="utf-8") for p in pkg.rglob("*.py") if p.name != "constants.py"}
+    for name in C.table():
+        used = re.search(rf"\b{name}\b", sources) or any(re.search(rf"\bC\.{name}\b", t) for t in py.values())
+        assert used, f"constant {name} is used nowhere"
+    literal = re.compile(r"^(\w+(?:\s*,\s*\w+)*)\s*=\s*\d[\d, ]*(?:#.*)?$", re.M)
+    gpu = [p for p in py if p.parent.name == "gpu" and p.name != "layout.py"]  # layout.py is the table's own source
+    for p in gpu:
+        for lhs in literal.findall(py[p]):
+            names = {n.strip() for n in lhs.split(",")}
+            clash = names & set(C.table())
+            assert not clash, f"{p.name} hand-mirrors {sorted(clash)}"
+
+
+def test_compile_options_carry_the_table():
+    opts = compile_options()
+    assert opts[0] == "--std=c++17"
+    assert f"-DG2_WARPS={C.G2_WARPS}" in opts and f"-DD_NFIELDS={C.D_NFIELDS}" in opts
+    assert len([o for o in opts if o.startswith("-D")]) == len(C.table())
 
 
 @pytest.mark.parametrize("fmt", [L.FMT_BF16, L.FMT_Q8, L.FMT_Q4])
@@ -95,3 +187,29 @@ def test_setup_cfg_installs_every_cuda_file():
     listed = {line.strip().split("/")[-1] for line in cfg["options.data_files"]["share/q27py/cuda"].splitlines() if line.strip()}
     on_disk = {p.name for p in CUDA_DIR.iterdir() if p.suffix in (".cu", ".cuh")}
     assert on_disk == listed
+
+
+def test_sass_loop_counter_finds_the_hot_loop():
+    """tools/sass_loops.py (the device script's SASS report) on a hand-written cuobjdump excerpt:
+    the loop with the HMMA is chosen over a scalar loop, its instructions and 16-B loads counted."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_loops", CUDA_DIR.parent / "tools" / "sass_loops.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sass = """
+        Function : k_demo
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/               @P0 BRA 0x10 ;
+        /*0030*/                   LDG.E.128.CONSTANT R4, desc[UR4][R8.64] ;
+        /*0040*/                   LOP3.LUT R12, R4, 0xf000f, RZ, 0xc0, !PT ;
+        /*0050*/                   HFMA2.BF16_V2 R12, R12, 1, -136 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R16, R12, R20, R16 ;
+        /*0070*/              @!P1 BRA 0x30 ;
+        /*0080*/                   EXIT ;
+    """
+    lines = mod.report(sass)
+    assert lines[0].startswith("k_demo") and "5 instr" in lines[0] and "1 HMMA" in lines[0]
+    assert "1 x 16-B weight loads" in lines[0] and "5.0 per 16 B" in lines[0]
+    assert "HMMA:1" in lines[1] and "LDG:1" in lines[1]

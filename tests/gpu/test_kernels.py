@@ -53,13 +53,22 @@ def padded_x(cp, x: np.ndarray, kpad: int):
     return cp.asarray(buf)
 
 
-# ---------------------------------------------------------------- GEMV
+# ---------------------------------------------------------------- GEMV (both implementations)
 GEMV_SHAPES = [(300, 640), (96, 5120), (1040, 256), (37, 200)]
+IMPLS = ["v1", "v2"]
+# v2 partitions (row groups per CTA, splits) forced in some tests, so every reduction path runs
+V2_PARTITIONS = [(1, 1), (2, 3), (4, 2), (1, 5)]
 
 
+def quantized_x(x: np.ndarray, fmt: int) -> np.ndarray:
+    """What the kernels multiply by: bf16 weights see x (hi + lo, fp32-grade), q8/q4 bf16(x)."""
+    return x if fmt == L.FMT_BF16 else L.bf16_to_f32(L.bf16_bits(x))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fmt", [L.FMT_BF16, L.FMT_Q8, L.FMT_Q4])
 @pytest.mark.parametrize("rows,cols", GEMV_SHAPES)
-def test_gemv_matches_float64(cp, K, fmt, rows, cols):
+def test_gemv_matches_float64(cp, K, impl, fmt, rows, cols):
     rng = np.random.default_rng(rows + cols + fmt)
     w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
     pm = L.pack_matrix(w, fmt)
@@ -69,35 +78,85 @@ def test_gemv_matches_float64(cp, K, fmt, rows, cols):
     for n in (1, 3, 8, 9, 16):
         x = rng.standard_normal((n, cols)).astype(np.float32)
         y = poisoned(cp, (n, rows))
-        plan = K.GemvPlan([m], [(y, rows)], ws)
+        plan = K.GemvPlan([m], [(y, rows)], ws, impl=impl)
         plan.run(padded_x(cp, x, pm.shape.kpad), pm.shape.kpad, n)
         got = y.get()
         assert np.isfinite(got).all(), f"unwritten outputs at n={n}"
-        # bf16 weights: activations enter as hi + lo (fp32-grade); q8/q4: rounded to bf16 once
-        xa = x if fmt == L.FMT_BF16 else L.bf16_to_f32(L.bf16_bits(x))
-        ref = xa.astype(np.float64) @ wd.T
+        ref = quantized_x(x, fmt).astype(np.float64) @ wd.T
         assert rel(got, ref) < 2e-5, (n, rel(got, ref))
 
 
-@pytest.mark.parametrize("fmt", [L.FMT_Q4, L.FMT_BF16])
-def test_gemv_lanes_are_width_invariant(cp, K, fmt):
+def tile_subset(K, m, t0: int, t1: int) -> L.PackedMatrix:
+    """Row tiles [t0, t1) of a device matrix as a host PackedMatrix (the layout is tile-major)."""
+    sh = m.shape
+    cb = L.CHUNK_BYTES[sh.fmt]
+    rows = min(sh.rows, 16 * t1) - 16 * t0
+    sub = L.matrix_shape(rows, sh.cols, sh.fmt, sh.group)
+    assert sub.row_tiles == t1 - t0, "subsets are whole row groups"
+    codes = m.codes[t0 * sh.kchunks * cb : t1 * sh.kchunks * cb].get()
+    scales = np.zeros(0, np.uint32) if m.scales is None else m.scales[t0 * sh.groups * 8 : t1 * sh.groups * 8].get()
+    return L.PackedMatrix(sub, codes, scales)
+
+
+# The Qwen3.6-27B matrices (q27py/gpu/weights.py random_weights recipe; q4s tier formats): full
+# shapes, so the real partitions (row groups per CTA, splits) run; checked on the first and last
+# 128 rows against float64.
+SHAPES_27B = {
+    "gate_up": (34816, 5120, L.FMT_Q4), "down": (5120, 17408, L.FMT_Q4), "qkvz": (16384, 5120, L.FMT_Q4),
+    "gdn_ab": (96, 5120, L.FMT_BF16), "gdn_out": (5120, 6144, L.FMT_Q4), "attn_q": (12288, 5120, L.FMT_Q4),
+    "attn_kv": (2048, 5120, L.FMT_Q8), "attn_o": (5120, 6144, L.FMT_Q4), "lm_head": (248320, 5120, L.FMT_Q4),
+    "mtp_gate_up_q8": (34816, 5120, L.FMT_Q8), "mtp_fc_q8": (5120, 10240, L.FMT_Q8),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", sorted(SHAPES_27B))
+def test_gemv_27b_shapes_match_float64(cp, K, impl, name):
+    rows, cols, fmt = SHAPES_27B[name]
+    m = K.random_matrix(rows, cols, fmt, seed=len(name), scale=0.01 if fmt != L.FMT_BF16 else 0.05)
+    sh = m.shape
+    ws = K.Workspace()
+    rng = np.random.default_rng(len(name) + 100)
+    x = rng.standard_normal((16, cols)).astype(np.float32)
+    xd = padded_x(cp, x, sh.kpad)
+    last = sh.row_tiles
+    parts = [(0, 8), (last - 8, last)]  # first and last 128 rows (row tiles are padded to groups of 4)
+    refs = [quantized_x(x, fmt).astype(np.float64) @ L.unpack(tile_subset(K, m, a, b)).astype(np.float64).T
+            for a, b in parts]
+    for n in (1, 8, 16):
+        y = poisoned(cp, (n, rows))
+        K.GemvPlan([m], [(y, rows)], ws, impl=impl).run(xd, sh.kpad, n)
+        got = y.get()
+        assert np.isfinite(got).all(), f"unwritten outputs at n={n}"
+        for (a, b), ref in zip(parts, refs):
+            sel = got[:, 16 * a : min(rows, 16 * b)]
+            assert rel(sel, ref[:n]) < 2e-5, (name, n, a, rel(sel, ref[:n]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", [L.FMT_BF16, L.FMT_Q8, L.FMT_Q4])
+def test_gemv_lanes_are_width_invariant(cp, K, impl, fmt):
+    """Lane t's bits never depend on how many lanes share the launch (1..16; 8 -> 9 switches kernel)."""
     rng = np.random.default_rng(7)
     rows, cols = 200, 1024
     pm = L.pack_matrix(rng.standard_normal((rows, cols)).astype(np.float32), fmt)
     m = K.upload_packed(pm)
     ws = K.Workspace()
     x = padded_x(cp, rng.standard_normal((16, cols)).astype(np.float32), pm.shape.kpad)
-    outs = {}
-    for n in range(1, 17):
-        y = poisoned(cp, (16, rows))
-        K.GemvPlan([m], [(y, rows)], ws).run(x, pm.shape.kpad, n)
-        outs[n] = y.get()
-    for n in range(1, 17):
-        for t in range(n):
-            np.testing.assert_array_equal(outs[n][t], outs[16][t])
+    parts = [None] if impl == "v1" else [None, *V2_PARTITIONS]
+    for part in parts:
+        outs = {}
+        for n in range(1, 17):
+            y = poisoned(cp, (16, rows))
+            K.GemvPlan([m], [(y, rows)], ws, impl=impl, partition=part).run(x, pm.shape.kpad, n)
+            outs[n] = y.get()
+        for n in range(1, 17):
+            for t in range(n):
+                np.testing.assert_array_equal(outs[n][t], outs[16][t], err_msg=f"partition {part}, n={n}, lane {t}")
 
 
-def test_gemv_split_k_is_repeatable_and_lane_offset_works(cp, K):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gemv_split_k_is_repeatable_and_lane_offset_works(cp, K, impl):
     rng = np.random.default_rng(8)
     rows, cols = 64, 8192  # few row groups, long K: many splits and the last-CTA reduction
     pm = L.pack_matrix(rng.standard_normal((rows, cols)).astype(np.float32), L.FMT_Q4)
@@ -105,35 +164,72 @@ def test_gemv_split_k_is_repeatable_and_lane_offset_works(cp, K):
     ws = K.Workspace()
     x = padded_x(cp, rng.standard_normal((20, cols)).astype(np.float32), pm.shape.kpad)
     y1, y2 = poisoned(cp, (20, rows)), poisoned(cp, (20, rows))
-    p1 = K.GemvPlan([m], [(y1, rows)], ws)
+    p1 = K.GemvPlan([m], [(y1, rows)], ws, impl=impl)
     assert p1.splits[0] > 1
     p1.run(x, pm.shape.kpad, 20)  # 16 + 4 lanes: two launches, the second at lane0 = 16
-    K.GemvPlan([m], [(y2, rows)], ws).run(x, pm.shape.kpad, 20)
-    np.testing.assert_array_equal(y1.get(), y2.get())
-    xb = L.bf16_to_f32(L.bf16_bits(x.get()[:, :cols]))  # q4: activations rounded to bf16
-    ref = xb.astype(np.float64) @ L.unpack(pm).astype(np.float64).T
+    for _ in range(3):  # same bits every run (fixed-order split reduction, counters re-armed)
+        K.GemvPlan([m], [(y2, rows)], ws, impl=impl).run(x, pm.shape.kpad, 20)
+        np.testing.assert_array_equal(y1.get(), y2.get())
+    ref = quantized_x(x.get()[:, :cols], L.FMT_Q4).astype(np.float64) @ L.unpack(pm).astype(np.float64).T
     assert rel(y1.get(), ref) < 2e-5
+    # lane0: lanes 5..11 alone land in rows 5..11 of y with the same bits as the full run
+    y3 = poisoned(cp, (20, rows))
+    p3 = K.GemvPlan([m], [(y3, rows)], ws, impl=impl)
+    p3.run(x, pm.shape.kpad, 7, lane0=5)
+    got = y3.get()
+    np.testing.assert_array_equal(got[5:12], y1.get()[5:12])
+    assert np.isnan(got[:5]).all() and np.isnan(got[12:]).all()
 
 
-def test_gemv_residual_add_and_multi_matrix(cp, K):
+@pytest.mark.parametrize("part", V2_PARTITIONS)
+def test_gemv_v2_partitions_agree(cp, K, part):
+    """Every v2 partition (row groups per CTA x splits, incl. a partial last block) computes the
+    same function; and a forced split count above 1 re-runs with identical bits."""
+    rng = np.random.default_rng(21)
+    rows, cols = 328, 2048  # 6 row groups: blocks of 4 leave a partial block
+    for fmt in (L.FMT_Q4, L.FMT_Q8, L.FMT_BF16):
+        pm = L.pack_matrix(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, fmt)
+        m = K.upload_packed(pm)
+        ws = K.Workspace()
+        x = rng.standard_normal((11, cols)).astype(np.float32)
+        ref = quantized_x(x, fmt).astype(np.float64) @ L.unpack(pm).astype(np.float64).T
+        ys = []
+        for _ in range(2):
+            y = poisoned(cp, (11, rows))
+            K.GemvPlan([m], [(y, rows)], ws, impl="v2", partition=part).run(padded_x(cp, x, cols), cols, 11)
+            ys.append(y.get())
+        assert rel(ys[0], ref) < 2e-5, (fmt, rel(ys[0], ref))
+        np.testing.assert_array_equal(ys[0], ys[1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gemv_residual_add_and_multi_matrix(cp, K, impl):
     rng = np.random.default_rng(9)
     cols = 512
     wa = rng.standard_normal((130, cols)).astype(np.float32) * 0.1
     wb = rng.standard_normal((48, cols)).astype(np.float32) * 0.1
-    pa, pb = L.pack_matrix(wa, L.FMT_Q4), L.pack_matrix(wb, L.FMT_BF16)
+    wc = rng.standard_normal((300, cols)).astype(np.float32) * 0.1
+    pa, pb, pc = L.pack_matrix(wa, L.FMT_Q4), L.pack_matrix(wb, L.FMT_BF16), L.pack_matrix(wc, L.FMT_Q4)
     ma = K.upload_packed(pa, mode=K.MODE_ADD)
     mb = K.upload_packed(pb)
-    x = rng.standard_normal((5, cols)).astype(np.float32)
-    base = rng.standard_normal((5, 130)).astype(np.float32)
-    ya, yb = cp.asarray(base), poisoned(cp, (5, 48))
-    K.GemvPlan([ma, mb], [(ya, 130), (yb, 48)], K.Workspace()).run(padded_x(cp, x, 512), 512, 5)
-    xb = L.bf16_to_f32(L.bf16_bits(x))
-    assert rel(ya.get(), base + xb.astype(np.float64) @ L.unpack(pa).T) < 2e-5
-    assert rel(yb.get(), x.astype(np.float64) @ L.unpack(pb).T) < 2e-5
+    mc = K.upload_packed(pc)
+    for n in (5, 13):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        base = rng.standard_normal((n, 130)).astype(np.float32)
+        ya, yb, yc = cp.asarray(base), poisoned(cp, (n, 48)), poisoned(cp, (n, 300))
+        # two q4 matrices share one launch (descriptor rows), the bf16 one gets its own
+        plan = K.GemvPlan([ma, mb, mc], [(ya, 130), (yb, 48), (yc, 300)], K.Workspace(), impl=impl)
+        assert len(plan.launches) == 2
+        plan.run(padded_x(cp, x, 512), 512, n)
+        xb = quantized_x(x, L.FMT_Q4).astype(np.float64)
+        assert rel(ya.get(), base + xb @ L.unpack(pa).T) < 2e-5
+        assert rel(yb.get(), x.astype(np.float64) @ L.unpack(pb).T) < 2e-5
+        assert rel(yc.get(), xb @ L.unpack(pc).T) < 2e-5
 
 
-@pytest.mark.parametrize("fmt", [L.FMT_Q8, L.FMT_BF16])
-def test_gemv_swiglu_epilogue(cp, K, fmt):
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", [L.FMT_Q4, L.FMT_Q8, L.FMT_BF16])
+def test_gemv_swiglu_epilogue(cp, K, impl, fmt):
     rng = np.random.default_rng(10)
     inter, cols = 100, 256
     gate = rng.standard_normal((inter, cols)).astype(np.float32) * 0.1
@@ -141,14 +237,14 @@ def test_gemv_swiglu_epilogue(cp, K, fmt):
     pm = L.pack_matrix(L.interleave_gate_up(gate, up), fmt)
     m = K.upload_packed(pm, mode=K.MODE_SWIGLU, out_rows=inter)
     wd = L.unpack(pm).astype(np.float64)
-    x = rng.standard_normal((4, cols)).astype(np.float32)
-    y = poisoned(cp, (4, inter))
-    K.GemvPlan([m], [(y, inter)], K.Workspace()).run(padded_x(cp, x, 256), 256, 4)
-    xa = x if fmt == L.FMT_BF16 else L.bf16_to_f32(L.bf16_bits(x))
-    gu = xa.astype(np.float64) @ wd.T  # interleaved rows
-    tiles = gu.reshape(4, -1, 2, 8)
-    g, u = tiles[:, :, 0, :].reshape(4, -1)[:, :inter], tiles[:, :, 1, :].reshape(4, -1)[:, :inter]
-    assert rel(y.get(), ops.silu(g) * u) < 2e-5
+    for n in (4, 16):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        y = poisoned(cp, (n, inter))
+        K.GemvPlan([m], [(y, inter)], K.Workspace(), impl=impl).run(padded_x(cp, x, 256), 256, n)
+        gu = quantized_x(x, fmt).astype(np.float64) @ wd.T  # interleaved rows
+        tiles = gu.reshape(n, -1, 2, 8)
+        g, u = tiles[:, :, 0, :].reshape(n, -1)[:, :inter], tiles[:, :, 1, :].reshape(n, -1)[:, :inter]
+        assert rel(y.get(), ops.silu(g) * u) < 2e-5
 
 
 @pytest.mark.parametrize("fmt", [L.FMT_Q8, L.FMT_Q4])

@@ -1,0 +1,83 @@
+"""The one table of kernel constants shared by Python and CUDA.
+
+Every number a kernel in cuda/ is built with and that Python must agree with (formats, modes,
+descriptor fields, tile sizes, warps, ring stages, split counts) is defined here once. The
+runtime passes the whole table to every NVRTC compile as `-DNAME=value` (runtime.compile_options),
+and the .cu files use the names without defining them, so nothing is hand-mirrored: change a
+value here and both sides move. tests/gpu/test_compile.py checks that no cuda file defines a
+table name (or any other bare numeric macro) itself and that the sources build with this table.
+
+No cupy here (the packer, the repack tool and CPU tests import it).
+"""
+
+from __future__ import annotations
+
+from q27py.gpu import layout as L
+
+# ---------------------------------------------------------------- packed matrices (layout.py is the spec)
+FMT_BF16, FMT_Q8, FMT_Q4 = L.FMT_BF16, L.FMT_Q8, L.FMT_Q4
+# bytes of one (16-row tile, 64-k chunk) block, and 16-byte words per thread in it
+CB_BF16, CB_Q8, CB_Q4 = L.CHUNK_BYTES[FMT_BF16], L.CHUNK_BYTES[FMT_Q8], L.CHUNK_BYTES[FMT_Q4]
+WPC_BF16, WPC_Q8, WPC_Q4 = CB_BF16 // 512, CB_Q8 // 512, CB_Q4 // 512
+# chunks per scale group the kernels are built for (q4 64 k, q8 128 k)
+GSC_Q8, GSC_Q4 = L.DEFAULT_GROUP[FMT_Q8] // L.CHUNK_K, L.DEFAULT_GROUP[FMT_Q4] // L.CHUNK_K
+
+# epilogues of the GEMV / GEMM
+MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2
+
+# ---------------------------------------------------------------- GEMV (cuda/gemv.cu v1, cuda/gemv2.cu v2)
+GEMV_R = 4  # row tiles (16 rows) per row group: the rows a warp owns
+GEMV_WARPS = 8  # warps per CTA
+GEMV_MAX_LANES = 16  # lanes per launch (two 8-lane mma tiles)
+# v1 cp.async ring depth per format, and resident CTAs of 8 warps per SM (its launch bounds)
+RING_BF16, RING_Q8, RING_Q4 = 2, 3, 4
+V1_CTAS_NT1, V1_CTAS_NT2, V1_CTAS_BF16 = 2, 1, 1
+# v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
+# 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
+G2_WARPS = 4
+G2_CTAS_NT1, G2_CTAS_NT2 = 4, 3
+G2_CTAS_NT2_Q8 = 2  # q8 at 16 lanes spills at 3 CTAs unless its pipeline is 1 deep: 2 CTAs, 4 slices
+# v2 register pipeline: 16-byte slices (one per row tile) kept in flight per warp, by format
+PIPE_BF16, PIPE_Q8, PIPE_Q4 = 3, 3, 3  # 8-lane kernels (they also load activations a slice ahead)
+PIPE2_BF16, PIPE2_Q8, PIPE2_Q4 = 3, 4, 2  # 16-lane kernels (168 registers, q8 255: deeper ones spill)
+# descriptor fields (int64 each), one row per matrix of a launch
+D_W, D_S, D_Y, D_WS, D_CNT, D_LDY, D_NOUT, D_KCH = 0, 1, 2, 3, 4, 5, 6, 7
+D_RT, D_FMT, D_MODE, D_SPLITS, D_RG, D_CTA0, D_GSC, D_NGROUPS = 8, 9, 10, 11, 12, 13, 14, 15
+D_RGB = 16  # v2: row groups per CTA (its warps split as D_RGB x G2_WARPS / D_RGB over K)
+D_NFIELDS = 17
+
+# ---------------------------------------------------------------- prefill GEMM (cuda/gemm.cu)
+GM_WARPS = 8
+GM_TOK = 64  # tokens per CTA
+GM_XS = 72  # bf16 per activation row in shared memory (64 + 8 pad: conflict-free)
+GM_STAGES = 4
+
+# ---------------------------------------------------------------- attention (cuda/attention.cu, attention_prefill.cu)
+NSPLIT = 64  # position splits of the decode / verify kernel
+REPMAX = 8  # q heads per kv head the decode kernel holds
+ATT_WARPS = 8
+PF_ROWS = 64  # (lane, q head) rows per prefill CTA
+PF_THREADS = 128
+
+# ---------------------------------------------------------------- tables, norms, sampling
+TAB_F32, TAB_BF16, TAB_Q8 = 0, 1, 2
+NORM_PER_THREAD = 8  # row elements a rmsnorm thread keeps in registers
+
+# ---------------------------------------------------------------- prefill through cuBLAS (cuda/dequant.cu)
+DQ_WARPS = 8  # warps per expansion CTA, one (tile, chunk) block each
+DQ_LD = 72  # bf16 per staged row (64 + 8 pad: 16-byte aligned rows, no bank conflicts)
+
+# ---------------------------------------------------------------- GDN prefill (cuda/gdn.cu gdn_prefill_*)
+GDN_PF_COLS = 4  # value columns per warp
+GDN_PF_WARPS = 4  # warps per CTA
+TOP2_BLOCKS = 16  # partial blocks per row of the argmax / sampling pass
+
+
+def table() -> dict[str, int]:
+    """Every UPPER_CASE integer above, by name (what the kernels are compiled with)."""
+    return {k: int(v) for k, v in globals().items() if k.isupper() and isinstance(v, int) and not isinstance(v, bool)}
+
+
+def defines() -> tuple[str, ...]:
+    """The table as NVRTC / nvcc options."""
+    return tuple(f"-D{k}={v}" for k, v in sorted(table().items()))

@@ -1,0 +1,56 @@
+"""CPU checks of the GEMV planning (no GPU): the v2 partition model and the implementation switch."""
+
+from __future__ import annotations
+
+import pytest
+
+from q27py.config import Q27Config, apply_env
+from q27py.gpu import constants as C
+from q27py.gpu import kernels as K
+from q27py.gpu import layout as L
+
+# (rows, cols, fmt) of the 27B launches (q4s tier) and a few small / odd ones
+SHAPES = [(34816, 5120, L.FMT_Q4), (5120, 17408, L.FMT_Q4), (16384, 5120, L.FMT_Q4), (96, 5120, L.FMT_BF16),
+          (5120, 6144, L.FMT_Q4), (2048, 5120, L.FMT_Q8), (248320, 5120, L.FMT_Q4), (64, 8192, L.FMT_Q4),
+          (37, 200, L.FMT_Q8), (1040, 256, L.FMT_BF16)]
+
+
+@pytest.mark.parametrize("sms", [132, 82, 170, 28])
+@pytest.mark.parametrize("rows,cols,fmt", SHAPES)
+def test_v2_partition_is_valid_and_keeps_warps_busy(rows, cols, fmt, sms):
+    sh = L.matrix_shape(rows, cols, fmt)
+    rg = sh.row_tiles // C.GEMV_R
+    rgb, splits = K.choose_partition(rg, sh.kchunks, sms, fmt)
+    assert rgb in (1, 2, 4) and C.G2_WARPS % rgb == 0
+    assert rgb <= max(rg, 1) or rgb == 1, "a CTA never owns more row groups than exist"
+    kw = C.G2_WARPS // rgb
+    assert 1 <= splits <= max(1, sh.kchunks // (kw * K.G2_MIN_CHUNKS)), "every warp keeps >= G2_MIN_CHUNKS chunks"
+    assert K.choose_partition(rg, sh.kchunks, sms, fmt) == (rgb, splits)  # a pure function of the shape
+
+
+def test_v2_partition_fills_the_h200_on_the_27b_shapes():
+    """The model's purpose: every large 27B launch gets at least one wave of resident CTAs, or as
+    many as the per-warp minimum of chunks allows (k/v: 10 MB over 32 row groups)."""
+    slots = C.G2_CTAS_NT1 * 132
+    for rows, cols, fmt in SHAPES[:7]:
+        sh = L.matrix_shape(rows, cols, fmt)
+        rg = sh.row_tiles // C.GEMV_R
+        rgb, splits = K.choose_partition(rg, sh.kchunks, 132, fmt)
+        units = -(-rg // rgb) * splits
+        most = max(-(-rg // r) * max(1, sh.kchunks // (C.G2_WARPS // r * K.G2_MIN_CHUNKS)) for r in (1, 2, 4))
+        if sh.code_bytes > 8 << 20:
+            assert units >= min(0.9 * slots, 0.6 * most), (rows, cols, rgb, splits, units)
+
+
+def test_gemv_impl_comes_from_the_config(monkeypatch):
+    assert apply_env(Q27Config(), {"Q27_GEMV": "v2"}).engine.gemv == "v2"
+    assert Q27Config().engine.gemv in K.GEMV_IMPLS
+    old = K._GEMV_IMPL
+    try:
+        K._GEMV_IMPL = None
+        monkeypatch.setenv("Q27_GEMV", "v2")
+        assert K.gemv_impl() == "v2"
+        with pytest.raises(ValueError, match="unknown GEMV implementation"):
+            K.set_gemv_impl("v3")
+    finally:
+        K._GEMV_IMPL = old
