@@ -360,6 +360,33 @@ def attention(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int,
               (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo)))
 
 
+def qk_norm_rope_store_fp8(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int,
+                           rd: int, inv_freq, pos0_dev, qout, ldqo: int, kcache, vcache, kexp, vexp, max_pos: int,
+                           nlanes: int) -> None:
+    """qk_norm_rope_store into fp8 e4m3 KV: u8 codes [nkv][max_pos][hd] + int8 row exponents [nkv][max_pos]."""
+    Runtime.get().launch("rope", "qk_norm_rope_store_fp8", (nlanes, nq + nkv), max(32, -(-hd // 32) * 32),
+                         (qg, i32(ldq), kv, i32(ldkv), q_norm, k_norm, f32(eps), i32(nq), i32(nkv), i32(hd), i32(rd),
+                          inv_freq, pos0_dev, qout, i32(ldqo), kcache, vcache, kexp, vexp, i32(max_pos)),
+                         shared_mem=4 * hd)
+
+
+def attention_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
+                  span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+    """attention() over fp8 e4m3 KV (codes + row exponents); decode, verify and (for now) prefill lanes."""
+    dpl = hd // 32
+    if hd % 32 or dpl not in (1, 2, 4, 8):
+        raise ValueError(f"attention head dim {hd} not supported by the fast path (32, 64, 128 or 256)")
+    rep = nq // nkv
+    if rep > 8:
+        raise ValueError(f"{rep} q heads per kv head > 8 not supported by the fast path")
+    rt = Runtime.get()
+    rt.launch("attention", f"attn_split_fp8_d{dpl}", (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
+              (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5), pos0_dev, i32(span),
+               part, kexp, vexp), shared_mem=4 * ATT_WARPS * rep * (hd + 2))
+    rt.launch("attention", "attn_combine", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo)))
+
+
 def attention_partials_floats(max_lanes: int, nq: int, hd: int) -> int:
     return max_lanes * nq * ATT_NSPLIT * (hd + 2)
 
