@@ -159,3 +159,26 @@ def test_fast_model_fp8_prefix_round_trip_bitwise(fast_fp8):
     la = fast_fp8.forward(a, ids[30:34]).logits
     lb = fast_fp8.forward(b, ids[30:34]).logits
     np.testing.assert_array_equal(la, lb)
+
+
+def test_max_context_auto_sizes_and_reports_the_window(cp, monkeypatch, capsys):
+    from q27py.config import Q27Config
+    from q27py.engine.engine import LocalEngine, load_model
+    from q27py.tokenizer import Tokenizer
+
+    cfg = Q27Config()
+    cfg.engine.device, cfg.engine.tier, cfg.engine.kv = "cuda", "q8", "fp8"
+    model = load_model(cfg)  # max_context "auto": sized from free memory
+    b = model.context_budget
+    assert b is not None and model.max_pos == b.window and b.kv_format == "fp8"
+    assert "context window" in capsys.readouterr().err
+    eng = LocalEngine(cfg, model, Tokenizer.from_model_dir(DEFAULT_MODEL_DIR))
+    assert eng.max_context == min(b.window, model.cfg.max_position_embeddings)
+    # a card that is nearly full: the window shrinks to what fits, and every sequence's state fits it
+    real = cp.cuda.runtime.memGetInfo
+    monkeypatch.setattr(cp.cuda.runtime, "memGetInfo",
+                        lambda: (cfg.engine.kv_safety_margin_bytes + (64 << 20), real()[1]))
+    small = load_model(cfg)
+    assert small.context_budget.limited_by == "memory" and small.max_pos < model.max_pos
+    per_seq = small.memory_per_sequence(small.max_pos)
+    assert per_seq * cfg.engine.max_sequences <= 64 << 20

@@ -95,3 +95,15 @@ def test_environment_variables():
     assert cfg.engine.max_context == 8192
     with pytest.raises(ValueError):
         parse_max_context("-5")
+
+
+def test_fast_path_kv_resolution():
+    from q27py.errors import ConfigError
+    from q27py.gpu.forward import AUTO_FAST_KV_FORMATS, FAST_KV_FORMATS, resolve_fast_kv
+
+    assert resolve_fast_kv("auto", "bf16", (9, 0)) == "f32"  # bf16 weights keep the golden-test fp32 rows
+    assert resolve_fast_kv("auto", "q4s", (9, 0)) in AUTO_FAST_KV_FORMATS
+    assert resolve_fast_kv("fp8", "q4s", (8, 0)) == "fp8"  # the portable conversion runs on Ampere
+    assert "fp8" in FAST_KV_FORMATS
+    with pytest.raises(ConfigError, match="k3v3"):
+        resolve_fast_kv("k3v3", "q4s", (9, 0))  # rotated formats have no CUDA kernels yet: a clear error
