@@ -440,13 +440,16 @@ class FastModel:
         a = lw.attn
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         plan["in"].run(self.x, self.hp, t)
-        if kx is not None:  # fp8 KV: quantize on store; the split-K kernel reads it for every lane count
-            # (the tensor-core prefill kernel has no fp8 tile staging yet: prefill takes the split-K path)
+        if kx is not None:  # fp8 KV (codes + row exponents): quantize on store, dequantize in attention
             K.qk_norm_rope_store_fp8(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                      cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
                                      nq * hd, kc, vc, kx, vx, self.max_pos, t)
-            K.attention_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev, span, self.part,
-                            self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+            if PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, True):
+                K.attention_prefill_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev,
+                                        self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+            else:
+                K.attention_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev, span,
+                                self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
             plan["out"].run(self.xa, self.ld_xa, t)
             return
         K.qk_norm_rope_store(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm, cfg.rms_norm_eps, nq,

@@ -449,3 +449,20 @@ def attention_prefill(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, 
                          (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), i32(nlanes), f32(hd ** -0.5),
                           pos0_dev, qg, i32(ldqg), out, i32(ldo)),
                          shared_mem=attention_prefill_shared_bytes(hd, kv_bf16))
+
+
+def attention_prefill_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int, nq: int, nkv: int, hd: int,
+                          pos0_dev, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+    """attention_prefill over fp8 e4m3 KV (codes + row exponents), staged into the bf16 tiles exactly:
+    the bf16 kernels' shared memory and key tile (attention_prefill_fits(hd, True))."""
+    if hd not in (32, 64, 128, 256):
+        raise ValueError(f"prefill attention head dim {hd} not supported (32, 64, 128 or 256)")
+    if nq % nkv:
+        raise ValueError(f"{nq} q heads do not split evenly over {nkv} kv heads")
+    if ldq % 4 or ldo < nq * hd or ldqg < 2 * nq * hd:
+        raise ValueError("q rows must be float4-aligned (ldq % 4 == 0) and out / qg rows wide enough")
+    rows = nq // nkv * nlanes
+    Runtime.get().launch("attention_prefill", f"attn_prefill_fp8_d{hd}", (nkv, -(-rows // PF_ROWS)), PF_THREADS,
+                         (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), i32(nlanes), f32(hd ** -0.5),
+                          pos0_dev, qg, i32(ldqg), out, i32(ldo), kexp, vexp),
+                         shared_mem=attention_prefill_shared_bytes(hd, True))

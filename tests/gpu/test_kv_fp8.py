@@ -138,7 +138,7 @@ def test_fast_model_fp8_tracks_reference_fp8(fast_fp8):
     ids = [int(i) for i in np.random.default_rng(3).integers(100, 4000, 90)]
     want = ref.forward(ref.new_state(), ids).logits
     st = fast_fp8.new_state()
-    got = fast_fp8.forward(st, ids[:60]).logits  # prefill lanes (one chunk, split-K over fp8) ...
+    got = fast_fp8.forward(st, ids[:60]).logits  # prefill lanes (one chunk: the tiled kernel over fp8) ...
     for i in range(60, 90):  # ... then decode steps
         got = np.concatenate([got, fast_fp8.forward(st, ids[i : i + 1]).logits])
     # fp8 rounding can flip near-ties differently on the two paths; the bulk must agree closely
@@ -182,3 +182,43 @@ def test_max_context_auto_sizes_and_reports_the_window(cp, monkeypatch, capsys):
     assert small.context_budget.limited_by == "memory" and small.max_pos < model.max_pos
     per_seq = small.memory_per_sequence(small.max_pos)
     assert per_seq * cfg.engine.max_sequences <= 64 << 20
+
+
+@pytest.mark.parametrize("t,pos0,hd,nq,nkv", [(17, 0, 64, 4, 2), (100, 37, 128, 8, 2), (333, 4097, 256, 6, 1),
+                                              (1024, 0, 256, 24, 4), (40, 7, 32, 4, 1)])
+def test_prefill_attention_over_fp8_matches_split_and_reference(cp, K, t, pos0, hd, nq, nkv):
+    """The tiled prefill kernel stages fp8 rows into bf16 tiles exactly: it must agree with float64
+    attention over the dequantized rows (and so with the split-K kernel) within the bf16 path's tolerance."""
+    if not K.attention_prefill_fits(hd, True):
+        pytest.skip("prefill tile does not fit this device's shared memory")
+    rng = np.random.default_rng(t + pos0)
+    max_pos = pos0 + t + 9
+    k = (rng.standard_normal((nkv, max_pos, hd)) * 1.5).astype(np.float32)
+    v = rng.standard_normal((nkv, max_pos, hd)).astype(np.float32)
+    kc, ke = F.fp8_quantize(k)
+    vc, ve = F.fp8_quantize(v)
+    kc[:, pos0 + t :] = 0x7F  # NaN codes where no lane may look
+    vc[:, pos0 + t :] = 0x7F
+    kd, vd = F.fp8_dequantize(kc, ke), F.fp8_dequantize(vc, ve)
+    ldq, ldqg, ldo = nq * hd + 32, 2 * nq * hd + 8, nq * hd + 64
+    q = rng.standard_normal((t, ldq)).astype(np.float32)
+    qg = rng.standard_normal((t, ldqg)).astype(np.float32)
+    out = cp.full((t, ldo), np.nan, cp.float32)
+    pos = cp.asarray(np.array([pos0], np.int32))
+    K.attention_prefill_fp8(cp.asarray(q), ldq, cp.asarray(kc), cp.asarray(vc), cp.asarray(ke), cp.asarray(ve),
+                            max_pos, nq, nkv, hd, pos, cp.asarray(qg), ldqg, out, ldo, t)
+    got = out.get()
+    assert np.isnan(got[:, nq * hd :]).all() and np.isfinite(got[:, : nq * hd]).all()
+    got = got[:, : nq * hd].reshape(t, nq, hd)
+    rep, s = nq // nkv, pos0 + t
+    qh = q[:, : nq * hd].reshape(t, nq, hd).astype(np.float64)
+    gate = qg[:, : 2 * nq * hd].reshape(t, nq, 2 * hd)[..., hd:].astype(np.float64)
+    want = np.empty((t, nq, hd))
+    for g in range(nkv):
+        heads = slice(g * rep, (g + 1) * rep)
+        want[:, heads] = ops.attention(qh[:, heads], kd[g : g + 1, :s].transpose(1, 0, 2).astype(np.float64),
+                                       vd[g : g + 1, :s].transpose(1, 0, 2).astype(np.float64),
+                                       np.arange(pos0, s), hd ** -0.5)
+    want *= ops.sigmoid(gate)
+    err = rel(got, want)
+    assert err < TOL, f"relative L2 error {err:.3g}"

@@ -20,7 +20,7 @@ def portable_encode(x: np.ndarray) -> np.ndarray:
     b = b + 0x7FFFF + ((b >> 20) & 1)
     e = (b >> 23).astype(np.int64) - 127 + 7
     code = np.minimum((e << 3) | ((b >> 20) & 7).astype(np.int64), 0x7E)
-    sub = np.rint(np.minimum(a, np.float32(1.0)) * np.float32(512.0)).astype(np.int64)  # __float2int_rn: ties to even
+    sub = np.rint(np.where(a < 1, a, np.float32(0.0)) * np.float32(512.0)).astype(np.int64)  # __float2int_rn: ties to even
     out = np.where(a < np.float32(0.015625), sub, code)
     out = np.where(a >= np.float32(464.0), 0x7E, out)
     out = np.where(np.isnan(a), 0x7F, out)
