@@ -40,9 +40,14 @@ __device__ __forceinline__ void load_row(const u16* p, float (&v)[DPL]) {
 // fp8 e4m3 rows (kvformat "fp8"): codes / 256; the caller applies the row scale 2^(e+8).
 template <int DPL>
 __device__ __forceinline__ void load_row(const u8* p, float (&v)[DPL]) {
-    if (DPL == 1) v[0] = e4m3_to_float_div256(p[0]);
+    if constexpr (DPL == 1) v[0] = e4m3_to_float_div256(p[0]);
+    if constexpr (DPL == 2) e4m3x2_to_float_div256(*reinterpret_cast<const u16*>(p), v[0], v[1]);
 #pragma unroll
-    for (int i = 0; i + 1 < DPL; i += 2) e4m3x2_to_float_div256(*reinterpret_cast<const u16*>(p + i), v[i], v[i + 1]);
+    for (int i = 0; i + 3 < DPL; i += 4) {  // 4 codes per 32-bit load (lane * DPL is a multiple of 4)
+        const u32 w = *reinterpret_cast<const u32*>(p + i);
+        e4m3x2_to_float_div256(w & 0xffffu, v[i], v[i + 1]);
+        e4m3x2_to_float_div256(w >> 16, v[i + 2], v[i + 3]);
+    }
 }
 
 // grid (nkv, NSPLIT, nlanes), block 256, dynamic smem ATT_WARPS * rep * (hd + 2) floats.

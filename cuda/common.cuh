@@ -154,7 +154,7 @@ __device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + 
 
 // The row exponent for a row whose absolute max is amax: amax * 2^-e in [128, 256).
 __device__ __forceinline__ int fp8_row_exponent(float amax) {
-    if (!(amax > 0.f) || amax != amax || amax > 3.4e38f) return 0;
+    if (!(amax > 0.f) || __float_as_uint(amax) >= 0x7f800000u) return 0;  // zero, NaN or inf: scale 1
     int ex;
     frexpf(amax, &ex);  // amax = m 2^ex, m in [0.5, 1)
     const int e = ex - 8;
