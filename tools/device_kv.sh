@@ -20,7 +20,7 @@ for stage in ${*:-tests attention decode window}; do
   case "$stage" in
     tests)
       say "kv tests"
-      python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_kv_fp8.py tests/gpu/test_kv_fp8_portable.py \
+      python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_kv_fp8.py tests/gpu/test_kv_fp8_portable.py tests/gpu/test_kv_rotated.py \
         tests/gpu/test_attention_prefill.py tests/gpu/test_forward.py tests/gpu/test_compile.py 2>&1 \
         | tee "$OUT/kv_tests.txt" | tail -40 | tee -a "$LOG" || rc=1 ;;
     attention|decode|window)

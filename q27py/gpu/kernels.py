@@ -466,3 +466,50 @@ def attention_prefill_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int,
                          (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), i32(nlanes), f32(hd ** -0.5),
                           pos0_dev, qg, i32(ldqg), out, i32(ldo), kexp, vexp),
                          shared_mem=attention_prefill_shared_bytes(hd, True))
+
+
+# ---------------------------------------------------------------- rotated Lloyd-Max KV (k5v3 / k3v3)
+# Kernels of cuda/kv_rotated.cu; not yet wired into FastModel (docs/KV.md).
+def rotated_kv_tables(bits: int):
+    """(centroids, edges) of the b-bit codebook as device arrays (kvformat's tables)."""
+    from q27py.model import kvformat as F
+
+    cp = Runtime.get().cp
+    return cp.asarray(F.CODEBOOKS[bits]), cp.asarray(F.codebook_edges(bits))
+
+
+def lm_quantize_rows(x, ldx: int, n_rows: int, d: int, bits: int, centroids, edges, codes, norms) -> None:
+    """Rows [n][ldx] fp32 -> packed codes [n][d*bits/8] + fp16 norms [n] (kvformat.lm_quantize)."""
+    import math
+
+    if d < 32 or d > 1024 or d & (d - 1):
+        raise ValueError(f"rotated KV needs a power-of-two head dim in 32..1024, not {d}")
+    Runtime.get().launch("kv_rotated", "lm_quantize_rows", n_rows, d,
+                         (x, i32(ldx), i32(d), i32(bits), centroids, edges, f32(1.0 / math.sqrt(d)),
+                          f32(math.sqrt(d)), codes, norms), shared_mem=5 * d)
+
+
+def rotate_heads(x, ldx: int, rows: int, heads: int, d: int, inverse: bool) -> None:
+    import math
+
+    Runtime.get().launch("kv_rotated", "rotate_heads", (rows, heads), d,
+                         (x, i32(ldx), i32(d), i32(1 if inverse else 0), f32(1.0 / math.sqrt(d))), shared_mem=4 * d)
+
+
+def attention_rotated(q_rot, ldq: int, kcodes, vcodes, knorm, vnorm, kbits: int, vbits: int, ktab, vtab, max_pos: int,
+                      nq: int, nkv: int, hd: int, pos0_dev, span: int, part, qg, ldqg: int, out, ldo: int,
+                      nlanes: int) -> None:
+    """Split-K attention over rotated codes; q_rot = rotate_heads(q); out in the original basis, gated."""
+    import math
+
+    dpl = hd // 32
+    if hd % 32 or dpl not in (1, 2, 4, 8) or nq // nkv > 8:
+        raise ValueError(f"rotated attention: head dim {hd} / {nq // nkv} q heads per kv head unsupported")
+    rt = Runtime.get()
+    rt.launch("kv_rotated", f"attn_split_rot_d{dpl}", (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
+              (q_rot, i32(ldq), kcodes, vcodes, knorm, vnorm, i32(kbits), i32(vbits), ktab, vtab, i32(max_pos),
+               i32(nq), i32(nkv), f32(hd ** -0.5), f32(1.0 / math.sqrt(hd)), pos0_dev, i32(span), part),
+              shared_mem=4 * ATT_WARPS * (nq // nkv) * (hd + 2))
+    rt.launch("kv_rotated", "attn_combine_rotated", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), f32(1.0 / math.sqrt(hd)), out, i32(ldo)),
+              shared_mem=4 * hd)
