@@ -24,12 +24,14 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=2048, help="scored positions per corpus")
     p.add_argument("--needle-tokens", type=int, default=4096, help="needle haystack length (0 = skip)")
     p.add_argument("--formats", default=",".join(kv_quality.LOSSY), help="lossy formats to compare with bf16")
+    p.add_argument("--needle-only", action="store_true", help="skip the per-position corpora")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--markdown", action="store_true", help="print the docs/KV.md tables")
     args = p.parse_args(argv)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     result = kv_quality.run(models=args.model or kv_quality.MODELS, tokens=args.tokens,
-                            needle_tokens=args.needle_tokens, formats=tuple(args.formats.split(",")), log=log)
+                            needle_tokens=args.needle_tokens, formats=tuple(args.formats.split(",")), log=log,
+                            corpora=not args.needle_only)
     if args.json:
         print(json.dumps(result, indent=1))
     if args.markdown or not args.json:

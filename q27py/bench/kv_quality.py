@@ -183,7 +183,8 @@ class Result:
     seconds: float = 0.0
 
 
-def run(models=MODELS, tokens: int = 4096, needle_tokens: int = 8192, formats=LOSSY, log=print) -> dict:
+def run(models=MODELS, tokens: int = 4096, needle_tokens: int = 8192, formats=LOSSY, log=print,
+        corpora: bool = True) -> dict:
     from q27py.model.reference import ReferenceModel
     from q27py.tokenizer import Tokenizer
 
@@ -197,7 +198,7 @@ def run(models=MODELS, tokens: int = 4096, needle_tokens: int = 8192, formats=LO
         runs = {kv: ReferenceModel.load(mdir, kv=kv) for kv in ("bf16",) + tuple(formats)}
         runs["fp32"] = ReferenceModel.load(mdir)
         mres = {"corpora": {}, "needle": {}}
-        for cname, ids in seqs.items():
+        for cname, ids in (seqs.items() if corpora else ()):
             x, y = ids[:-1], np.asarray(ids[1:])
             ref = run_logprobs(runs["bf16"], x)
             rows = {}
