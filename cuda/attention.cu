@@ -34,11 +34,29 @@ __device__ __forceinline__ void load_row(const u16* p, float (&v)[DPL]) {
     }
 }
 
+// fp8 e4m3 rows (kvformat "fp8"): codes / 256; the caller applies the row scale 2^(e+8).
+template <int DPL>
+__device__ __forceinline__ void load_row(const u8* p, float (&v)[DPL]) {
+    if constexpr (DPL == 1) v[0] = e4m3_to_float_div256(p[0]);
+    if constexpr (DPL == 2) e4m3x2_to_float_div256(*reinterpret_cast<const u16*>(p), v[0], v[1]);
+#pragma unroll
+    for (int i = 0; i + 3 < DPL; i += 4) {  // 4 codes per 32-bit load (lane * DPL is a multiple of 4)
+        const u32 w = *reinterpret_cast<const u32*>(p + i);
+        e4m3x2_to_float_div256(w & 0xffffu, v[i], v[i + 1]);
+        e4m3x2_to_float_div256(w >> 16, v[i + 2], v[i + 3]);
+    }
+}
+
 // grid (nkv, NSPLIT, nlanes), block 256, dynamic smem ATT_WARPS * rep * (hd + 2) floats.
+// kx / vx: the fp8 row exponents [nkv][max_pos] (u8 codes only; null otherwise). The K row scale
+// multiplies the score, the V row scale the softmax weight of that row's value (not l).
 template <typename KVT, int DPL>
 __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, int ldq, const KVT* __restrict__ kc,
                                                 const KVT* __restrict__ vc, int max_pos, int nq, int nkv, float scale,
-                                                const int* __restrict__ pos0_dev, int span, float* __restrict__ part) {
+                                                const int* __restrict__ pos0_dev, int span, float* __restrict__ part,
+                                                const signed char* __restrict__ kx = nullptr,
+                                                const signed char* __restrict__ vx = nullptr) {
+    constexpr bool FP8 = sizeof(KVT) == 1;
     extern __shared__ float sm[];
     constexpr int HD = 32 * DPL;
     const int g = blockIdx.x, sp = blockIdx.y, t = blockIdx.z;
@@ -80,19 +98,25 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, int
             load_row<DPL>(kh + (i64)(p + ATT_WARPS) * HD, kn);
             load_row<DPL>(vh + (i64)(p + ATT_WARPS) * HD, vn);
         }
+        float ks = 1.f, vs = 1.f;
+        if constexpr (FP8) {
+            ks = exp2_int(kx[(i64)g * max_pos + p] + 8);
+            vs = exp2_int(vx[(i64)g * max_pos + p] + 8);
+        }
 #pragma unroll
         for (int j = 0; j < REPMAX; j++) {
             if (j >= rep) break;
             float dot = 0.f;
 #pragma unroll
             for (int i = 0; i < DPL; i++) dot = fmaf(qv[j][i], kv[i], dot);
-            const float sc = warp_sum(dot) * scale;
+            const float sc = FP8 ? warp_sum(dot) * ks * scale : warp_sum(dot) * scale;
             const float mn = fmaxf(m[j], sc);
             const float corr = expf(m[j] - mn);
             const float pj = expf(sc - mn);
             l[j] = l[j] * corr + pj;
+            const float pv = FP8 ? pj * vs : pj;
 #pragma unroll
-            for (int i = 0; i < DPL; i++) acc[j][i] = fmaf(pj, vv[i], acc[j][i] * corr);
+            for (int i = 0; i < DPL; i++) acc[j][i] = fmaf(pv, vv[i], acc[j][i] * corr);
             m[j] = mn;
         }
     }
@@ -144,6 +168,19 @@ ATT_KERNEL(attn_split_bf16_d1, u16, 1)
 ATT_KERNEL(attn_split_bf16_d2, u16, 2)
 ATT_KERNEL(attn_split_bf16_d4, u16, 4)
 ATT_KERNEL(attn_split_bf16_d8, u16, 8)
+
+#define ATT_KERNEL_FP8(NAME, DPL)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const float* q, int ldq, const u8* kc, const u8* vc,         \
+                                                           int max_pos, int nq, int nkv, float scale,                   \
+                                                           const int* pos0_dev, int span, float* part,                  \
+                                                           const signed char* kx, const signed char* vx) {              \
+        attn_split_body<u8, DPL>(q, ldq, kc, vc, max_pos, nq, nkv, scale, pos0_dev, span, part, kx, vx);               \
+    }
+
+ATT_KERNEL_FP8(attn_split_fp8_d1, 1)
+ATT_KERNEL_FP8(attn_split_fp8_d2, 2)
+ATT_KERNEL_FP8(attn_split_fp8_d4, 4)
+ATT_KERNEL_FP8(attn_split_fp8_d8, 8)
 
 // grid (nlanes, nq), block hd. out[t][h*hd + d] = (sum_s acc e^(m_s-M)) / (sum_s l e^(m_s-M)) * sigmoid(gate)
 extern "C" __global__ void attn_combine(const float* __restrict__ part, int nq, int hd, const int* __restrict__ pos0_dev,

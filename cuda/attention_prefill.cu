@@ -9,6 +9,9 @@
 // softmax in fp32 between them. Lane i sees keys 0..pos0+i; only the tiles past the CTA's
 // last row position are skipped, and the per-element mask is a select (cheap next to the mma).
 //
+// fp8 KV (e4m3 codes + int8 row exponents) is staged into the same bf16 tiles (exact, see
+// pf_load8_fp8).
+//
 // Numerics: fp32 inputs go in as bf16 hi + lo pairs (x = hi + lo to ~2^-17 relative), so
 // the result keeps fp32-grade accuracy, like the GEMV's bf16 path: Q and P always split
 // (2 mma per product), fp32 K/V split too (3 mma: hi*hi + lo*hi + hi*lo). bf16 K/V are exact.
@@ -58,6 +61,25 @@ __device__ __forceinline__ void pf_load8(const u16* p, bool ok, uint4& hi, uint4
     if (ok) hi = *reinterpret_cast<const uint4*>(p);
 }
 
+// fp8 e4m3 rows (kvformat "fp8"): 8 codes * the row scale 2^e, staged as bf16. Exact: an e4m3
+// value times a power of two in [2^-120, 2^120] is a bf16 value, so fp8 KV goes through the bf16
+// tiles unchanged (one mma per product, like bf16 KV).
+__device__ __forceinline__ void pf_load8_fp8(const u8* p, const signed char* ex, bool ok, uint4& hi) {
+    hi = make_uint4(0u, 0u, 0u, 0u);
+    if (!ok) return;
+    const uint2 c = *reinterpret_cast<const uint2*>(p);
+    const float sc = exp2_int((int)*ex + 8);
+    float f[8];
+    e4m3x2_to_float_div256(c.x & 0xffffu, f[0], f[1]);
+    e4m3x2_to_float_div256(c.x >> 16, f[2], f[3]);
+    e4m3x2_to_float_div256(c.y & 0xffffu, f[4], f[5]);
+    e4m3x2_to_float_div256(c.y >> 16, f[6], f[7]);
+    hi.x = pack_bf16x2(f[0] * sc, f[1] * sc);
+    hi.y = pack_bf16x2(f[2] * sc, f[3] * sc);
+    hi.z = pack_bf16x2(f[4] * sc, f[5] * sc);
+    hi.w = pack_bf16x2(f[6] * sc, f[7] * sc);
+}
+
 // Two key rows (8 dims each, packed bf16 pairs) -> 8 words {row a dim e, row b dim e}
 __device__ __forceinline__ void pf_store_vt(u16* dst, int vs, uint4 a, uint4 b) {
     u32* d = reinterpret_cast<u32*>(dst);
@@ -83,8 +105,11 @@ template <int HD, int NK, typename KVT>
 __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int ldq, const KVT* __restrict__ kc,
                                              const KVT* __restrict__ vc, int max_pos, int nq, int nkv, int t,
                                              float scale, const int* __restrict__ pos0_dev,
-                                             const float* __restrict__ qg, int ldqg, float* __restrict__ out, int ldo) {
+                                             const float* __restrict__ qg, int ldqg, float* __restrict__ out, int ldo,
+                                             const signed char* __restrict__ kx = nullptr,
+                                             const signed char* __restrict__ vx = nullptr) {
     constexpr bool F32KV = sizeof(KVT) == 4;
+    constexpr bool FP8 = sizeof(KVT) == 1;  // kx / vx: row exponents [nkv][max_pos]
     using LY = PfLayout<HD, NK, F32KV>;
     constexpr int QS = LY::QS, VS = LY::VS;
     constexpr int NT = NK / 8;   // key n-tiles of S
@@ -145,19 +170,29 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int ld
             const int kr = u / DC, dc = u - kr * DC;
             const int key = k0 + kr;
             uint4 hi, lo;
-            pf_load8(kg + (i64)key * HD + dc * 8, key <= pos_max, hi, lo);
+            if constexpr (FP8) {
+                pf_load8_fp8(kg + (i64)key * HD + dc * 8, kx + (i64)g * max_pos + key, key <= pos_max, hi);
+            } else {
+                pf_load8(kg + (i64)key * HD + dc * 8, key <= pos_max, hi, lo);
+            }
             *reinterpret_cast<uint4*>(kh + kr * QS + dc * 8) = hi;
-            if (F32KV) *reinterpret_cast<uint4*>(kl + kr * QS + dc * 8) = lo;
+            if constexpr (F32KV) *reinterpret_cast<uint4*>(kl + kr * QS + dc * 8) = lo;
         }
         // V tile, transposed: a thread takes two adjacent keys x 8 dims
         for (int u = tid; u < (NK / 2) * DC; u += PF_THREADS) {
             const int kp = u % (NK / 2), dc = u / (NK / 2);
             const int key = k0 + 2 * kp;
             uint4 h0, l0, h1, l1;
-            pf_load8(vg + (i64)key * HD + dc * 8, key <= pos_max, h0, l0);
-            pf_load8(vg + (i64)(key + 1) * HD + dc * 8, key + 1 <= pos_max, h1, l1);
+            if constexpr (FP8) {
+                const signed char* ve = vx + (i64)g * max_pos + key;
+                pf_load8_fp8(vg + (i64)key * HD + dc * 8, ve, key <= pos_max, h0);
+                pf_load8_fp8(vg + (i64)(key + 1) * HD + dc * 8, ve + 1, key + 1 <= pos_max, h1);
+            } else {
+                pf_load8(vg + (i64)key * HD + dc * 8, key <= pos_max, h0, l0);
+                pf_load8(vg + (i64)(key + 1) * HD + dc * 8, key + 1 <= pos_max, h1, l1);
+            }
             pf_store_vt(vh + (dc * 8) * VS + 2 * kp, VS, h0, h1);
-            if (F32KV) pf_store_vt(vl + (dc * 8) * VS + 2 * kp, VS, l0, l1);
+            if constexpr (F32KV) pf_store_vt(vl + (dc * 8) * VS + 2 * kp, VS, l0, l1);
         }
         __syncthreads();
 
@@ -270,6 +305,15 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int ld
         prefill_body<HD, NK, KVT>(q, ldq, kc, vc, max_pos, nq, nkv, t, scale, pos0_dev, qg, ldqg, out, ldo);    \
     }
 
+#define PF_KERNEL_FP8(NAME, HD)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(PF_THREADS)                                                    \
+        NAME(const float* q, int ldq, const u8* kc, const u8* vc, int max_pos, int nq, int nkv, int t,          \
+             float scale, const int* pos0_dev, const float* qg, int ldqg, float* out, int ldo,                  \
+             const signed char* kx, const signed char* vx) {                                                    \
+        prefill_body<HD, 32, u8>(q, ldq, kc, vc, max_pos, nq, nkv, t, scale, pos0_dev, qg, ldqg, out, ldo, kx,  \
+                                 vx);                                                                           \
+    }
+
 // key tile NK: 32, except fp32 K/V at head dim 256 (16 keys keep the CTA near 100 KB of smem)
 PF_KERNEL(attn_prefill_bf16_d32, u16, 32, 32)
 PF_KERNEL(attn_prefill_bf16_d64, u16, 64, 32)
@@ -279,3 +323,7 @@ PF_KERNEL(attn_prefill_f32_d32, float, 32, 32)
 PF_KERNEL(attn_prefill_f32_d64, float, 64, 32)
 PF_KERNEL(attn_prefill_f32_d128, float, 128, 32)
 PF_KERNEL(attn_prefill_f32_d256, float, 256, 16)
+PF_KERNEL_FP8(attn_prefill_fp8_d32, 32)
+PF_KERNEL_FP8(attn_prefill_fp8_d64, 64)
+PF_KERNEL_FP8(attn_prefill_fp8_d128, 128)
+PF_KERNEL_FP8(attn_prefill_fp8_d256, 256)

@@ -104,3 +104,72 @@ __device__ __forceinline__ u32 hash_u32(unsigned long long x) {
     x ^= x >> 31;
     return (u32)(x ^ (x >> 32));
 }
+
+// ---------------------------------------------------------------- fp8 e4m3 KV (q27py/model/kvformat.py)
+// Codes: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; max 448; S.1111.111 = NaN. Each
+// (position, kv head) row carries an int8 exponent e: value = e4m3(code) * 2^e, chosen so the row's
+// absolute max lands in [128, 256) (never saturates; the power of two makes the scaling exact).
+
+// float -> e4m3 code, round to nearest even, saturating to +-448 (NaN -> 0x7F | sign).
+__device__ __forceinline__ u8 float_to_e4m3(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // hardware conversion (sm_89+): cvt packs two codes, the first source in the high byte
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(x));
+    return (u8)(r & 0xff);
+#else
+    // portable path: the same rounding done on the fp32 bits
+    const u32 u = __float_as_uint(x);
+    const u8 s = (u8)((u >> 24) & 0x80);
+    const float a = fabsf(x);
+    if (a != a) return (u8)(s | 0x7f);
+    if (a >= 464.f) return (u8)(s | 0x7e);  // 448 < a < 464 rounds to 448 below; beyond saturates
+    if (a < 0.015625f) return (u8)(s | (u8)__float2int_rn(a * 512.f));  // subnormal step 2^-9 (8 = 2^-6)
+    u32 b = __float_as_uint(a);
+    b += 0x7ffffu + ((b >> 20) & 1u);  // round the 23-bit mantissa to 3 bits, ties to even
+    const int e = (int)(b >> 23) - 127 + 7;
+    const u32 code = ((u32)e << 3) | ((b >> 20) & 7u);
+    return (u8)(s | (code > 0x7eu ? 0x7eu : code));
+#endif
+}
+
+// e4m3 code -> float / 256 (exact): the code's bits are an fp16 with the exponent re-biased by 8
+// (subnormals included), so the row scale 2^(e+8) restores the value.
+__device__ __forceinline__ float e4m3_to_float_div256(u32 c) {
+    return half_to_float((u16)(((c & 0x80u) << 8) | ((c & 0x7fu) << 7)));
+}
+
+// Two codes (lo byte, hi byte) -> two floats / 256.
+__device__ __forceinline__ void e4m3x2_to_float_div256(u32 c2, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    u32 h2;  // hardware: e4m3x2 -> f16x2 (exact), then scale by 2^-8 (exact: an exponent shift)
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)(c2 & 0xffffu)));
+    lo = half_to_float((u16)(h2 & 0xffffu)) * 0.00390625f;
+    hi = half_to_float((u16)(h2 >> 16)) * 0.00390625f;
+#else
+    lo = e4m3_to_float_div256(c2 & 0xffu);
+    hi = e4m3_to_float_div256((c2 >> 8) & 0xffu);
+#endif
+}
+
+// 2^e for the int8 row exponent (|e| <= 120: a normal float).
+__device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + e) << 23); }
+
+// The row exponent for a row whose absolute max is amax: amax * 2^-e in [128, 256).
+__device__ __forceinline__ int fp8_row_exponent(float amax) {
+    if (!(amax > 0.f) || __float_as_uint(amax) >= 0x7f800000u) return 0;  // zero, NaN or inf: scale 1
+    int ex;
+    frexpf(amax, &ex);  // amax = m 2^ex, m in [0.5, 1)
+    const int e = ex - 8;
+    return e < -120 ? -120 : (e > 120 ? 120 : e);
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? red[lane] : 0.f;
+    return warp_max(t);
+}

@@ -49,3 +49,70 @@ extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qg, int 
         }
     }
 }
+
+// The same front end storing fp8 e4m3 KV (q27py/model/kvformat.py "fp8"): codes [nkv][max_pos][hd]
+// (u8) and one int8 exponent per (kv head, position) in kexp / vexp [nkv][max_pos], so the row's
+// absolute max lands in [128, 256) and value = e4m3(code) * 2^e. Same grid and block as above;
+// no thread leaves before the row max reductions.
+extern "C" __global__ void qk_norm_rope_store_fp8(const float* __restrict__ qg, int ldq, const float* __restrict__ kv,
+                                                  int ldkv, const float* __restrict__ q_norm,
+                                                  const float* __restrict__ k_norm, float eps, int nq, int nkv, int hd,
+                                                  int rd, const double* __restrict__ inv_freq,
+                                                  const int* __restrict__ pos0_dev, float* __restrict__ qout, int ldqo,
+                                                  u8* __restrict__ kcache, u8* __restrict__ vcache,
+                                                  signed char* __restrict__ kexp, signed char* __restrict__ vexp,
+                                                  int max_pos) {
+    extern __shared__ float xs[];  // hd floats
+    __shared__ float red[32];
+    const int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
+    const bool is_q = slot < nq;
+    const int kvh = slot - nq;
+    const bool live = d < hd;
+    const float x = !live ? 0.f : is_q ? qg[(i64)t * ldq + slot * 2 * hd + d] : kv[(i64)t * ldkv + kvh * hd + d];
+    const float ss = block_sum(x * x, red);
+    const float* w = is_q ? q_norm : k_norm;
+    const float xn = live ? (x / sqrtf(ss / (float)hd + eps)) * (w[d] + 1.0f) : 0.f;
+    if (live) xs[d] = xn;
+    __syncthreads();
+    const int pos = *pos0_dev + t;
+    float y = xn;
+    if (live && d < rd) {
+        const int half = rd >> 1;
+        const int jf = d < half ? d : d - half;
+        const float ang = (float)((double)pos * inv_freq[jf]);
+        const float c = cosf(ang), s = sinf(ang);
+        const float rot = d < half ? -xs[d + half] : xs[d - half];
+        y = xn * c + rot * s;
+    }
+    if (is_q) {
+        if (live) qout[(i64)t * ldqo + slot * hd + d] = y;
+        return;  // the whole block is a q head: uniform exit
+    }
+    const float v = live ? kv[(i64)t * ldkv + nkv * hd + kvh * hd + d] : 0.f;
+    const int ek = fp8_row_exponent(block_max(live ? fabsf(y) : 0.f, red));
+    const int ev = fp8_row_exponent(block_max(live ? fabsf(v) : 0.f, red));
+    if (!live) return;
+    const i64 row = (i64)kvh * max_pos + pos;
+    kcache[row * hd + d] = float_to_e4m3(y * exp2_int(-ek));  // a power of two: exact
+    vcache[row * hd + d] = float_to_e4m3(v * exp2_int(-ev));
+    if (d == 0) {
+        kexp[row] = (signed char)ek;
+        vexp[row] = (signed char)ev;
+    }
+}
+
+// Test probe for the e4m3 conversions (tests/gpu/test_kv_fp8.py): out[i] = code of x[i], and
+// back[i] = decode(code) / 256 through the two-code path the attention kernel uses.
+extern "C" __global__ void fp8_convert_probe(const float* __restrict__ x, u8* __restrict__ out, float* __restrict__ back,
+                                             int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (2 * i >= n) return;
+    const u8 a = float_to_e4m3(x[2 * i]);
+    const u8 b = 2 * i + 1 < n ? float_to_e4m3(x[2 * i + 1]) : (u8)0;
+    out[2 * i] = a;
+    if (2 * i + 1 < n) out[2 * i + 1] = b;
+    float lo, hi;
+    e4m3x2_to_float_div256((u32)a | ((u32)b << 8), lo, hi);
+    back[2 * i] = lo;
+    if (2 * i + 1 < n) back[2 * i + 1] = hi;
+}

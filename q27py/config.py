@@ -52,7 +52,15 @@ class EngineConfig:
     # a CPU dtype other than float32 runs the reference (the only path that computes in it).
     backend: str = "auto"
     tier: str | None = None  # weight tier when quantizing a bf16 checkpoint on load (q4s | q5f | q8 | None)
-    max_context: int = 32768  # tokens per sequence (clamped to the model's max_position_embeddings)
+    # tokens per sequence (clamped to the model's max_position_embeddings). "auto": on CUDA the
+    # window the card's free memory holds (q27py/model/kvbudget.py); on the CPU CPU_MAX_CONTEXT.
+    max_context: int | str = "auto"
+    # KV cache format: auto | bf16 | fp8 | k5v3 | k3v3 (q27py/model/kvformat.py, docs/KV.md).
+    # auto: what the device's fast path serves best (kvbudget.auto_kv_format); on the CPU the
+    # reference keeps rows in its compute dtype.
+    kv: str = "auto"
+    # bytes the context auto-sizing leaves free on the card (graph instantiation, allocator slack)
+    kv_safety_margin_bytes: int = 1536 << 20
     max_sequences: int = 4  # live sequences (slots) kept for prefix reuse
     prefill_chunk: int = 2048  # tokens per prefill chunk (CPU paths)
     # cuda: tokens per fast-path forward launch. Large, because the cuBLAS prefill route expands
@@ -69,6 +77,32 @@ class EngineConfig:
     def engine_prefill_chunk(self) -> int:
         """Tokens per prefill piece the decoder feeds the model on this device."""
         return self.gpu_prefill_chunk if self.device == "cuda" else self.prefill_chunk
+
+
+CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto" off CUDA)
+KV_CHOICES = ("auto", "bf16", "fp8", "k5v3", "k3v3")
+
+
+def parse_max_context(value) -> int | str:
+    """A --max-context / Q27_MAX_CONTEXT value: a positive token count or "auto"."""
+    if isinstance(value, int) or str(value).strip().lower() != "auto":
+        n = int(value)
+        if n < 1:
+            raise ValueError(f"max context must be >= 1 or 'auto', not {value!r}")
+        return n
+    return "auto"
+
+
+def fixed_max_context(engine: "EngineConfig") -> int:
+    """The window when nothing measures memory (the CPU path, scripted engines): a number or the default."""
+    return engine.max_context if isinstance(engine.max_context, int) else CPU_MAX_CONTEXT
+
+
+def parse_kv(value: str) -> str:
+    v = str(value).strip().lower()
+    if v not in KV_CHOICES:
+        raise ValueError(f"KV format must be one of {', '.join(KV_CHOICES)}, not {value!r}")
+    return v
 
 
 @dataclass
@@ -124,7 +158,8 @@ ENV_VARS = {
     "Q27_MODEL": ("engine", "model_dir", Path),
     "Q27_DEVICE": ("engine", "device", str),
     "Q27_BACKEND": ("engine", "backend", str),
-    "Q27_MAX_CONTEXT": ("engine", "max_context", int),
+    "Q27_MAX_CONTEXT": ("engine", "max_context", parse_max_context),
+    "Q27_KV": ("engine", "kv", parse_kv),
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
     "Q27_GEMV": ("engine", "gemv", str),
     "Q27_HOST": ("server", "host", str),

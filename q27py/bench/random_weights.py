@@ -34,7 +34,8 @@ FAMILIES = {
     "gemv": {"GemvPlan.run"},
     "norms": {"rmsnorm", "embed"},
     "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm"},
-    "attention": {"qk_norm_rope_store", "attention", "attention_prefill"},
+    "attention": {"qk_norm_rope_store", "attention", "attention_prefill", "qk_norm_rope_store_fp8", "attention_fp8",
+                  "attention_prefill_fp8"},
     "argmax": {"top2"},
 }  # the box's measured cuBLAS-class bf16 GEMM (KINDS.md); spec dense ~990
 
@@ -107,6 +108,10 @@ class Bench:
         for arr in (st.k, st.v, st.mtp_k, st.mtp_v):
             if arr is None:
                 continue
+            if arr.dtype == self.cp.uint8:  # fp8 KV codes: any finite e4m3 (exponents stay 0 = 2^0 scale)
+                rs = self.cp.random.RandomState(seed + 17)
+                arr[...] = rs.randint(0, 0x6F, arr.shape, dtype=self.cp.uint8) | (rs.randint(0, 2, arr.shape, dtype=self.cp.uint8) << 7)
+                continue
             rt.launch("quant", "fill_random_bf16", min(-(-arr.size // 256), 65535), 256,
                       (arr, np.int64(arr.size), np.uint64(seed + 17), np.float32(-1.0), np.float32(1.0)))
         K.fill_uniform(st.gdn, seed + 19, -0.05, 0.05)
@@ -115,8 +120,10 @@ class Bench:
 
     # ---------------------------------------------------------------- pieces
     def kv_bytes(self, ctx: int) -> int:
-        c = self.cfg
-        return 2 * ctx * c.num_key_value_heads * c.head_dim * 2 * len(c.full_layers)
+        """KV bytes one step reads at ctx (main layers; the cache's own format)."""
+        c, m = self.cfg, self.model
+        per_tok = m.memory_per_sequence(1) - m.memory_per_sequence(0)
+        return ctx * per_tok * len(c.full_layers) // (len(c.full_layers) + (1 if m.has_mtp else 0))
 
     def gdn_bytes(self) -> int:
         c = self.cfg

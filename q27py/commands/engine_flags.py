@@ -19,7 +19,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, serving: bool = False) -
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default=None, help="reference-path compute dtype")
     p.add_argument("--tier", choices=["bf16", "q8", "q5f", "q4s"], default=None,
                    help="cuda: quantize a bf16 checkpoint on load to this tier (docs/QUANT.md)")
-    p.add_argument("--max-context", type=int, metavar="N", default=None, help="tokens per sequence (prompt + output)")
+    p.add_argument("--max-context", type=_max_context, metavar="N|auto", default=None,
+                   help="tokens per sequence (prompt + output); auto (default): on cuda the window free memory "
+                        "holds, reported at start; on cpu 32768")
+    p.add_argument("--kv", type=_kv, metavar="FORMAT", default=None,
+                   help="KV cache format: auto | bf16 | fp8 | k5v3 | k3v3 (docs/KV.md); auto picks per GPU arch")
     spec = p.add_argument_group("speculative decoding (output is identical either way; only speed changes)")
     spec.add_argument("--spec", action=argparse.BooleanOptionalAction, default=None,
                       help="speculate (default: on when the checkpoint has an MTP head)")
@@ -37,13 +41,31 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, serving: bool = False) -
                          help="live sequences kept for reuse")
 
 
+def _max_context(value: str):
+    from q27py.config import parse_max_context
+
+    try:
+        return parse_max_context(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _kv(value: str) -> str:
+    from q27py.config import parse_kv
+
+    try:
+        return parse_kv(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def apply_engine_arguments(cfg, args) -> None:
     from q27py.config import apply_overrides
 
     get = lambda name: getattr(args, name, None)  # noqa: E731 - flags a command did not add stay None
     apply_overrides(cfg.engine, {
         "model_dir": get("model"), "device": get("device"), "backend": get("backend"), "dtype": get("dtype"), "tier": get("tier"),
-        "max_context": get("max_context"), "prefix_cache_dir": get("prefix_cache"),
+        "max_context": get("max_context"), "kv": get("kv"), "prefix_cache_dir": get("prefix_cache"),
         "prefix_cache_max_bytes": int(get("prefix_cache_gb") * (1 << 30)) if get("prefix_cache_gb") else None,
         "checkpoint_every": get("checkpoint_every"), "max_sequences": get("max_sequences"),
     })

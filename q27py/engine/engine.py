@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from q27py.config import Q27Config
+from q27py.config import Q27Config, fixed_max_context
 from q27py.engine.api import GenerationChunk, GenerationRequest
 from q27py.engine.decoder import DecodeStats, build_decoder
 from q27py.engine.prefix_cache import DiskCache, PrefixCache, compat_hash
@@ -39,7 +39,7 @@ def load_model(cfg: Q27Config):
     if e.device == "cpu" or e.backend == "reference":
         from q27py.model.reference import ReferenceModel
 
-        return ReferenceModel.load(e.model_dir, dtype=e.dtype)
+        return ReferenceModel.load(e.model_dir, dtype=e.dtype, kv=e.kv)
     if e.device == "cuda":
         from q27py.gpu.forward import load_fast_model  # imports cupy
 
@@ -83,7 +83,9 @@ class LocalEngine:
         # A repacked .q27 file keeps its tokenizer and template files in its own folder.
         self.model_dir = source if source.is_dir() or not source.exists() else source.parent
         self.model_name = source.stem if source.is_file() else source.name
-        self.max_context = min(cfg.engine.max_context, self.model_config.max_position_embeddings)
+        # The fast path sized its KV cache (possibly from free memory, max_context "auto"): that is the window.
+        window = getattr(model, "max_pos", None) or fixed_max_context(cfg.engine)
+        self.max_context = min(int(window), self.model_config.max_position_embeddings)
         self.has_mtp = bool(getattr(model, "has_mtp", False))
         self.chat_template = _detect_template(self.model_dir)
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False

@@ -137,7 +137,7 @@ class FastState:
         self.model = model
         self.position = 0
         self.mtp_position = 0
-        kv_dtype = cp.uint16 if model.kv_bf16 else cp.float32
+        kv_dtype = {"bf16": cp.uint16, "fp8": cp.uint8}.get(model.kv_name, cp.float32)
         n_attn = len(cfg.full_layers)
         kv_shape = (max(n_attn, 1), cfg.num_key_value_heads, model.max_pos, cfg.head_dim)
         self.k = cp.zeros(kv_shape, dtype=kv_dtype)
@@ -145,6 +145,12 @@ class FastState:
         mtp_shape = (cfg.num_key_value_heads, model.max_pos, cfg.head_dim)
         self.mtp_k = cp.zeros(mtp_shape, dtype=kv_dtype) if model.has_mtp else None
         self.mtp_v = cp.zeros(mtp_shape, dtype=kv_dtype) if model.has_mtp else None
+        # fp8 KV: one int8 exponent per (layer, kv head, position) for K and for V (kvformat "fp8")
+        fp8 = model.kv_name == "fp8"
+        self.k_exp = cp.zeros(kv_shape[:3], dtype=cp.int8) if fp8 else None
+        self.v_exp = cp.zeros(kv_shape[:3], dtype=cp.int8) if fp8 else None
+        self.mtp_k_exp = cp.zeros(mtp_shape[:2], dtype=cp.int8) if fp8 and model.has_mtp else None
+        self.mtp_v_exp = cp.zeros(mtp_shape[:2], dtype=cp.int8) if fp8 and model.has_mtp else None
         ng = max(len(cfg.linear_layers), 1)
         self.gdn = cp.zeros((ng, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim),
                             dtype=cp.float32)
@@ -174,6 +180,8 @@ class FastState:
         n = self.k.nbytes + self.v.nbytes + self.gdn.nbytes + self.window.nbytes
         if self.mtp_k is not None:
             n += self.mtp_k.nbytes + self.mtp_v.nbytes
+        for a in (self.k_exp, self.v_exp, self.mtp_k_exp, self.mtp_v_exp):
+            n += a.nbytes if a is not None else 0
         return int(n)
 
 
@@ -188,7 +196,11 @@ class FastModel:
         cfg = self.cfg
         check_supported(cfg)
         self.has_mtp = weights.mtp is not None
+        if kv_dtype not in ("f32", "bf16", "fp8"):
+            raise ValueError(f"fast path KV storage {kv_dtype!r}: f32, bf16 or fp8")
         self.kv_bf16 = kv_dtype == "bf16"
+        self.kv_name = kv_dtype
+        self.context_budget = None  # set by size_context_to_memory (--max-context auto)
         self.max_pos = int(max_context)
         self.chunk = max(VERIFY_SPAN, int(chunk))  # lanes per forward launch (prefill chunk)
         T = self.chunk
@@ -479,7 +491,8 @@ class FastModel:
             plan = self.layer_plans[li]
             K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
             if lw.kind == FULL:
-                self._attention(state, lw, plan, t, state.k[ai], state.v[ai], ptr(state.ctl), max(VERIFY_SPAN, t))
+                self._attention(state, lw, plan, t, state.k[ai], state.v[ai], ptr(state.ctl), max(VERIFY_SPAN, t),
+                                *((state.k_exp[ai], state.v_exp[ai]) if state.k_exp is not None else ()))
                 ai += 1
             else:
                 self._gdn(state, lw, plan, t, commit=not verify)
@@ -514,7 +527,8 @@ class FastModel:
         lw = m.layer
         plan = self.mtp_layer_plan
         K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
-        self._attention(state, lw, plan, t, state.mtp_k, state.mtp_v, ptr(state.ctl, 4), max(VERIFY_SPAN, t))
+        self._attention(state, lw, plan, t, state.mtp_k, state.mtp_v, ptr(state.ctl, 4), max(VERIFY_SPAN, t),
+                        *((state.mtp_k_exp, state.mtp_v_exp) if state.mtp_k_exp is not None else ()))
         self._mlp(lw, plan, t)
         K.rmsnorm(self.h, hp, m.norm, eps, h, self.mtp_out, hp, t)
         self._logits_rows(self.mtp_out, select_rows(t, rows))
@@ -544,11 +558,23 @@ class FastModel:
                         self.ld_xo)
         plan["out"].run(self.xo, self.ld_xo, t)
 
-    def _attention(self, state, lw: LayerW, plan: dict, t: int, kc, vc, pos0_dev, span: int) -> None:
+    def _attention(self, state, lw: LayerW, plan: dict, t: int, kc, vc, pos0_dev, span: int, kx=None, vx=None) -> None:
         cfg = self.cfg
         a = lw.attn
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         plan["in"].run(self.x, self.hp, t)
+        if kx is not None:  # fp8 KV (codes + row exponents): quantize on store, dequantize in attention
+            K.qk_norm_rope_store_fp8(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
+                                     cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
+                                     nq * hd, kc, vc, kx, vx, self.max_pos, t)
+            if PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, True):
+                K.attention_prefill_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev,
+                                        self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+            else:
+                K.attention_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev, span,
+                                self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+            plan["out"].run(self.xa, self.ld_xa, t)
+            return
         K.qk_norm_rope_store(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm, cfg.rms_norm_eps, nq,
                              nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf, nq * hd, kc, vc, self.kv_bf16,
                              self.max_pos, t)
@@ -612,7 +638,7 @@ class FastModel:
     # checkpoints live in host memory so they never compete with the KV cache for VRAM.
     @property
     def state_format(self) -> str:
-        return f"cuda-{'bf16' if self.kv_bf16 else 'f32'}kv"
+        return f"cuda-{self.kv_name}kv"  # cuda-f32kv | cuda-bf16kv | cuda-fp8kv
 
     def save_recurrent(self, state: FastState) -> dict:
         """GDN state + conv windows at this point. Device copies while the snapshot budget lasts (a
@@ -647,27 +673,39 @@ class FastModel:
         arrays = {"gdn": state.gdn.get(), "window": state.window.get()}  # host arrays: they go to disk
         arrays["k"] = state.k[:, :, :n].get()
         arrays["v"] = state.v[:, :, :n].get()
+        if state.k_exp is not None:
+            arrays["k.exp"] = state.k_exp[:, :, :n].get()
+            arrays["v.exp"] = state.v_exp[:, :, :n].get()
         if state.mtp_kv is not None:
             m = min(state.mtp_kv.length, max(n - 1, 0))
             arrays["mtp.k"] = state.mtp_k[:, :m].get()
             arrays["mtp.v"] = state.mtp_v[:, :m].get()
+            if state.mtp_k_exp is not None:
+                arrays["mtp.k.exp"] = state.mtp_k_exp[:, :m].get()
+                arrays["mtp.v.exp"] = state.mtp_v_exp[:, :m].get()
         return arrays
 
     def import_prefix(self, state: FastState, arrays: dict[str, np.ndarray], position: int) -> None:
         cp = self.rt.cp
         state.k[:, :, :position] = cp.asarray(arrays["k"])
         state.v[:, :, :position] = cp.asarray(arrays["v"])
+        if state.k_exp is not None:
+            state.k_exp[:, :, :position] = cp.asarray(arrays["k.exp"])
+            state.v_exp[:, :, :position] = cp.asarray(arrays["v.exp"])
         if state.mtp_kv is not None and "mtp.k" in arrays:
             m = arrays["mtp.k"].shape[1]
             state.mtp_k[:, :m] = cp.asarray(arrays["mtp.k"])
             state.mtp_v[:, :m] = cp.asarray(arrays["mtp.v"])
+            if state.mtp_k_exp is not None:
+                state.mtp_k_exp[:, :m] = cp.asarray(arrays["mtp.k.exp"])
+                state.mtp_v_exp[:, :m] = cp.asarray(arrays["mtp.v.exp"])
             state.mtp_kv.length = m
         self.rewind(state, position, arrays)
 
     def memory_per_sequence(self, context: int) -> int:
         cfg = self.cfg
-        kv_bytes = 2 if self.kv_bf16 else 4
-        per_tok = 2 * cfg.num_key_value_heads * cfg.head_dim * kv_bytes * (len(cfg.full_layers) + (1 if self.has_mtp else 0))
+        row = {"bf16": 2 * cfg.head_dim, "fp8": cfg.head_dim + 1}.get(self.kv_name, 4 * cfg.head_dim)  # + exponent
+        per_tok = 2 * cfg.num_key_value_heads * row * (len(cfg.full_layers) + (1 if self.has_mtp else 0))
         fixed = 4 * len(cfg.linear_layers) * (
             cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
             + (cfg.linear_conv_kernel_dim - 1) * cfg.gdn_conv_dim)
@@ -733,12 +771,54 @@ def load_fast_model(cfg) -> FastModel:
         weights = from_q27file(src, progress=True)
     else:
         weights = from_checkpoint(Checkpoint.open(src), tier=e.tier or "bf16", progress=True)
-    ctx = min(e.max_context, weights.cfg.max_position_embeddings)
-    # bf16 weights keep fp32 KV (the path the golden tests hold to 1e-3); quantized tiers use bf16 KV
+    mpe = weights.cfg.max_position_embeddings
+    kv = resolve_fast_kv(e.kv, weights.tier, Runtime.get().cc)
+    ctx = min(e.max_context, mpe) if isinstance(e.max_context, int) else mpe
     # chunk: prefill runs the GEMM (cuBLAS on bf16 expansions, or the mma.sync kernel) on up to
     # this many rows per weight pass (docs/PERF.md)
     K.PREFILL_GEMM = e.prefill_gemm
-    model = FastModel(weights, max_context=ctx, kv_dtype="f32" if weights.tier == "bf16" else "bf16",
-                      chunk=e.gpu_prefill_chunk)
+    model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk)
+    if not isinstance(e.max_context, int):
+        size_context_to_memory(model, e)
     model.enable_graphs()
     return model
+
+
+# KV formats the fast path's kernels store and read today (q27py/model/kvformat.py names; "f32" is
+# the golden-test path's fp32 rows).
+FAST_KV_FORMATS = ("bf16", "fp8")
+# What `--kv auto` may pick on CUDA. fp8 joins once tests/gpu/test_kv_fp8.py and the decode bench
+# (tools/device_kv.sh) pass on the device: until then auto keeps bf16 (and the canonical gates).
+AUTO_FAST_KV_FORMATS = ("bf16",)
+
+
+def resolve_fast_kv(kv: str, tier: str, cc: tuple[int, int]) -> str:
+    """EngineConfig.kv -> the fast path's KV storage. auto: fp32 rows for bf16 weights (the path the
+    golden tests hold to 1e-3), else kvbudget.auto_kv_format among FAST_KV_FORMATS."""
+    from q27py.errors import ConfigError
+    from q27py.model.kvbudget import auto_kv_format
+
+    if kv == "auto":
+        return "f32" if tier == "bf16" else auto_kv_format(cc, AUTO_FAST_KV_FORMATS)
+    if kv not in FAST_KV_FORMATS:
+        raise ConfigError(f"--kv {kv}: the CUDA path reads {', '.join(FAST_KV_FORMATS)} KV so far (docs/KV.md)")
+    return kv
+
+
+def size_context_to_memory(model: FastModel, e) -> None:
+    """--max-context auto: the window the free memory holds once weights and scratch are resident
+    (q27py/model/kvbudget.py); graphs are captured later and live in the safety margin."""
+    import sys
+
+    from q27py.model.kvbudget import context_window
+
+    cp = model.rt.cp
+    cp.get_default_memory_pool().free_all_blocks()
+    free, _total = cp.cuda.runtime.memGetInfo()
+    fixed = model.memory_per_sequence(0)
+    budget = context_window(free, model.memory_per_sequence(1) - fixed, kv_format=model.kv_name,
+                            sequences=max(1, e.max_sequences), fixed_per_sequence=fixed,
+                            margin_bytes=e.kv_safety_margin_bytes, max_positions=model.max_pos)
+    model.max_pos = budget.window  # states are allocated later, at this size
+    model.context_budget = budget
+    print(f"q27py: {budget.describe()}", file=sys.stderr, flush=True)

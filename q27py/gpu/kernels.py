@@ -473,6 +473,33 @@ def attention(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int,
               (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo)))
 
 
+def qk_norm_rope_store_fp8(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int,
+                           rd: int, inv_freq, pos0_dev, qout, ldqo: int, kcache, vcache, kexp, vexp, max_pos: int,
+                           nlanes: int) -> None:
+    """qk_norm_rope_store into fp8 e4m3 KV: u8 codes [nkv][max_pos][hd] + int8 row exponents [nkv][max_pos]."""
+    Runtime.get().launch("rope", "qk_norm_rope_store_fp8", (nlanes, nq + nkv), max(32, -(-hd // 32) * 32),
+                         (qg, i32(ldq), kv, i32(ldkv), q_norm, k_norm, f32(eps), i32(nq), i32(nkv), i32(hd), i32(rd),
+                          inv_freq, pos0_dev, qout, i32(ldqo), kcache, vcache, kexp, vexp, i32(max_pos)),
+                         shared_mem=4 * hd)
+
+
+def attention_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
+                  span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+    """attention() over fp8 e4m3 KV (codes + row exponents); decode, verify and (for now) prefill lanes."""
+    dpl = hd // 32
+    if hd % 32 or dpl not in (1, 2, 4, 8):
+        raise ValueError(f"attention head dim {hd} not supported by the fast path (32, 64, 128 or 256)")
+    rep = nq // nkv
+    if rep > 8:
+        raise ValueError(f"{rep} q heads per kv head > 8 not supported by the fast path")
+    rt = Runtime.get()
+    rt.launch("attention", f"attn_split_fp8_d{dpl}", (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
+              (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5), pos0_dev, i32(span),
+               part, kexp, vexp), shared_mem=4 * ATT_WARPS * rep * (hd + 2))
+    rt.launch("attention", "attn_combine", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo)))
+
+
 def attention_partials_floats(max_lanes: int, nq: int, hd: int) -> int:
     return max_lanes * nq * ATT_NSPLIT * (hd + 2)
 
@@ -535,3 +562,67 @@ def attention_prefill(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, 
                          (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), i32(nlanes), f32(hd ** -0.5),
                           pos0_dev, qg, i32(ldqg), out, i32(ldo)),
                          shared_mem=attention_prefill_shared_bytes(hd, kv_bf16))
+
+
+def attention_prefill_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int, nq: int, nkv: int, hd: int,
+                          pos0_dev, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+    """attention_prefill over fp8 e4m3 KV (codes + row exponents), staged into the bf16 tiles exactly:
+    the bf16 kernels' shared memory and key tile (attention_prefill_fits(hd, True))."""
+    if hd not in (32, 64, 128, 256):
+        raise ValueError(f"prefill attention head dim {hd} not supported (32, 64, 128 or 256)")
+    if nq % nkv:
+        raise ValueError(f"{nq} q heads do not split evenly over {nkv} kv heads")
+    if ldq % 4 or ldo < nq * hd or ldqg < 2 * nq * hd:
+        raise ValueError("q rows must be float4-aligned (ldq % 4 == 0) and out / qg rows wide enough")
+    rows = nq // nkv * nlanes
+    Runtime.get().launch("attention_prefill", f"attn_prefill_fp8_d{hd}", (nkv, -(-rows // PF_ROWS)), PF_THREADS,
+                         (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), i32(nlanes), f32(hd ** -0.5),
+                          pos0_dev, qg, i32(ldqg), out, i32(ldo), kexp, vexp),
+                         shared_mem=attention_prefill_shared_bytes(hd, True))
+
+
+# ---------------------------------------------------------------- rotated Lloyd-Max KV (k5v3 / k3v3)
+# Kernels of cuda/kv_rotated.cu; not yet wired into FastModel (docs/KV.md).
+def rotated_kv_tables(bits: int):
+    """(centroids, edges) of the b-bit codebook as device arrays (kvformat's tables)."""
+    from q27py.model import kvformat as F
+
+    cp = Runtime.get().cp
+    return cp.asarray(F.CODEBOOKS[bits]), cp.asarray(F.codebook_edges(bits))
+
+
+def lm_quantize_rows(x, ldx: int, n_rows: int, d: int, bits: int, centroids, edges, codes, norms) -> None:
+    """Rows [n][ldx] fp32 -> packed codes [n][d*bits/8] + fp16 norms [n] (kvformat.lm_quantize)."""
+    import math
+
+    if d < 32 or d > 1024 or d & (d - 1):
+        raise ValueError(f"rotated KV needs a power-of-two head dim in 32..1024, not {d}")
+    Runtime.get().launch("kv_rotated", "lm_quantize_rows", n_rows, d,
+                         (x, i32(ldx), i32(d), i32(bits), centroids, edges, f32(1.0 / math.sqrt(d)),
+                          f32(math.sqrt(d)), codes, norms), shared_mem=5 * d)
+
+
+def rotate_heads(x, ldx: int, rows: int, heads: int, d: int, inverse: bool) -> None:
+    import math
+
+    Runtime.get().launch("kv_rotated", "rotate_heads", (rows, heads), d,
+                         (x, i32(ldx), i32(d), i32(1 if inverse else 0), f32(1.0 / math.sqrt(d))), shared_mem=4 * d)
+
+
+def attention_rotated(q_rot, ldq: int, kcodes, vcodes, knorm, vnorm, kbits: int, vbits: int, ktab, vtab, max_pos: int,
+                      nq: int, nkv: int, hd: int, pos0_dev, span: int, part, qg, ldqg: int, out, ldo: int,
+                      nlanes: int) -> None:
+    """Split-K attention over rotated codes; q_rot = rotate_heads(q); out in the original basis, gated."""
+    import math
+
+    dpl = hd // 32
+    if hd % 32 or dpl not in (1, 2, 4, 8) or nq // nkv > 8:
+        raise ValueError(f"rotated attention: head dim {hd} / {nq // nkv} q heads per kv head unsupported")
+    rt = Runtime.get()
+    rt.launch("kv_rotated", f"attn_split_rot_d{dpl}", (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
+              (q_rot, i32(ldq), kcodes, vcodes, knorm, vnorm, i32(kbits), i32(vbits), ktab, vtab, i32(max_pos),
+               i32(nq), i32(nkv), f32(hd ** -0.5), f32(1.0 / math.sqrt(hd)), pos0_dev, i32(span), part),
+              shared_mem=4 * ATT_WARPS * (nq // nkv) * (hd + 2))
+    rt.launch("kv_rotated", "attn_combine_rotated", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), f32(1.0 / math.sqrt(hd)), out, i32(ldo)),
+              shared_mem=4 * hd)

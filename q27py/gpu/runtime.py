@@ -33,8 +33,8 @@ def _find_cuda_dir() -> Path:
 
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
-KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "rope", "attention", "attention_prefill",
-                "sampling", "probe")
+KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "rope", "attention",
+                "attention_prefill", "sampling", "probe", "kv_rotated")
 
 
 class GpuUnavailable(Q27Error):

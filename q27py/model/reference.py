@@ -24,6 +24,7 @@ from q27py.io.checkpoint import Checkpoint
 from q27py.io.safetensors import round_to_bf16
 from q27py.model import ops
 from q27py.model.config import FULL, ModelConfig
+from q27py.model.kvformat import get_format
 from q27py.model.state import GDNState, KVCache, SequenceState
 
 SMALL_T = 16  # at or below this many tokens, compute row by row (see module docstring)
@@ -48,9 +49,13 @@ class ForwardOutput:
 
 
 class ReferenceModel:
-    def __init__(self, checkpoint: Checkpoint, dtype: str = "float32"):
+    def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv: str | None = None):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(COMPUTE_DTYPES)}")
+        # KV format (q27py/model/kvformat.py) of every attention layer's cache, the MTP layer's
+        # included: rows are quantized on store and attention reads their dequantization.
+        # None keeps rows in the compute dtype (the specification's own numbers).
+        self.kv_format = None if kv in (None, "auto", "none") else get_format(kv).name
         self.cfg: ModelConfig = checkpoint.config
         self.dtype_name = dtype
         self.dtype = COMPUTE_DTYPES[dtype]
@@ -66,12 +71,12 @@ class ReferenceModel:
             self.w[p + "conv1d.weight"] = self.w[p + "conv1d.weight"][:, 0, :]
 
     @classmethod
-    def load(cls, model_dir, dtype: str = "float32") -> "ReferenceModel":
-        return cls(Checkpoint.open(model_dir), dtype)
+    def load(cls, model_dir, dtype: str = "float32", kv: str | None = None) -> "ReferenceModel":
+        return cls(Checkpoint.open(model_dir), dtype, kv)
 
     def new_state(self) -> SequenceState:
         state_dtype = np.float64 if self.dtype == np.float64 else np.float32
-        return SequenceState.new(self.cfg, self.dtype, state_dtype, with_mtp=self.has_mtp)
+        return SequenceState.new(self.cfg, self.dtype, state_dtype, with_mtp=self.has_mtp, kv_format=self.kv_format)
 
     # ------------------------------------------------------------------ primitives
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
@@ -231,7 +236,11 @@ class ReferenceModel:
     # What prefix reuse needs from a model (the fast path has the same methods): save and
     # install the GDN + conv state, rewind a sequence to a position, and move whole
     # prefixes (KV rows included) to and from plain numpy arrays for the disk cache.
-    state_format = "reference"
+    @property
+    def state_format(self) -> str:
+        """Names what export_prefix's arrays mean (part of the prefix cache's compatibility hash):
+        rows in another KV format are another format, and a restore across formats must miss."""
+        return "reference" if self.kv_format is None else f"reference-kv={self.kv_format}"
 
     def save_recurrent(self, state: SequenceState) -> dict[str, np.ndarray]:
         out = {}
@@ -254,23 +263,26 @@ class ReferenceModel:
     def export_prefix(self, state: SequenceState) -> dict[str, np.ndarray]:
         n = state.position
         arrays = self.save_recurrent(state)
+        # rows as stored: in a KV format these are the quantized bytes ("kv.3.k.codes", ...)
         for i, kv in state.kv.items():
-            arrays[f"kv.{i}.k"] = kv.k[:n].copy()
-            arrays[f"kv.{i}.v"] = kv.v[:n].copy()
+            for name, a in kv.export_rows(n).items():
+                arrays[f"kv.{i}.{name}"] = a
         if state.mtp_kv is not None:
             m = min(state.mtp_kv.length, max(n - 1, 0))
-            arrays["mtp.k"] = state.mtp_kv.k[:m].copy()
-            arrays["mtp.v"] = state.mtp_kv.v[:m].copy()
+            for name, a in state.mtp_kv.export_rows(m).items():
+                arrays[f"mtp.{name}"] = a
         return arrays
 
     def import_prefix(self, state: SequenceState, arrays: dict[str, np.ndarray], position: int) -> None:
+        def rows(prefix: str) -> dict[str, np.ndarray]:
+            return {key[len(prefix):]: a for key, a in arrays.items() if key.startswith(prefix)}
+
         for i, kv in state.kv.items():
-            kv.truncate(0)
-            kv.append(arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"])
+            kv.import_rows(rows(f"kv.{i}."))
         if state.mtp_kv is not None:
             state.mtp_kv.truncate(0)
-            if "mtp.k" in arrays:
-                state.mtp_kv.append(arrays["mtp.k"], arrays["mtp.v"])
+            if rows("mtp."):
+                state.mtp_kv.import_rows(rows("mtp."))
         self.rewind(state, position, arrays)
 
 

@@ -1,6 +1,7 @@
 """Per-sequence model state on the reference path: what a sequence carries between forwards.
 
-- Attention layers (and the MTP layer) keep K/V rows, one per position, append-only.
+- Attention layers (and the MTP layer) keep K/V rows, one per position, append-only, in the
+  compute dtype or, with a KV format, quantized on store (QuantKVCache).
 - Gated DeltaNet layers keep the recurrent state S [HV, dk, dv] (always fp32 or wider:
   it is a running summary, bf16 would drift) and the conv window, the last K-1 raw
   conv inputs [K-1, C].
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from q27py.model.config import ModelConfig
+from q27py.model.kvformat import KVFormat, get_format
 
 
 class KVCache:
@@ -50,6 +52,80 @@ class KVCache:
         c.k, c.v, c.length = self.k[: self.length].copy(), self.v[: self.length].copy(), self.length
         return c
 
+    # What a prefix snapshot stores: the rows as held (names -> arrays with the row axis first).
+    def export_rows(self, n: int) -> dict[str, np.ndarray]:
+        return {"k": self.k[:n].copy(), "v": self.v[:n].copy()}
+
+    def import_rows(self, arrays: dict[str, np.ndarray]) -> None:
+        self.truncate(0)
+        self.append(arrays["k"], arrays["v"])
+
+
+class QuantKVCache(KVCache):
+    """K/V rows stored in a KV format (q27py/model/kvformat.py): quantized on store.
+
+    `payload` holds the stored bytes; `k` / `v` hold their dequantization in the model dtype.
+    Dequantization is a pure function of the bytes, so keeping it beside them is the same as
+    dequantizing on every read (what a kernel does) and saves the reference a decode per step.
+    Snapshots export the payload, never the dequantized rows: re-quantizing those need not give
+    the same bytes, and a restore must be bitwise the state that was saved.
+    """
+
+    def __init__(self, n_kv_heads: int, head_dim: int, dtype, fmt: KVFormat | str, capacity: int = 64):
+        super().__init__(n_kv_heads, head_dim, dtype, capacity)
+        self.fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+        self.head_dim = head_dim
+        self.payload: dict[str, np.ndarray] = {}  # "k.codes", "k.exp", "v.norm", ... [capacity, heads, ...]
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        parts = {f"k.{n}": a for n, a in self.fmt.quantize(np.asarray(k, np.float32), "k").items()}
+        parts.update({f"v.{n}": a for n, a in self.fmt.quantize(np.asarray(v, np.float32), "v").items()})
+        self._append_payload(parts)
+
+    def _append_payload(self, parts: dict[str, np.ndarray]) -> None:
+        n = next(iter(parts.values())).shape[0]
+        start, need = self.length, self.length + n
+        for name, a in parts.items():
+            old = self.payload.get(name)
+            if old is None or old.shape[0] < need:
+                cap = max(need, 2 * (old.shape[0] if old is not None else 0), 64)
+                new = np.zeros((cap,) + a.shape[1:], dtype=a.dtype)
+                if old is not None:
+                    new[:start] = old[:start]
+                self.payload[name] = new
+            self.payload[name][start:need] = a
+        k = self._dequant("k", start, need)
+        v = self._dequant("v", start, need)
+        super().append(k.astype(self.k.dtype), v.astype(self.v.dtype))
+
+    def _dequant(self, which: str, lo: int, hi: int) -> np.ndarray:
+        part = {name.split(".", 1)[1]: a[lo:hi] for name, a in self.payload.items() if name.startswith(which + ".")}
+        return self.fmt.dequantize(part, which, self.head_dim)
+
+    def copy(self) -> "QuantKVCache":
+        c = QuantKVCache.__new__(QuantKVCache)
+        c.k, c.v, c.length = self.k[: self.length].copy(), self.v[: self.length].copy(), self.length
+        c.fmt, c.head_dim = self.fmt, self.head_dim
+        c.payload = {name: a[: self.length].copy() for name, a in self.payload.items()}
+        return c
+
+    def export_rows(self, n: int) -> dict[str, np.ndarray]:
+        return {name: a[:n].copy() for name, a in self.payload.items()}
+
+    def import_rows(self, arrays: dict[str, np.ndarray]) -> None:
+        expect = set(self.payload) or {f"{w}.{n}" for w in "kv" for n in self.fmt.quantize(np.zeros((1, 1, self.head_dim), np.float32), w)}
+        if set(arrays) != expect:
+            raise ValueError(f"KV rows in another format: {sorted(arrays)} vs {sorted(expect)} ({self.fmt.name})")
+        self.truncate(0)
+        self._append_payload(arrays)
+
+
+def make_kv_cache(n_kv_heads: int, head_dim: int, dtype, kv_format: str | None) -> KVCache:
+    """None keeps rows in the compute dtype (the reference's default); a format name quantizes on store."""
+    if kv_format is None:
+        return KVCache(n_kv_heads, head_dim, dtype)
+    return QuantKVCache(n_kv_heads, head_dim, dtype, kv_format)
+
 
 @dataclass
 class GDNState:
@@ -73,8 +149,9 @@ class SequenceState:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def new(cls, cfg: ModelConfig, dtype=np.float32, state_dtype=np.float32, with_mtp: bool = True) -> "SequenceState":
-        kv = {i: KVCache(cfg.num_key_value_heads, cfg.head_dim, dtype) for i in cfg.full_layers}
+    def new(cls, cfg: ModelConfig, dtype=np.float32, state_dtype=np.float32, with_mtp: bool = True,
+            kv_format: str | None = None) -> "SequenceState":
+        kv = {i: make_kv_cache(cfg.num_key_value_heads, cfg.head_dim, dtype, kv_format) for i in cfg.full_layers}
         gdn = {
             i: GDNState(
                 np.zeros((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), dtype=state_dtype),
@@ -82,7 +159,7 @@ class SequenceState:
             )
             for i in cfg.linear_layers
         }
-        mtp = KVCache(cfg.num_key_value_heads, cfg.head_dim, dtype) if with_mtp else None
+        mtp = make_kv_cache(cfg.num_key_value_heads, cfg.head_dim, dtype, kv_format) if with_mtp else None
         return cls(0, kv, gdn, mtp)
 
     def snapshot(self) -> "SequenceState":
