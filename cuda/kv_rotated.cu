@@ -9,9 +9,8 @@
 // sum p * s_v / sqrt(d) * c_v, and one inverse rotation per (lane, head) runs before the gate.
 #include "common.cuh"
 
-#define RQ_NSPLIT 64
-#define RQ_REPMAX 8
-#define RQ_WARPS 8
+// NSPLIT, REPMAX and ATT_WARPS (the decode attention's splits, q heads per kv head, warps) come
+// from the constants table (-D defines): the partials buffer and the combine kernel share them.
 
 // sign diagonal D: bit 0 of murmur3 fmix32(i + 0x9E3779B9) set -> -1 (kvformat.rotation_signs)
 __device__ __forceinline__ float rot_sign(u32 i) {
@@ -109,8 +108,8 @@ extern "C" __global__ void rotate_heads(float* __restrict__ x, int ldx, int d, i
     p[i] = inverse ? y * rot_sign(i) : y;
 }
 
-// Split-K attention over rotated codes, as attention.cu's attn_split_body: grid (nkv, RQ_NSPLIT,
-// nlanes), block 256, smem RQ_WARPS * rep * (HD + 2) floats; q already rotated; partials in the
+// Split-K attention over rotated codes, as attention.cu's attn_split_body: grid (nkv, NSPLIT,
+// nlanes), block 256, smem ATT_WARPS * rep * (HD + 2) floats; q already rotated; partials in the
 // rotated basis (attn_combine_rotated finishes). kc / vc rows: [nkv][max_pos][row bytes], kn / vn
 // fp16 norms [nkv][max_pos]; ck / cv: the K and V codebooks (2^kbits, 2^vbits floats).
 template <int DPL>
@@ -124,7 +123,7 @@ __device__ __forceinline__ void rq_split_body(const float* __restrict__ q, int l
     constexpr int HD = 32 * DPL;
     const int g = blockIdx.x, sp = blockIdx.y, t = blockIdx.z;
     const int pos0 = *pos0_dev, len = pos0 + t + 1;
-    const int need = (pos0 + span + RQ_NSPLIT - 1) / RQ_NSPLIT;
+    const int need = (pos0 + span + NSPLIT - 1) / NSPLIT;
     const int ssz = max(64, (need + 63) / 64 * 64);  // attention.cu's split_size
     const int start = sp * ssz;
     if (start >= len) return;
@@ -133,9 +132,9 @@ __device__ __forceinline__ void rq_split_body(const float* __restrict__ q, int l
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kb = HD * kbits / 8, vb = HD * vbits / 8;
 
-    float qv[RQ_REPMAX][DPL], acc[RQ_REPMAX][DPL], m[RQ_REPMAX], l[RQ_REPMAX];
+    float qv[REPMAX][DPL], acc[REPMAX][DPL], m[REPMAX], l[REPMAX];
 #pragma unroll
-    for (int j = 0; j < RQ_REPMAX; j++) {
+    for (int j = 0; j < REPMAX; j++) {
         m[j] = -INFINITY;
         l[j] = 0.f;
 #pragma unroll
@@ -144,7 +143,7 @@ __device__ __forceinline__ void rq_split_body(const float* __restrict__ q, int l
             qv[j][i] = j < rep ? q[(i64)t * ldq + (g * rep + j) * HD + lane * DPL + i] : 0.f;
         }
     }
-    for (int p = start + warp; p < end; p += RQ_WARPS) {
+    for (int p = start + warp; p < end; p += ATT_WARPS) {
         const i64 row = (i64)g * max_pos + p;
         const u8* kr = kc + row * kb;
         const u8* vr = vc + row * vb;
@@ -156,7 +155,7 @@ __device__ __forceinline__ void rq_split_body(const float* __restrict__ q, int l
         }
         const float ks = half_to_float(kn[row]) * inv_sqrt_d, vs = half_to_float(vn[row]) * inv_sqrt_d;
 #pragma unroll
-        for (int j = 0; j < RQ_REPMAX; j++) {
+        for (int j = 0; j < REPMAX; j++) {
             if (j >= rep) break;
             float dot = 0.f;
 #pragma unroll
@@ -174,7 +173,7 @@ __device__ __forceinline__ void rq_split_body(const float* __restrict__ q, int l
     }
     float* wsm = sm + warp * rep * (HD + 2);
 #pragma unroll
-    for (int j = 0; j < RQ_REPMAX; j++) {
+    for (int j = 0; j < REPMAX; j++) {
         if (j >= rep) break;
 #pragma unroll
         for (int i = 0; i < DPL; i++) wsm[j * (HD + 2) + 2 + lane * DPL + i] = acc[j][i];
@@ -187,15 +186,15 @@ __device__ __forceinline__ void rq_split_body(const float* __restrict__ q, int l
     for (int idx = threadIdx.x; idx < rep * HD; idx += blockDim.x) {
         const int j = idx / HD, dd = idx - j * HD;
         float M = -INFINITY;
-        for (int w = 0; w < RQ_WARPS; w++) M = fmaxf(M, sm[(w * rep + j) * (HD + 2)]);
+        for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm[(w * rep + j) * (HD + 2)]);
         float L = 0.f, A = 0.f;
-        for (int w = 0; w < RQ_WARPS; w++) {
+        for (int w = 0; w < ATT_WARPS; w++) {
             const float* b = sm + (w * rep + j) * (HD + 2);
             const float e = expf(b[0] - M);
             L = fmaf(b[1], e, L);
             A = fmaf(b[2 + dd], e, A);
         }
-        float* dst = part + ((i64)(t * nq + g * rep + j) * RQ_NSPLIT + sp) * (HD + 2);
+        float* dst = part + ((i64)(t * nq + g * rep + j) * NSPLIT + sp) * (HD + 2);
         dst[2 + dd] = A;
         if (dd == 0) {
             dst[0] = M;
@@ -227,10 +226,10 @@ extern "C" __global__ void attn_combine_rotated(const float* __restrict__ part, 
     extern __shared__ float xs[];
     const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const int pos0 = *pos0_dev, len = pos0 + t + 1;
-    const int need = (pos0 + span + RQ_NSPLIT - 1) / RQ_NSPLIT;
+    const int need = (pos0 + span + NSPLIT - 1) / NSPLIT;
     const int ssz = max(64, (need + 63) / 64 * 64);
     const int ns = (len + ssz - 1) / ssz;
-    const float* base = part + (i64)(t * nq + h) * RQ_NSPLIT * (hd + 2);
+    const float* base = part + (i64)(t * nq + h) * NSPLIT * (hd + 2);
     float M = -INFINITY;
     for (int s = 0; s < ns; s++) M = fmaxf(M, base[(i64)s * (hd + 2)]);
     float L = 0.f, A = 0.f;
