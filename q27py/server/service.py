@@ -75,18 +75,6 @@ class ChatService:
 
     # ---- prompts ---------------------------------------------------------
 
-    def conversation(self, api: str, body: dict):
-        """(Conversation, RequestOptions) for `api` ("anthropic" | "openai" | "responses"); 400 if unreadable."""
-        from q27py.chat.requests import RequestError, parse_request
-
-        try:
-            conv, opts = parse_request(api, body)
-        except RequestError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        if opts.tool_choice.mode == "none":
-            conv.tools = []  # the model is not told about tools it may not call
-        return conv, opts
-
     def render(self, conv: Conversation, *, thinking: bool | None,
                preserve_thinking: bool | None = None) -> Prompt:
         """Render and tokenize. thinking None -> the server default."""
@@ -110,8 +98,14 @@ class ChatService:
                       starts_in_reasoning=text.endswith(THINK_OPEN), system_tokens=len(system) or None)
 
     def raw_prompt(self, text: str | None = None, ids: list[int] | None = None) -> Prompt:
+        """A prompt used as is (no chat template): text, or token ids checked against the vocabulary."""
         if ids is None:
             ids = self.tokenizer.encode(text or "")
+        else:
+            vocab = getattr(self.tokenizer, "vocab_size", None)
+            if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
+                raise ApiError(400, "prompt: token id out of range", param="prompt")
+            text = self.tokenizer.decode(ids)
         return Prompt(ids=list(ids), text=text or "", stable_tokens=None, starts_in_reasoning=False)
 
     def check_context(self, prompt: Prompt, overflow_error) -> None:
