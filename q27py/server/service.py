@@ -14,7 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from q27py.chat.conversation import Conversation
-from q27py.chat.render import THINK_OPEN, RenderError, render
+from q27py.chat.render import THINK_OPEN, RenderError, encode_rendered, render
 from q27py.chat.textstage import RawSplitter
 from q27py.config import ServerConfig
 from q27py.engine.api import SamplingParams, clamp_max_tokens, max_prompt_tokens
@@ -86,16 +86,9 @@ class ChatService:
                               preserve_thinking=preserve_thinking)
         except RenderError as exc:
             raise ApiError(400, str(exc)) from None
-        # Split-encode at the system and stable boundaries so each shared prefix tokenizes
-        # the same way whatever follows it (prefix reuse restores exactly these tokens), and
-        # so the engine is told those boundaries as token offsets (it knows no chat layout).
-        text = rendered.text
-        system_len = min(rendered.system_len, rendered.stable_len)
-        system = self.tokenizer.encode(text[:system_len]) if system_len else []
-        head = system + self.tokenizer.encode(text[system_len: rendered.stable_len])
-        tail = self.tokenizer.encode(text[rendered.stable_len:])
-        return Prompt(ids=head + tail, text=text, stable_tokens=len(head) or None,
-                      starts_in_reasoning=text.endswith(THINK_OPEN), system_tokens=len(system) or None)
+        ids, system_tokens, stable_tokens = encode_rendered(self.tokenizer, rendered)
+        return Prompt(ids=ids, text=rendered.text, stable_tokens=stable_tokens or None,
+                      starts_in_reasoning=rendered.text.endswith(THINK_OPEN), system_tokens=system_tokens or None)
 
     def raw_prompt(self, text: str | None = None, ids: list[int] | None = None) -> Prompt:
         """A prompt used as is (no chat template): text, or token ids checked against the vocabulary."""
