@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from q27py.chat.conversation import Conversation
 from q27py.chat.render import THINK_OPEN, RenderError, encode_rendered, render
-from q27py.chat.textstage import RawSplitter
+from q27py.chat.textstage import FORCED_THINK_CLOSE, RawSplitter
 from q27py.config import ServerConfig
 from q27py.engine.api import SamplingParams, clamp_max_tokens, max_prompt_tokens
 from q27py.server import turn as turn_mod
@@ -114,12 +114,14 @@ class ChatService:
         return max(1, clamp_max_tokens(wanted, len(prompt.ids), self.max_context))
 
     def reasoning_budget(self, requested: int | None, max_tokens: int) -> int:
-        """Think-token cap: the request's, else the server's, else half of max_tokens, so an
-        answer always has room after a forced close."""
+        """Think-token cap: the request's, else the server's, else half of max_tokens, and
+        always leaving room for the forced close (counted in max_tokens) plus one answer
+        token. When max_tokens is too small for that, the turn ends at length instead."""
         budget = requested if requested is not None else self.config.reasoning_budget
         if budget is None:
             budget = max(1, max_tokens // 2)
-        return max(1, min(budget, max_tokens - 1)) if max_tokens > 1 else 1
+        room = max_tokens - len(self.tokenizer.encode(FORCED_THINK_CLOSE)) - 1
+        return max(1, min(budget, room))
 
     def sampling(self, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None) -> SamplingParams:
         return SamplingParams(
