@@ -26,6 +26,9 @@ from q27py.server.turn import KEEPALIVE, Finish, TurnPlan, Usage
 
 log = logging.getLogger("q27py.server")
 
+# Temperatures below this sample as greedy (see ChatService.sampling).
+MIN_TEMPERATURE = 1e-5
+
 @dataclass
 class Prompt:
     ids: list[int]
@@ -124,12 +127,19 @@ class ChatService:
         return max(1, min(budget, room))
 
     def sampling(self, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.config.default_temperature if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=0 if top_k is None else top_k,
-            min_p=0.0 if min_p is None else min_p,
-            seed=seed)
+        """The engine's sampling settings. Edge values are defined here, at the boundary, for
+        every API alike (docs/SERVER.md): top_p 0 keeps only the most probable token, i.e.
+        greedy (as other servers treat it; the sampler itself needs top_p > 0), and a
+        temperature below MIN_TEMPERATURE (a denormal like 1e-310 would overflow the logits
+        / temperature division) is greedy too."""
+        temperature = self.config.default_temperature if temperature is None else temperature
+        top_p = 1.0 if top_p is None else top_p
+        if top_p == 0 or temperature < MIN_TEMPERATURE:
+            temperature, top_p = 0.0, 1.0
+        return SamplingParams(temperature=temperature, top_p=top_p,
+                              top_k=0 if top_k is None else top_k,
+                              min_p=0.0 if min_p is None else min_p,
+                              seed=seed)
 
     def splitter_factory(self, conv: Conversation | None):
         if conv is None:

@@ -93,3 +93,65 @@ def test_max_tokens_counts_the_forced_think_close(make_server, max_tokens):
     _, _, raw = http_request(live.port, "POST", "/v1/messages", ant(max_tokens=max_tokens, stream=True))
     final = [json.loads(d) for name, d in sse_events(raw) if name == "message_delta"][-1]
     assert final["usage"]["output_tokens"] <= max_tokens
+
+
+# --- 13.3: edge sampling values and tool schemas, defined / refused at the boundary ----
+
+def _bodies(**kw):
+    user = [{"role": "user", "content": "hi"}]
+    return [("/v1/messages", {"model": "m", "max_tokens": 8, "messages": user, **kw}),
+            ("/v1/chat/completions", {"model": "m", "max_tokens": 8, "messages": user, **kw}),
+            ("/v1/completions", {"model": "m", "max_tokens": 8, "prompt": "hi", **kw}),
+            ("/v1/responses", {"model": "m", "max_output_tokens": 8, "input": "hi", **kw})]
+
+
+@pytest.mark.parametrize("fields", [{"top_p": 0}, {"top_p": 0, "temperature": 1.0},
+                                    {"temperature": 1e-310}, {"temperature": 5e-324, "top_p": 0.5}])
+def test_edge_sampling_values_are_greedy_on_every_api(make_server, fields):
+    from q27py.engine.sampling import validate
+
+    live = make_server(lambda p: "ok", default_thinking=False)
+    for path, body in _bodies(**fields):
+        status, _, raw = http_request(live.port, "POST", path, body)
+        assert status == 200, (path, raw[:200])
+        sampling = live.engine.requests[-1].sampling
+        validate(sampling)  # what the real engine runs first: it raised on top_p 0
+        assert sampling.greedy and sampling.top_p == 1.0, (path, sampling)
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "object", "anyOf": 5}, "anyOf"),
+    ({"type": "object", "properties": {"a": {"oneOf": {"type": "string"}}}}, "oneOf"),
+    ({"type": "object", "properties": []}, "properties"),
+    ({"type": "object", "properties": {"a": 7}}, "properties.a"),
+    ({"type": 3}, "type"),
+    ({"type": "object", "required": "a"}, "required"),
+    ({"type": "array", "items": [1]}, "items"),
+])
+def test_unusable_tool_schema_is_a_400_on_every_api(make_server, schema, where):
+    live = make_server(lambda p: "ok", default_thinking=False)
+    user = [{"role": "user", "content": "hi"}]
+    cases = [("/v1/messages", {"model": "m", "max_tokens": 8, "messages": user,
+                               "tools": [{"name": "f", "input_schema": schema}]}),
+             ("/v1/chat/completions", {"model": "m", "messages": user, "tools": [
+                 {"type": "function", "function": {"name": "f", "parameters": schema}}]}),
+             ("/v1/responses", {"model": "m", "input": "hi", "tools": [
+                 {"type": "function", "name": "f", "parameters": schema}]})]
+    for path, body in cases:
+        status, _, raw = http_request(live.port, "POST", path, body)
+        assert status == 400, (path, raw[:200])
+        err = json.loads(raw)["error"]
+        assert err["type"] == "invalid_request_error" and where in err["message"], err
+
+
+def test_schemas_the_parser_can_walk_are_accepted(make_server):
+    live = make_server(lambda p: "ok", default_thinking=False)
+    schema = {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                                               "b": {"type": ["integer", "null"], "enum": [1, None]},
+                                               "c": {"type": "array", "items": {"type": "string"}},
+                                               "d": True},
+              "required": ["a"], "additionalProperties": False, "$defs": {"x": {"type": "string"}}}
+    status, _, raw = http_request(live.port, "POST", "/v1/messages", {
+        "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": schema}]})
+    assert status == 200, raw[:300]
