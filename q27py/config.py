@@ -51,6 +51,7 @@ class EngineConfig:
     max_context: int = 32768  # tokens per sequence (clamped to the model's max_position_embeddings)
     max_sequences: int = 4  # live sequences (slots) kept for prefix reuse
     prefill_chunk: int = 2048  # tokens per prefill chunk
+    cpu_prefill_chunk: int = 256  # at most this on the CPU path: the cancel flag is checked between chunks
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30

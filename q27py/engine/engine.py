@@ -15,7 +15,7 @@ from typing import Iterator
 
 from q27py.config import Q27Config
 from q27py.engine.api import ContextLengthError, GenerationChunk, GenerationRequest, check_prompt, clamp_max_tokens
-from q27py.engine.decoder import DecodeStats
+from q27py.engine.decoder import DecodeStats, PrefillCancelled
 from q27py.engine.prefix_cache import DiskCache, PrefixCache, compat_hash
 from q27py.engine.spec import build_decoder
 from q27py.errors import Q27Error
@@ -98,6 +98,8 @@ class LocalEngine:
                 if request.cancel.is_set():
                     finish = "cancelled"
             healthy = True
+        except PrefillCancelled:
+            finish = "cancelled"  # the partly prefilled state is not kept (healthy stays False)
         finally:
             if hasattr(rounds, "close"):
                 rounds.close()  # the decoder puts the state at rest (MTP rows) in its finally

@@ -117,7 +117,7 @@ class SpecDecoder:
             ladder.flush()
 
         logits = prefill(self.model, state, todo, self.prefill_chunk, prefill_breaks,
-                         on_chunk=warm if ladder is not None else None)
+                         on_chunk=warm if ladder is not None else None, cancel=cancel)
         pending = sampler.pick(logits, state.position)
         if ladder is not None:
             ladder.defer(state.extra["hidden_last"], [pending])
@@ -179,6 +179,10 @@ def build_decoder(model, cfg):
     """
     spec = cfg.spec
     use_spec = spec.enabled if spec.enabled is not None else bool(getattr(model, "has_mtp", False))
+    chunk = cfg.engine.prefill_chunk
+    if cfg.engine.device == "cpu":
+        # The numpy path is slow per token: smaller chunks let a cancel land within ~1 s.
+        chunk = min(chunk, cfg.engine.cpu_prefill_chunk)
     if use_spec:
-        return SpecDecoder(model, spec, prefill_chunk=cfg.engine.prefill_chunk)
-    return Decoder(model, prefill_chunk=cfg.engine.prefill_chunk, trace=spec.trace)
+        return SpecDecoder(model, spec, prefill_chunk=chunk)
+    return Decoder(model, prefill_chunk=chunk, trace=spec.trace)
