@@ -18,6 +18,8 @@ import json
 import logging
 import secrets
 
+import trio
+
 from q27py.chat import stream as cs
 from q27py.server import sse
 from q27py.server.errors import ApiError, bad_request
@@ -76,7 +78,7 @@ def _read_thinking(f: Fields, req: ChatRequest) -> None:
 
 
 async def count_tokens(svc: ChatService, request: Request, body: dict) -> Response:
-    prompt = build_prompt(svc, read(body, counting=True))
+    prompt = await trio.to_thread.run_sync(lambda: build_prompt(svc, read(body, counting=True)))
     return json_response(200, {"input_tokens": len(prompt.ids)})
 
 

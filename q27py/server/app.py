@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import trio
 from typing import Awaitable, Callable
 
 from q27py.server import anthropic, completions, openai_chat, responses
@@ -87,7 +89,10 @@ class App:
         if path in POST_ROUTES:
             if method != "POST":
                 raise ApiError(405, f"{method} is not allowed on {path}; use POST")
-            body = parse_json_object(request.body, request.header("content-encoding"))
+            # Off the event loop: a 30 MB body takes seconds to parse, and /health and every
+            # open stream must keep moving meanwhile (issue 13.5).
+            body = await trio.to_thread.run_sync(parse_json_object, request.body,
+                                                 request.header("content-encoding"))
             return await POST_ROUTES[path][1](self.service, request, body)
         if method != "GET":
             if path in GET_PATHS or path.startswith("/v1/models/"):

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import trio
+
 from q27py.chat.conversation import Conversation
 from q27py.chat.requests import RequestError, ToolChoice, parse_conversation
 from q27py.server.errors import ApiError
@@ -124,9 +126,14 @@ def plan_for(svc: ChatService, api: ApiModule, req: ChatRequest, prompt: Prompt)
 
 async def handle(svc: ChatService, api: ApiModule, body: dict) -> Response | StreamingResponse:
     """The pipeline every generating endpoint runs (module docstring)."""
-    req = api.read(body)
-    prompt = build_prompt(svc, req)
-    plan = plan_for(svc, api, req, prompt)
+    def prepare():
+        req = api.read(body)
+        prompt = build_prompt(svc, req)
+        return req, prompt, plan_for(svc, api, req, prompt)
+
+    # Reading, rendering and tokenizing a large conversation take seconds: a worker thread
+    # does them, so the event loop keeps serving /health and open streams (issue 13.5).
+    req, prompt, plan = await trio.to_thread.run_sync(prepare)
     if req.stream:
         return StreamingResponse(200, stream_turn(svc, plan, api.emitter(req, prompt)))
     result = await svc.collect(plan)

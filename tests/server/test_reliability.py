@@ -155,3 +155,57 @@ def test_schemas_the_parser_can_walk_are_accepted(make_server):
         "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"name": "f", "input_schema": schema}]})
     assert status == 200, raw[:300]
+
+
+# --- 13.5: parsing / rendering / tokenizing run off the event loop ---------------------
+
+@pytest.mark.parametrize("stage", ["parse", "render"])
+def test_health_and_streams_answer_while_a_body_is_being_read(make_server, monkeypatch, stage):
+    """A slow body read (a 30 MB request: seconds of JSON parsing, rendering, tokenizing) is
+    simulated by blocking that step on an event; meanwhile /health and another request's
+    stream must be served. On main both steps ran on the event loop, which froze."""
+    import threading
+
+    from q27py.server import app as app_mod
+    from q27py.server import service as service_mod
+
+    release, entered = threading.Event(), threading.Event()
+    if stage == "parse":
+        real = app_mod.parse_json_object
+
+        def slow(raw, encoding=None):
+            if b"SLOW-BODY" in raw:
+                entered.set()
+                release.wait(20)
+            return real(raw, encoding)
+
+        monkeypatch.setattr(app_mod, "parse_json_object", slow)
+    else:
+        real = service_mod.ChatService.render
+
+        def slow(self, conv, **kw):
+            if "SLOW-BODY" in conv.messages[-1].content:
+                entered.set()
+                release.wait(20)
+            return real(self, conv, **kw)
+
+        monkeypatch.setattr(service_mod.ChatService, "render", slow)
+    live = make_server(lambda p: "streamed words here", default_thinking=False)
+    slow_body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "SLOW-BODY"}]}
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        r=http_request(live.port, "POST", "/v1/messages", slow_body)))
+    worker.start()
+    try:
+        assert entered.wait(10)
+        status, _, raw = http_request(live.port, "GET", "/health")
+        assert status == 200
+        status, _, raw = http_request(live.port, "POST", "/v1/chat/completions", {
+            "model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and b"streamed words here" not in raw  # split into deltas
+        assert b"[DONE]" in raw
+        assert not result  # the slow request is still being read
+    finally:
+        release.set()
+        worker.join(20)
+    assert result["r"][0] == 200
