@@ -351,6 +351,11 @@ def _anthropic_user(blocks: list[dict], param: str, conv: Conversation) -> list[
             text = _anthropic_text(block, f"{param}[{k}]")
             if text is not None:
                 texts.append(text)
+    if blocks and not texts and not out:
+        # Every block was of a type we drop: an empty turn would silently change the
+        # conversation (issue 13.7), so the client hears about it.
+        kinds = sorted({str(b.get("type")) for b in blocks})
+        raise RequestError(f"no content block of a supported type (got {', '.join(kinds)})", param)
     if texts or not out:
         out.append(Message("user", BLOCK_SEPARATOR.join(texts)))
     return out
@@ -647,6 +652,10 @@ class _ResponsesHistory:
         self._assistant(fresh_if=False).tool_calls.append(call)
 
     def _item_function_call_output(self, item: dict, param: str) -> None:
+        # Without its call id or its output, a result cannot be matched to its call (13.7).
+        _string(item.get("call_id"), f"{param}.call_id")
+        if item.get("output") is None:
+            raise RequestError("field required", f"{param}.output")
         self._close()
         self.conv.messages.append(Message("tool", _responses_text(item.get("output"),
                                                                   f"{param}.output"),

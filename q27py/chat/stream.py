@@ -177,8 +177,11 @@ class StreamSplitter:
         in_reasoning: bool = False,
         make_id: Callable[[int], str] = random_call_id,
         record_spans: bool = False,
+        tool_calls: bool = True,
     ):
-        self._tools = ToolSet(tools)
+        # tool_calls=False (tool_choice "none"): a call the model writes anyway is plain text.
+        self._calls = tool_calls
+        self._tools = ToolSet(tools if tool_calls else None)
         self._make_id = make_id
         self._buf = ""
         self._events: list[Event] = []
@@ -306,7 +309,7 @@ class StreamSplitter:
             openers.update(_XML_OPENERS)
             if self._kind == TEXT:
                 openers["{"] = "json"
-        else:
+        elif self._calls:
             openers[_CALL_OPEN] = "tool_call"
         m, literal = match_any(buf, i, openers, eof)
         return m, (openers[literal] if literal else None)
@@ -359,7 +362,7 @@ class StreamSplitter:
                         self._buf = buf[i:]
                         self._close_think()
                         return True
-                if self._fence is None and not self._inline_code:
+                if self._calls and self._fence is None and not self._inline_code:
                     m = match_literal(buf, i, _INLINE_CALL, eof)
                     if m is Match.MORE:
                         break

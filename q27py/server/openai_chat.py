@@ -18,7 +18,7 @@ from q27py.chat import stream as cs
 from q27py.server import sse
 from q27py.server.errors import ApiError, bad_request
 from q27py.server.params import Fields
-from q27py.server.request import ChatRequest, conversation, read_sampling, read_template_thinking
+from q27py.server.request import ChatRequest, conversation, read_sampling, read_template_thinking, refuse_unhonoured
 from q27py.server.service import Prompt, TurnResult
 from q27py.server.turn import KEEPALIVE, Finish, Usage
 
@@ -40,24 +40,6 @@ def usage_object(u: Usage) -> dict:
             "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
 
 
-def reject_unsupported(f: Fields) -> None:
-    """Options we cannot honour are refused by name rather than silently ignored."""
-    n = f.integer("n", minimum=1)
-    if n is not None and n > 1:
-        raise bad_request("n: only n=1 is supported", "n")
-    if f.boolean("logprobs", False) or f.present("top_logprobs"):
-        raise bad_request("logprobs: log probabilities are not supported", "logprobs")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if f.number(key, minimum=-2, maximum=2, default=0.0) != 0.0:
-            raise bad_request(f"{key}: penalties are not supported (send 0 or omit it)", key)
-    if f.obj("logit_bias"):
-        raise bad_request("logit_bias: not supported", "logit_bias")
-    rf = f.obj("response_format")
-    if rf is not None and rf.get("type") not in (None, "text"):
-        raise bad_request(f"response_format: type {rf.get('type')!r} is not supported (no constrained "
-                          "decoding); use 'text'", "response_format")
-
-
 def include_usage(f: Fields) -> bool:
     options = f.obj("stream_options") or {}
     return Fields(options, "stream_options.").boolean("include_usage", False) is True
@@ -67,7 +49,7 @@ def read(body: dict) -> ChatRequest:
     """The body in one pass, every field checked where it is read."""
     f = Fields(body)
     req = ChatRequest(api="openai", model=f.string("model", required=True))
-    reject_unsupported(f)
+    refuse_unhonoured(f)
     req.stream = bool(f.boolean("stream", False))
     read_sampling(f, req, top_k_minimum=-1)
     req.thinking_budget = f.integer("thinking_budget", minimum=1)

@@ -27,7 +27,7 @@ from q27py.chat.conversation import CUSTOM_TOOL_INPUT
 from q27py.server import sse
 from q27py.server.errors import ApiError
 from q27py.server.params import Fields
-from q27py.server.request import ChatRequest, conversation, read_sampling, read_template_thinking
+from q27py.server.request import ChatRequest, conversation, read_sampling, read_template_thinking, refuse_unhonoured
 from q27py.server.service import Prompt, TurnResult
 from q27py.server.turn import KEEPALIVE, Finish, Usage
 
@@ -62,6 +62,7 @@ def read(body: dict) -> ChatRequest:
     req = ChatRequest(api="responses", model=f.string("model", required=True))
     if f.boolean("background", False):
         raise ApiError(400, "background: background responses are not supported", param="background")
+    refuse_unhonoured(f)
     req.stream = bool(f.boolean("stream", False))
     read_sampling(f, req, top_k_minimum=-1)
     req.max_tokens = f.integer("max_output_tokens", minimum=1)

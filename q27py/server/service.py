@@ -141,7 +141,8 @@ class ChatService:
                               min_p=0.0 if min_p is None else min_p,
                               seed=seed)
 
-    def splitter_factory(self, conv: Conversation | None):
+    def splitter_factory(self, conv: Conversation | None, tool_calls: bool = True):
+        """tool_calls False (tool_choice "none"): calls the model writes anyway stay text."""
         if conv is None:
             return RawSplitter
         from q27py.chat.stream import StreamSplitter
@@ -150,19 +151,19 @@ class ChatService:
         schemas = {spec.name: spec.parameters or {} for spec in conv.tools}
 
         def make(in_reasoning: bool):
-            return StreamSplitter(schemas, in_reasoning=in_reasoning)
+            return StreamSplitter(schemas, in_reasoning=in_reasoning, tool_calls=tool_calls)
 
         return make
 
     def plan(self, prompt: Prompt, *, conv: Conversation | None, max_tokens: int, sampling: SamplingParams,
              stop_sequences=(), reasoning_budget: int | None = None,
-             stop_after_tool_call: bool = False) -> TurnPlan:
+             stop_after_tool_call: bool = False, tool_calls: bool = True) -> TurnPlan:
         return TurnPlan(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling,
                         stop_ids=self.stop_ids, stop_sequences=tuple(stop_sequences),
                         stable_len=prompt.stable_tokens, system_len=prompt.system_tokens,
                         starts_in_reasoning=prompt.starts_in_reasoning,
                         reasoning_budget=reasoning_budget, stop_after_tool_call=stop_after_tool_call,
-                        make_splitter=self.splitter_factory(conv))
+                        make_splitter=self.splitter_factory(conv, tool_calls))
 
     # ---- running ---------------------------------------------------------
 

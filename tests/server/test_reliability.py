@@ -209,3 +209,61 @@ def test_health_and_streams_answer_while_a_body_is_being_read(make_server, monke
         release.set()
         worker.join(20)
     assert result["r"][0] == 200
+
+
+# --- 13.7: requests that should be refused; one rule for unhonoured options ------------
+
+@pytest.mark.parametrize("path, body, mention", [
+    ("/v1/responses", {"model": "m", "input": [{"type": "message", "role": "user", "content": "x"},
+                                                {"type": "function_call_output", "output": "ok"}]}, "call_id"),
+    ("/v1/responses", {"model": "m", "input": [{"type": "message", "role": "user", "content": "x"},
+                                                {"type": "function_call_output", "call_id": "c1"}]}, "output"),
+    ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "mystery"}, {"type": "hologram", "data": 1}]}]}, "supported type"),
+    ("/v1/responses", {"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "s",
+                                                                       "schema": {}}}}, "text.format"),
+    ("/v1/responses", {"model": "m", "input": "x", "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/responses", {"model": "m", "input": "x", "presence_penalty": 1}, "presence_penalty"),
+])
+def test_requests_that_must_be_refused(make_server, path, body, mention):
+    live = make_server(lambda p: "ok", default_thinking=False)
+    status, _, raw = http_request(live.port, "POST", path, body)
+    assert status == 400, raw[:300]
+    err = json.loads(raw)["error"]
+    assert err["type"] == "invalid_request_error" and mention in err["message"], err
+
+
+def test_plain_text_format_and_known_blocks_still_pass(make_server):
+    live = make_server(lambda p: "ok", default_thinking=False)
+    ok = [("/v1/responses", {"model": "m", "input": "x", "text": {"format": {"type": "text"}, "verbosity": "low"}}),
+          ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+              {"type": "mystery"}, {"type": "text", "text": "hi"}]}]})]
+    for path, body in ok:
+        assert http_request(live.port, "POST", path, body)[0] == 200
+
+
+CALL = "<tool_call>\n<function=Bash>\n<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>"
+
+
+def test_tool_choice_none_returns_a_written_call_as_text(make_server):
+    live = make_server(lambda p: "Let me see.\n" + CALL, default_thinking=False)
+    tool = {"name": "Bash", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
+    status, msg = post_json(live, "/v1/messages", {
+        "model": "m", "max_tokens": 200, "messages": [{"role": "user", "content": "x"}],
+        "tools": [tool], "tool_choice": {"type": "none"}})
+    assert status == 200
+    assert [b["type"] for b in msg["content"]] == ["text"] and msg["stop_reason"] == "end_turn"
+    assert "<function=Bash>" in msg["content"][0]["text"]
+    status, out = post_json(live, "/v1/chat/completions", {
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
+        "tools": [{"type": "function", "function": {"name": "Bash", "parameters": tool["input_schema"]}}]})
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+    assert "<function=Bash>" in choice["message"]["content"]
+    # with tool_choice auto the same output is a call
+    status, out = post_json(live, "/v1/chat/completions", {
+        "model": "m", "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "Bash", "parameters": tool["input_schema"]}}]})
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
