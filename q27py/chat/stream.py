@@ -321,7 +321,10 @@ class StreamSplitter:
         content_seen = False  # in this step; earlier steps' content cleared _think_allowed
         while i < n:
             if self._line_start:
-                if buf[i] in " \t":
+                # Blank lines are whitespace, not content: counting them as content made
+                # "\n\n<think>" text when fed whole but reasoning when the "\n\n" came in an
+                # earlier piece (found by the splitter fuzz, issue 13.11).
+                if buf[i] in " \t\n":
                     i += 1
                     continue
                 m, opener = self._line_start_opener(buf, i, eof, self._think_allowed and not content_seen)
