@@ -67,6 +67,7 @@ class EngineConfig:
     # each packed matrix to bf16 once per launch (~20 ms for the 27B), amortized over the chunk.
     gpu_prefill_chunk: int = 4096
     prefill_gemm: str = "auto"  # cuda: "auto" (cuBLAS on bf16 expansions for big chunks) | "kernel" (mma.sync only)
+    cpu_prefill_chunk: int = 256  # at most this on the CPU path: the cancel flag is checked between chunks
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30

@@ -177,8 +177,11 @@ class StreamSplitter:
         in_reasoning: bool = False,
         make_id: Callable[[int], str] = random_call_id,
         record_spans: bool = False,
+        tool_calls: bool = True,
     ):
-        self._tools = ToolSet(tools)
+        # tool_calls=False (tool_choice "none"): a call the model writes anyway is plain text.
+        self._calls = tool_calls
+        self._tools = ToolSet(tools if tool_calls else None)
         self._make_id = make_id
         self._buf = ""
         self._events: list[Event] = []
@@ -208,6 +211,11 @@ class StreamSplitter:
         }
 
     # --- public ----------------------------------------------------------------------
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Still inside the think block (the text stage's reasoning budget reads this)."""
+        return self._kind == REASONING
 
     def feed(self, text: str) -> list[Event]:
         if self._finished:
@@ -301,7 +309,7 @@ class StreamSplitter:
             openers.update(_XML_OPENERS)
             if self._kind == TEXT:
                 openers["{"] = "json"
-        else:
+        elif self._calls:
             openers[_CALL_OPEN] = "tool_call"
         m, literal = match_any(buf, i, openers, eof)
         return m, (openers[literal] if literal else None)
@@ -313,7 +321,10 @@ class StreamSplitter:
         content_seen = False  # in this step; earlier steps' content cleared _think_allowed
         while i < n:
             if self._line_start:
-                if buf[i] in " \t":
+                # Blank lines are whitespace, not content: counting them as content made
+                # "\n\n<think>" text when fed whole but reasoning when the "\n\n" came in an
+                # earlier piece (found by the splitter fuzz, issue 13.11).
+                if buf[i] in " \t\n":
                     i += 1
                     continue
                 m, opener = self._line_start_opener(buf, i, eof, self._think_allowed and not content_seen)
@@ -354,7 +365,7 @@ class StreamSplitter:
                         self._buf = buf[i:]
                         self._close_think()
                         return True
-                if self._fence is None and not self._inline_code:
+                if self._calls and self._fence is None and not self._inline_code:
                     m = match_literal(buf, i, _INLINE_CALL, eof)
                     if m is Match.MORE:
                         break

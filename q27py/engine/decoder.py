@@ -101,14 +101,21 @@ def _zip_longest(a: list[int], b: list[int]) -> list[tuple[int, int]]:
 PrefillBreaks = dict[int, Callable[[SequenceState], None]]
 
 
+class PrefillCancelled(Exception):
+    """The request's cancel flag was set between prefill chunks (issue 13.4)."""
+
+
 def prefill(model, state: SequenceState, ids: list[int], chunk: int,
-            breaks: PrefillBreaks | None = None, on_chunk=None) -> np.ndarray:
+            breaks: PrefillBreaks | None = None, on_chunk=None,
+            cancel: threading.Event | None = None) -> np.ndarray:
     """Feed ids at state.position.. in chunks; returns the logits row after the last one.
 
     Chunks also end at every position in `breaks`, whose callback then sees the
     state there (prefix-reuse snapshots). on_chunk(start, chunk_ids, hidden) sees
     every chunk's post-norm hidden states (the MTP warm-up). Both decoders prefill
-    through here, so their first logits are the same bits.
+    through here, so their first logits are the same bits. `cancel` is checked between
+    chunks, so a disconnect during a long prefill frees the engine after one chunk
+    (PrefillCancelled; the caller drops the partly filled state).
     """
     assert ids, "prefill needs at least one token"
     # A model that splits long forwards itself returns hidden rows of its last split
@@ -118,6 +125,8 @@ def prefill(model, state: SequenceState, ids: list[int], chunk: int,
     cuts = sorted({p for p in (breaks or {}) if start < p < end} | set(range(start + chunk, end, chunk)) | {end})
     last, done = None, start
     for cut in cuts:
+        if cancel is not None and cancel.is_set() and done > start:
+            raise PrefillCancelled(f"cancelled after {done - start} of {len(ids)} prefill tokens")
         piece = ids[done - start : cut - start]
         out = model.forward(state, piece, logits_rows="last")
         hidden = np.asarray(out.hidden)
@@ -181,7 +190,8 @@ class Decoder:
         sampler, stats = begin_run(sampling, stats, self.trace)
         if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
             return
-        logits = prefill(self.model, state, prompt_suffix(state, prompt_ids), self.prefill_chunk, prefill_breaks)
+        logits = prefill(self.model, state, prompt_suffix(state, prompt_ids), self.prefill_chunk, prefill_breaks,
+                         cancel=cancel)
         produced = 0
         out = None
         while True:
@@ -193,18 +203,3 @@ class Decoder:
                 return
             out = self.model.forward(state, [tok])
             state.extra["hidden_last"] = out.hidden[-1:].copy()
-
-
-def build_decoder(model, cfg):
-    """The decoder the config asks for: speculative unless cfg.spec.enabled is False.
-
-    enabled=None means "on when the checkpoint has an MTP head"; enabled=True on a
-    model without one still speculates with the suffix drafter alone.
-    """
-    spec = cfg.spec
-    use_spec = spec.enabled if spec.enabled is not None else bool(getattr(model, "has_mtp", False))
-    if use_spec:
-        from q27py.engine.spec import SpecDecoder  # spec.py imports this module
-
-        return SpecDecoder(model, spec, prefill_chunk=cfg.engine.engine_prefill_chunk())
-    return Decoder(model, prefill_chunk=cfg.engine.engine_prefill_chunk(), trace=spec.trace)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from q27py.io.checkpoint import Checkpoint
+from q27py.model.checkpoint import Checkpoint
 from q27py.model import ops
 from q27py.model.config import FULL
 from q27py.model.reference import SMALL_T, ReferenceModel

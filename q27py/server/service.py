@@ -14,9 +14,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from q27py.chat.conversation import Conversation
-from q27py.chat.render import THINK_OPEN, RenderError, render
+from q27py.chat.render import THINK_OPEN, RenderError, encode_rendered, render
+from q27py.chat.textstage import FORCED_THINK_CLOSE, RawSplitter
 from q27py.config import ServerConfig
-from q27py.engine.api import SamplingParams
+from q27py.engine.api import SamplingParams, clamp_max_tokens, max_prompt_tokens
 from q27py.server import turn as turn_mod
 from q27py.server.bridge import EngineBridge
 from q27py.server.errors import ApiError
@@ -25,9 +26,8 @@ from q27py.server.turn import KEEPALIVE, Finish, TurnPlan, Usage
 
 log = logging.getLogger("q27py.server")
 
-# Tokens a prompt must leave free: room to answer at all, plus a forced think close.
-OUTPUT_RESERVE = 16
-
+# Temperatures below this sample as greedy (see ChatService.sampling).
+MIN_TEMPERATURE = 1e-5
 
 @dataclass
 class Prompt:
@@ -35,6 +35,7 @@ class Prompt:
     text: str
     stable_tokens: int | None  # prompt tokens up to the renderer's stable boundary
     starts_in_reasoning: bool  # the prompt ends inside an open <think>
+    system_tokens: int | None = None  # prompt tokens of the leading system turn (shared across chats)
 
 
 @dataclass
@@ -73,21 +74,9 @@ class ChatService:
 
     @property
     def max_prompt_tokens(self) -> int:
-        return max(1, self.max_context - OUTPUT_RESERVE)
+        return max_prompt_tokens(self.max_context)
 
     # ---- prompts ---------------------------------------------------------
-
-    def conversation(self, api: str, body: dict):
-        """(Conversation, RequestOptions) for `api` ("anthropic" | "openai" | "responses"); 400 if unreadable."""
-        from q27py.chat.requests import RequestError, parse_request
-
-        try:
-            conv, opts = parse_request(api, body)
-        except RequestError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        if opts.tool_choice.mode == "none":
-            conv.tools = []  # the model is not told about tools it may not call
-        return conv, opts
 
     def render(self, conv: Conversation, *, thinking: bool | None,
                preserve_thinking: bool | None = None) -> Prompt:
@@ -100,16 +89,19 @@ class ChatService:
                               preserve_thinking=preserve_thinking)
         except RenderError as exc:
             raise ApiError(400, str(exc)) from None
-        # Split-encode at the stable boundary so the stable prefix tokenizes the same way
-        # whatever follows it (prefix reuse restores exactly these tokens).
-        head = self.tokenizer.encode(rendered.text[: rendered.stable_len])
-        tail = self.tokenizer.encode(rendered.text[rendered.stable_len:])
-        return Prompt(ids=head + tail, text=rendered.text, stable_tokens=len(head) or None,
-                      starts_in_reasoning=rendered.text.endswith(THINK_OPEN))
+        ids, system_tokens, stable_tokens = encode_rendered(self.tokenizer, rendered)
+        return Prompt(ids=ids, text=rendered.text, stable_tokens=stable_tokens or None,
+                      starts_in_reasoning=rendered.text.endswith(THINK_OPEN), system_tokens=system_tokens or None)
 
     def raw_prompt(self, text: str | None = None, ids: list[int] | None = None) -> Prompt:
+        """A prompt used as is (no chat template): text, or token ids checked against the vocabulary."""
         if ids is None:
             ids = self.tokenizer.encode(text or "")
+        else:
+            vocab = getattr(self.tokenizer, "vocab_size", None)
+            if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
+                raise ApiError(400, "prompt: token id out of range", param="prompt")
+            text = self.tokenizer.decode(ids)
         return Prompt(ids=list(ids), text=text or "", stable_tokens=None, starts_in_reasoning=False)
 
     def check_context(self, prompt: Prompt, overflow_error) -> None:
@@ -123,45 +115,56 @@ class ChatService:
         """The client's limit (or the server default), clamped to what the context has left."""
         wanted = self.config.default_max_tokens if requested is None else requested
         wanted = min(wanted, self.config.max_tokens_ceiling or wanted)  # the server's ceiling (CPU path)
-        return max(1, min(wanted, self.max_context - len(prompt.ids)))
+        return max(1, clamp_max_tokens(wanted, len(prompt.ids), self.max_context))
 
     def reasoning_budget(self, requested: int | None, max_tokens: int) -> int:
-        """Think-token cap: the request's, else the server's, else half of max_tokens, so an
-        answer always has room after a forced close."""
+        """Think-token cap: the request's, else the server's, else half of max_tokens, and
+        always leaving room for the forced close (counted in max_tokens) plus one answer
+        token. When max_tokens is too small for that, the turn ends at length instead."""
         budget = requested if requested is not None else self.config.reasoning_budget
         if budget is None:
             budget = max(1, max_tokens // 2)
-        return max(1, min(budget, max_tokens - 1)) if max_tokens > 1 else 1
+        room = max_tokens - len(self.tokenizer.encode(FORCED_THINK_CLOSE)) - 1
+        return max(1, min(budget, room))
 
     def sampling(self, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.config.default_temperature if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=0 if top_k is None else top_k,
-            min_p=0.0 if min_p is None else min_p,
-            seed=seed)
+        """The engine's sampling settings. Edge values are defined here, at the boundary, for
+        every API alike (docs/SERVER.md): top_p 0 keeps only the most probable token, i.e.
+        greedy (as other servers treat it; the sampler itself needs top_p > 0), and a
+        temperature below MIN_TEMPERATURE (a denormal like 1e-310 would overflow the logits
+        / temperature division) is greedy too."""
+        temperature = self.config.default_temperature if temperature is None else temperature
+        top_p = 1.0 if top_p is None else top_p
+        if top_p == 0 or temperature < MIN_TEMPERATURE:
+            temperature, top_p = 0.0, 1.0
+        return SamplingParams(temperature=temperature, top_p=top_p,
+                              top_k=0 if top_k is None else top_k,
+                              min_p=0.0 if min_p is None else min_p,
+                              seed=seed)
 
-    def splitter_factory(self, conv: Conversation | None):
+    def splitter_factory(self, conv: Conversation | None, tool_calls: bool = True):
+        """tool_calls False (tool_choice "none"): calls the model writes anyway stay text."""
         if conv is None:
-            return turn_mod.RawSplitter
+            return RawSplitter
         from q27py.chat.stream import StreamSplitter
 
         # Deferred tools too: the model may call one once a tool_reference has shown it.
         schemas = {spec.name: spec.parameters or {} for spec in conv.tools}
 
         def make(in_reasoning: bool):
-            return StreamSplitter(schemas, in_reasoning=in_reasoning)
+            return StreamSplitter(schemas, in_reasoning=in_reasoning, tool_calls=tool_calls)
 
         return make
 
     def plan(self, prompt: Prompt, *, conv: Conversation | None, max_tokens: int, sampling: SamplingParams,
              stop_sequences=(), reasoning_budget: int | None = None,
-             stop_after_tool_call: bool = False) -> TurnPlan:
+             stop_after_tool_call: bool = False, tool_calls: bool = True) -> TurnPlan:
         return TurnPlan(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling,
                         stop_ids=self.stop_ids, stop_sequences=tuple(stop_sequences),
-                        stable_len=prompt.stable_tokens, starts_in_reasoning=prompt.starts_in_reasoning,
+                        stable_len=prompt.stable_tokens, system_len=prompt.system_tokens,
+                        starts_in_reasoning=prompt.starts_in_reasoning,
                         reasoning_budget=reasoning_budget, stop_after_tool_call=stop_after_tool_call,
-                        make_splitter=self.splitter_factory(conv))
+                        make_splitter=self.splitter_factory(conv, tool_calls))
 
     # ---- running ---------------------------------------------------------
 

@@ -9,7 +9,7 @@ from q27py import DEFAULT_MODEL_DIR
 
 def test_q27_file_on_cpu_says_it_needs_cuda(tmp_path):
     from q27py.gpu.q27pack import write
-    from q27py.io.checkpoint import Checkpoint
+    from q27py.model.checkpoint import Checkpoint
 
     out = tmp_path / "tiny.q8.q27"
     write(out, Checkpoint.open(DEFAULT_MODEL_DIR), "q8", progress=False)

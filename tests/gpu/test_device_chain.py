@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def model(request):
     from q27py.gpu.forward import FastModel
     from q27py.gpu.weights import from_checkpoint
-    from q27py.io.checkpoint import Checkpoint
+    from q27py.model.checkpoint import Checkpoint
 
     m = FastModel(from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), "bf16", progress=False), max_context=512,
                   kv_dtype="f32", chunk=64)

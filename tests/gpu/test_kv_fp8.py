@@ -125,7 +125,7 @@ def test_split_attention_over_fp8_matches_reference(cp, K, t, pos0, hd, nq, nkv)
 def fast_fp8(cp):
     from q27py.gpu.forward import FastModel
     from q27py.gpu.weights import from_checkpoint
-    from q27py.io.checkpoint import Checkpoint
+    from q27py.model.checkpoint import Checkpoint
 
     return FastModel(from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), "bf16", progress=False), max_context=512,
                      kv_dtype="fp8", chunk=64)

@@ -122,7 +122,7 @@ def test_io_imports_nothing_above_it():
 def q8_file(tmp_path_factory):
     from q27py import DEFAULT_MODEL_DIR
     from q27py.gpu.q27pack import write
-    from q27py.io.checkpoint import Checkpoint
+    from q27py.model.checkpoint import Checkpoint
 
     path = tmp_path_factory.mktemp("q27") / "tiny-q8.q27"
     write(path, Checkpoint.open(DEFAULT_MODEL_DIR), "q8", progress=False)

@@ -13,7 +13,7 @@ from q27py import DEFAULT_MODEL_DIR
 from q27py.config import Q27Config
 from q27py.engine.engine import load_model
 from q27py.engine.prefix_cache import compat_hash
-from q27py.io.checkpoint import Checkpoint
+from q27py.model.checkpoint import Checkpoint
 from q27py.model import kvformat as F
 from q27py.model.reference import ReferenceModel
 from q27py.model.state import QuantKVCache
