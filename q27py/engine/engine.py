@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Iterator
 
 from q27py.config import Q27Config
-from q27py.engine.api import GenerationChunk, GenerationRequest
+from q27py.engine.api import GenerationChunk, GenerationRequest, OutputConstraint
+from q27py.engine.constraint import ConstraintCache, ConstraintRun, VocabIndex
 from q27py.engine.decoder import DecodeStats, build_decoder
 from q27py.engine.prefix_cache import DiskCache, PrefixCache, compat_hash
+from q27py.engine.sampling import TokenPicker
 from q27py.errors import Q27Error
 
 
@@ -88,6 +90,25 @@ class LocalEngine:
         system, newline = tokenizer.encode("system", allow_special=False), tokenizer.encode("\n", allow_special=False)
         self._system_id = system[0] if len(system) == 1 else None
         self._newline = newline[0] if len(newline) == 1 else None
+        # Output constraints: the vocabulary index is built on the first constrained request
+        # (about a second for the 248K vocabulary); compiled grammars and their masks are kept.
+        self.constraints = ConstraintCache(
+            lambda: VocabIndex.from_tokenizer(tokenizer, self.model_config.vocab_size))
+
+    def compile_constraint(self, spec: OutputConstraint, stop_ids=frozenset()) -> ConstraintRun:
+        """The request's constraint, compiled (GrammarError names what cannot be compiled)."""
+        from q27py.engine.grammar import GrammarError, json_grammar, tool_call_grammar
+
+        if spec.kind == "json_object":
+            grammar = json_grammar(None)
+        elif spec.kind == "json_schema":
+            grammar = json_grammar(spec.schema)
+        elif spec.kind == "tool_calls":
+            grammar = tool_call_grammar(spec.tools or {}, list(spec.names) or None, spec.max_calls)
+        else:
+            raise GrammarError(f"unknown output constraint {spec.kind!r}")
+        return ConstraintRun(self.constraints.get(grammar), self.tokenizer.token_bytes, stop_ids,
+                             after_think=spec.after_think)
 
     def _disk_cache(self, cfg: Q27Config):
         e = cfg.engine
@@ -121,26 +142,32 @@ class LocalEngine:
         finish = "length"
         first_token_at = None
         breaks = self._prefill_breaks(seq, prompt, request.stable_len)
+        constraint = self.compile_constraint(request.constraint, request.stop_ids) if request.constraint else None
+        picker = TokenPicker(request.sampling, prompt, constraint, request.logprobs)
         rounds = self.decoder.run(seq.state, prompt, max_tokens, request.sampling, request.stop_ids, request.cancel,
-                                  stats, prefill_breaks=breaks) if max_tokens else iter(())
+                                  stats, prefill_breaks=breaks, picker=picker) if max_tokens else iter(())
+        reported = 0
         healthy = False
         try:
             for tokens in rounds:
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
+                lps = None
+                if request.logprobs is not None:
+                    lps, reported = picker.logprobs[reported:reported + len(tokens)], reported + len(tokens)
                 text_ids = [t for t in tokens if t not in request.stop_ids]
                 hit_eos = len(text_ids) != len(tokens)
                 generated.extend(tokens)
                 text, stopped = stops.push(detok.feed(text_ids))
                 if stopped:
                     finish = "stop_string"
-                    yield GenerationChunk(tokens, text)
+                    yield GenerationChunk(tokens, text, logprobs=lps)
                     break
                 if hit_eos:
                     finish = "stop"
-                    yield GenerationChunk(tokens, text + stops.push(detok.flush())[0] + stops.flush())
+                    yield GenerationChunk(tokens, text + stops.push(detok.flush())[0] + stops.flush(), logprobs=lps)
                     break
-                yield GenerationChunk(tokens, text)
+                yield GenerationChunk(tokens, text, logprobs=lps)
             else:
                 if request.cancel.is_set():
                     finish = "cancelled"
