@@ -315,7 +315,9 @@ class ObjectNode(Node):
       4 before ':' (x: (key index or -1, ws run)); 5 after ':' (x: same); 6 after a value (x: ws run)."""
 
     def __init__(self, props, required, extra):
-        self.names = [json.dumps(n, ensure_ascii=False).encode()[1:] for n, _ in props]  # name + '"'
+        # Each name as written after its opening quote, closing quote included; both the UTF-8 and
+        # the \u-escaped spelling (json.dumps' default) are admitted.
+        self.names = [(i, sp[1:]) for i, (n, _) in enumerate(props) for sp in _spellings(n)]
         self.values = [v for _, v in props]
         index = {n: i for i, (n, _) in enumerate(props)}
         self.req_mask = 0
@@ -358,7 +360,7 @@ class ObjectNode(Node):
         if phase == 2:
             s = x + bytes((b,))
             acts = []
-            for i, name in enumerate(self.names):
+            for i, name in self.names:
                 if used >> i & 1 or not name.startswith(s):
                     continue
                 acts.append((CONT, (4, used, (i, 0))) if len(name) == len(s) else (CONT, (2, used, s)))
@@ -461,12 +463,12 @@ class SchemaCompiler:
         if "$ref" in schema:
             return self._ref(schema["$ref"], path)
         if "const" in schema:
-            return LitSet([_canonical(schema["const"])])
+            return LitSet(_spellings(schema["const"]))
         if "enum" in schema:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
                 raise GrammarError(f"{path}.enum: expected a non-empty array")
-            return LitSet([_canonical(v) for v in values])
+            return LitSet([sp for v in values for sp in _spellings(v)])
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 branches = schema[key]
@@ -572,8 +574,9 @@ def _merge(base: Mapping, extra: Any) -> Any:
     return out
 
 
-def _canonical(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False).encode()
+def _spellings(value: Any) -> list[bytes]:
+    """The JSON texts admitted for a fixed value: compact-ish canonical form, UTF-8 and \\u-escaped."""
+    return sorted({json.dumps(value, ensure_ascii=False).encode(), json.dumps(value).encode()})
 
 
 _ANY: dict[int, Node] = {}
@@ -619,19 +622,42 @@ FUNC_CLOSE = b"</function>"
 def xml_value(schema: Any, compiler: SchemaCompiler) -> Node:
     """What follows `<parameter=K>\\n`: raw text for strings (and anything that admits a
     string or says no type: the parser keeps such values raw), else typed JSON; then the closer."""
-    from q27py.chat.toolcall import schema_types
-
     raw = Seq([RawText(PARAM_CLOSE, (FUNC_CLOSE,)), Lit(b"\n")])
     if not isinstance(schema, Mapping):
         return raw
     if isinstance(schema.get("enum"), list) and schema["enum"] and all(isinstance(v, str) for v in schema["enum"]):
         texts = [v.encode() for v in schema["enum"] if v and PARAM_CLOSE not in v.encode()]
         if texts:
-            return Seq([LitSet(texts), Lit(b"\n" + PARAM_CLOSE + b"\n")])
-    types = schema_types(schema)
+            return Seq([LitSet(texts), Ws(), Lit(PARAM_CLOSE + b"\n")])
+    types = _json_types(schema)
     if types is None or "string" in types:
         return raw
-    return Seq([compiler.value(schema), Lit(b"\n" + PARAM_CLOSE + b"\n")])
+    return Seq([compiler.value(schema), Ws(), Lit(PARAM_CLOSE + b"\n")])
+
+
+def _json_types(schema: Any) -> set[str] | None:
+    """The JSON types a property schema admits; None when it does not say. The same reading as
+    the call parser's typing (chat/toolcall.py schema_types), which decides raw vs JSON values;
+    the engine may not import chat/, so the rule is restated here and tested against it."""
+    if not isinstance(schema, Mapping):
+        return None
+    found: set[str] = set()
+    t = schema.get("type")
+    if isinstance(t, str):
+        found.add(t)
+    elif isinstance(t, list):
+        found.update(x for x in t if isinstance(x, str))
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or ():
+            sub_types = _json_types(sub)
+            if sub_types is None:
+                return None
+            found |= sub_types
+    if not found and isinstance(schema.get("enum"), list):
+        names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+        found.update("null" if v is None else names.get(type(v), "object") for v in schema["enum"])
+    found &= {"string", "integer", "number", "boolean", "object", "array", "null"}
+    return found or None
 
 
 class XmlParams(Node):
