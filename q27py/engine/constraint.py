@@ -118,6 +118,8 @@ class CompiledConstraint:
         self.max_dense = max_dense
         self._special_ids = {t: i for t, i in vocab.specials.items() if t in grammar.specials}
         self._all_specials = frozenset(vocab.specials.values())
+        self._dist: dict[int, int] = {}
+        self._closing: dict = {}
         self.start = self._intern(grammar.start())
         self.stats = {"mask_misses": 0, "mask_hits": 0}
 
@@ -248,6 +250,82 @@ class CompiledConstraint:
                 self._walk(nsid, d + 1, lo2, hi2, picked, single)
 
 
+    # -- finishing within the token budget -------------------------------------------------
+
+    def distance(self, sid: int, limit: int = 4096) -> int:
+        """Fewest bytes from sid to an accepting state (a bound on the tokens needed to finish,
+        given single-byte tokens); `limit` + 1 when none is found within `limit` bytes."""
+        got = self._dist.get(sid)
+        if got is not None:
+            return got
+        # Breadth-first over byte transitions; every state settled on the way gets its answer
+        # only if it is the start (distances of others depend on their own searches).
+        seen = {sid: 0}
+        frontier = [sid]
+        d = 0
+        found = limit + 1
+        while frontier and d <= limit:
+            nxt = []
+            for s in frontier:
+                if self.accepts(s):
+                    found = d
+                    nxt = []
+                    break
+                for b in range(256):
+                    t = self.step(s, b)
+                    if t != DEAD and t not in seen:
+                        seen[t] = d + 1
+                        nxt.append(t)
+            if found <= limit:
+                break
+            frontier = nxt
+            d += 1
+        self._dist[sid] = found
+        return found
+
+    def closing(self, sid: int, stop_ids=()) -> np.ndarray:
+        """Tokens on a shortest way to an accepting state (every byte one step closer), or the end
+        ids when sid accepts. Used when the token budget leaves no room for anything else."""
+        key = (sid, tuple(sorted(stop_ids)))
+        got = self._closing.get(key)
+        if got is not None:
+            return got
+        if self.accepts(sid):
+            got = np.asarray(sorted(t for t in stop_ids if 0 <= t < self.vocab.vocab_size), dtype=np.int64)
+        else:
+            picked: list[int] = []
+            self._close_walk(sid, 0, 0, len(self.vocab.toks), picked)
+            for text, tid in self._special_ids.items():
+                cur, ok = sid, True
+                for b in text.encode():
+                    nxt = self.step(cur, b)
+                    if nxt == DEAD or self.distance(nxt) != self.distance(cur) - 1:
+                        ok = False
+                        break
+                    cur = nxt
+                if ok:
+                    picked.append(tid)
+            got = np.asarray(sorted(set(picked)), dtype=np.int64)
+        self._closing[key] = got
+        return got
+
+    def _close_walk(self, sid, d, lo, hi, picked):
+        v = self.vocab
+        while lo < hi and v.lens[lo] == d:
+            if d:
+                picked.append(int(v.order[lo]))
+            lo += 1
+        if lo >= hi or d >= TRIE_DEPTH:
+            return
+        here = self.distance(sid)
+        if here == 0:
+            return  # accepting: a longer token would have to leave and come back
+        for b, lo2, hi2 in v.children(d, lo, hi):
+            nsid = self.step(sid, b)
+            if nsid != DEAD and self.distance(nsid) == here - 1:
+                self._close_walk(nsid, d + 1, lo2, hi2, picked)
+
+
 class ConstraintCache:
     """Compiled constraints by grammar key, least recently used dropped first."""
 
@@ -311,6 +389,13 @@ class ConstraintRun:
             return state if self.c.accepts(state) else None
         nxt = self.c.advance(state, token, self.token_bytes)
         return None if nxt == DEAD else nxt
+
+    def distance(self, state) -> int | None:
+        """Bytes still needed to finish (None while free: nothing is promised inside thinking)."""
+        return None if isinstance(state, tuple) else self.c.distance(state)
+
+    def closing(self, state) -> np.ndarray:
+        return self.c.closing(state, self.stop_ids)
 
     def permits(self, state, token: int) -> bool:
         allowed = self.allowed(state)

@@ -143,7 +143,7 @@ class LocalEngine:
         first_token_at = None
         breaks = self._prefill_breaks(seq, prompt, request.stable_len)
         constraint = self.compile_constraint(request.constraint, request.stop_ids) if request.constraint else None
-        picker = TokenPicker(request.sampling, prompt, constraint, request.logprobs)
+        picker = TokenPicker(request.sampling, prompt, constraint, request.logprobs, max_tokens=max_tokens)
         rounds = self.decoder.run(seq.state, prompt, max_tokens, request.sampling, request.stop_ids, request.cancel,
                                   stats, prefill_breaks=breaks, picker=picker) if max_tokens else iter(())
         reported = 0

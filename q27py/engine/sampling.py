@@ -226,8 +226,11 @@ class TokenPicker:
     token, so they are exact for speculative and plain decoding.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids=(), constraint=None, logprobs: int | None = None):
+    def __init__(self, params: SamplingParams, prompt_ids=(), constraint=None, logprobs: int | None = None,
+                 max_tokens: int | None = None):
         self.sampler = PositionSampler(params)
+        self.max_tokens = max_tokens  # with a constraint: the output is finished within this budget
+        self.emitted = 0
         self.params = params
         self.constraint = constraint  # engine.constraint.ConstraintRun or None
         self.state = constraint.state if constraint is not None else None
@@ -284,17 +287,23 @@ class TokenPicker:
                 if self.params.repetition_penalty != 1.0:
                     seen.add(t)
         x = penalize(logits, self.params, counts, seen)
-        allowed = None
-        if self.constraint is not None:
-            allowed = self.constraint.allowed(self._state_after(ahead))
-        if allowed is None:
+        if self.constraint is None:
             tok = self.sampler.pick(x, position)
-        elif self.sampler.greedy:
-            row = np.asarray(x)[allowed]
-            tok = int(allowed[int(np.argmax(row))])  # ties: the lowest id, as argmax on the masked row
         else:
-            ids, probs = served_distribution(np.asarray(x)[allowed], self.params)
-            tok = int(allowed[draw(ids, probs, position_uniform(self.sampler.seed, position))])
+            state = self._state_after(ahead)
+            tok = self._choose(x, position, self.constraint.allowed(state))
+            if self.max_tokens is not None and tok not in self.constraint.stop_ids:
+                # Finish within the budget: when the chosen token would leave fewer tokens than
+                # the shortest completion needs (bytes, each at worst one token, plus the end id),
+                # choose among the tokens on a shortest way to the end instead. A function of the
+                # state and the position, so speculative lanes make the same choice.
+                left = self.max_tokens - (self.emitted + len(ahead)) - 1
+                after = self.constraint.next_state(state, tok)
+                need = self.constraint.distance(after)
+                if need is not None and need + 1 > left:
+                    closing = self.constraint.closing(state)
+                    if closing.shape[0]:
+                        tok = self._choose(x, position, closing)
         record = None
         if self.want_logprobs:
             lp = log_softmax(x)
@@ -307,6 +316,15 @@ class TokenPicker:
         self._lanes.append(record)
         return tok
 
+    def _choose(self, x, position: int, allowed) -> int:
+        if allowed is None:
+            return self.sampler.pick(x, position)
+        if self.sampler.greedy:
+            row = np.asarray(x)[allowed]
+            return int(allowed[int(np.argmax(row))])  # ties: the lowest id, as argmax on the masked row
+        ids, probs = served_distribution(np.asarray(x)[allowed], self.params)
+        return int(allowed[draw(ids, probs, position_uniform(self.sampler.seed, position))])
+
     def commit(self, tokens: list[int]) -> None:
         """The tokens a round emitted (each one the pick of its lane, in order)."""
         if self.want_logprobs:
@@ -315,6 +333,7 @@ class TokenPicker:
                 assert rec is not None and rec.token == tok, "commit must follow the lanes' picks"
                 self.logprobs.append(rec)
         self._lanes = []
+        self.emitted += len(tokens)
         for tok in tokens:
             self.counts[tok] = self.counts.get(tok, 0) + 1
             if self.params.repetition_penalty != 1.0:
