@@ -4,6 +4,7 @@
   q27py bench shortbench [--model DIR] [--json]            5 short prompts x 128 tokens through the engine
   q27py bench replay [--model DIR | --random-weights 27b] [--device cpu|cuda] [--json]
                                                            a Claude-Code-shaped session: prefix reuse and TTFT
+  q27py bench grammar [--tokenizer FILE] [--json]         output-constraint cost per decode step (CPU)
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from q27py.errors import Q27Error
 def add_arguments(p) -> None:
     from q27py.gpu.weights import TIERS
 
-    p.add_argument("suite", nargs="?", choices=["shortbench", "replay"],
-                   help="shortbench or replay (default: the --random-weights kernel bench)")
+    p.add_argument("suite", nargs="?", choices=["shortbench", "replay", "grammar"],
+                   help="shortbench, replay or grammar (default: the --random-weights kernel bench)")
     p.add_argument("--random-weights", choices=["27b"], help="full Qwen3.6-27B shapes with seeded random weights")
     p.add_argument("--tier", choices=sorted(TIERS), default=None,
                    help="weight tier (random weights: default q4s; shortbench: the checkpoint's own bf16)")
@@ -31,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="replay: engine device (default cuda)")
     p.add_argument("--system-tokens", type=int, default=20000, help="replay: size of the system + tools block")
     p.add_argument("--turns", type=int, default=30, help="replay: turns in the session")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="grammar: tokenizer.json(.gz) (default: the bundled full Qwen3.6 vocabulary)")
 
 
 def run(args) -> int:
@@ -45,6 +48,10 @@ def run(args) -> int:
         result = run_shortbench(LocalEngine.load(cfg), args.tokens, log)
     elif args.suite == "replay":
         result = _replay(args, log)
+    elif args.suite == "grammar":
+        from q27py.bench.grammar import run_grammar_bench
+
+        result = run_grammar_bench(args.tokenizer, log)
     elif args.random_weights:
         from q27py.bench.random_weights import Bench
 

@@ -39,7 +39,47 @@ DEAD = -1
 TRIE_DEPTH = 32  # bytes of each token kept in the column matrix; longer tokens finish by simulation
 LOOP_MIN_RANGE = 48  # ranges smaller than this are walked, not checked for a loop class
 LOOP_MIN_BYTES = 32  # a loop class must hold this many bytes to be worth the vectorized path
-SPARSE = 4096  # masks with at most this many allowed ids are kept as id arrays
+
+
+class TokenMask:
+    """Allowed tokens as the shorter of two sorted int32 id lists: the allowed ids (`allow`
+    True), or the refused ids (`allow` False: a string body refuses a few thousand of 248K)."""
+
+    __slots__ = ("allow", "ids", "count")
+
+    def __init__(self, allow: bool, ids: np.ndarray, count: int):
+        self.allow, self.ids, self.count = allow, ids, count
+
+    @classmethod
+    def from_bool(cls, keep: np.ndarray) -> "TokenMask":
+        n = int(keep.sum())
+        if n <= keep.shape[0] // 2:
+            return cls(True, np.flatnonzero(keep).astype(np.int32), n)
+        return cls(False, np.flatnonzero(~keep).astype(np.int32), n)
+
+    def __contains__(self, token: int) -> bool:
+        i = int(np.searchsorted(self.ids, token))
+        found = i < self.ids.shape[0] and int(self.ids[i]) == token
+        return found == self.allow
+
+    def __len__(self) -> int:
+        return self.count
+
+    def dense(self, vocab_size: int) -> np.ndarray:
+        out = np.full(vocab_size, not self.allow, dtype=bool)
+        out[self.ids] = self.allow
+        return out
+
+    def apply(self, logits):
+        """logits with refused ids at -inf (numpy, or a device array: its own module is used)."""
+        return mask_logits(logits, self)
+
+    def greedy(self, logits: np.ndarray) -> int:
+        """argmax over the allowed ids (ties: the lowest id, as argmax on the masked row)."""
+        if self.allow:
+            return int(self.ids[int(np.argmax(logits[self.ids]))])
+        return int(np.argmax(self.apply(logits)))
+
 
 
 class VocabIndex:
@@ -106,7 +146,7 @@ class CompiledConstraint:
     """One grammar over one vocabulary: interned states, transitions, cached masks. Shared by
     every request with the same grammar key; calls are serialized by the engine thread."""
 
-    def __init__(self, grammar: Grammar, vocab: VocabIndex, max_dense: int = 256):
+    def __init__(self, grammar: Grammar, vocab: VocabIndex, max_mask_bytes: int = 256 << 20):
         self.grammar = grammar
         self.vocab = vocab
         self._ids: dict[frozenset, int] = {}
@@ -114,8 +154,9 @@ class CompiledConstraint:
         self._next: list[dict[int, int]] = []
         self._accepts: list[bool] = []
         self._loop: dict[int, bytes | None] = {}
-        self._masks: OrderedDict[int, np.ndarray] = OrderedDict()  # sid -> sorted allowed ids or bool mask
-        self.max_dense = max_dense
+        self._masks: OrderedDict[tuple, TokenMask] = OrderedDict()  # (sid, end ids) -> mask
+        self._mask_bytes = 0
+        self.max_mask_bytes = max_mask_bytes
         self._special_ids = {t: i for t, i in vocab.specials.items() if t in grammar.specials}
         self._all_specials = frozenset(vocab.specials.values())
         self._dist: dict[int, int] = {}
@@ -173,53 +214,48 @@ class CompiledConstraint:
             self._loop[sid] = got
         return got
 
-    def allowed(self, sid: int, stop_ids=()) -> np.ndarray:
-        """The allowed token ids in state sid (ascending), the end ids included when it accepts.
-
-        Returned arrays are shared: callers must not modify them."""
-        mask = self._masks.get(sid)
+    def allowed(self, sid: int, stop_ids=()) -> "TokenMask":
+        """The tokens allowed in state sid, the end ids included when it accepts (or when nothing
+        else is: a request then ends instead of wedging). Shared objects: do not modify."""
+        key = (sid, stop_ids if isinstance(stop_ids, frozenset) else frozenset(stop_ids))
+        mask = self._masks.get(key)
         if mask is not None:
-            self._masks.move_to_end(sid)
+            self._masks.move_to_end(key)
             self.stats["mask_hits"] += 1
-        else:
-            self.stats["mask_misses"] += 1
-            mask = self._compute(sid)
-            self._masks[sid] = mask
-            dense = sum(1 for m in self._masks.values() if m.dtype == bool)
-            while dense > self.max_dense:
-                old = next(k for k, m in self._masks.items() if m.dtype == bool)
-                del self._masks[old]
-                dense -= 1
-        if mask.dtype == bool:
-            mask = np.flatnonzero(mask)
-        ends = [t for t in stop_ids if 0 <= t < self.vocab.vocab_size]
-        if ends and (self.accepts(sid) or mask.shape[0] == 0):
-            mask = np.union1d(mask, np.asarray(ends, dtype=np.int64))
+            return mask
+        self.stats["mask_misses"] += 1
+        keep = self._compute(sid)
+        ends = [t for t in key[1] if 0 <= t < self.vocab.vocab_size]
+        if ends and (self.accepts(sid) or not keep.any()):
+            keep[ends] = True
+        mask = TokenMask.from_bool(keep)
+        self._masks[key] = mask
+        self._mask_bytes += mask.ids.nbytes
+        while self._mask_bytes > self.max_mask_bytes and len(self._masks) > 1:
+            _, old = self._masks.popitem(last=False)
+            self._mask_bytes -= old.ids.nbytes
         return mask
 
     def dense_mask(self, sid: int, stop_ids=()) -> np.ndarray:
         """allowed() as a bool vector over the vocabulary (for a device upload)."""
-        out = np.zeros(self.vocab.vocab_size, dtype=bool)
-        out[self.allowed(sid, stop_ids)] = True
-        return out
+        return self.allowed(sid, stop_ids).dense(self.vocab.vocab_size)
 
     def _compute(self, sid: int) -> np.ndarray:
         v = self.vocab
+        keep = np.zeros(v.vocab_size, dtype=bool)
+        if sid == DEAD:
+            return keep
         picked: list[np.ndarray] = []
         single: list[int] = []
-        if sid != DEAD:
-            self._walk(sid, 0, 0, len(v.toks), picked, single)
-            for text, tid in self._special_ids.items():
-                if self.step_bytes(sid, text.encode()) != DEAD:
-                    single.append(tid)
-        ids = np.concatenate(picked + [np.asarray(single, dtype=np.int64)]) if picked or single \
-            else np.zeros(0, dtype=np.int64)
-        ids = np.unique(ids)
-        if ids.shape[0] <= SPARSE:
-            return ids
-        mask = np.zeros(v.vocab_size, dtype=bool)
-        mask[ids] = True
-        return mask
+        self._walk(sid, 0, 0, len(v.toks), picked, single)
+        for text, tid in self._special_ids.items():
+            if self.step_bytes(sid, text.encode()) != DEAD:
+                single.append(tid)
+        for ids in picked:
+            keep[ids] = True
+        if single:
+            keep[np.asarray(single, dtype=np.int64)] = True
+        return keep
 
     def _walk(self, sid: int, d: int, lo: int, hi: int, picked: list, single: list) -> None:
         """Tokens in sorted [lo, hi) share their first d bytes, after which the grammar is in sid."""
@@ -283,7 +319,7 @@ class CompiledConstraint:
         self._dist[sid] = found
         return found
 
-    def closing(self, sid: int, stop_ids=()) -> np.ndarray:
+    def closing(self, sid: int, stop_ids=()) -> "TokenMask":
         """Tokens on a shortest way to an accepting state (every byte one step closer), or the end
         ids when sid accepts. Used when the token budget leaves no room for anything else."""
         key = (sid, tuple(sorted(stop_ids)))
@@ -306,6 +342,7 @@ class CompiledConstraint:
                 if ok:
                     picked.append(tid)
             got = np.asarray(sorted(set(picked)), dtype=np.int64)
+        got = TokenMask(True, got.astype(np.int32), int(got.shape[0]))
         self._closing[key] = got
         return got
 
@@ -366,8 +403,8 @@ class ConstraintRun:
         self.stop_ids = frozenset(stop_ids)
         self.state = ("free", 0) if after_think else compiled.start
 
-    def allowed(self, state) -> np.ndarray | None:
-        """Allowed ids in `state`; None while free (every token)."""
+    def allowed(self, state) -> TokenMask | None:
+        """The allowed tokens in `state`; None while free (every token)."""
         if isinstance(state, tuple):
             return None
         return self.c.allowed(state, self.stop_ids)
@@ -394,29 +431,34 @@ class ConstraintRun:
         """Bytes still needed to finish (None while free: nothing is promised inside thinking)."""
         return None if isinstance(state, tuple) else self.c.distance(state)
 
-    def closing(self, state) -> np.ndarray:
+    def closing(self, state) -> TokenMask:
         return self.c.closing(state, self.stop_ids)
 
     def permits(self, state, token: int) -> bool:
         allowed = self.allowed(state)
-        if allowed is None:
-            return True
-        i = int(np.searchsorted(allowed, token))
-        return i < allowed.shape[0] and int(allowed[i]) == token
+        return allowed is None or token in allowed
 
 
-def mask_logits(logits, allowed: np.ndarray):
-    """logits with every id outside `allowed` at -inf (numpy or a device array module's array).
+def mask_logits(logits, mask: TokenMask):
+    """logits with every refused id at -inf, for a numpy row or a device (cupy) row.
 
-    The host path below; a device caller passes its own array and this uses that array's module
-    (cupy.where on a cached device mask is the obvious kernel to plug in here)."""
-    xp = np
-    mod = type(logits).__module__.split(".")[0]
-    if mod == "cupy":  # pragma: no cover - exercised on the GPU
-        import cupy as xp  # noqa: F811
-        keep = xp.zeros(logits.shape[-1], dtype=bool)
-        keep[xp.asarray(allowed)] = True
-        return xp.where(keep, logits, xp.float32(-np.inf))
-    out = np.full(logits.shape, -np.inf, dtype=logits.dtype)
-    out[allowed] = logits[allowed]
+    Host: a copy with the short id list written. Device: the same two cases with the id list
+    uploaded (the place for a cached device mask and a fused mask+argmax kernel)."""
+    if type(logits).__module__.split(".")[0] == "cupy":  # pragma: no cover - exercised on the GPU
+        import cupy as xp
+
+        ids = xp.asarray(mask.ids)
+        if mask.allow:
+            out = xp.full(logits.shape, -xp.inf, dtype=logits.dtype)
+            out[..., ids] = logits[..., ids]
+        else:
+            out = logits.copy()
+            out[..., ids] = -xp.inf
+        return out
+    if mask.allow:
+        out = np.full(logits.shape, -np.inf, dtype=logits.dtype)
+        out[..., mask.ids] = logits[..., mask.ids]
+    else:
+        out = np.array(logits, copy=True)
+        out[..., mask.ids] = -np.inf
     return out

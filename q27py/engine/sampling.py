@@ -302,7 +302,7 @@ class TokenPicker:
                 need = self.constraint.distance(after)
                 if need is not None and need + 1 > left:
                     closing = self.constraint.closing(state)
-                    if closing.shape[0]:
+                    if len(closing):
                         tok = self._choose(x, position, closing)
         record = None
         if self.want_logprobs:
@@ -316,14 +316,16 @@ class TokenPicker:
         self._lanes.append(record)
         return tok
 
-    def _choose(self, x, position: int, allowed) -> int:
-        if allowed is None:
+    def _choose(self, x, position: int, mask) -> int:
+        """The sampler's choice with the refused tokens' probability at 0 (engine.constraint.TokenMask)."""
+        if mask is None:
             return self.sampler.pick(x, position)
         if self.sampler.greedy:
-            row = np.asarray(x)[allowed]
-            return int(allowed[int(np.argmax(row))])  # ties: the lowest id, as argmax on the masked row
-        ids, probs = served_distribution(np.asarray(x)[allowed], self.params)
-        return int(allowed[draw(ids, probs, position_uniform(self.sampler.seed, position))])
+            return mask.greedy(np.asarray(x))
+        if mask.allow:  # the kept set is small: sample inside it (same token as on the -inf row)
+            ids, probs = served_distribution(np.asarray(x)[mask.ids], self.params)
+            return int(mask.ids[draw(ids, probs, position_uniform(self.sampler.seed, position))])
+        return self.sampler.pick(mask.apply(np.asarray(x)), position)
 
     def commit(self, tokens: list[int]) -> None:
         """The tokens a round emitted (each one the pick of its lane, in order)."""
