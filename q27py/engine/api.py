@@ -44,6 +44,7 @@ class OutputConstraint:
     names: tuple[str, ...] = ()
     max_calls: int | None = None
     after_think: bool = False
+    dialect: str = "xml"  # tool_calls: the checkpoint's call syntax (chat/render.py choose_dialect)
 
 
 @dataclass

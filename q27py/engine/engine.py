@@ -104,7 +104,7 @@ class LocalEngine:
         elif spec.kind == "json_schema":
             grammar = json_grammar(spec.schema)
         elif spec.kind == "tool_calls":
-            grammar = tool_call_grammar(spec.tools or {}, list(spec.names) or None, spec.max_calls)
+            grammar = tool_call_grammar(spec.tools or {}, list(spec.names) or None, spec.max_calls, spec.dialect)
         else:
             raise GrammarError(f"unknown output constraint {spec.kind!r}")
         return ConstraintRun(self.constraints.get(grammar), self.tokenizer.token_bytes, stop_ids,

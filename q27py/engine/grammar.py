@@ -764,17 +764,61 @@ class XmlCalls(Node):
         return local[0] == 2
 
 
+class CallList(Node):
+    """One or more `call`s separated by a newline, at most max_calls. local = (phase, count)."""
+
+    def __init__(self, call: Node, max_calls: int | None):
+        self.call, self.max_calls = call, max_calls
+        self.init = (0, 0)
+
+    def step(self, local, b):
+        phase, n = local
+        if phase == 0:
+            return [(CALL, (1, n + 1), self.call)]
+        if b == 0x0A and (self.max_calls is None or n < self.max_calls):
+            return [(CONT, (0, n))]
+        return []
+
+    def can_end(self, local):
+        return local[0] == 1
+
+
+def _json_dialect_call(name: str, schema: Any) -> Node:
+    """`<tool_call>\n{"name": "NAME", "arguments": {..}}\n</tool_call>` (Qwen3's JSON dialect),
+    whitespace allowed between the JSON tokens."""
+    if not isinstance(schema, Mapping) or not schema:
+        schema = {"type": "object"}
+    elif "type" not in schema and "properties" not in schema:
+        schema = {**schema, "type": "object"}
+    args = SchemaCompiler(schema).value(schema, f"tools.{name}")
+    parts = [Lit(b"<tool_call>"), Ws(), Lit(b"{"), Ws(), Lit(b'"name"'), Ws(), Lit(b":"), Ws(),
+             LitSet(_spellings(name)), Ws(), Lit(b","), Ws(), Lit(b'"arguments"'), Ws(), Lit(b":"), Ws(),
+             args, Ws(), Lit(b"}"), Ws(), Lit(b"</tool_call>")]
+    return Seq(parts)
+
+
 def tool_call_grammar(tools: Mapping[str, Any], names: list[str] | None = None,
-                      max_calls: int | None = None) -> Grammar:
-    """The Qwen XML call syntax for `tools` ({name: parameters schema}); `names` restricts which
-    may be called (a named tool_choice). At least one call; leading whitespace is allowed."""
+                      max_calls: int | None = None, dialect: str = "xml") -> Grammar:
+    """The Qwen call syntax for `tools` ({name: parameters schema}): "xml" (Qwen3.5/3.6/3.8,
+    `<function=NAME>`) or "json" (`{"name", "arguments"}` inside `<tool_call>`); `names`
+    restricts which may be called (a named tool_choice). At least one call; leading whitespace
+    is allowed."""
     chosen = list(names) if names else list(tools)
     if not chosen:
         raise GrammarError("tool_choice needs at least one tool")
-    funcs = {}
     for name in chosen:
         if name not in tools:
             raise GrammarError(f"tool {name!r} is not declared")
+    if dialect == "json":
+        calls = Union([_json_dialect_call(n, tools[n]) for n in chosen])
+        key = "json_tools:" + json.dumps({"tools": {n: tools[n] for n in chosen}, "max": max_calls},
+                                         sort_keys=True, default=str)
+        return Grammar(Seq([Ws(), CallList(calls, max_calls)]), key,
+                       specials=frozenset({"<tool_call>", "</tool_call>"}))
+    if dialect != "xml":
+        raise GrammarError(f"unknown tool dialect {dialect!r} (xml | json)")
+    funcs = {}
+    for name in chosen:
         schema = tools[name] if isinstance(tools[name], Mapping) else {}
         compiler = SchemaCompiler(schema)
         props = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}

@@ -146,3 +146,19 @@ def test_generated_tool_schemas_round_trip():
             args = instance(rng, tools[name])
             args = {k: v for k, v in args.items() if not (isinstance(v, str) and "</parameter>" in v)}
             assert g.matches(render_call(name, args).encode()), (tools[name], args)
+
+
+def test_json_dialect_calls():
+    tools = {"Bash": CORPUS["cc:Bash"], "Read": CORPUS["cc:Read"]}
+    g = tool_call_grammar(tools, dialect="json")
+    rng = random.Random(2)
+    for _ in range(40):
+        name = rng.choice(sorted(tools))
+        args = instance(rng, tools[name])
+        call = "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+        assert g.matches(call.encode()), call
+        assert [(c["name"], c["arguments"]) for c in parse_output(call, tools).tool_calls] == [(name, args)]
+    assert not g.matches(b'<tool_call>\n{"name": "Bash", "arguments": {}}\n</tool_call>')  # command required
+    assert not g.matches(b'<tool_call>\n{"name": "Nope", "arguments": {"command": "x"}}\n</tool_call>')
+    with pytest.raises(GrammarError):
+        tool_call_grammar(tools, dialect="yaml")
