@@ -41,7 +41,7 @@ def greedy_ids(gate: dict) -> list[int]:
 
     if gate["model"] == "tiny":
         from q27py.bench.shortbench import chat_prompt
-        from q27py.io.checkpoint import Checkpoint
+        from q27py.model.checkpoint import Checkpoint
         from q27py.tokenizer import Tokenizer
 
         weights = from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), gate["tier"], progress=False)

@@ -1,7 +1,10 @@
-"""Request bodies of the three APIs -> (Conversation, RequestOptions).
+"""Request bodies of the three APIs -> (Conversation, ToolChoice): the chat part.
 
 One mapping per API: Anthropic Messages, OpenAI Chat Completions, OpenAI
-Responses. What real clients send (../shared/reference/clients.md) decides the
+Responses. Only what the chat template renders is read here (messages, system /
+instructions, tools, tool_choice); the options around it (sampling, limits,
+thinking, streaming) are read, range-checked, once by the API's own module in
+q27py/server/, which calls parse_conversation as one step of its single pass. What real clients send (../shared/reference/clients.md) decides the
 tolerance: unknown keys, unknown history items and hosted tools are ignored
 (with a log line where something the client sent is dropped), because a 400 on
 a later turn kills an agent session; structure we cannot read raises
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from q27py.chat.conversation import (
@@ -56,39 +59,8 @@ class ToolChoice:
     name: str | None = None  # mode "tool": the (model-facing) name of the tool to call
 
 
-@dataclass
-class RequestOptions:
-    """Everything in a request besides the conversation. None means "not given"."""
-
-    api: str
-    model: str | None = None
-    stream: bool = False
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    enable_thinking: bool | None = None
-    preserve_thinking: bool | None = None
-    thinking_budget: int | None = None  # Anthropic thinking.budget_tokens
-    tool_choice: ToolChoice = field(default_factory=ToolChoice)
-    parallel_tool_calls: bool | None = None
-    include_usage: bool = False  # Chat Completions stream_options.include_usage
-
-    def render_options(self, *, default_thinking: bool, default_preserve_thinking: bool) -> dict:
-        """Keyword arguments for render(): the request's choice, else the server's."""
-        return {
-            "enable_thinking": default_thinking if self.enable_thinking is None
-            else self.enable_thinking,
-            "preserve_thinking": default_preserve_thinking if self.preserve_thinking is None
-            else self.preserve_thinking,
-        }
-
-
-def parse_request(api: str, body: Any) -> tuple[Conversation, RequestOptions]:
-    """Map a request body of `api` ("anthropic" | "openai" | "responses")."""
+def parse_conversation(api: str, body: Any) -> tuple[Conversation, ToolChoice]:
+    """Map the chat part of a request body of `api` ("anthropic" | "openai" | "responses")."""
     parsers = {"anthropic": from_anthropic, "openai": from_openai_chat, "responses": from_responses}
     if api not in parsers:
         raise RequestError(f"unknown API {api!r}; known: {', '.join(APIS)}")
@@ -141,34 +113,6 @@ _KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a 
                dict: "an object", list: "an array"}
 
 
-def _max_tokens(body: dict, *keys: str) -> int | None:
-    for key in keys:
-        value = _opt(body, key, int)
-        if value is not None:
-            if value < 1:
-                raise RequestError("must be at least 1", key)
-            return value
-    return None
-
-
-def _stop_list(value: Any, param: str) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [_string(s, f"{param}[{i}]") for i, s in enumerate(_list(value, param))]
-
-
-def _sampling(body: dict, opts: RequestOptions) -> None:
-    opts.temperature = _opt(body, "temperature", float)
-    opts.top_p = _opt(body, "top_p", float)
-    opts.top_k = _opt(body, "top_k", int)
-    opts.min_p = _opt(body, "min_p", float)
-    opts.seed = _opt(body, "seed", int)
-    opts.model = _opt(body, "model", str)
-    opts.stream = bool(_opt(body, "stream", bool))
-
-
 def _arguments(value: Any, param: str) -> dict:
     """Tool-call arguments given as an object or as a JSON string of one."""
     if isinstance(value, dict):
@@ -187,25 +131,6 @@ def _arguments(value: Any, param: str) -> dict:
 
 def _image_error(param: str) -> RequestError:
     return RequestError("images are not supported: this model reads text only", param)
-
-
-def _thinking_from_template_kwargs(body: dict, opts: RequestOptions) -> None:
-    """vLLM-style switches: chat_template_kwargs.{enable,preserve}_thinking, enable_thinking,
-    then OpenAI's reasoning effort ("none" turns thinking off, any other level on)."""
-    kwargs = _opt(body, "chat_template_kwargs", dict) or {}
-    opts.enable_thinking = _opt(kwargs, "enable_thinking", bool,
-                                "chat_template_kwargs.enable_thinking")
-    opts.preserve_thinking = _opt(kwargs, "preserve_thinking", bool,
-                                  "chat_template_kwargs.preserve_thinking")
-    if opts.enable_thinking is None:
-        opts.enable_thinking = _opt(body, "enable_thinking", bool)
-    if opts.enable_thinking is None:
-        effort = _opt(body, "reasoning_effort", str)
-        reasoning = _opt(body, "reasoning", dict)
-        if effort is None and reasoning is not None:
-            effort = _opt(reasoning, "effort", str, "reasoning.effort")
-        if effort is not None:
-            opts.enable_thinking = effort != "none"
 
 
 def _finish(conv: Conversation, param: str) -> Conversation:
@@ -248,36 +173,16 @@ def _tool_choice(value: Any, param: str) -> ToolChoice:
 # Anthropic Messages
 
 
-def from_anthropic(body: Any) -> tuple[Conversation, RequestOptions]:
+def from_anthropic(body: Any) -> tuple[Conversation, ToolChoice]:
     body = _object(body, "body")
-    opts = RequestOptions(api="anthropic")
-    _sampling(body, opts)
-    opts.max_tokens = _max_tokens(body, "max_tokens")
-    opts.stop = _stop_list(body.get("stop_sequences"), "stop_sequences")
-    _anthropic_thinking(body.get("thinking"), opts)
-
     conv = Conversation(tools=_anthropic_tools(body.get("tools")))
     system = _anthropic_system(body.get("system"))
     if system:
         conv.messages.append(Message("system", system))
     for i, raw in enumerate(_list(body.get("messages"), "messages")):
         conv.messages.extend(_anthropic_message(raw, f"messages[{i}]", conv))
-    opts.tool_choice = _anthropic_tool_choice(body.get("tool_choice"))
-    return _finish(conv, "messages"), opts
-
-
-def _anthropic_thinking(value: Any, opts: RequestOptions) -> None:
-    if value is None:
-        return
-    thinking = _object(value, "thinking")
-    kind = thinking.get("type")
-    if kind in ("enabled", "adaptive"):
-        opts.enable_thinking = True
-        opts.thinking_budget = _opt(thinking, "budget_tokens", int, "thinking.budget_tokens")
-    elif kind == "disabled":
-        opts.enable_thinking = False
-    else:
-        raise RequestError("expected enabled, adaptive or disabled", "thinking.type")
+    tool_choice = _anthropic_tool_choice(body.get("tool_choice"))
+    return _finish(conv, "messages"), tool_choice
 
 
 def _anthropic_system(value: Any) -> str:
@@ -445,25 +350,12 @@ def _anthropic_assistant(blocks: list[dict], param: str) -> Message:
 # OpenAI Chat Completions
 
 
-def from_openai_chat(body: Any) -> tuple[Conversation, RequestOptions]:
+def from_openai_chat(body: Any) -> tuple[Conversation, ToolChoice]:
     body = _object(body, "body")
-    opts = RequestOptions(api="openai")
-    _sampling(body, opts)
-    opts.max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
-    opts.stop = _stop_list(body.get("stop"), "stop")
-    opts.parallel_tool_calls = _opt(body, "parallel_tool_calls", bool)
-    stream_options = _opt(body, "stream_options", dict) or {}
-    opts.include_usage = bool(_opt(stream_options, "include_usage", bool,
-                                   "stream_options.include_usage"))
-    if (_opt(body, "n", int) or 1) != 1:
-        raise RequestError("only n=1 is supported", "n")
-    _thinking_from_template_kwargs(body, opts)
-
     conv = Conversation(tools=_openai_tools(body.get("tools")))
     for i, raw in enumerate(_list(body.get("messages"), "messages")):
         conv.messages.append(_openai_message(raw, f"messages[{i}]"))
-    opts.tool_choice = _tool_choice(body.get("tool_choice"), "tool_choice")
-    return _finish(conv, "messages"), opts
+    return _finish(conv, "messages"), _tool_choice(body.get("tool_choice"), "tool_choice")
 
 
 def _openai_tools(value: Any) -> list[ToolSpec]:
@@ -550,13 +442,8 @@ _HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interp
                  "image_generation", "computer_use_preview", "computer_use", "mcp", "local_shell")
 
 
-def from_responses(body: Any) -> tuple[Conversation, RequestOptions]:
+def from_responses(body: Any) -> tuple[Conversation, ToolChoice]:
     body = _object(body, "body")
-    opts = RequestOptions(api="responses")
-    _sampling(body, opts)
-    opts.max_tokens = _max_tokens(body, "max_output_tokens")
-    opts.parallel_tool_calls = _opt(body, "parallel_tool_calls", bool)
-    _thinking_from_template_kwargs(body, opts)
     if body.get("previous_response_id") is not None:
         raise RequestError("not supported: this server keeps no responses; send the whole "
                            "conversation in `input`", "previous_response_id")
@@ -570,8 +457,7 @@ def from_responses(body: Any) -> tuple[Conversation, RequestOptions]:
         conv.messages.append(Message("user", value))
     else:
         _ResponsesHistory(conv).add_items(_list(value, "input"))
-    opts.tool_choice = _tool_choice(body.get("tool_choice"), "tool_choice")
-    return _finish(conv, "input"), opts
+    return _finish(conv, "input"), _tool_choice(body.get("tool_choice"), "tool_choice")
 
 
 def _custom_tool(tool: dict, param: str, namespace: str | None = None) -> ToolSpec:

@@ -209,6 +209,11 @@ class StreamSplitter:
 
     # --- public ----------------------------------------------------------------------
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Still inside the think block (the text stage's reasoning budget reads this)."""
+        return self._kind == REASONING
+
     def feed(self, text: str) -> list[Event]:
         if self._finished:
             raise RuntimeError("feed() after finish()")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
+from q27py.chat.textstage import TextStage, text_of
 from q27py.commands.engine_flags import add_engine_arguments, apply_engine_arguments
 from q27py.config import Q27Config, apply_env, apply_overrides
 from q27py.engine.api import GenerationRequest, SamplingParams
@@ -75,15 +76,24 @@ def run(args) -> int:
         raise Q27Error(f"token id {bad[0]} is outside the vocabulary (0..{engine.model_config.vocab_size - 1})")
     stop_ids = frozenset() if args.ignore_eos else frozenset(engine.tokenizer.eos_ids)
     request = GenerationRequest(prompt_ids=ids, max_tokens=args.max_tokens, sampling=build_sampling(args), stop_ids=stop_ids)
+    # The prompt is used as is, so the output is raw text: the same text stage as the server's
+    # /v1/completions (detokenizer, no splitter markup).
+    stage = TextStage(engine.tokenizer, stop_ids=stop_ids)
     tokens, text, stats = [], [], {}
+
+    def show(events) -> None:
+        piece = text_of(events)
+        text.append(piece)
+        if not args.json and piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
     for chunk in engine.generate(request):
         tokens.extend(chunk.token_ids)
-        text.append(chunk.text)
-        if not args.json and chunk.text:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+        show(stage.feed(chunk.token_ids))
         if chunk.stats is not None:
             stats = dict(chunk.stats, finish_reason=chunk.finish_reason)
+    show(stage.finish())
     if args.json:
         print(json.dumps({"tokens": tokens, "text": "".join(text), "stats": stats}, ensure_ascii=False))
     else:

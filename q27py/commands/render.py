@@ -18,7 +18,7 @@ from pathlib import Path
 
 from q27py import DEFAULT_MODEL_DIR
 from q27py.chat.render import TEMPLATES, detect_template, render
-from q27py.chat.requests import APIS, RequestError, parse_request
+from q27py.chat.requests import APIS, RequestError
 from q27py.config import ServerConfig
 
 
@@ -35,17 +35,34 @@ def add_arguments(parser) -> None:
                         help='print {"prompt", "token_ids", "stable_len", "stable_chars"}')
 
 
+def read_request(api: str, body):
+    """The body read exactly as the server reads it (its API module's `read`); the model
+    name is optional here, and Anthropic's max_tokens is not needed to render."""
+    from q27py.server import anthropic, openai_chat, responses
+    from q27py.server.errors import ApiError
+
+    readers = {"anthropic": lambda b: anthropic.read(b, counting=True), "openai": openai_chat.read,
+               "responses": responses.read}
+    if isinstance(body, dict) and body.get("model") is None:
+        body = {**body, "model": "render"}
+    try:
+        return readers[api](body)
+    except ApiError as exc:
+        raise RequestError(exc.message) from None
+
+
 def run(args) -> int:
     try:
         body = json.loads(sys.stdin.read())
     except ValueError as exc:
         raise RequestError(f"the request body is not valid JSON ({exc})") from None
-    conv, opts = parse_request(args.api, body)
+    req = read_request(args.api, body)
     server = ServerConfig()
     template = args.template or detect_template(args.model)
-    rendered = render(conv, template=template, **opts.render_options(
-        default_thinking=server.default_thinking,
-        default_preserve_thinking=server.preserve_thinking))
+    rendered = render(req.conv, template=template,
+                      enable_thinking=server.default_thinking if req.enable_thinking is None else req.enable_thinking,
+                      preserve_thinking=server.preserve_thinking if req.preserve_thinking is None
+                      else req.preserve_thinking)
     if not args.json:
         sys.stdout.write(rendered.text)
         return 0

@@ -1,16 +1,19 @@
 """`q27py repack SRC_DIR OUT_FILE --tier NAME`: quantize a Hugging Face checkpoint into one .q27 file.
 
-The tool code is tools/repack.py; this module is its CLI entry (no GPU needed).
+Reads the checkpoint tensor by tensor (memory-mapped), quantizes and packs each fused matrix
+with q27py.gpu.layout (the same bytes the GPU packer makes), and writes it at its planned
+offset; peak memory is about one fused matrix in fp32. No GPU needed. tools/repack.py is a
+thin wrapper around `repack` here (the logic lives in the package, so an installed q27py
+repacks without a source checkout).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import shutil
+import time
 from pathlib import Path
 
-from q27py.errors import Q27Error
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "repack.py"
+from q27py.errors import CheckpointError
 
 
 def add_arguments(p) -> None:
@@ -22,11 +25,38 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    if not TOOL.exists():
-        raise Q27Error(f"{TOOL} is missing (repack runs from a source checkout)")
-    spec = importlib.util.spec_from_file_location("q27_repack_tool", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    r = mod.repack(args.src, args.out, args.tier)
+    r = repack(args.src, args.out, args.tier)
     print(f"wrote {r['out']}: {r['tensors']} tensors, {r['bytes'] / 1e6:.1f} MB, tier {r['tier']}, {r['seconds']:.1f} s")
     return 0
+
+
+def repack(src: Path, out: Path, tier: str, progress: bool = True) -> dict:
+    from q27py.io.q27file import write
+    from q27py.model.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.open(src)
+    t0 = time.perf_counter()
+    copied = copy_tokenizer_files(src, out.parent)  # first: a conflict should cost no repack time
+    header = write(out, ckpt, tier, progress=progress)
+    return {"out": str(out), "tier": tier, "tensors": len(header["tensors"]), "bytes": out.stat().st_size,
+            "seconds": time.perf_counter() - t0, "tokenizer_files": copied}
+
+
+# The .q27 container holds weights only; the engine reads these from the file's folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer_files(src: Path, dest: Path) -> list[str]:
+    """Copy the tokenizer / generation / template files beside the .q27 file (never overwrite a different one)."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        a, b = Path(src) / name, Path(dest) / name
+        if not a.exists() or a.resolve() == b.resolve():
+            continue
+        if b.exists():
+            if a.read_bytes() != b.read_bytes():
+                raise CheckpointError(f"{b} exists and differs from {a}: put the .q27 file in its own folder")
+            continue
+        shutil.copyfile(a, b)
+        copied.append(name)
+    return copied

@@ -75,16 +75,17 @@ def build_config(args: argparse.Namespace, environ=None) -> Q27Config:
 
 
 def build_app(cfg: Q27Config, engine):
-    """The App around a loaded engine (anything with the Engine protocol plus tokenizer/model_name)."""
+    """The App around a loaded engine (anything with the Engine protocol, engine/api.py)."""
+    from q27py.chat.render import detect_template
     from q27py.server.app import App
     from q27py.server.auth import KeyRing
     from q27py.server.bridge import EngineBridge
     from q27py.server.service import ChatService
     from q27py.tokenizer import load_stop_ids
 
-    stop_ids = getattr(engine.tokenizer, "eos_ids", None) or load_stop_ids(cfg.engine.model_dir)
+    stop_ids = engine.tokenizer.eos_ids or load_stop_ids(cfg.engine.model_dir)
     service = ChatService(EngineBridge(engine), engine.tokenizer, model_name=engine.model_name,
-                          template=engine.chat_template, stop_ids=stop_ids, config=cfg.server,
+                          template=detect_template(engine.model_dir), stop_ids=stop_ids, config=cfg.server,
                           ping_interval_s=cfg.server.keepalive_interval_s)
     return App(service, KeyRing(cfg.server.api_keys))
 

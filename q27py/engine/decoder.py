@@ -187,18 +187,3 @@ class Decoder:
             out = self.model.forward(state, [tok])
             state.extra["hidden_last"] = out.hidden[-1:].copy()
             logits = out.logits[-1]
-
-
-def build_decoder(model, cfg):
-    """The decoder the config asks for: speculative unless cfg.spec.enabled is False.
-
-    enabled=None means "on when the checkpoint has an MTP head"; enabled=True on a
-    model without one still speculates with the suffix drafter alone.
-    """
-    spec = cfg.spec
-    use_spec = spec.enabled if spec.enabled is not None else bool(getattr(model, "has_mtp", False))
-    if use_spec:
-        from q27py.engine.spec import SpecDecoder  # spec.py imports this module
-
-        return SpecDecoder(model, spec, prefill_chunk=cfg.engine.prefill_chunk)
-    return Decoder(model, prefill_chunk=cfg.engine.prefill_chunk, trace=spec.trace)

@@ -1,10 +1,10 @@
 """LocalEngine: one model on this machine behind the narrow Engine API (engine/api.py).
 
 It owns the model (numpy reference on the CPU, the CUDA fast path on a GPU), the
-tokenizer, the live sequence state, and turns a GenerationRequest into a stream
-of GenerationChunks: tokens from the decoder, UTF-8-safe text from an
-incremental detokenizer, text stop strings applied without ever emitting past a
-match (even when a speculative round commits several tokens at once).
+tokenizer (its callers read it; the engine itself works in token ids only), the
+live sequence state and the prefix cache, and turns a GenerationRequest into a
+stream of GenerationChunks of token ids. Text (detokenizing, stop strings, the
+think / tool-call split) is the caller's text stage: q27py/chat/textstage.py.
 """
 
 from __future__ import annotations
@@ -14,19 +14,16 @@ from pathlib import Path
 from typing import Iterator
 
 from q27py.config import Q27Config
-from q27py.engine.api import GenerationChunk, GenerationRequest, OutputConstraint
+from q27py.engine.api import (ContextLengthError, GenerationChunk, GenerationRequest, OutputConstraint, check_prompt,
+                              clamp_max_tokens)
 from q27py.engine.constraint import ConstraintCache, ConstraintRun, VocabIndex
-from q27py.engine.decoder import DecodeStats, build_decoder
+from q27py.engine.decoder import DecodeStats
 from q27py.engine.prefix_cache import DiskCache, PrefixCache, compat_hash
 from q27py.engine.sampling import TokenPicker
+from q27py.engine.spec import build_decoder
 from q27py.errors import Q27Error
 
-
-class ContextLengthError(Q27Error):
-    def __init__(self, prompt_tokens: int, max_context: int):
-        super().__init__(f"prompt is too long: {prompt_tokens} tokens > {max_context} maximum")
-        self.prompt_tokens = prompt_tokens
-        self.max_context = max_context
+__all__ = ["ContextLengthError", "LocalEngine", "load_model"]
 
 
 def load_model(cfg: Q27Config):
@@ -43,32 +40,6 @@ def load_model(cfg: Q27Config):
     raise Q27Error(f"unknown device {e.device!r} (cpu | cuda)")
 
 
-class StopStringFilter:
-    """Holds back the text tail that could still become a stop string; cuts at the first match."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = tuple(s for s in stops if s)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add text; returns (text safe to emit, stopped)."""
-        self.pending += text
-        if self.stops:
-            hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-            if hits:
-                out = self.pending[: min(hits)]
-                self.pending = ""
-                return out, True
-        cut = len(self.pending) - self.hold if self.stops else len(self.pending)
-        out, self.pending = self.pending[: max(cut, 0)], self.pending[max(cut, 0):]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 class LocalEngine:
     def __init__(self, cfg: Q27Config, model, tokenizer):
         self.cfg = cfg
@@ -81,15 +52,9 @@ class LocalEngine:
         self.model_name = source.stem if source.is_file() else source.name
         self.max_context = min(cfg.engine.max_context, self.model_config.max_position_embeddings)
         self.has_mtp = bool(getattr(model, "has_mtp", False))
-        self.chat_template = _detect_template(self.model_dir)
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False
         self.prefix = PrefixCache(model, max_sequences=cfg.engine.max_sequences,
                                   checkpoint_every=cfg.engine.checkpoint_every, disk=self._disk_cache(cfg))
-        special = getattr(tokenizer, "special_ids", {}) or {}
-        self._im_start, self._im_end = special.get("<|im_start|>"), special.get("<|im_end|>")
-        system, newline = tokenizer.encode("system", allow_special=False), tokenizer.encode("\n", allow_special=False)
-        self._system_id = system[0] if len(system) == 1 else None
-        self._newline = newline[0] if len(newline) == 1 else None
         # Output constraints: the vocabulary index is built on the first constrained request
         # (about a second for the 248K vocabulary); compiled grammars and their masks are kept.
         self.constraints = ConstraintCache(
@@ -126,58 +91,39 @@ class LocalEngine:
         return cls(cfg, model, Tokenizer.from_model_dir(source.parent if source.is_file() else source))
 
     def check_context(self, prompt_tokens: int) -> None:
-        if prompt_tokens >= self.max_context:
-            raise ContextLengthError(prompt_tokens, self.max_context)
+        check_prompt(prompt_tokens, self.max_context)
 
     def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
         t0 = time.perf_counter()
         prompt = list(request.prompt_ids)
         self.check_context(len(prompt))
-        max_tokens = max(0, min(request.max_tokens, self.max_context - len(prompt)))
+        max_tokens = clamp_max_tokens(request.max_tokens, len(prompt), self.max_context)
         seq, reused = self.prefix.acquire(prompt)
         stats = DecodeStats()
-        detok = self.tokenizer.new_decoder()
-        stops = StopStringFilter(tuple(request.stop_strings))
         generated: list[int] = []
         finish = "length"
         first_token_at = None
-        breaks = self._prefill_breaks(seq, prompt, request.stable_len)
+        breaks = self._prefill_breaks(seq, prompt, request.stable_len, request.system_len)
         constraint = self.compile_constraint(request.constraint, request.stop_ids) if request.constraint else None
         picker = TokenPicker(request.sampling, prompt, constraint, request.logprobs, max_tokens=max_tokens)
         rounds = self.decoder.run(seq.state, prompt, max_tokens, request.sampling, request.stop_ids, request.cancel,
                                   stats, prefill_breaks=breaks, picker=picker) if max_tokens else iter(())
-        reported = 0
         healthy = False
         try:
             for tokens in rounds:
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
-                lps = None
-                if request.logprobs is not None:
-                    lps, reported = picker.logprobs[reported:reported + len(tokens)], reported + len(tokens)
-                text_ids = [t for t in tokens if t not in request.stop_ids]
-                hit_eos = len(text_ids) != len(tokens)
                 generated.extend(tokens)
-                text, stopped = stops.push(detok.feed(text_ids))
-                if stopped:
-                    finish = "stop_string"
-                    yield GenerationChunk(tokens, text, logprobs=lps)
-                    break
-                if hit_eos:
+                lps = None
+                if request.logprobs is not None:  # one record per token, from the row that chose it
+                    lps = picker.logprobs[len(generated) - len(tokens):len(generated)]
+                yield GenerationChunk(tokens, logprobs=lps)
+                if any(t in request.stop_ids for t in tokens):
                     finish = "stop"
-                    yield GenerationChunk(tokens, text + stops.push(detok.flush())[0] + stops.flush(), logprobs=lps)
                     break
-                yield GenerationChunk(tokens, text, logprobs=lps)
             else:
                 if request.cancel.is_set():
                     finish = "cancelled"
-                tail, stopped = stops.push(detok.flush())
-                if stopped:
-                    finish = "stop_string"
-                else:
-                    tail += stops.flush()
-                if tail:
-                    yield GenerationChunk([], tail)
             healthy = True
         finally:
             if hasattr(rounds, "close"):
@@ -195,11 +141,12 @@ class LocalEngine:
             "tokens_per_s": len(generated) / elapsed if elapsed > 0 else 0.0,
             **stats.as_dict(),
         }
-        yield GenerationChunk([], "", finish_reason=finish, stats=final_stats)
+        yield GenerationChunk([], finish_reason=finish, stats=final_stats)
 
-    def _prefill_breaks(self, seq, prompt: list[int], stable_len: int | None) -> dict:
-        """Callbacks at the positions where prefill must stop and save GDN state."""
-        marks = self.prefix.snapshot_positions(seq.state.position, prompt, stable_len, self._system_len(prompt))
+    def _prefill_breaks(self, seq, prompt: list[int], stable_len: int | None, system_len: int | None) -> dict:
+        """Callbacks at the positions where prefill must stop and save GDN state. The caller
+        says where the shared blocks end (token offsets); the engine knows no chat layout."""
+        marks = self.prefix.snapshot_positions(seq.state.position, prompt, stable_len, system_len)
 
         def saver(kind):
             def save(state):
@@ -209,24 +156,8 @@ class LocalEngine:
 
         return {pos: saver(kind) for pos, kind in marks.items()}
 
-    def _system_len(self, prompt: list[int]) -> int | None:
-        """End of a leading system turn (`<|im_start|>system ... <|im_end|>\n`): the block that
-        different conversations with the same system prompt and tools share."""
-        if self._im_start is None or len(prompt) < 3 or prompt[0] != self._im_start or prompt[1] != self._system_id:
-            return None
-        try:
-            end = prompt.index(self._im_end)
-        except ValueError:
-            return None
-        return end + 2 if end + 1 < len(prompt) and prompt[end + 1] == self._newline else end + 1
-
     def prefix_stats(self) -> dict:
         return self.prefix.usage()
 
-
-def _detect_template(model_dir: Path) -> str:
-    try:
-        from q27py.chat.render import detect_template
-    except ImportError:
-        return "qwen3.6"
-    return detect_template(model_dir)
+    def kv_cache_usage(self) -> float | None:
+        return None  # one sequence at a time: the bridge's running-length estimate is exact enough

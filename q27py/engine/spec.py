@@ -39,7 +39,7 @@ import numpy as np
 
 from q27py.config import SpecConfig
 from q27py.engine.api import SamplingParams
-from q27py.engine.decoder import DecodeStats, PrefillBreaks, begin_run, prefill, prompt_suffix
+from q27py.engine.decoder import DecodeStats, Decoder, PrefillBreaks, begin_run, prefill, prompt_suffix
 from q27py.engine.drafters import DraftPlanner, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
@@ -173,3 +173,17 @@ class SpecDecoder:
         planner.observe(draft, accepted)
         stats.record_round(draft.source, draft.tokens, accepted, n, lanes=len(lanes), mtp_steps=draft.mtp_steps)
         return new
+
+
+def build_decoder(model, cfg):
+    """The decoder the config asks for: speculative unless cfg.spec.enabled is False.
+
+    enabled=None means "on when the checkpoint has an MTP head"; enabled=True on a
+    model without one still speculates with the suffix drafter alone. It lives here,
+    beside SpecDecoder, so imports run one way (spec -> decoder).
+    """
+    spec = cfg.spec
+    use_spec = spec.enabled if spec.enabled is not None else bool(getattr(model, "has_mtp", False))
+    if use_spec:
+        return SpecDecoder(model, spec, prefill_chunk=cfg.engine.prefill_chunk)
+    return Decoder(model, prefill_chunk=cfg.engine.prefill_chunk, trace=spec.trace)

@@ -557,7 +557,7 @@ def load_fast_model(cfg) -> FastModel:
     from pathlib import Path
 
     from q27py.gpu.weights import from_checkpoint, from_q27file
-    from q27py.io.checkpoint import Checkpoint
+    from q27py.model.checkpoint import Checkpoint
 
     e = cfg.engine
     src = Path(e.model_dir)

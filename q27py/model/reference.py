@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from q27py.io.checkpoint import Checkpoint
+from q27py.model.checkpoint import Checkpoint
 from q27py.io.safetensors import round_to_bf16
 from q27py.model import ops
 from q27py.model.config import FULL, ModelConfig

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from q27py import PACKAGE_DIR
-from q27py.io.checkpoint import expected_shapes
+from q27py.model.checkpoint import expected_shapes
 from q27py.io.safetensors import write_safetensors
 from q27py.model.config import FULL, LINEAR, ModelConfig
 

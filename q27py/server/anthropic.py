@@ -21,11 +21,11 @@ import secrets
 from q27py.chat import stream as cs
 from q27py.server import sse
 from q27py.server.errors import ApiError, bad_request
-from q27py.server.http import Request, Response, StreamingResponse
+from q27py.server.http import Request, Response
 from q27py.server.params import Fields
-from q27py.server.service import ChatService, TurnResult
-from q27py.server.streaming import stream_turn
-from q27py.server.turn import KEEPALIVE, Finish, TurnPlan, Usage
+from q27py.server.request import ChatRequest, build_prompt, conversation, json_response, read_sampling
+from q27py.server.service import ChatService, Prompt, TurnResult
+from q27py.server.turn import KEEPALIVE, Finish, Usage
 
 log = logging.getLogger("q27py.server")
 
@@ -42,47 +42,50 @@ def thinking_signature(text: str) -> str:
     return base64.b64encode(hashlib.sha256(b"q27py-thinking\0" + text.encode("utf-8")).digest()).decode()
 
 
-def _prepare(svc: ChatService, body: dict):
+def read(body: dict, *, counting: bool = False) -> ChatRequest:
+    """The body in one pass; `counting` (count_tokens) needs no max_tokens or sampling."""
     f = Fields(body)
-    f.string("model", required=True)
-    conv, opts = svc.conversation("anthropic", body)
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") == "adaptive":
-        # "the model decides" (Claude Code always sends this): here the server's default decides.
-        opts.enable_thinking = None
-    if opts.thinking_budget is not None and opts.thinking_budget < 1:
-        raise bad_request("thinking.budget_tokens: must be at least 1", "thinking.budget_tokens")
-    prompt = svc.render(conv, thinking=opts.enable_thinking, preserve_thinking=opts.preserve_thinking)
-    return f, conv, opts, prompt
+    req = ChatRequest(api="anthropic", model=f.string("model", required=True))
+    req.conv, req.tool_choice = conversation("anthropic", body)
+    _read_thinking(f, req)
+    if counting:
+        return req
+    req.max_tokens = f.integer("max_tokens", required=True, minimum=1)
+    read_sampling(f, req, min_p=False)
+    req.stop = f.stop_list("stop_sequences", strict=False)
+    req.stream = bool(f.boolean("stream", False))
+    tool_choice = f.obj("tool_choice") or {}
+    req.stop_after_tool_call = tool_choice.get("disable_parallel_tool_use") is True
+    return req
+
+
+def _read_thinking(f: Fields, req: ChatRequest) -> None:
+    thinking = f.obj("thinking")
+    if thinking is None:
+        return
+    t = Fields(thinking, "thinking.")
+    kind = thinking.get("type")
+    if kind == "disabled":
+        req.enable_thinking = False
+        return
+    if kind not in ("enabled", "adaptive"):
+        raise bad_request("thinking.type: expected enabled, adaptive or disabled", "thinking.type")
+    # "adaptive" is "the model decides" (Claude Code always sends it): here the server's default decides.
+    req.enable_thinking = True if kind == "enabled" else None
+    req.thinking_budget = t.integer("budget_tokens", minimum=1)
 
 
 async def count_tokens(svc: ChatService, request: Request, body: dict) -> Response:
-    _, _, _, prompt = _prepare(svc, body)
-    return _json(200, {"input_tokens": len(prompt.ids)})
+    prompt = build_prompt(svc, read(body, counting=True))
+    return json_response(200, {"input_tokens": len(prompt.ids)})
 
 
-async def messages(svc: ChatService, request: Request, body: dict) -> Response | StreamingResponse:
-    f, conv, opts, prompt = _prepare(svc, body)
-    f.integer("max_tokens", required=True, minimum=1)
-    sampling = svc.sampling(temperature=f.number("temperature", minimum=0, maximum=2),
-                            top_p=f.number("top_p", minimum=0, maximum=1),
-                            top_k=f.integer("top_k", minimum=0),
-                            seed=f.integer("seed"))
-    tool_choice = body.get("tool_choice") if isinstance(body.get("tool_choice"), dict) else {}
-    svc.check_context(prompt, overflow_error)
-    max_tokens = svc.max_tokens(opts.max_tokens, prompt)
-    plan = svc.plan(prompt, conv=conv, max_tokens=max_tokens, sampling=sampling, stop_sequences=opts.stop,
-                    reasoning_budget=svc.reasoning_budget(opts.thinking_budget, max_tokens),
-                    stop_after_tool_call=tool_choice.get("disable_parallel_tool_use") is True)
-    model = body["model"]
-    if opts.stream:
-        return StreamingResponse(200, _stream(svc, plan, conv, model))
-    result = await svc.collect(plan)
-    return _json(200, _message_object(_message_id(), model, conv, result))
+def emitter(req: ChatRequest, prompt: Prompt) -> "_Emitter":
+    return _Emitter(req.model, req.conv, len(prompt.ids))
 
 
-def _json(status: int, payload: dict) -> Response:
-    return Response(status, json.dumps(payload, ensure_ascii=False).encode("utf-8"))
+def whole(req: ChatRequest, prompt: Prompt, result: TurnResult) -> dict:
+    return _message_object(_message_id(), req.model, req.conv, result)
 
 
 def _message_id() -> str:
@@ -213,8 +216,3 @@ class _Emitter:
 
     def failure(self, message: str) -> bytes:
         return sse.event("error", {"type": "error", "error": {"type": "api_error", "message": message}})
-
-
-async def _stream(svc: ChatService, plan: TurnPlan, conv, model: str):
-    async for chunk in stream_turn(svc, plan, _Emitter(model, conv, len(plan.prompt_ids))):
-        yield chunk

@@ -7,7 +7,6 @@ a 500 for that request only.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Awaitable, Callable
@@ -19,25 +18,31 @@ from q27py.server.errors import ApiError, error_json, family_for_path
 from q27py.server.http import HttpServer, Limits, Request, Response, StreamingResponse
 from q27py.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from q27py.server.params import parse_json_object
+from q27py.server.request import handle, json_response
 from q27py.server.service import ChatService
 
 log = logging.getLogger("q27py.server")
 
 Route = Callable[[ChatService, Request, dict], Awaitable["Response | StreamingResponse"]]
 
+
+
+def _generate(api) -> Route:
+    """The shared pipeline (server/request.handle) for one API module."""
+    async def route(svc: ChatService, request: Request, body: dict):
+        return await handle(svc, api, body)
+    return route
+
+
 # (path) -> (api label for metrics, POST handler taking the parsed JSON body)
 POST_ROUTES: dict[str, tuple[str, Route]] = {
-    "/v1/messages": ("anthropic", anthropic.messages),
+    "/v1/messages": ("anthropic", _generate(anthropic)),
     "/v1/messages/count_tokens": ("anthropic", anthropic.count_tokens),
-    "/v1/chat/completions": ("chat", openai_chat.chat_completions),
-    "/v1/completions": ("completions", completions.completions),
-    "/v1/responses": ("responses", responses.create_response),
+    "/v1/chat/completions": ("chat", _generate(openai_chat)),
+    "/v1/completions": ("completions", _generate(completions)),
+    "/v1/responses": ("responses", _generate(responses)),
 }
 GET_PATHS = ("/", "/health", "/metrics", "/v1/models")
-
-
-def json_response(status: int, payload) -> Response:
-    return Response(status, json.dumps(payload, ensure_ascii=False).encode("utf-8"))
 
 
 class App:

@@ -120,14 +120,12 @@ class EngineBridge:
             running = 1 if self._running is not None else 0
             tokens = self._running_tokens
             waiting = self._waiting
-        usage = getattr(self.engine, "kv_cache_usage", None)
-        if callable(usage):
-            fraction = float(usage())
-        else:  # one sequence at a time: its length over the context window
+        fraction = self.engine.kv_cache_usage()
+        if fraction is None:  # one sequence at a time: its length over the context window
             fraction = min(1.0, tokens / max(1, self.max_context))
-        prefix_stats = getattr(self.engine, "prefix_stats", None)
-        prefix = dict(prefix_stats()) if callable(prefix_stats) else None
-        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=fraction, prefix=prefix)
+        prefix = self.engine.prefix_stats()
+        prefix = dict(prefix) if prefix is not None else None
+        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=float(fraction), prefix=prefix)
 
     # ---- the engine thread ---------------------------------------------
 

@@ -10,7 +10,6 @@ stream_options.include_usage one more chunk with `choices: []` and the usage
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -18,11 +17,10 @@ import time
 from q27py.chat import stream as cs
 from q27py.server import sse
 from q27py.server.errors import ApiError, bad_request
-from q27py.server.http import Request, Response, StreamingResponse
 from q27py.server.params import Fields
-from q27py.server.service import ChatService, TurnResult
-from q27py.server.streaming import stream_turn
-from q27py.server.turn import KEEPALIVE, Finish, TurnPlan, Usage
+from q27py.server.request import ChatRequest, conversation, read_sampling, read_template_thinking
+from q27py.server.service import Prompt, TurnResult
+from q27py.server.turn import KEEPALIVE, Finish, Usage
 
 log = logging.getLogger("q27py.server")
 
@@ -60,39 +58,36 @@ def reject_unsupported(f: Fields) -> None:
                           "decoding); use 'text'", "response_format")
 
 
-def sampling_from(svc: ChatService, f: Fields):
-    top_k = f.integer("top_k", minimum=-1)
-    return svc.sampling(temperature=f.number("temperature", minimum=0, maximum=2),
-                        top_p=f.number("top_p", minimum=0, maximum=1),
-                        top_k=None if top_k in (None, -1) else top_k,
-                        min_p=f.number("min_p", minimum=0, maximum=1),
-                        seed=f.integer("seed"))
-
-
 def include_usage(f: Fields) -> bool:
     options = f.obj("stream_options") or {}
-    return Fields(options).boolean("include_usage", False) is True
+    return Fields(options, "stream_options.").boolean("include_usage", False) is True
 
 
-async def chat_completions(svc: ChatService, request: Request, body: dict) -> Response | StreamingResponse:
+def read(body: dict) -> ChatRequest:
+    """The body in one pass, every field checked where it is read."""
     f = Fields(body)
-    model = f.string("model", required=True)
+    req = ChatRequest(api="openai", model=f.string("model", required=True))
     reject_unsupported(f)
-    f.boolean("stream", False)
-    sampling = sampling_from(svc, f)
-    budget = f.integer("thinking_budget", minimum=1)
-    conv, opts = svc.conversation("openai", body)
-    prompt = svc.render(conv, thinking=opts.enable_thinking, preserve_thinking=opts.preserve_thinking)
-    svc.check_context(prompt, overflow_error)
-    max_tokens = svc.max_tokens(opts.max_tokens, prompt)
-    plan = svc.plan(prompt, conv=conv, max_tokens=max_tokens, sampling=sampling, stop_sequences=opts.stop,
-                    reasoning_budget=svc.reasoning_budget(budget, max_tokens),
-                    stop_after_tool_call=opts.parallel_tool_calls is False)
-    cid = "chatcmpl-" + secrets.token_hex(12)
-    if opts.stream:
-        return StreamingResponse(200, _stream(svc, plan, conv, model, cid, opts.include_usage))
-    result = await svc.collect(plan)
-    return Response(200, json.dumps(_completion_object(cid, model, conv, result), ensure_ascii=False).encode())
+    req.stream = bool(f.boolean("stream", False))
+    read_sampling(f, req, top_k_minimum=-1)
+    req.thinking_budget = f.integer("thinking_budget", minimum=1)
+    req.max_tokens = f.integer("max_completion_tokens", minimum=1)
+    if req.max_tokens is None:
+        req.max_tokens = f.integer("max_tokens", minimum=1)
+    req.stop = f.stop_list("stop", strict=False)
+    req.stop_after_tool_call = f.boolean("parallel_tool_calls") is False
+    req.include_usage = include_usage(f)
+    read_template_thinking(f, req)
+    req.conv, req.tool_choice = conversation("openai", body)
+    return req
+
+
+def emitter(req: ChatRequest, prompt: Prompt) -> "_Emitter":
+    return _Emitter("chatcmpl-" + secrets.token_hex(12), req.model, req.conv, req.include_usage)
+
+
+def whole(req: ChatRequest, prompt: Prompt, result: TurnResult) -> dict:
+    return _completion_object("chatcmpl-" + secrets.token_hex(12), req.model, req.conv, result)
 
 
 def _api_tool_name(conv, name: str) -> str:
@@ -118,22 +113,46 @@ def _completion_object(cid: str, model: str, conv, result: TurnResult) -> dict:
             "usage": usage_object(result.finish.usage)}
 
 
-class _Emitter:
-    def __init__(self, cid: str, model: str, conv, with_usage: bool):
+class OpenAIStream:
+    """What the Chat Completions and Completions streams share: chunk framing (with
+    `"usage": null` when a usage chunk follows), the final chunk, the usage chunk, [DONE]
+    and the error. Subclasses say what one choice holds (`field`: delta or text)."""
+
+    object_name = "chat.completion.chunk"
+    field = "delta"
+    empty: object = {}
+
+    def __init__(self, cid: str, model: str, with_usage: bool):
         self.cid = cid
         self.model = model
-        self.conv = conv
         self.with_usage = with_usage
         self.created = int(time.time())
-        self.args_sent: dict[int, str] = {}
 
-    def chunk(self, delta: dict, finish_reason: str | None = None) -> bytes:
-        payload = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
-                   "model": self.model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    def chunk(self, content, finish_reason: str | None = None) -> bytes:
+        payload = {"id": self.cid, "object": self.object_name, "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, self.field: content, "logprobs": None,
+                                "finish_reason": finish_reason}]}
         if self.with_usage:
             payload["usage"] = None
         return sse.data(payload)
+
+    def finish(self, finish: Finish) -> bytes:
+        out = self.chunk(self.empty, FINISH_REASONS.get(finish.reason, "stop"))
+        if self.with_usage:
+            out += sse.data({"id": self.cid, "object": self.object_name, "created": self.created,
+                             "model": self.model, "choices": [], "usage": usage_object(finish.usage)})
+        return out + sse.DONE
+
+    def failure(self, message: str) -> bytes:
+        return sse.data({"error": {"message": message, "type": "server_error", "param": None,
+                                   "code": None}}) + sse.DONE
+
+
+class _Emitter(OpenAIStream):
+    def __init__(self, cid: str, model: str, conv, with_usage: bool):
+        super().__init__(cid, model, with_usage)
+        self.conv = conv
+        self.args_sent: dict[int, str] = {}
 
     def start(self) -> bytes:
         return self.chunk({"role": "assistant", "content": ""})
@@ -165,19 +184,3 @@ class _Emitter:
 
     def _args(self, index: int, fragment: str) -> bytes:
         return self.chunk({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
-
-    def finish(self, finish: Finish) -> bytes:
-        out = self.chunk({}, FINISH_REASONS.get(finish.reason, "stop"))
-        if self.with_usage:
-            out += sse.data({"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
-                             "model": self.model, "choices": [], "usage": usage_object(finish.usage)})
-        return out + sse.DONE
-
-    def failure(self, message: str) -> bytes:
-        return sse.data({"error": {"message": message, "type": "server_error", "param": None,
-                                   "code": None}}) + sse.DONE
-
-
-async def _stream(svc: ChatService, plan: TurnPlan, conv, model: str, cid: str, with_usage: bool):
-    async for chunk in stream_turn(svc, plan, _Emitter(cid, model, conv, with_usage)):
-        yield chunk

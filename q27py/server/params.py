@@ -60,10 +60,12 @@ def json_type(value: Any) -> str:
 
 
 class Fields:
-    """Typed access to a request body's top-level fields; `None` counts as absent."""
+    """Typed access to a request body's fields; `None` counts as absent. `prefix` names a
+    nested object in messages ("reasoning." -> "reasoning.effort: ...")."""
 
-    def __init__(self, body: dict):
+    def __init__(self, body: dict, prefix: str = ""):
         self.body = body
+        self.prefix = prefix
 
     def present(self, key: str) -> bool:
         return self.body.get(key) is not None
@@ -73,12 +75,12 @@ class Fields:
         value = self.body.get(key)
         if value is None:
             if required:
-                raise bad_request(f"{key}: field required", key)
+                raise bad_request(f"{self.prefix}{key}: field required", self.prefix + key)
             return default
         if not isinstance(value, str):
-            raise bad_request(f"{key}: expected a string, got {json_type(value)}", key)
+            raise bad_request(f"{self.prefix}{key}: expected a string, got {json_type(value)}", self.prefix + key)
         if choices is not None and value not in choices:
-            raise bad_request(f"{key}: must be one of {', '.join(choices)} (got {value!r})", key)
+            raise bad_request(f"{self.prefix}{key}: must be one of {', '.join(choices)} (got {value!r})", self.prefix + key)
         return value
 
     def boolean(self, key: str, default: bool | None = None) -> bool | None:
@@ -86,7 +88,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise bad_request(f"{key}: expected a boolean, got {json_type(value)}", key)
+            raise bad_request(f"{self.prefix}{key}: expected a boolean, got {json_type(value)}", self.prefix + key)
         return value
 
     def integer(self, key: str, *, required: bool = False, minimum: int | None = None,
@@ -94,13 +96,13 @@ class Fields:
         value = self.body.get(key)
         if value is None:
             if required:
-                raise bad_request(f"{key}: field required", key)
+                raise bad_request(f"{self.prefix}{key}: field required", self.prefix + key)
             return default
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise bad_request(f"{key}: expected an integer, got {json_type(value)}", key)
-        _check_range(key, value, minimum, maximum)
+            raise bad_request(f"{self.prefix}{key}: expected an integer, got {json_type(value)}", self.prefix + key)
+        _check_range(self.prefix + key, value, minimum, maximum)
         return value
 
     def number(self, key: str, *, minimum: float | None = None, maximum: float | None = None,
@@ -109,8 +111,8 @@ class Fields:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise bad_request(f"{key}: expected a number, got {json_type(value)}", key)
-        _check_range(key, value, minimum, maximum)
+            raise bad_request(f"{self.prefix}{key}: expected a number, got {json_type(value)}", self.prefix + key)
+        _check_range(self.prefix + key, value, minimum, maximum)
         return float(value)
 
     def obj(self, key: str) -> dict | None:
@@ -118,21 +120,28 @@ class Fields:
         if value is None:
             return None
         if not isinstance(value, dict):
-            raise bad_request(f"{key}: expected an object, got {json_type(value)}", key)
+            raise bad_request(f"{self.prefix}{key}: expected an object, got {json_type(value)}", self.prefix + key)
         return value
 
-    def stop_list(self, key: str, *, max_items: int = 16) -> tuple[str, ...]:
-        """A stop field: a string or a list of strings."""
+    def stop_list(self, key: str, *, max_items: int = 16, strict: bool = True) -> tuple[str, ...]:
+        """A stop field: a string or a list of strings. `strict`: at most max_items, none empty
+        (the chat APIs have always taken any list; empty stops are ignored there)."""
         value = self.body.get(key)
         if value is None:
             return ()
         items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise bad_request(f"{key}: expected a string or a list of strings", key)
+        if not isinstance(items, list):
+            raise bad_request(f"{self.prefix}{key}: expected a string or a list of strings", self.prefix + key)
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                where = f"{self.prefix}{key}[{i}]"
+                raise bad_request(f"{where}: expected a string, got {json_type(item)}", where)
+        if not strict:
+            return tuple(items)
         if len(items) > max_items:
-            raise bad_request(f"{key}: at most {max_items} stop sequences are supported", key)
+            raise bad_request(f"{self.prefix}{key}: at most {max_items} stop sequences are supported", self.prefix + key)
         if any(s == "" for s in items):
-            raise bad_request(f"{key}: stop sequences must not be empty", key)
+            raise bad_request(f"{self.prefix}{key}: stop sequences must not be empty", self.prefix + key)
         return tuple(items)
 
 

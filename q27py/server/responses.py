@@ -26,12 +26,10 @@ from q27py.chat import stream as cs
 from q27py.chat.conversation import CUSTOM_TOOL_INPUT
 from q27py.server import sse
 from q27py.server.errors import ApiError
-from q27py.server.http import Request, Response, StreamingResponse
-from q27py.server.openai_chat import sampling_from
 from q27py.server.params import Fields
-from q27py.server.service import ChatService, TurnResult
-from q27py.server.streaming import stream_turn
-from q27py.server.turn import KEEPALIVE, Finish, TurnPlan, Usage
+from q27py.server.request import ChatRequest, conversation, read_sampling, read_template_thinking
+from q27py.server.service import Prompt, TurnResult
+from q27py.server.turn import KEEPALIVE, Finish, Usage
 
 log = logging.getLogger("q27py.server")
 
@@ -53,26 +51,33 @@ def _new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-async def create_response(svc: ChatService, request: Request, body: dict) -> Response | StreamingResponse:
+# Request fields the response object repeats back.
+ECHOED = ("instructions", "max_output_tokens", "parallel_tool_calls", "reasoning", "temperature", "top_p",
+          "tool_choice", "tools")
+
+
+def read(body: dict) -> ChatRequest:
+    """The body in one pass, every field checked where it is read."""
     f = Fields(body)
-    model = f.string("model", required=True)
+    req = ChatRequest(api="responses", model=f.string("model", required=True))
     if f.boolean("background", False):
         raise ApiError(400, "background: background responses are not supported", param="background")
-    f.boolean("stream", False)
-    sampling = sampling_from(svc, f)
-    conv, opts = svc.conversation("responses", body)
-    prompt = svc.render(conv, thinking=opts.enable_thinking, preserve_thinking=opts.preserve_thinking)
-    svc.check_context(prompt, overflow_error)
-    max_tokens = svc.max_tokens(opts.max_tokens, prompt)
-    plan = svc.plan(prompt, conv=conv, max_tokens=max_tokens, sampling=sampling,
-                    reasoning_budget=svc.reasoning_budget(None, max_tokens),
-                    stop_after_tool_call=opts.parallel_tool_calls is False)
-    shell = _ResponseShell(model, body)
-    if opts.stream:
-        return StreamingResponse(200, _stream(svc, plan, conv, shell))
-    result = await svc.collect(plan)
-    items = _output_items(conv, result)
-    return Response(200, json.dumps(shell.finished(items, result.finish), ensure_ascii=False).encode())
+    req.stream = bool(f.boolean("stream", False))
+    read_sampling(f, req, top_k_minimum=-1)
+    req.max_tokens = f.integer("max_output_tokens", minimum=1)
+    req.stop_after_tool_call = f.boolean("parallel_tool_calls") is False
+    read_template_thinking(f, req)
+    req.conv, req.tool_choice = conversation("responses", body)
+    req.echo = {key: body[key] for key in ECHOED if key in body}
+    return req
+
+
+def emitter(req: ChatRequest, prompt: Prompt) -> "_Emitter":
+    return _Emitter(_ResponseShell(req.model, req.echo), req.conv)
+
+
+def whole(req: ChatRequest, prompt: Prompt, result: TurnResult) -> dict:
+    return _ResponseShell(req.model, req.echo).finished(_output_items(req.conv, result), result.finish)
 
 
 class _ResponseShell:
@@ -285,8 +290,3 @@ class _Emitter:
         failed = self.shell.object("failed", self.output,
                                    error={"code": "server_error", "message": message})
         return self._event("response.failed", {"response": failed})
-
-
-async def _stream(svc: ChatService, plan: TurnPlan, conv, shell: _ResponseShell):
-    async for chunk in stream_turn(svc, plan, _Emitter(shell, conv)):
-        yield chunk

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from q27py.chat.conversation import Conversation
 from q27py.chat.render import THINK_OPEN, RenderError, render
+from q27py.chat.textstage import RawSplitter
 from q27py.config import ServerConfig
-from q27py.engine.api import SamplingParams
+from q27py.engine.api import SamplingParams, clamp_max_tokens, max_prompt_tokens
 from q27py.server import turn as turn_mod
 from q27py.server.bridge import EngineBridge
 from q27py.server.errors import ApiError
@@ -25,16 +26,13 @@ from q27py.server.turn import KEEPALIVE, Finish, TurnPlan, Usage
 
 log = logging.getLogger("q27py.server")
 
-# Tokens a prompt must leave free: room to answer at all, plus a forced think close.
-OUTPUT_RESERVE = 16
-
-
 @dataclass
 class Prompt:
     ids: list[int]
     text: str
     stable_tokens: int | None  # prompt tokens up to the renderer's stable boundary
     starts_in_reasoning: bool  # the prompt ends inside an open <think>
+    system_tokens: int | None = None  # prompt tokens of the leading system turn (shared across chats)
 
 
 @dataclass
@@ -73,21 +71,9 @@ class ChatService:
 
     @property
     def max_prompt_tokens(self) -> int:
-        return max(1, self.max_context - OUTPUT_RESERVE)
+        return max_prompt_tokens(self.max_context)
 
     # ---- prompts ---------------------------------------------------------
-
-    def conversation(self, api: str, body: dict):
-        """(Conversation, RequestOptions) for `api` ("anthropic" | "openai" | "responses"); 400 if unreadable."""
-        from q27py.chat.requests import RequestError, parse_request
-
-        try:
-            conv, opts = parse_request(api, body)
-        except RequestError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        if opts.tool_choice.mode == "none":
-            conv.tools = []  # the model is not told about tools it may not call
-        return conv, opts
 
     def render(self, conv: Conversation, *, thinking: bool | None,
                preserve_thinking: bool | None = None) -> Prompt:
@@ -100,16 +86,26 @@ class ChatService:
                               preserve_thinking=preserve_thinking)
         except RenderError as exc:
             raise ApiError(400, str(exc)) from None
-        # Split-encode at the stable boundary so the stable prefix tokenizes the same way
-        # whatever follows it (prefix reuse restores exactly these tokens).
-        head = self.tokenizer.encode(rendered.text[: rendered.stable_len])
-        tail = self.tokenizer.encode(rendered.text[rendered.stable_len:])
-        return Prompt(ids=head + tail, text=rendered.text, stable_tokens=len(head) or None,
-                      starts_in_reasoning=rendered.text.endswith(THINK_OPEN))
+        # Split-encode at the system and stable boundaries so each shared prefix tokenizes
+        # the same way whatever follows it (prefix reuse restores exactly these tokens), and
+        # so the engine is told those boundaries as token offsets (it knows no chat layout).
+        text = rendered.text
+        system_len = min(rendered.system_len, rendered.stable_len)
+        system = self.tokenizer.encode(text[:system_len]) if system_len else []
+        head = system + self.tokenizer.encode(text[system_len: rendered.stable_len])
+        tail = self.tokenizer.encode(text[rendered.stable_len:])
+        return Prompt(ids=head + tail, text=text, stable_tokens=len(head) or None,
+                      starts_in_reasoning=text.endswith(THINK_OPEN), system_tokens=len(system) or None)
 
     def raw_prompt(self, text: str | None = None, ids: list[int] | None = None) -> Prompt:
+        """A prompt used as is (no chat template): text, or token ids checked against the vocabulary."""
         if ids is None:
             ids = self.tokenizer.encode(text or "")
+        else:
+            vocab = getattr(self.tokenizer, "vocab_size", None)
+            if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
+                raise ApiError(400, "prompt: token id out of range", param="prompt")
+            text = self.tokenizer.decode(ids)
         return Prompt(ids=list(ids), text=text or "", stable_tokens=None, starts_in_reasoning=False)
 
     def check_context(self, prompt: Prompt, overflow_error) -> None:
@@ -122,7 +118,7 @@ class ChatService:
     def max_tokens(self, requested: int | None, prompt: Prompt) -> int:
         """The client's limit (or the server default), clamped to what the context has left."""
         wanted = self.config.default_max_tokens if requested is None else requested
-        return max(1, min(wanted, self.max_context - len(prompt.ids)))
+        return max(1, clamp_max_tokens(wanted, len(prompt.ids), self.max_context))
 
     def reasoning_budget(self, requested: int | None, max_tokens: int) -> int:
         """Think-token cap: the request's, else the server's, else half of max_tokens, so an
@@ -142,7 +138,7 @@ class ChatService:
 
     def splitter_factory(self, conv: Conversation | None):
         if conv is None:
-            return turn_mod.RawSplitter
+            return RawSplitter
         from q27py.chat.stream import StreamSplitter
 
         # Deferred tools too: the model may call one once a tool_reference has shown it.
@@ -158,7 +154,8 @@ class ChatService:
              stop_after_tool_call: bool = False) -> TurnPlan:
         return TurnPlan(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling,
                         stop_ids=self.stop_ids, stop_sequences=tuple(stop_sequences),
-                        stable_len=prompt.stable_tokens, starts_in_reasoning=prompt.starts_in_reasoning,
+                        stable_len=prompt.stable_tokens, system_len=prompt.system_tokens,
+                        starts_in_reasoning=prompt.starts_in_reasoning,
                         reasoning_budget=reasoning_budget, stop_after_tool_call=stop_after_tool_call,
                         make_splitter=self.splitter_factory(conv))
 

@@ -11,7 +11,7 @@ import pytest
 
 from q27py import DEFAULT_MODEL_DIR
 from q27py.chat.render import render
-from q27py.chat.requests import parse_request
+from q27py.chat.requests import parse_conversation
 from q27py.cli import main
 
 OPENAI = {"model": "m", "messages": [
@@ -41,7 +41,7 @@ def run_cli(monkeypatch, capsys, body, *args: str) -> tuple[int, str, str]:
 
 def test_prints_the_exact_prompt(monkeypatch, capsys):
     rc, out, _ = run_cli(monkeypatch, capsys, OPENAI, "--api", "openai")
-    conv, _ = parse_request("openai", OPENAI)
+    conv, _ = parse_conversation("openai", OPENAI)
     # The server default applies: thinking on, old thinking preserved.
     assert rc == 0
     assert out == render(conv, enable_thinking=True, preserve_thinking=True).text

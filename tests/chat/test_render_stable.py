@@ -18,7 +18,7 @@ from agent_sessions import (
 
 from q27py.chat.conversation import Conversation
 from q27py.chat.render import render
-from q27py.chat.requests import parse_request
+from q27py.commands.render import read_request
 
 SEEDS = range(100)
 AGENT = {"template": "qwen3.6", "preserve_thinking": True}
@@ -93,9 +93,9 @@ def _api_renders(api: str, seed: int):
             body = openai_body(msgs[:k])
         else:
             body = responses_body(msgs[:k])
-        conv, opts = parse_request(api, body)
-        yield render(conv, **opts.render_options(default_thinking=True,
-                                                 default_preserve_thinking=True))
+        req = read_request(api, body)  # as the server reads it; None = the server default (on)
+        yield render(req.conv, enable_thinking=req.enable_thinking is not False,
+                     preserve_thinking=req.preserve_thinking is not False)
 
 
 @pytest.mark.parametrize("api", ["anthropic", "openai", "responses"])

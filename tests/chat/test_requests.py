@@ -1,4 +1,5 @@
-"""Request bodies of the three APIs -> Conversation + RequestOptions."""
+"""Request bodies of the three APIs -> Conversation (chat/requests.py) + the options around it
+(each API module's `read`, server/request.ChatRequest)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,45 @@ from q27py.chat.render import render
 from q27py.chat.requests import (
     RequestError,
     ToolChoice,
-    parse_request,
+    parse_conversation,
     strip_billing_header,
 )
 from q27py.errors import Q27Error
+from q27py.server import anthropic as anthropic_api
+from q27py.server import openai_chat, responses
+from q27py.server.errors import ApiError
+
+READERS = {"anthropic": anthropic_api.read, "openai": openai_chat.read, "responses": responses.read}
+
+
+def parse_request(api: str, body):
+    """(Conversation, ChatRequest) as the server reads the body (model filled in if absent)."""
+    req = READERS[api]({"model": "m", **body} if isinstance(body, dict) and "model" not in body else body)
+    return req.conv, req
+
+
+def render_options(req, *, default_thinking: bool, default_preserve_thinking: bool) -> dict:
+    """What the server passes to render(): the request's choice, else the server's."""
+    return {"enable_thinking": default_thinking if req.enable_thinking is None else req.enable_thinking,
+            "preserve_thinking": default_preserve_thinking if req.preserve_thinking is None
+            else req.preserve_thinking}
+
+
+def option_error(api: str, body) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_request(api, body)
+    return info.value
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.332.0b8; cc_entrypoint=sdk-cli;"
 
 
-def parse_error(api: str, body) -> RequestError:
-    with pytest.raises(RequestError) as info:
-        parse_request(api, body)
-    return info.value
+def parse_error(api: str, body) -> RequestError | ApiError:
+    """The error naming the field: from the chat part if it is wrong, else from the options."""
+    try:
+        parse_conversation(api, body)
+    except RequestError as exc:
+        return exc
+    return option_error(api, body)
 
 
 # --- round trips over random agent sessions ------------------------------------------
@@ -44,18 +72,19 @@ def test_sessions_map_back_to_the_same_conversation(api, build, caplog):
         assert conv.messages == msgs, seed
         assert conv.tools == TOOLS
         assert opts.api == api and opts.stream is True and opts.model == "qwen-local"
-        assert opts.enable_thinking is True
+        # Claude Code sends thinking "adaptive": the server's default decides (None).
+        assert opts.enable_thinking is (None if api == "anthropic" else True)
     if api == "responses":
         assert "web_search" in caplog.text  # the hosted tool was dropped, with a log line
 
 
 def test_request_error_is_a_q27_error_with_a_param():
     err = parse_error("openai", {"messages": "hi"})
-    assert isinstance(err, Q27Error)
+    assert isinstance(err, Q27Error) and isinstance(err, RequestError)
     assert err.param == "messages" and "array" in err.message
     assert parse_error("openai", []).param == "body"
     with pytest.raises(RequestError, match="unknown API"):
-        parse_request("gemini", {})
+        parse_conversation("gemini", {})
 
 
 # --- Anthropic Messages ---------------------------------------------------------------
@@ -131,7 +160,8 @@ def test_tool_results_and_text_in_one_user_message():
 
 @pytest.mark.parametrize("thinking, enabled, budget", [
     (None, None, None),
-    ({"type": "adaptive", "display": "omitted"}, True, None),
+    # adaptive: "the model decides"; here the server's default decides (None), read once.
+    ({"type": "adaptive", "display": "omitted"}, None, None),
     ({"type": "enabled", "budget_tokens": 2048}, True, 2048),
     ({"type": "disabled"}, False, None),
 ])
@@ -139,7 +169,7 @@ def test_anthropic_thinking(thinking, enabled, budget):
     body = anthropic() if thinking is None else anthropic(thinking=thinking)
     _, opts = parse_request("anthropic", body)
     assert (opts.enable_thinking, opts.thinking_budget) == (enabled, budget)
-    resolved = opts.render_options(default_thinking=False, default_preserve_thinking=True)
+    resolved = render_options(opts, default_thinking=False, default_preserve_thinking=True)
     assert resolved == {"enable_thinking": bool(enabled), "preserve_thinking": True}
 
 
@@ -149,7 +179,7 @@ def test_anthropic_options_and_tolerated_fields():
         tool_choice={"type": "any"}, metadata={"user_id": "x"}, output_config={"effort": "high"},
         context_management={"edits": []}, service_tier="auto"))
     assert (opts.temperature, opts.top_p, opts.top_k, opts.stop, opts.max_tokens) == \
-        (0.7, 0.9, 20, ["END"], 100)
+        (0.7, 0.9, 20, ("END",), 100)
     assert opts.tool_choice == ToolChoice("required")
     _, opts = parse_request("anthropic", anthropic(tool_choice={"type": "tool", "name": "Bash"}))
     assert opts.tool_choice == ToolChoice("tool", "Bash")
@@ -274,12 +304,12 @@ def test_chat_options():
         parallel_tool_calls=False, tool_choice={"type": "function", "function": {"name": "f"}},
         chat_template_kwargs={"preserve_thinking": False}, logprobs=False, response_format={}))
     assert (opts.max_tokens, opts.stop, opts.temperature, opts.top_p, opts.seed) == \
-        (20, ["\n\n"], 1.0, 0.5, 7)
-    assert (opts.min_p, opts.top_k, opts.include_usage, opts.parallel_tool_calls) == \
-        (0.05, 40, True, False)
+        (20, ("\n\n",), 1.0, 0.5, 7)
+    assert (opts.min_p, opts.top_k, opts.include_usage, opts.stop_after_tool_call) == \
+        (0.05, 40, True, True)
     assert opts.tool_choice == ToolChoice("tool", "f")
     assert opts.preserve_thinking is False
-    assert opts.render_options(default_thinking=True, default_preserve_thinking=True) == \
+    assert render_options(opts, default_thinking=True, default_preserve_thinking=True) == \
         {"enable_thinking": True, "preserve_thinking": False}
 
 
@@ -316,9 +346,9 @@ def test_chat_invalid_structure(messages, param):
 
 
 def test_chat_n_and_stop_validation():
-    assert parse_error("openai", chat(n=2)).param == "n"
-    assert parse_error("openai", chat(stop=["a", 1])).param == "stop[1]"
-    assert parse_request("openai", chat(n=1, stop=None))[1].stop == []
+    assert option_error("openai", chat(n=2)).param == "n"
+    assert option_error("openai", chat(stop=["a", 1])).param == "stop[1]"
+    assert parse_request("openai", chat(n=1, stop=None))[1].stop == ()
 
 
 # --- OpenAI Responses -----------------------------------------------------------------
@@ -459,7 +489,7 @@ def test_codex_like_request_renders_developer_turns_in_place():
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "skills"}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "do it"}]},
     ], "tools": CODEX_TOOLS})
-    out = render(conv, **opts.render_options(default_thinking=True, default_preserve_thinking=True))
+    out = render(conv, **render_options(opts, default_thinking=True, default_preserve_thinking=True))
     system_turn = out.text[: out.system_len]
     assert system_turn.endswith("</IMPORTANT>\n\nbase<|im_end|>\n")
     assert '"name": "multi_agent_v1__spawn_agent"' in system_turn

@@ -6,6 +6,7 @@ import pytest
 
 from q27py import DEFAULT_MODEL_DIR
 from q27py.cli import main
+from q27py.chat.textstage import TextStage, text_of
 from q27py.config import Q27Config
 from q27py.engine.api import GenerationRequest
 from q27py.engine.decoder import Decoder
@@ -29,9 +30,19 @@ def _engine(parts, **spec):
     return LocalEngine(cfg, *parts)
 
 
-def _collect(engine, request):
-    chunks = list(engine.generate(request))
-    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
+def _collect(engine, request, stops=()):
+    """Engine ids through the text stage, as the server runs them: a stop string cancels the
+    request, and the engine's last chunk (its statistics) is still read."""
+    stage = TextStage(engine.tokenizer, stop_ids=request.stop_ids, stops=stops)
+    chunks, text = [], []
+    for chunk in engine.generate(request):
+        chunks.append(chunk)
+        text.append(text_of(stage.feed(chunk.token_ids)))
+        if stage.stopped:
+            request.cancel.set()
+    text.append(text_of(stage.finish()))
+    finish = "stop_string" if stage.matched_stop is not None else chunks[-1].finish_reason
+    return [t for c in chunks for t in c.token_ids], "".join(text), chunks[-1], finish
 
 
 def test_engine_picks_the_decoder_from_the_config(parts):
@@ -47,15 +58,16 @@ def test_stop_string_inside_a_speculative_round(parts):
     model, tok = parts
     ids = tok.encode(PROMPT)
     spec = _engine(parts, trace=True)
-    full_tokens, full_text, _ = _collect(spec, GenerationRequest(ids, 20))
+    full_tokens, full_text, _, _ = _collect(spec, GenerationRequest(ids, 20))
     # ", 3, 1, 2, 3, ..." : stop at the second "1," - committed inside one wide suffix round.
     stop = "1, 2, 3, 1"
     assert stop in full_text
-    tokens, text, last = _collect(spec, GenerationRequest(ids, 20, stop_strings=(stop,)))
-    assert last.finish_reason == "stop_string"
+    tokens, text, last, finish = _collect(spec, GenerationRequest(ids, 20), (stop,))
+    assert finish == "stop_string" and last.finish_reason == "cancelled"
     assert text == full_text[: full_text.index(stop)]
-    plain_tokens, plain_text, plain_last = _collect(_engine(parts, enabled=False), GenerationRequest(ids, 20, stop_strings=(stop,)))
-    assert plain_text == text and plain_last.finish_reason == "stop_string"
+    plain_tokens, plain_text, plain_last, plain_finish = _collect(_engine(parts, enabled=False),
+                                                                  GenerationRequest(ids, 20), (stop,))
+    assert plain_text == text and plain_finish == "stop_string"
     assert last.stats["rounds"] < plain_last.stats["rounds"]
     assert sum(r["accepted"] for r in last.stats["trace"]) == last.stats["generated_tokens"] == len(tokens)
 

@@ -185,7 +185,7 @@ def test_prefill_attention_is_faster_than_per_lane_kernel(cp, K):
 def build(chunk, kv="f32"):
     from q27py.gpu.forward import FastModel
     from q27py.gpu.weights import from_checkpoint
-    from q27py.io.checkpoint import Checkpoint
+    from q27py.model.checkpoint import Checkpoint
 
     weights = from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), "bf16", progress=False)
     return FastModel(weights, max_context=512, kv_dtype=kv, chunk=chunk)

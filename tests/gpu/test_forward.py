@@ -30,7 +30,7 @@ def close(got, want, factor=1e-3):
 def build(model_dir, tier="bf16", kv="f32", chunk=64, max_context=512):
     from q27py.gpu.forward import FastModel
     from q27py.gpu.weights import from_checkpoint
-    from q27py.io.checkpoint import Checkpoint
+    from q27py.model.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(model_dir)
     return FastModel(from_checkpoint(ckpt, tier, progress=False), max_context=max_context, kv_dtype=kv, chunk=chunk)

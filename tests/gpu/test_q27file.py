@@ -8,7 +8,7 @@ import pytest
 
 from q27py import DEFAULT_MODEL_DIR
 from q27py.gpu import layout as L
-from q27py.io.checkpoint import Checkpoint
+from q27py.model.checkpoint import Checkpoint
 from q27py.io.q27file import ALIGN, Q27File, recipe, write
 
 

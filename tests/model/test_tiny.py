@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from q27py.cli import main
-from q27py.io.checkpoint import Checkpoint
+from q27py.model.checkpoint import Checkpoint
 from q27py.model.reference import ReferenceModel
 from q27py.model.tiny import load_full_tokenizer_json, prefix_tokenizer_json
 

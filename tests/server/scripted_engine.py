@@ -5,7 +5,7 @@ tests drive the model side with a script: a function from the decoded prompt
 text to the text the "model" says next. The text is encoded with the real
 tokenizer (markers such as </think> and <tool_call> become their special
 tokens, as a real model emits them) and streamed back a few tokens per chunk,
-so the real detokenizer, splitter, tool parser and SSE paths all run.
+so the real text stage (detokenizer, splitter), tool parser and SSE paths all run.
 
 It lives under tests/ only: the package has no way to serve it.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from q27py.engine.api import GenerationChunk, GenerationRequest
@@ -34,6 +35,13 @@ class ScriptedEngine:
     prompts: list[str] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     model_name: str = "scripted-tiny"
+    model_dir: Path = Path("/nonexistent")  # no template files: the default template
+
+    def prefix_stats(self):
+        return None
+
+    def kv_cache_usage(self):
+        return None
 
     def generate(self, request: GenerationRequest):
         self.requests.append(request)
@@ -43,7 +51,6 @@ class ScriptedEngine:
         if not self._wait(self.prefill_delay_s, request):
             yield self._final(request, [], "cancelled")
             return
-        decoder = self.tokenizer.new_decoder()
         produced: list[int] = []
         while produced != ids:
             if request.cancel.is_set():
@@ -59,8 +66,7 @@ class ScriptedEngine:
             if eos:
                 step = step[: step.index(eos[0]) + 1]
             produced += step
-            text = decoder.feed([t for t in step if t not in request.stop_ids])
-            yield GenerationChunk(token_ids=step, text=text)
+            yield GenerationChunk(token_ids=step)
             if eos:
                 yield self._final(request, produced, "stop")
                 return

@@ -11,7 +11,7 @@ import pytest
 from q27py.server.errors import ApiError, error_body, family_for_path
 from q27py.server.metrics import EngineLoad, Metrics
 from q27py.server.params import parse_json_object
-from q27py.server.stops import StopMatcher
+from q27py.chat.textstage import StopMatcher
 
 
 def run_stops(stops, pieces):

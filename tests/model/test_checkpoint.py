@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from q27py.errors import CheckpointError, ConfigError
-from q27py.io.checkpoint import Checkpoint, canonical_name
+from q27py.model.checkpoint import Checkpoint, canonical_name
 from q27py.io.safetensors import SafetensorsFile, write_safetensors
 from q27py.model.config import ModelConfig, qwen36_27b_config
 

@@ -1,0 +1,133 @@
+"""One validated, typed request per call, and the handler pipeline every chat API shares.
+
+Each API module (anthropic.py, openai_chat.py, responses.py, completions.py)
+owns its wire format both ways: `read(body) -> ChatRequest` reads the body once,
+every field range-checked where it is read (server/params.Fields) and the chat
+part mapped by q27py.chat.requests; its emitters map turn events back to that
+API's events. Everything between the two is `handle` below, written once:
+
+  read -> prompt (render + tokenize, or raw text / ids) -> context check
+       -> max_tokens + reasoning budget -> plan -> stream (SSE) | collect (JSON)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from q27py.chat.conversation import Conversation
+from q27py.chat.requests import RequestError, ToolChoice, parse_conversation
+from q27py.server.errors import ApiError
+from q27py.server.http import Response, StreamingResponse
+from q27py.server.params import Fields
+from q27py.server.service import ChatService, Prompt, TurnResult
+from q27py.server.streaming import stream_turn
+from q27py.server.turn import TurnPlan
+
+
+@dataclass
+class ChatRequest:
+    """Everything the pipeline needs from one request, validated. None = "not given"."""
+
+    api: str  # "anthropic" | "openai" | "responses" | "completions"
+    model: str
+    conv: Conversation | None = None  # None: a raw-text request (/v1/completions)
+    raw_prompt: str | list[int] | None = None  # /v1/completions: text or token ids
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    stream: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    enable_thinking: bool | None = None  # None: the server default
+    preserve_thinking: bool | None = None
+    thinking_budget: int | None = None  # None: the server's / half of max_tokens
+    stop_after_tool_call: bool = False  # parallel tool calls disabled
+    include_usage: bool = False  # streamed usage chunk (OpenAI stream_options)
+    echo: dict = field(default_factory=dict)  # API-specific fields the response repeats
+
+
+class ApiModule(Protocol):
+    """What an API module gives the pipeline (each server/<api>.py module is one)."""
+
+    def read(self, body: dict) -> ChatRequest: ...
+
+    def overflow_error(self, prompt_tokens: int, limit: int) -> ApiError: ...
+
+    def emitter(self, req: ChatRequest, prompt: Prompt): ...  # start/on/finish/failure -> bytes
+
+    def whole(self, req: ChatRequest, prompt: Prompt, result: TurnResult) -> dict: ...
+
+
+def json_response(status: int, payload: Any) -> Response:
+    return Response(status, json.dumps(payload, ensure_ascii=False).encode("utf-8"))
+
+
+def conversation(api: str, body: dict) -> tuple[Conversation, ToolChoice]:
+    """The chat part of the body (chat/requests.py), a 400 naming the field if unreadable."""
+    try:
+        conv, choice = parse_conversation(api, body)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    if choice.mode == "none":
+        conv.tools = []  # the model is not told about tools it may not call
+    return conv, choice
+
+
+def read_sampling(f: Fields, req: ChatRequest, *, top_k_minimum: int = 0, min_p: bool = True) -> None:
+    """temperature / top_p / top_k / min_p / seed, range-checked; top_k -1 means off."""
+    req.temperature = f.number("temperature", minimum=0, maximum=2)
+    req.top_p = f.number("top_p", minimum=0, maximum=1)
+    top_k = f.integer("top_k", minimum=top_k_minimum)
+    req.top_k = None if top_k == -1 else top_k
+    if min_p:
+        req.min_p = f.number("min_p", minimum=0, maximum=1)
+    req.seed = f.integer("seed")
+
+
+def read_template_thinking(f: Fields, req: ChatRequest) -> None:
+    """vLLM-style switches: chat_template_kwargs.{enable,preserve}_thinking, enable_thinking,
+    then OpenAI's reasoning effort ("none" turns thinking off, any other level on)."""
+    kwargs = Fields(f.obj("chat_template_kwargs") or {}, "chat_template_kwargs.")
+    req.enable_thinking = kwargs.boolean("enable_thinking")
+    req.preserve_thinking = kwargs.boolean("preserve_thinking")
+    if req.enable_thinking is None:
+        req.enable_thinking = f.boolean("enable_thinking")
+    effort = f.string("reasoning_effort")
+    reasoning = f.obj("reasoning")
+    if effort is None and reasoning is not None:
+        effort = Fields(reasoning, "reasoning.").string("effort")
+    if req.enable_thinking is None and effort is not None:
+        req.enable_thinking = effort != "none"
+
+
+def build_prompt(svc: ChatService, req: ChatRequest) -> Prompt:
+    if req.conv is not None:
+        return svc.render(req.conv, thinking=req.enable_thinking, preserve_thinking=req.preserve_thinking)
+    if isinstance(req.raw_prompt, str):
+        return svc.raw_prompt(text=req.raw_prompt)
+    return svc.raw_prompt(ids=req.raw_prompt)
+
+
+def plan_for(svc: ChatService, api: ApiModule, req: ChatRequest, prompt: Prompt) -> TurnPlan:
+    svc.check_context(prompt, api.overflow_error)
+    max_tokens = svc.max_tokens(req.max_tokens, prompt)
+    budget = svc.reasoning_budget(req.thinking_budget, max_tokens) if req.conv is not None else None
+    return svc.plan(prompt, conv=req.conv, max_tokens=max_tokens, sampling=svc.sampling(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed),
+        stop_sequences=req.stop, reasoning_budget=budget, stop_after_tool_call=req.stop_after_tool_call)
+
+
+async def handle(svc: ChatService, api: ApiModule, body: dict) -> Response | StreamingResponse:
+    """The pipeline every generating endpoint runs (module docstring)."""
+    req = api.read(body)
+    prompt = build_prompt(svc, req)
+    plan = plan_for(svc, api, req, prompt)
+    if req.stream:
+        return StreamingResponse(200, stream_turn(svc, plan, api.emitter(req, prompt)))
+    result = await svc.collect(plan)
+    return json_response(200, api.whole(req, prompt, result))
