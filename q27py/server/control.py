@@ -230,18 +230,18 @@ def content_logprobs(records, tokenizer) -> list[dict]:
     return out
 
 
-def legacy_logprobs(records, tokenizer, text_offset: int = 0) -> dict:
-    """Completions' `choices[].logprobs`: parallel lists, top_logprobs as {token: logprob}."""
-    tokens, lps, tops, offsets = [], [], [], []
+def legacy_logprobs(entries: list[dict], text_offset: int = 0) -> dict:
+    """Completions' `choices[].logprobs` from content entries: parallel lists, top_logprobs as
+    {token: logprob}, text_offset counted in characters from `text_offset`."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     pos = text_offset
-    for r in records:
-        text = tokenizer.token_bytes(r.token).decode("utf-8", errors="replace")
-        tokens.append(text)
-        lps.append(_finite(r.logprob))
-        top = {}
-        for t, lp in r.top:
-            top.setdefault(tokenizer.token_bytes(t).decode("utf-8", errors="replace"), _finite(lp))
-        tops.append(top)
-        offsets.append(pos)
-        pos += len(text)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        top: dict = {}
+        for alt in e["top_logprobs"]:
+            top.setdefault(alt["token"], alt["logprob"])
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(pos)
+        pos += len(e["token"])
+    return out

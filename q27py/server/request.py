@@ -13,11 +13,12 @@ API's events. Everything between the two is `handle` below, written once:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from q27py.chat.conversation import Conversation
 from q27py.chat.requests import RequestError, ToolChoice, parse_conversation
+from q27py.server import control
 from q27py.server.errors import ApiError
 from q27py.server.http import Response, StreamingResponse
 from q27py.server.params import Fields
@@ -49,6 +50,9 @@ class ChatRequest:
     stop_after_tool_call: bool = False  # parallel tool calls disabled
     include_usage: bool = False  # streamed usage chunk (OpenAI stream_options)
     echo: dict = field(default_factory=dict)  # API-specific fields the response repeats
+    response_format: control.ResponseFormat | None = None  # structured output (server/control.py)
+    logprobs: int | None = None  # None: off; n: the n most likely alternatives per token too
+    penalties: control.Penalties = field(default_factory=control.Penalties)
 
 
 class ApiModule(Protocol):
@@ -117,9 +121,17 @@ def plan_for(svc: ChatService, api: ApiModule, req: ChatRequest, prompt: Prompt)
     svc.check_context(prompt, api.overflow_error)
     max_tokens = svc.max_tokens(req.max_tokens, prompt)
     budget = svc.reasoning_budget(req.thinking_budget, max_tokens) if req.conv is not None else None
-    return svc.plan(prompt, conv=req.conv, max_tokens=max_tokens, sampling=svc.sampling(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed),
-        stop_sequences=req.stop, reasoning_budget=budget, stop_after_tool_call=req.stop_after_tool_call)
+    sampling = replace(svc.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                    min_p=req.min_p, seed=req.seed),
+                       presence_penalty=req.penalties.presence, frequency_penalty=req.penalties.frequency,
+                       repetition_penalty=req.penalties.repetition)
+    constraint = control.constraint_for(
+        req.tool_choice, req.conv.tools if req.conv is not None else [], req.response_format,
+        dialect=getattr(svc, "tool_dialect", "xml"), starts_in_reasoning=prompt.starts_in_reasoning,
+        one_call=req.stop_after_tool_call)
+    return svc.plan(prompt, conv=req.conv, max_tokens=max_tokens, sampling=sampling,
+                    stop_sequences=req.stop, reasoning_budget=budget, stop_after_tool_call=req.stop_after_tool_call,
+                    constraint=constraint, logprobs=req.logprobs)
 
 
 async def handle(svc: ChatService, api: ApiModule, body: dict) -> Response | StreamingResponse:
