@@ -16,7 +16,7 @@ import json
 import random
 import time
 
-from q27py.chat.render import render_messages
+from q27py.chat.render import encode_rendered, render_messages
 from q27py.engine.api import GenerationRequest
 
 TOOL_NAMES = ["Bash", "Read", "Write", "Edit", "Glob", "Grep", "LS", "TodoWrite", "WebFetch", "Task", "NotebookEdit",
@@ -72,14 +72,16 @@ def session(system_tokens: int, turns: int, tokenizer, seed: int = 0):
         yield list(msgs), tools
 
 
-def encode_turn(tokenizer, messages, tools) -> tuple[list[int], int]:
-    r = render_messages(messages, tools, enable_thinking=True, preserve_thinking=True)
-    head = tokenizer.encode(r.text[: r.stable_len])
-    return head + tokenizer.encode(r.text[r.stable_len :]), len(head)
+def encode_turn(tokenizer, messages, tools) -> tuple[list[int], int, int]:
+    """(ids, stable tokens, system tokens), encoded as the server encodes a prompt."""
+    ids, system, stable = encode_rendered(tokenizer, render_messages(messages, tools, enable_thinking=True,
+                                                                     preserve_thinking=True))
+    return ids, stable, system
 
 
-def first_token(engine, ids: list[int], stable: int) -> dict:
-    req = GenerationRequest(prompt_ids=ids, max_tokens=1, stop_ids=frozenset(), stable_len=stable)
+def first_token(engine, ids: list[int], stable: int, system: int | None = None) -> dict:
+    req = GenerationRequest(prompt_ids=ids, max_tokens=1, stop_ids=frozenset(), stable_len=stable,
+                            system_len=system or None)
     t0 = time.perf_counter()
     stats = {}
     for chunk in engine.generate(req):
@@ -98,11 +100,11 @@ def run_replay(make_engine, tokenizer, system_tokens: int = 20000, turns: int = 
     rows = []
     sessions = list(session(system_tokens, turns, tokenizer, seed))
     encoded = [encode_turn(tokenizer, m, t) for m, t in sessions]
-    target = next((i for i, (ids, _) in enumerate(encoded) if len(ids) >= cold_at_tokens), len(encoded) - 1)
-    for i, (ids, stable) in enumerate(encoded):
-        row = {"turn": i + 1, **first_token(warm, ids, stable)}
+    target = next((i for i, (ids, _, _) in enumerate(encoded) if len(ids) >= cold_at_tokens), len(encoded) - 1)
+    for i, (ids, stable, system) in enumerate(encoded):
+        row = {"turn": i + 1, **first_token(warm, ids, stable, system)}
         if i in (0, target):
-            row["cold_ttft_s"] = first_token(make_engine(), ids, stable)["ttft_s"]
+            row["cold_ttft_s"] = first_token(make_engine(), ids, stable, system)["ttft_s"]
         rows.append(row)
         log(f"turn {i + 1:2d}: prompt {row['prompt_tokens']:6d}  reused {row['cached_tokens']:6d}  "
             f"ttft {row['ttft_s'] * 1000:8.1f} ms" + (f"  cold {row['cold_ttft_s'] * 1000:8.1f} ms" if "cold_ttft_s" in row else ""))

@@ -189,6 +189,19 @@ def _render(messages: list[Message], tools: list[Any], template: str, add_genera
     return Rendered(text=text, stable_len=stable_len, system_len=system_len)
 
 
+def encode_rendered(tokenizer, rendered: Rendered) -> tuple[list[int], int, int]:
+    """(ids, system_tokens, stable_tokens): the prompt split-encoded at the system and stable
+    boundaries, so each shared prefix tokenizes the same way whatever follows it (prefix reuse
+    restores exactly these tokens) and the engine can be told the boundaries as token offsets.
+    Each boundary sits right after "<|im_end|>\n" before a special token, so this equals
+    encoding the whole text."""
+    text = rendered.text
+    system_len = min(rendered.system_len, rendered.stable_len)
+    system = tokenizer.encode(text[:system_len]) if system_len else []
+    head = system + tokenizer.encode(text[system_len: rendered.stable_len])
+    return head + tokenizer.encode(text[rendered.stable_len:]), len(system), len(head)
+
+
 def _last_query_index(messages: list[Message]) -> int:
     """Index of the last user message that is not only a wrapped tool response.
 

@@ -113,6 +113,64 @@ _KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a 
                dict: "an object", list: "an array"}
 
 
+# JSON Schema keywords whose values the tool-call parser (chat/toolcall.py) walks, by shape.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
+_SCHEMA_ONE = ("not", "if", "then", "else", "contains", "propertyNames")  # schema
+_MAX_SCHEMA_DEPTH = 64
+
+
+def _schema(value: Any, param: str, depth: int = 0) -> dict | bool:
+    """A tool's parameter schema, checked where the parser will walk it: a schema whose
+    `anyOf` is 5 would crash the call parser on the first call to that tool, so it is a 400
+    naming the keyword instead (issue 13.3). Unknown keywords are left alone."""
+    if isinstance(value, bool):
+        return value  # JSON Schema allows true / false as a schema
+    if not isinstance(value, dict):
+        raise RequestError("expected a JSON Schema object", param)
+    if depth > _MAX_SCHEMA_DEPTH:
+        raise RequestError(f"schema nested deeper than {_MAX_SCHEMA_DEPTH} levels", param)
+    t = value.get("type")
+    if t is not None and not isinstance(t, str) and not (
+            isinstance(t, list) and all(isinstance(x, str) for x in t)):
+        raise RequestError("expected a type name or a list of them", f"{param}.type")
+    for key in _SCHEMA_MAPS:
+        if key in value:
+            sub = value[key]
+            if not isinstance(sub, dict):
+                raise RequestError("expected an object of schemas", f"{param}.{key}")
+            for name, inner in sub.items():
+                _schema(inner, f"{param}.{key}.{name}", depth + 1)
+    for key in _SCHEMA_LISTS:
+        if key in value:
+            sub = value[key]
+            if not isinstance(sub, list):
+                raise RequestError("expected an array of schemas", f"{param}.{key}")
+            for k, inner in enumerate(sub):
+                _schema(inner, f"{param}.{key}[{k}]", depth + 1)
+    for key in _SCHEMA_ONE:
+        if key in value:
+            _schema(value[key], f"{param}.{key}", depth + 1)
+    if "items" in value:
+        items = value["items"]
+        for k, inner in enumerate(items) if isinstance(items, list) else [(None, items)]:
+            _schema(inner, f"{param}.items" + ("" if k is None else f"[{k}]"), depth + 1)
+    if "additionalProperties" in value:
+        _schema(value["additionalProperties"], f"{param}.additionalProperties", depth + 1)
+    if "required" in value and not (isinstance(value["required"], list)
+                                    and all(isinstance(x, str) for x in value["required"])):
+        raise RequestError("expected an array of property names", f"{param}.required")
+    if "enum" in value and not isinstance(value["enum"], list):
+        raise RequestError("expected an array", f"{param}.enum")
+    return value
+
+
+def _parameters(tool: dict, key: str, param: str) -> dict | None:
+    """A tool's parameters (`input_schema` / `parameters`): an object schema, checked."""
+    value = _opt(tool, key, dict, f"{param}.{key}")
+    return None if value is None else _schema(value, f"{param}.{key}")
+
+
 def _arguments(value: Any, param: str) -> dict:
     """Tool-call arguments given as an object or as a JSON string of one."""
     if isinstance(value, dict):
@@ -212,7 +270,7 @@ def _anthropic_tools(value: Any) -> list[ToolSpec]:
         specs.append(ToolSpec(
             name=_string(tool.get("name"), f"tools[{j}].name"),
             description=_opt(tool, "description", str, f"tools[{j}].description"),
-            parameters=_opt(tool, "input_schema", dict, f"tools[{j}].input_schema"),
+            parameters=_parameters(tool, "input_schema", f"tools[{j}]"),
             deferred=bool(tool.get("defer_loading")),
         ))
     return specs
@@ -368,7 +426,7 @@ def _openai_tools(value: Any) -> list[ToolSpec]:
             specs.append(ToolSpec(
                 name=_string(fn.get("name"), f"tools[{j}].function.name"),
                 description=_opt(fn, "description", str, f"tools[{j}].function.description"),
-                parameters=_opt(fn, "parameters", dict, f"tools[{j}].function.parameters"),
+                parameters=_parameters(fn, "parameters", f"tools[{j}].function"),
             ))
         elif kind == "custom":
             specs.append(_custom_tool(_object(tool.get("custom"), f"tools[{j}].custom"),
@@ -488,7 +546,7 @@ def _responses_function(tool: dict, param: str, namespace: str | None = None) ->
     return ToolSpec(
         name=name if namespace is None else namespace + NAMESPACE_SEPARATOR + name,
         description=_opt(tool, "description", str, f"{param}.description"),
-        parameters=_opt(tool, "parameters", dict, f"{param}.parameters"),
+        parameters=_parameters(tool, "parameters", param),
         namespace=namespace,
         client_name=name if namespace else None,
     )

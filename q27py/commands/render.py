@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from q27py import DEFAULT_MODEL_DIR
-from q27py.chat.render import TEMPLATES, detect_template, render
+from q27py.chat.render import TEMPLATES, detect_template, encode_rendered, render
 from q27py.chat.requests import APIS, RequestError
 from q27py.config import ServerConfig
 
@@ -70,11 +70,7 @@ def run(args) -> int:
     from q27py.tokenizer import Tokenizer  # only --json needs the vocabulary
 
     tokenizer = Tokenizer.from_model_dir(args.model)
-    # Encoded in two parts, as the server does: the boundary sits right after
-    # "<|im_end|>\n" before a special token, so this equals encoding the whole text.
-    head = tokenizer.encode(rendered.text[: rendered.stable_len])
-    tail = tokenizer.encode(rendered.text[rendered.stable_len:])
-    out = {"prompt": rendered.text, "token_ids": head + tail, "stable_len": len(head),
-           "stable_chars": rendered.stable_len}
+    ids, _, stable = encode_rendered(tokenizer, rendered)  # split-encoded as the server does
+    out = {"prompt": rendered.text, "token_ids": ids, "stable_len": stable, "stable_chars": rendered.stable_len}
     sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
     return 0

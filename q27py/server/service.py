@@ -14,8 +14,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from q27py.chat.conversation import Conversation
-from q27py.chat.render import THINK_OPEN, RenderError, render
-from q27py.chat.textstage import RawSplitter
+from q27py.chat.render import THINK_OPEN, RenderError, encode_rendered, render
+from q27py.chat.textstage import FORCED_THINK_CLOSE, RawSplitter
 from q27py.config import ServerConfig
 from q27py.engine.api import SamplingParams, clamp_max_tokens, max_prompt_tokens
 from q27py.server import turn as turn_mod
@@ -25,6 +25,9 @@ from q27py.server.metrics import Metrics
 from q27py.server.turn import KEEPALIVE, Finish, Logprobs, TurnPlan, Usage
 
 log = logging.getLogger("q27py.server")
+
+# Temperatures below this sample as greedy (see ChatService.sampling).
+MIN_TEMPERATURE = 1e-5
 
 @dataclass
 class Prompt:
@@ -88,16 +91,9 @@ class ChatService:
                               preserve_thinking=preserve_thinking)
         except RenderError as exc:
             raise ApiError(400, str(exc)) from None
-        # Split-encode at the system and stable boundaries so each shared prefix tokenizes
-        # the same way whatever follows it (prefix reuse restores exactly these tokens), and
-        # so the engine is told those boundaries as token offsets (it knows no chat layout).
-        text = rendered.text
-        system_len = min(rendered.system_len, rendered.stable_len)
-        system = self.tokenizer.encode(text[:system_len]) if system_len else []
-        head = system + self.tokenizer.encode(text[system_len: rendered.stable_len])
-        tail = self.tokenizer.encode(text[rendered.stable_len:])
-        return Prompt(ids=head + tail, text=text, stable_tokens=len(head) or None,
-                      starts_in_reasoning=text.endswith(THINK_OPEN), system_tokens=len(system) or None)
+        ids, system_tokens, stable_tokens = encode_rendered(self.tokenizer, rendered)
+        return Prompt(ids=ids, text=rendered.text, stable_tokens=stable_tokens or None,
+                      starts_in_reasoning=rendered.text.endswith(THINK_OPEN), system_tokens=system_tokens or None)
 
     def raw_prompt(self, text: str | None = None, ids: list[int] | None = None) -> Prompt:
         """A prompt used as is (no chat template): text, or token ids checked against the vocabulary."""
@@ -123,20 +119,29 @@ class ChatService:
         return max(1, clamp_max_tokens(wanted, len(prompt.ids), self.max_context))
 
     def reasoning_budget(self, requested: int | None, max_tokens: int) -> int:
-        """Think-token cap: the request's, else the server's, else half of max_tokens, so an
-        answer always has room after a forced close."""
+        """Think-token cap: the request's, else the server's, else half of max_tokens, and
+        always leaving room for the forced close (counted in max_tokens) plus one answer
+        token. When max_tokens is too small for that, the turn ends at length instead."""
         budget = requested if requested is not None else self.config.reasoning_budget
         if budget is None:
             budget = max(1, max_tokens // 2)
-        return max(1, min(budget, max_tokens - 1)) if max_tokens > 1 else 1
+        room = max_tokens - len(self.tokenizer.encode(FORCED_THINK_CLOSE)) - 1
+        return max(1, min(budget, room))
 
     def sampling(self, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.config.default_temperature if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=0 if top_k is None else top_k,
-            min_p=0.0 if min_p is None else min_p,
-            seed=seed)
+        """The engine's sampling settings. Edge values are defined here, at the boundary, for
+        every API alike (docs/SERVER.md): top_p 0 keeps only the most probable token, i.e.
+        greedy (as other servers treat it; the sampler itself needs top_p > 0), and a
+        temperature below MIN_TEMPERATURE (a denormal like 1e-310 would overflow the logits
+        / temperature division) is greedy too."""
+        temperature = self.config.default_temperature if temperature is None else temperature
+        top_p = 1.0 if top_p is None else top_p
+        if top_p == 0 or temperature < MIN_TEMPERATURE:
+            temperature, top_p = 0.0, 1.0
+        return SamplingParams(temperature=temperature, top_p=top_p,
+                              top_k=0 if top_k is None else top_k,
+                              min_p=0.0 if min_p is None else min_p,
+                              seed=seed)
 
     def splitter_factory(self, conv: Conversation | None):
         if conv is None:

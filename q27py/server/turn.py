@@ -20,14 +20,12 @@ think block the prompt opened, the generation is stopped, a close
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 import trio
 
-from q27py.chat.textstage import RawSplitter, TextStage
-from dataclasses import replace
-
+from q27py.chat.textstage import FORCED_THINK_CLOSE, RawSplitter, TextStage
 from q27py.engine.api import GenerationRequest, OutputConstraint, SamplingParams
 from q27py.server.bridge import EngineBridge, Generation
 from q27py.server.control import content_logprobs
@@ -114,8 +112,11 @@ async def run_turn(bridge: EngineBridge, tokenizer, plan: TurnPlan, *,
                 yield KEEPALIVE
                 continue
             stats = chunk.stats or {}
-            if "cached_tokens" in stats:
-                usage.cached_tokens = int(stats["cached_tokens"])
+            if "cached_tokens" in stats and not budget_exceeded:
+                # Usage describes the request as the client sent it: only the first
+                # generation's cache reuse counts (a continuation after the forced think
+                # close reuses the turn's own prompt + reasoning, which the client never sent).
+                usage.cached_tokens = max(0, min(int(stats["cached_tokens"]), usage.prompt_tokens))
             for ev in stage.feed(chunk.token_ids):
                 yield ev
             if chunk.logprobs:
@@ -128,6 +129,11 @@ async def run_turn(bridge: EngineBridge, tokenizer, plan: TurnPlan, *,
                 generation.cancel()
                 generation.close()
                 budget = stage.reasoning_budget
+                if stage.completion_tokens + len(tokenizer.encode(FORCED_THINK_CLOSE)) >= plan.max_tokens:
+                    # No room for the close and an answer: max_tokens is a hard limit, so the
+                    # turn ends here, at length, rather than overrunning with forced tokens.
+                    engine_reason = "length"
+                    break
                 for ev in stage.close_think():
                     yield ev
                 remaining = plan.max_tokens - stage.completion_tokens

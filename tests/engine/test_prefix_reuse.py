@@ -10,7 +10,7 @@ import json
 import pytest
 
 from q27py import DEFAULT_MODEL_DIR
-from q27py.chat.render import render_messages
+from q27py.chat.render import encode_rendered, render_messages
 from q27py.config import Q27Config
 from q27py.engine.api import GenerationRequest
 from q27py.engine.engine import LocalEngine
@@ -37,13 +37,14 @@ def _engine(parts, **engine_overrides):
 
 
 def _prompt(tok, messages):
+    """(ids, boundaries): encoded as the server does, the boundaries as token offsets."""
     r = render_messages(messages, TOOLS, enable_thinking=False, preserve_thinking=True)
-    head, tail = tok.encode(r.text[: r.stable_len]), tok.encode(r.text[r.stable_len :])
-    return head + tail, len(head)
+    ids, system, stable = encode_rendered(tok, r)
+    return ids, {"stable_len": stable, "system_len": system or None}
 
 
-def _run(engine, ids, stable, n=6):
-    req = GenerationRequest(prompt_ids=ids, max_tokens=n, stop_ids=frozenset(), stable_len=stable)
+def _run(engine, ids, bounds, n=6):
+    req = GenerationRequest(prompt_ids=ids, max_tokens=n, stop_ids=frozenset(), **bounds)
     tokens, stats = [], None
     for chunk in engine.generate(req):
         tokens += chunk.token_ids
@@ -101,7 +102,7 @@ def test_edited_history_rewinds_to_a_checkpoint(parts):
 
 def test_shared_system_block_hits_for_a_new_conversation(parts):
     _, tok = parts
-    warm = _engine(parts)
+    warm = _engine(parts, checkpoint_every=0)  # only the system-block snapshot can serve the hit
     ids, stable = _prompt(tok, next(_session(0)))
     _run(warm, ids, stable)
     other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write tests for parser.py please."}]
@@ -124,7 +125,7 @@ def test_disk_cache_survives_a_restart(parts, tmp_path):
     second = _engine(parts, prefix_cache_dir=tmp_path)
     ids2, stable2 = _prompt(tok, turns[2])
     got, stats = _run(second, ids2, stable2)
-    assert stats["cached_tokens"] >= stable
+    assert stats["cached_tokens"] >= stable["stable_len"]
     assert got == _run(_engine(parts), ids2, stable2)[0]
     # a corrupted entry is ignored, and the output is still right
     for f in tmp_path.glob("*.q27p"):

@@ -30,7 +30,7 @@ class ScriptedEngine:
     tokens_per_chunk: int = 2
     prefill_delay_s: float = 0.0  # simulates a long prefill (keep-alive tests)
     token_delay_s: float = 0.0
-    cached_tokens: int = 0
+    cached_tokens: int | Callable[[GenerationRequest, int], int] = 0  # or (request, index) -> count
     requests: list[GenerationRequest] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -83,6 +83,9 @@ class ScriptedEngine:
         return True
 
     def _final(self, request, produced, reason) -> GenerationChunk:
+        cached = self.cached_tokens
+        if callable(cached):
+            cached = cached(request, len(self.requests) - 1)
         return GenerationChunk(token_ids=[], finish_reason=reason, stats={
-            "prompt_tokens": len(request.prompt_ids), "cached_tokens": self.cached_tokens,
+            "prompt_tokens": len(request.prompt_ids), "cached_tokens": cached,
             "generated_tokens": len(produced)})
