@@ -200,9 +200,11 @@ def test_cached_tokens_reported(make_server):
     total = len(live.engine.requests[-1].prompt_ids)
     assert msg["usage"]["cache_read_input_tokens"] == 100
     assert msg["usage"]["input_tokens"] == total - 100
-    _, chat = post_json(live, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    # prompts longer than the 100 cached tokens: cached is never more than the prompt (issue 13.1)
+    long = "x " * 200
+    _, chat = post_json(live, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": long}]})
     assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == 100
-    _, resp = post_json(live, "/v1/responses", {"model": "m", "input": "x"})
+    _, resp = post_json(live, "/v1/responses", {"model": "m", "input": long})
     assert resp["usage"]["input_tokens_details"]["cached_tokens"] == 100
 
 
