@@ -136,6 +136,8 @@ class ServerConfig:
     default_temperature: float = 0.0  # when a request sends none; 0 = greedy
     keepalive_interval_s: float = 10.0  # ping / in_progress events while the engine is silent
     shutdown_grace_s: float = 10.0  # in-flight requests get this long on SIGINT/SIGTERM
+    chat_template: str | None = None  # None: chosen from the checkpoint (chat/render.py choose_dialect)
+    tool_dialect: str | None = None  # "xml" | "json"; None: from the checkpoint's template text
 
 
 @dataclass
@@ -166,6 +168,8 @@ ENV_VARS = {
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),
+    "Q27_CHAT_TEMPLATE": ("server", "chat_template", str),
+    "Q27_TOOL_DIALECT": ("server", "tool_dialect", str),
 }
 
 

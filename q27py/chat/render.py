@@ -39,7 +39,8 @@ from q27py.errors import Q27Error
 
 log = logging.getLogger(__name__)
 
-TEMPLATES = ("qwen3.6", "qwen3.5", "qwen3.5-0.8b")
+TEMPLATES = ("qwen3.6", "qwen3.5", "qwen3.5-0.8b", "qwen3.8")
+TOOL_DIALECTS = ("xml", "json")  # <function=NAME><parameter=K>.. (Qwen3.5+) | {"name", "arguments"} (Qwen3)
 DEFAULT_TEMPLATE = "qwen3.6"
 
 IM_START = "<|im_start|>"
@@ -160,7 +161,9 @@ def _render(messages: list[Message], tools: list[Any], template: str, add_genera
     system_len = sum(len(part) for part in out)
 
     last_query = _last_query_index(messages)
-    keep_old_thinking = preserve_thinking is True and template == "qwen3.6"
+    # Qwen3.8 re-wraps every assistant turn's reasoning (q27-design.md 7.6: "every assistant
+    # history turn re-wrapped as <think>..</think>"); Qwen3.6 only under preserve_thinking.
+    keep_old_thinking = template == "qwen3.8" or (preserve_thinking is True and template == "qwen3.6")
     for i, message in enumerate(messages):
         role = message.role
         content = message.content.strip()
@@ -242,7 +245,7 @@ def _render_assistant(message: Message, content: str, with_thinking: bool, templ
 
 
 def _argument_text(value: Any, template: str) -> str:
-    if template == "qwen3.6":
+    if template in ("qwen3.6", "qwen3.8"):
         return value if isinstance(value, str) else _tojson(value)
     # Qwen3.5: JSON only for objects and lists; str() for the rest (True, None, 1.5).
     if isinstance(value, Mapping) or (_is_sequence(value) and not isinstance(value, str)):
@@ -341,7 +344,13 @@ _THINKING_OPT_IN = "enable_thinking is defined and enable_thinking is true"
 
 
 def template_variant(template_text: str) -> str | None:
-    """Which variant a chat template text is, or None if it is none of them."""
+    """Which variant a chat template text is, or None if it is none of them.
+
+    Qwen3.8 writes arguments as 3.6 does but keeps every assistant turn's thinking (no
+    last-query rule) and carries a reasoning-effort switch; either sign marks it."""
+    if _MARKERS["qwen3.6"] in template_text and (
+            "reasoning_effort" in template_text or "last_query_index" not in template_text):
+        return "qwen3.8"
     if _MARKERS["qwen3.6"] in template_text and "preserve_thinking" in template_text:
         return "qwen3.6"
     if _MARKERS["qwen3.5"] in template_text:
@@ -349,30 +358,97 @@ def template_variant(template_text: str) -> str | None:
     return None
 
 
-def detect_template(model_dir: str | Path | None) -> str:
-    """The variant for a model directory: from chat_template.jinja, else the
-    tokenizer_config.json `chat_template`; DEFAULT_TEMPLATE when neither says."""
-    if model_dir is None:
-        return DEFAULT_TEMPLATE
-    model_dir = Path(model_dir)
-    text = None
+def tool_dialect_of(template_text: str) -> str | None:
+    """The call syntax a chat template instructs: "xml" (`<function=NAME>`), "json"
+    (`<tool_call>{"name": .., "arguments": ..}`), or None when it shows neither."""
+    if "<function=" in template_text:
+        return "xml"
+    if "<tool_call>" in template_text and '"arguments"' in template_text:
+        return "json"
+    return None
+
+
+@dataclass(frozen=True)
+class ChatDialect:
+    template: str  # one of TEMPLATES
+    tool_dialect: str  # one of TOOL_DIALECTS
+    source: str  # where the choice came from (logged)
+
+
+def _normalized_name(text: str) -> str:
+    return "".join(ch for ch in text.lower() if ch.isalnum())
+
+
+def _checkpoint_names(model_dir: Path) -> list[str]:
+    """Names a checkpoint gives itself: config.json's name fields, then the directory name."""
+    names = []
+    config = model_dir / "config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except ValueError:
+            data = {}
+        if isinstance(data, Mapping):
+            for key in ("_name_or_path", "name_or_path", "model_name", "name"):
+                if isinstance(data.get(key), str):
+                    names.append(data[key])
+    names.append(model_dir.name)
+    return names
+
+
+def choose_dialect(model_dir: str | Path | None, template: str | None = None,
+                   tool_dialect: str | None = None) -> ChatDialect:
+    """Template variant and tool-call dialect for a checkpoint, logged with the reason.
+
+    Order: the override (flag / config), then the checkpoint's own template text
+    (chat_template.jinja, else tokenizer_config.json), then its name ("qwen3.8" / "qwen38"
+    anywhere in config.json's name or the directory name picks Qwen3.8), else qwen3.6 + XML."""
+    if template is not None and template not in TEMPLATES:
+        raise RenderError(f"unknown chat template {template!r}; known: {', '.join(TEMPLATES)}")
+    if tool_dialect is not None and tool_dialect not in TOOL_DIALECTS:
+        raise RenderError(f"unknown tool dialect {tool_dialect!r}; known: {', '.join(TOOL_DIALECTS)}")
+    sources = []
+    text = _template_text(Path(model_dir)) if model_dir is not None else None
+    found_template = template_variant(text) if text else None
+    found_dialect = tool_dialect_of(text) if text else None
+    if template is None and found_template is not None:
+        template, _ = found_template, sources.append("template text")
+    if template is None and model_dir is not None:
+        for name in _checkpoint_names(Path(model_dir)):
+            if "qwen38" in _normalized_name(name):
+                template, _ = "qwen3.8", sources.append(f"name {name!r}")
+                break
+    if template is None:
+        if text is not None:
+            log.warning("%s: chat template is not a known Qwen3.5/3.6/3.8 variant; rendering as %s",
+                        model_dir, DEFAULT_TEMPLATE)
+        template, _ = DEFAULT_TEMPLATE, sources.append("default")
+    if tool_dialect is None:
+        tool_dialect = found_dialect or "xml"
+        sources.append("template text" if found_dialect else "default dialect")
+    else:
+        sources.append("override")
+    chosen = ChatDialect(template, tool_dialect, ", ".join(dict.fromkeys(sources)))
+    log.info("chat dialect: template %s, tool calls %s (%s)", chosen.template, chosen.tool_dialect, chosen.source)
+    return chosen
+
+
+def _template_text(model_dir: Path) -> str | None:
     jinja = model_dir / "chat_template.jinja"
     config = model_dir / "tokenizer_config.json"
     if jinja.is_file():
-        text = jinja.read_text(encoding="utf-8")
-    elif config.is_file():
+        return jinja.read_text(encoding="utf-8")
+    if config.is_file():
         try:
-            text = _template_from_tokenizer_config(json.loads(config.read_text(encoding="utf-8")))
+            return _template_from_tokenizer_config(json.loads(config.read_text(encoding="utf-8")))
         except ValueError:
             log.warning("%s: unreadable JSON; using the %s chat template", config, DEFAULT_TEMPLATE)
-    if text is None:
-        return DEFAULT_TEMPLATE
-    variant = template_variant(text)
-    if variant is None:
-        log.warning("%s: chat template is not a known Qwen3.5/3.6 variant; rendering as %s",
-                    model_dir, DEFAULT_TEMPLATE)
-        return DEFAULT_TEMPLATE
-    return variant
+    return None
+
+
+def detect_template(model_dir: str | Path | None) -> str:
+    """The template variant for a model directory (choose_dialect without overrides)."""
+    return choose_dialect(model_dir).template
 
 
 def _template_from_tokenizer_config(config: Any) -> str | None:

@@ -5,6 +5,7 @@
                                                            5 short prompts x 128 tokens through the engine
   q27py bench replay [--model DIR | --random-weights 27b] [--device cpu|cuda] [--json]
                                                            a Claude-Code-shaped session: prefix reuse and TTFT
+  q27py bench grammar [--tokenizer FILE] [--json]         output-constraint cost per decode step (CPU)
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 def add_arguments(p) -> None:
     from q27py.gpu.weights import TIERS
 
-    p.add_argument("suite", nargs="?", choices=["shortbench", "replay"],
-                   help="shortbench or replay (default: the --random-weights kernel bench)")
+    p.add_argument("suite", nargs="?", choices=["shortbench", "replay", "grammar"],
+                   help="shortbench, replay or grammar (default: the --random-weights kernel bench)")
     p.add_argument("--random-weights", choices=["27b"],
                    help="full Qwen3.6-27B shapes with seeded random weights (the default bench; 27b is the only size)")
     p.add_argument("--tier", choices=sorted(TIERS), default=None,
@@ -32,6 +33,8 @@ def add_arguments(p) -> None:
                    help="shortbench / replay: engine device (default cuda)")
     p.add_argument("--system-tokens", type=int, default=20000, help="replay: size of the system + tools block")
     p.add_argument("--turns", type=int, default=30, help="replay: turns in the session")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="grammar: tokenizer.json(.gz) (default: the bundled full Qwen3.6 vocabulary)")
 
 
 def suite(args) -> str:
@@ -54,6 +57,10 @@ def run(args) -> int:
         result = run_shortbench(LocalEngine.load(cfg), args.tokens, log)
     elif which == "replay":
         result = _replay(args, log)
+    elif args.suite == "grammar":
+        from q27py.bench.grammar import run_grammar_bench
+
+        result = run_grammar_bench(args.tokenizer, log)
     else:
         from q27py.bench.random_weights import Bench
 

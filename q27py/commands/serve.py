@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="max_tokens when a request gives none (default: 1024 on the CPU, else 32768)")
     p.add_argument("--max-tokens-ceiling", type=int, metavar="N",
                    help="ceiling on every request's max_tokens (default: 4096 on the CPU, else none)")
+    from q27py.chat.render import TEMPLATES, TOOL_DIALECTS
+
+    p.add_argument("--chat-template", choices=TEMPLATES, default=None,
+                   help="template variant (default: chosen from the checkpoint's template text or name; logged)")
+    p.add_argument("--tool-dialect", choices=TOOL_DIALECTS, default=None,
+                   help="tool-call syntax forced calls use (default: from the checkpoint's template text; xml)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -71,7 +77,9 @@ def build_config(args: argparse.Namespace, environ=None) -> Q27Config:
                                  "default_thinking": args.default_thinking,
                                  "reasoning_budget": args.reasoning_budget,
                                  "default_max_tokens": args.default_max_tokens,
-                                 "max_tokens_ceiling": getattr(args, "max_tokens_ceiling", None)})
+                                 "max_tokens_ceiling": getattr(args, "max_tokens_ceiling", None),
+                                 "chat_template": getattr(args, "chat_template", None),
+                                 "tool_dialect": getattr(args, "tool_dialect", None)})
     if cfg.server.reasoning_budget is not None and cfg.server.reasoning_budget < 1:
         raise ConfigError("--reasoning-budget must be at least 1")
     if not 0 <= cfg.server.port <= 65535:
@@ -81,7 +89,7 @@ def build_config(args: argparse.Namespace, environ=None) -> Q27Config:
 
 def build_app(cfg: Q27Config, engine):
     """The App around a loaded engine (anything with the Engine protocol, engine/api.py)."""
-    from q27py.chat.render import detect_template
+    from q27py.chat.render import choose_dialect
     from q27py.server.app import App
     from q27py.server.auth import KeyRing
     from q27py.server.bridge import EngineBridge
@@ -89,9 +97,10 @@ def build_app(cfg: Q27Config, engine):
     from q27py.tokenizer import load_stop_ids
 
     stop_ids = engine.tokenizer.eos_ids or load_stop_ids(cfg.engine.model_dir)
+    dialect = choose_dialect(engine.model_dir, cfg.server.chat_template, cfg.server.tool_dialect)  # logs the choice
     service = ChatService(EngineBridge(engine), engine.tokenizer, model_name=engine.model_name,
-                          template=detect_template(engine.model_dir), stop_ids=stop_ids, config=cfg.server,
-                          ping_interval_s=cfg.server.keepalive_interval_s)
+                          template=dialect.template, stop_ids=stop_ids, config=cfg.server,
+                          ping_interval_s=cfg.server.keepalive_interval_s, tool_dialect=dialect.tool_dialect)
     return App(service, KeyRing(cfg.server.api_keys))
 
 

@@ -55,10 +55,31 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI: minus this once for every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: over prompt + output (1 = off)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+@dataclass
+class OutputConstraint:
+    """What the output must be (compiled by the engine: engine/grammar.py, engine/constraint.py).
+
+    kind: "json_object" (any JSON object), "json_schema" (schema), "tool_calls" (the Qwen XML
+    call syntax for `tools`: {name: parameters schema}; `names` limits which may be called,
+    max_calls bounds how many). after_think: the prompt leaves a think block open, which stays
+    free-form; the constraint starts after `</think>`."""
+
+    kind: str
+    schema: dict | None = None
+    tools: dict | None = None
+    names: tuple[str, ...] = ()
+    max_calls: int | None = None
+    after_think: bool = False
+    dialect: str = "xml"  # tool_calls: the checkpoint's call syntax (chat/render.py choose_dialect)
 
 
 @dataclass
@@ -70,6 +91,8 @@ class GenerationRequest:
     stable_len: int | None = None  # prompt tokens up to the renderer's stable boundary (prefix reuse)
     system_len: int | None = None  # prompt tokens of a leading shared system block (prefix reuse)
     cancel: threading.Event = field(default_factory=threading.Event)
+    constraint: OutputConstraint | None = None
+    logprobs: int | None = None  # None: off; n >= 0: each token's logprob and the n most likely
 
 
 @dataclass
@@ -79,6 +102,7 @@ class GenerationChunk:
     token_ids: list[int]
     finish_reason: str | None = None  # None while running; then "stop" | "length" | "cancelled"
     stats: dict | None = None  # on the final chunk: prompt_tokens, cached_tokens, generated_tokens, rounds, ...
+    logprobs: list | None = None  # when asked: one engine.sampling.TokenLogprob per token id
 
 
 class Engine(Protocol):

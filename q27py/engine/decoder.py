@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from q27py.engine.api import SamplingParams
-from q27py.engine.sampling import PositionSampler, validate
+from q27py.engine.sampling import TokenPicker, validate
 from q27py.model.state import SequenceState
 
 SOURCES = ("none", "mtp", "suffix")
@@ -139,21 +139,14 @@ def prefill(model, state: SequenceState, ids: list[int], chunk: int,
     return last
 
 
-def pick_row(sampler: PositionSampler, out, row: int, position: int) -> int:
-    """The token for logits row `row` of a forward output. Greedy picks use the output's device
-    argmax when it has one (the fast path: W ids downloaded instead of W vocab-sized rows plus a
-    host argmax each); it is numpy.argmax's choice, ties to the lowest index, so the same token."""
-    if sampler.params.greedy and hasattr(out, "greedy_ids"):
-        return int(out.greedy_ids()[row])
-    return sampler.pick(out.logits[row], position)
-
-
-def begin_run(sampling: SamplingParams, stats: DecodeStats | None, trace: bool) -> tuple[PositionSampler, DecodeStats]:
-    """What every decoder does first: check the sampling settings, key the sampler, set up stats."""
+def begin_run(sampling: SamplingParams, stats: DecodeStats | None, trace: bool,
+              picker: TokenPicker | None = None, prompt_ids=()) -> tuple[TokenPicker, DecodeStats]:
+    """What every decoder does first: check the sampling settings, set up the token picker
+    (the engine passes one carrying the request's constraint and logprobs), set up stats."""
     validate(sampling)
     stats = stats if stats is not None else DecodeStats()
     stats.record_trace = stats.record_trace or trace
-    return PositionSampler(sampling), stats
+    return (picker if picker is not None else TokenPicker(sampling, prompt_ids)), stats
 
 
 def prompt_suffix(state: SequenceState, prompt_ids: list[int]) -> list[int]:
@@ -185,9 +178,10 @@ class Decoder:
         cancel: threading.Event | None = None,
         stats: DecodeStats | None = None,
         prefill_breaks: PrefillBreaks | None = None,
+        picker: TokenPicker | None = None,
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by each round until a stop id, max_tokens or cancel."""
-        sampler, stats = begin_run(sampling, stats, self.trace)
+        sampler, stats = begin_run(sampling, stats, self.trace, picker, prompt_ids)
         if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
             return
         logits = prefill(self.model, state, prompt_suffix(state, prompt_ids), self.prefill_chunk, prefill_breaks,
@@ -195,7 +189,8 @@ class Decoder:
         produced = 0
         out = None
         while True:
-            tok = sampler.pick(logits, state.position) if out is None else pick_row(sampler, out, 0, state.position)
+            tok = sampler.pick(logits, state.position) if out is None else sampler.pick_output(out, 0, state.position)
+            sampler.commit([tok])
             produced += 1
             stats.record_round("none", [], 0, 1, lanes=1 if produced > 1 else 0)
             yield [tok]

@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Iterator
 
 from q27py.config import Q27Config, fixed_max_context
-from q27py.engine.api import ContextLengthError, GenerationChunk, GenerationRequest, check_prompt, clamp_max_tokens
+from q27py.engine.api import (ContextLengthError, GenerationChunk, GenerationRequest, OutputConstraint, check_prompt,
+                              clamp_max_tokens)
+from q27py.engine.constraint import ConstraintCache, ConstraintRun, VocabIndex
 from q27py.engine.decoder import DecodeStats, PrefillCancelled
 from q27py.engine.prefix_cache import DiskCache, PrefixCache, compat_hash
+from q27py.engine.sampling import TokenPicker
 from q27py.engine.spec import build_decoder
 from q27py.errors import Q27Error
 
@@ -60,6 +63,25 @@ class LocalEngine:
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False
         self.prefix = PrefixCache(model, max_sequences=cfg.engine.max_sequences,
                                   checkpoint_every=cfg.engine.checkpoint_every, disk=self._disk_cache(cfg))
+        # Output constraints: the vocabulary index is built on the first constrained request
+        # (about a second for the 248K vocabulary); compiled grammars and their masks are kept.
+        self.constraints = ConstraintCache(
+            lambda: VocabIndex.from_tokenizer(tokenizer, self.model_config.vocab_size))
+
+    def compile_constraint(self, spec: OutputConstraint, stop_ids=frozenset()) -> ConstraintRun:
+        """The request's constraint, compiled (GrammarError names what cannot be compiled)."""
+        from q27py.engine.grammar import GrammarError, json_grammar, tool_call_grammar
+
+        if spec.kind == "json_object":
+            grammar = json_grammar(None)
+        elif spec.kind == "json_schema":
+            grammar = json_grammar(spec.schema)
+        elif spec.kind == "tool_calls":
+            grammar = tool_call_grammar(spec.tools or {}, list(spec.names) or None, spec.max_calls, spec.dialect)
+        else:
+            raise GrammarError(f"unknown output constraint {spec.kind!r}")
+        return ConstraintRun(self.constraints.get(grammar), self.tokenizer.token_bytes, stop_ids,
+                             after_think=spec.after_think)
 
     def _disk_cache(self, cfg: Q27Config):
         e = cfg.engine
@@ -90,15 +112,20 @@ class LocalEngine:
         finish = "length"
         first_token_at = None
         breaks = self._prefill_breaks(seq, prompt, request.stable_len, request.system_len)
+        constraint = self.compile_constraint(request.constraint, request.stop_ids) if request.constraint else None
+        picker = TokenPicker(request.sampling, prompt, constraint, request.logprobs, max_tokens=max_tokens)
         rounds = self.decoder.run(seq.state, prompt, max_tokens, request.sampling, request.stop_ids, request.cancel,
-                                  stats, prefill_breaks=breaks) if max_tokens else iter(())
+                                  stats, prefill_breaks=breaks, picker=picker) if max_tokens else iter(())
         healthy = False
         try:
             for tokens in rounds:
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
                 generated.extend(tokens)
-                yield GenerationChunk(tokens)
+                lps = None
+                if request.logprobs is not None:  # one record per token, from the row that chose it
+                    lps = picker.logprobs[len(generated) - len(tokens):len(generated)]
+                yield GenerationChunk(tokens, logprobs=lps)
                 if any(t in request.stop_ids for t in tokens):
                     finish = "stop"
                     break

@@ -39,6 +39,7 @@ with C = 0x632BE59BD9B4E019 (a fixed odd constant separating the two inputs);
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -152,3 +153,203 @@ def validate(params: SamplingParams) -> None:
         raise ConfigError(f"top_k must be >= 0, got {params.top_k}")
     if not 0.0 <= params.min_p <= 1.0:
         raise ConfigError(f"min_p must be in [0, 1], got {params.min_p}")
+    if not params.repetition_penalty > 0.0:
+        raise ConfigError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -2.0 <= value <= 2.0:
+            raise ConfigError(f"{name} must be in [-2, 2], got {value}")
+
+
+# ---------------------------------------------------------------------------
+# Penalties, constraints and log probabilities around the position sampler
+
+
+def penalize(logits: np.ndarray, params: SamplingParams, output_counts: dict[int, int],
+             seen: set[int] | frozenset[int]) -> np.ndarray:
+    """The logits row with the penalties applied (vLLM's order and definitions):
+
+    - repetition_penalty r (HF/vLLM) on every token of prompt + output so far (`seen`):
+      a positive logit is divided by r, a negative one multiplied by r;
+    - frequency_penalty f and presence_penalty p (OpenAI) on output tokens only:
+      logit -= f * count + p * (count > 0).
+
+    A pure function of (row, settings, token history), so a verify lane with its own
+    history gets exactly the numbers a plain decode step would. Returns the row itself
+    when no penalty is on."""
+    rep = params.repetition_penalty
+    freq, pres = params.frequency_penalty, params.presence_penalty
+    use_rep = rep != 1.0 and seen
+    use_out = (freq != 0.0 or pres != 0.0) and output_counts
+    if not use_rep and not use_out:
+        return logits
+    x = np.array(logits, dtype=np.float32, copy=True)
+    if use_rep:
+        ids = np.fromiter(seen, dtype=np.int64, count=len(seen))
+        ids = ids[ids < x.shape[0]]
+        v = x[ids]
+        x[ids] = np.where(v > 0, v / np.float32(rep), v * np.float32(rep))
+    if use_out:
+        ids = np.fromiter(output_counts.keys(), dtype=np.int64, count=len(output_counts))
+        counts = np.fromiter(output_counts.values(), dtype=np.float32, count=len(output_counts))
+        keep = ids < x.shape[0]
+        ids, counts = ids[keep], counts[keep]
+        x[ids] -= np.float32(freq) * counts + np.float32(pres)
+    return x
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top_logprobs most likely (id, logprob), best first
+
+
+class TokenPicker:
+    """Chooses every output token for one request: penalties, then the output constraint's mask,
+    then the position-keyed sampler; records log probabilities when asked.
+
+    The choice at a position is a function of (logits row, token history before it, seed,
+    position) only. A speculative verify lane passes the drafts it assumes (`ahead`), so it
+    makes the choice plain decoding would make after those tokens: output stays identical with
+    speculation on or off under penalties and constraints alike.
+
+    Log probabilities are those of the penalized logits row, before temperature, truncation and
+    the constraint mask (the model's own distribution with the request's penalties; a forced token
+    shows how unlikely the model found it). They come from the same verify row that chose the
+    token, so they are exact for speculative and plain decoding.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids=(), constraint=None, logprobs: int | None = None,
+                 max_tokens: int | None = None):
+        self.sampler = PositionSampler(params)
+        self.max_tokens = max_tokens  # with a constraint: the output is finished within this budget
+        self.emitted = 0
+        self.params = params
+        self.constraint = constraint  # engine.constraint.ConstraintRun or None
+        self.state = constraint.state if constraint is not None else None
+        self.want_logprobs = logprobs is not None
+        self.top_n = int(logprobs or 0)
+        self.counts: dict[int, int] = {}
+        self.seen: set[int] = set(int(t) for t in prompt_ids) if params.repetition_penalty != 1.0 else set()
+        self.logprobs: list[TokenLogprob] = []
+        self._lanes: list[TokenLogprob | None] = []
+        self._lane_states: list = []  # constraint state after ahead[:t], per lane t (this round)
+        self._round_ahead: list[int] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampler.greedy
+
+    @property
+    def plain(self) -> bool:
+        """Nothing besides the sampler: the fast path may use its own argmax."""
+        p = self.params
+        return (self.constraint is None and not self.want_logprobs and p.repetition_penalty == 1.0
+                and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+
+    def _state_after(self, ahead) -> object:
+        state = self.state
+        for tok in ahead:
+            state = self.constraint.next_state(state, tok)
+            if state is None:
+                raise ValueError("a lane assumes a token the constraint refuses")
+        return state
+
+    def viable(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of drafts the constraint permits after the committed tokens (a refused
+        draft would be a rejected lane anyway: the masked choice can never equal it)."""
+        if self.constraint is None or not drafts:
+            return drafts
+        state = self.state
+        for i, tok in enumerate(drafts):
+            if not self.constraint.permits(state, tok):
+                return drafts[:i]
+            state = self.constraint.next_state(state, tok)
+            if state is None:
+                return drafts[:i]
+        return drafts
+
+    def pick_output(self, out, row: int, position: int, ahead=()) -> int:
+        """pick() for logits row `row` of a forward output. With nothing besides a greedy sampler
+        (`plain`), the fast path's device argmax decides (FastOutput.greedy_ids: numpy.argmax's
+        choice, ties to the lowest index, so the same token), and W token ids are downloaded
+        instead of W vocabulary-sized rows with a host argmax each."""
+        if self.plain and self.greedy and hasattr(out, "greedy_ids"):
+            return int(out.greedy_ids()[row])
+        return self.pick(out.logits[row], position, ahead)
+
+    def pick(self, logits: np.ndarray, position: int, ahead=()) -> int:
+        """The token at absolute `position`, after the committed tokens and then `ahead`."""
+        counts, seen = self.counts, self.seen
+        if ahead and not self.plain:
+            counts = dict(counts)
+            seen = set(seen) if self.params.repetition_penalty != 1.0 else seen
+            for t in ahead:
+                counts[t] = counts.get(t, 0) + 1
+                if self.params.repetition_penalty != 1.0:
+                    seen.add(t)
+        x = penalize(logits, self.params, counts, seen)
+        if self.constraint is None:
+            tok = self.sampler.pick(x, position)
+        else:
+            state = self._state_after(ahead)
+            tok = self._choose(x, position, self.constraint.allowed(state))
+            if self.max_tokens is not None and tok not in self.constraint.stop_ids:
+                # Finish within the budget: when the chosen token would leave fewer tokens than
+                # the shortest completion needs (bytes, each at worst one token, plus the end id),
+                # choose among the tokens on a shortest way to the end instead. A function of the
+                # state and the position, so speculative lanes make the same choice.
+                left = self.max_tokens - (self.emitted + len(ahead)) - 1
+                after = self.constraint.next_state(state, tok)
+                need = self.constraint.distance(after)
+                if need is not None and need + 1 > left:
+                    closing = self.constraint.closing(state)
+                    if len(closing):
+                        tok = self._choose(x, position, closing)
+        record = None
+        if self.want_logprobs:
+            lp = log_softmax(x)
+            top = top_ranked(lp, self.top_n) if self.top_n > 0 else np.zeros(0, dtype=np.int64)
+            record = TokenLogprob(tok, float(lp[tok]), [(int(i), float(lp[i])) for i in top])
+        lane = len(ahead)
+        del self._lanes[lane:]
+        while len(self._lanes) < lane:
+            self._lanes.append(None)
+        self._lanes.append(record)
+        return tok
+
+    def _choose(self, x, position: int, mask) -> int:
+        """The sampler's choice with the refused tokens' probability at 0 (engine.constraint.TokenMask)."""
+        if mask is None:
+            return self.sampler.pick(x, position)
+        if self.sampler.greedy:
+            return mask.greedy(np.asarray(x))
+        if mask.allow:  # the kept set is small: sample inside it (same token as on the -inf row)
+            ids, probs = served_distribution(np.asarray(x)[mask.ids], self.params)
+            return int(mask.ids[draw(ids, probs, position_uniform(self.sampler.seed, position))])
+        return self.sampler.pick(mask.apply(np.asarray(x)), position)
+
+    def commit(self, tokens: list[int]) -> None:
+        """The tokens a round emitted (each one the pick of its lane, in order)."""
+        if self.want_logprobs:
+            for t, tok in enumerate(tokens):
+                rec = self._lanes[t] if t < len(self._lanes) else None
+                assert rec is not None and rec.token == tok, "commit must follow the lanes' picks"
+                self.logprobs.append(rec)
+        self._lanes = []
+        self.emitted += len(tokens)
+        for tok in tokens:
+            self.counts[tok] = self.counts.get(tok, 0) + 1
+            if self.params.repetition_penalty != 1.0:
+                self.seen.add(tok)
+            if self.constraint is not None:
+                nxt = self.constraint.next_state(self.state, tok)
+                # A stop id in an accepting state keeps the state; nothing follows it.
+                self.state = nxt if nxt is not None else self.state

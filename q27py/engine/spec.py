@@ -39,7 +39,7 @@ import numpy as np
 
 from q27py.config import SpecConfig
 from q27py.engine.api import SamplingParams
-from q27py.engine.decoder import DecodeStats, Decoder, PrefillBreaks, begin_run, pick_row, prefill, prompt_suffix
+from q27py.engine.decoder import DecodeStats, Decoder, PrefillBreaks, begin_run, prefill, prompt_suffix
 from q27py.engine.drafters import DraftPlanner, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
@@ -113,9 +113,10 @@ class SpecDecoder:
         cancel: threading.Event | None = None,
         stats: DecodeStats | None = None,
         prefill_breaks: PrefillBreaks | None = None,
+        picker=None,
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by each round until a stop id, max_tokens or cancel."""
-        sampler, stats = begin_run(sampling, stats, self.cfg.trace)
+        sampler, stats = begin_run(sampling, stats, self.cfg.trace, picker, prompt_ids)
         if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
             return
         todo = prompt_suffix(state, prompt_ids)
@@ -134,6 +135,7 @@ class SpecDecoder:
         logits = prefill(self.model, state, todo, self.prefill_chunk, prefill_breaks,
                          on_chunk=warm if ladder is not None else None, cancel=cancel)
         pending = sampler.pick(logits, state.position)
+        sampler.commit([pending])
         if ladder is not None:
             ladder.defer(state.extra["hidden_last"], [pending])
         if suffix is not None:
@@ -161,11 +163,13 @@ class SpecDecoder:
     def _round(self, state, pending, remaining, sampler, planner, ladder, suffix, stop_ids, stats) -> list[int]:
         position = state.position  # the pending token's position
         draft = planner.plan(min(self.width - 1, remaining - 1), position)
+        # Drafts the output constraint refuses are cut here: their lanes could never be accepted.
+        draft.tokens = sampler.viable(draft.tokens)
         lanes = [pending] + draft.tokens
         out = self.model.forward(state, lanes, logits_rows="all", verify=True)
         new: list[int] = []
         for t in range(len(lanes)):
-            tok = pick_row(sampler, out, t, position + t + 1)
+            tok = sampler.pick_output(out, t, position + t + 1, draft.tokens[:t])
             new.append(tok)
             if tok in stop_ids or t >= len(draft.tokens) or tok != draft.tokens[t]:
                 break
@@ -173,6 +177,7 @@ class SpecDecoder:
         accepted = 0
         while accepted < min(n, len(draft.tokens)) and new[accepted] == draft.tokens[accepted]:
             accepted += 1
+        sampler.commit(new)
         hidden = np.array(out.hidden[:n])  # read before commit: the fast path reuses its scratch
         self.model.commit(state, out.trace, n)
         state.extra["hidden_last"] = hidden[n - 1 :]

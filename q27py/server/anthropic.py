@@ -21,7 +21,7 @@ import secrets
 import trio
 
 from q27py.chat import stream as cs
-from q27py.server import sse
+from q27py.server import control, sse
 from q27py.server.errors import ApiError, bad_request
 from q27py.server.http import Request, Response
 from q27py.server.params import Fields
@@ -58,6 +58,7 @@ def read(body: dict, *, counting: bool = False) -> ChatRequest:
     req.stream = bool(f.boolean("stream", False))
     tool_choice = f.obj("tool_choice") or {}
     req.stop_after_tool_call = tool_choice.get("disable_parallel_tool_use") is True
+    req.response_format = control.anthropic_format(body)  # output_config.format (structured output)
     return req
 
 

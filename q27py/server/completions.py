@@ -5,14 +5,14 @@ from __future__ import annotations
 import secrets
 import time
 
-from q27py.server import sse
+from q27py.server import control, sse
 from q27py.server.errors import ApiError, bad_request
 from q27py.server.openai_chat import FINISH_REASONS, OpenAIStream, include_usage, usage_object
 from q27py.server.openai_chat import overflow_error as chat_overflow_error
 from q27py.server.params import Fields
 from q27py.server.request import ChatRequest, read_sampling
 from q27py.server.service import Prompt, TurnResult
-from q27py.server.turn import KEEPALIVE
+from q27py.server.turn import KEEPALIVE, Logprobs
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI default for this endpoint
 
@@ -39,13 +39,13 @@ def read(body: dict) -> ChatRequest:
     n = f.integer("n", minimum=1)
     if (n or 1) > 1 or (f.integer("best_of", minimum=1) or 1) > 1:
         raise bad_request("n / best_of: only one completion per request is supported", "n")
-    if f.present("logprobs"):
-        raise bad_request("logprobs: log probabilities are not supported", "logprobs")
     if f.present("suffix"):
         raise bad_request("suffix: insertion (suffix) is not supported", "suffix")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if f.number(key, minimum=-2, maximum=2, default=0.0) != 0.0:
-            raise bad_request(f"{key}: penalties are not supported (send 0 or omit it)", key)
+    req.logprobs = control.completions_logprobs(body)
+    req.penalties = control.penalties(body)
+    for key in ("response_format", "tool_choice"):
+        if f.present(key):  # raw text has no tools and no chat answer to format
+            raise bad_request(f"{key}: not supported on /v1/completions (use /v1/chat/completions)", key)
     req.echo = {"echo": f.boolean("echo", False)}
     req.stream = bool(f.boolean("stream", False))
     req.max_tokens = f.integer("max_tokens", minimum=1, default=DEFAULT_MAX_TOKENS)
@@ -68,10 +68,15 @@ def emitter(req: ChatRequest, prompt: Prompt) -> "_Emitter":
     return _Emitter("cmpl-" + secrets.token_hex(12), req.model, req.include_usage, _echoed(req, prompt))
 
 
+def _logprobs(req: ChatRequest, entries: list, offset: int) -> dict | None:
+    return control.legacy_logprobs(entries, offset) if req.logprobs is not None else None
+
+
 def whole(req: ChatRequest, prompt: Prompt, result: TurnResult) -> dict:
     return {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),
             "model": req.model,
-            "choices": [{"index": 0, "text": _echoed(req, prompt) + result.text, "logprobs": None,
+            "choices": [{"index": 0, "text": _echoed(req, prompt) + result.text,
+                         "logprobs": _logprobs(req, result.logprobs, len(_echoed(req, prompt))),
                          "finish_reason": FINISH_REASONS.get(result.finish.reason, "stop")}],
             "usage": usage_object(result.finish.usage)}
 
@@ -84,6 +89,7 @@ class _Emitter(OpenAIStream):
     def __init__(self, cid: str, model: str, with_usage: bool, prefix: str):
         super().__init__(cid, model, with_usage)
         self.prefix = prefix
+        self.offset = len(prefix)  # characters sent so far (logprobs' text_offset)
 
     def start(self) -> bytes:
         return self.chunk(self.prefix) if self.prefix else b""
@@ -91,5 +97,9 @@ class _Emitter(OpenAIStream):
     def on(self, ev) -> bytes:
         if ev is KEEPALIVE:
             return sse.KEEPALIVE_COMMENT
+        if isinstance(ev, Logprobs):
+            out = control.legacy_logprobs(ev.entries, self.offset)
+            self.offset += sum(len(e["token"]) for e in ev.entries)
+            return self.chunk("", logprobs=out)
         text = getattr(ev, "text", "")
         return self.chunk(text) if text else b""

@@ -15,12 +15,12 @@ import secrets
 import time
 
 from q27py.chat import stream as cs
-from q27py.server import sse
+from q27py.server import control, sse
 from q27py.server.errors import ApiError, bad_request
 from q27py.server.params import Fields
 from q27py.server.request import ChatRequest, conversation, read_sampling, read_template_thinking, refuse_unhonoured
 from q27py.server.service import Prompt, TurnResult
-from q27py.server.turn import KEEPALIVE, Finish, Usage
+from q27py.server.turn import KEEPALIVE, Finish, Logprobs, Usage
 
 log = logging.getLogger("q27py.server")
 
@@ -60,6 +60,9 @@ def read(body: dict) -> ChatRequest:
     req.stop_after_tool_call = f.boolean("parallel_tool_calls") is False
     req.include_usage = include_usage(f)
     read_template_thinking(f, req)
+    req.response_format = control.openai_format(body)
+    req.logprobs = control.chat_logprobs(body)
+    req.penalties = control.penalties(body)
     req.conv, req.tool_choice = conversation("openai", body)
     return req
 
@@ -68,8 +71,14 @@ def emitter(req: ChatRequest, prompt: Prompt) -> "_Emitter":
     return _Emitter("chatcmpl-" + secrets.token_hex(12), req.model, req.conv, req.include_usage)
 
 
+def _logprobs_field(req: ChatRequest, entries: list) -> dict | None:
+    return {"content": entries, "refusal": None} if req.logprobs is not None else None
+
+
 def whole(req: ChatRequest, prompt: Prompt, result: TurnResult) -> dict:
-    return _completion_object("chatcmpl-" + secrets.token_hex(12), req.model, req.conv, result)
+    out = _completion_object("chatcmpl-" + secrets.token_hex(12), req.model, req.conv, result)
+    out["choices"][0]["logprobs"] = _logprobs_field(req, result.logprobs)
+    return out
 
 
 def _api_tool_name(conv, name: str) -> str:
@@ -110,9 +119,9 @@ class OpenAIStream:
         self.with_usage = with_usage
         self.created = int(time.time())
 
-    def chunk(self, content, finish_reason: str | None = None) -> bytes:
+    def chunk(self, content, finish_reason: str | None = None, logprobs=None) -> bytes:
         payload = {"id": self.cid, "object": self.object_name, "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, self.field: content, "logprobs": None,
+                   "choices": [{"index": 0, self.field: content, "logprobs": logprobs,
                                 "finish_reason": finish_reason}]}
         if self.with_usage:
             payload["usage"] = None
@@ -142,6 +151,8 @@ class _Emitter(OpenAIStream):
     def on(self, ev) -> bytes:
         if ev is KEEPALIVE:
             return sse.KEEPALIVE_COMMENT
+        if isinstance(ev, Logprobs):  # after the chunk's text: a delta-less chunk carrying them
+            return self.chunk({}, logprobs={"content": ev.entries, "refusal": None})
         if isinstance(ev, cs.ReasoningDelta):
             return self.chunk({"reasoning_content": ev.text})
         if isinstance(ev, cs.TextDelta):

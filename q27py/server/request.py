@@ -13,13 +13,14 @@ API's events. Everything between the two is `handle` below, written once:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import trio
 
 from q27py.chat.conversation import Conversation
 from q27py.chat.requests import RequestError, ToolChoice, parse_conversation
+from q27py.server import control
 from q27py.server.errors import ApiError, bad_request
 from q27py.server.http import Response, StreamingResponse
 from q27py.server.params import Fields
@@ -51,6 +52,9 @@ class ChatRequest:
     stop_after_tool_call: bool = False  # parallel tool calls disabled
     include_usage: bool = False  # streamed usage chunk (OpenAI stream_options)
     echo: dict = field(default_factory=dict)  # API-specific fields the response repeats
+    response_format: control.ResponseFormat | None = None  # structured output (server/control.py)
+    logprobs: int | None = None  # None: off; n: the n most likely alternatives per token too
+    penalties: control.Penalties = field(default_factory=control.Penalties)
 
 
 class ApiModule(Protocol):
@@ -83,26 +87,14 @@ def conversation(api: str, body: dict) -> tuple[Conversation, ToolChoice]:
 def refuse_unhonoured(f: Fields) -> None:
     """The one rule for options on every API (docs/SERVER.md): an option that would change
     what the client gets and that this server cannot honour is refused with a 400 naming it;
-    never silently ignored. (Options that change nothing visible are ignored.)"""
+    never silently ignored. (Options that change nothing visible are ignored.) Output formats,
+    tool_choice, log probabilities and penalties are honoured (server/control.py reads and
+    validates them the same way on every API)."""
     n = f.integer("n", minimum=1)
     if n is not None and n > 1:
         raise bad_request("n: only n=1 is supported", "n")
-    if f.boolean("logprobs", False) or f.present("top_logprobs"):
-        key = "top_logprobs" if f.present("top_logprobs") else "logprobs"
-        raise bad_request(f"{key}: log probabilities are not supported", key)
-    for key in ("presence_penalty", "frequency_penalty"):
-        if f.number(key, minimum=-2, maximum=2, default=0.0) != 0.0:
-            raise bad_request(f"{key}: penalties are not supported (send 0 or omit it)", key)
     if f.obj("logit_bias"):
         raise bad_request("logit_bias: not supported", "logit_bias")
-    formats = [("response_format", f.obj("response_format"))]
-    text = f.obj("text")
-    if text is not None:
-        formats.append(("text.format", Fields(text, "text.").obj("format")))
-    for key, fmt in formats:
-        if fmt is not None and fmt.get("type") not in (None, "text"):
-            raise bad_request(f"{key}: type {fmt.get('type')!r} is not supported (no constrained "
-                              "decoding); use 'text'", key)
 
 
 def read_sampling(f: Fields, req: ChatRequest, *, top_k_minimum: int = 0, min_p: bool = True) -> None:
@@ -144,10 +136,18 @@ def plan_for(svc: ChatService, api: ApiModule, req: ChatRequest, prompt: Prompt)
     svc.check_context(prompt, api.overflow_error)
     max_tokens = svc.max_tokens(req.max_tokens, prompt)
     budget = svc.reasoning_budget(req.thinking_budget, max_tokens) if req.conv is not None else None
-    return svc.plan(prompt, conv=req.conv, max_tokens=max_tokens, sampling=svc.sampling(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed),
-        stop_sequences=req.stop, reasoning_budget=budget, stop_after_tool_call=req.stop_after_tool_call,
-        tool_calls=req.tool_choice.mode != "none")
+    sampling = replace(svc.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                    min_p=req.min_p, seed=req.seed),
+                       presence_penalty=req.penalties.presence, frequency_penalty=req.penalties.frequency,
+                       repetition_penalty=req.penalties.repetition)
+    constraint = control.constraint_for(
+        req.tool_choice, req.conv.tools if req.conv is not None else [], req.response_format,
+        dialect=getattr(svc, "tool_dialect", "xml"), starts_in_reasoning=prompt.starts_in_reasoning,
+        one_call=req.stop_after_tool_call)
+    return svc.plan(prompt, conv=req.conv, max_tokens=max_tokens, sampling=sampling,
+                    stop_sequences=req.stop, reasoning_budget=budget, stop_after_tool_call=req.stop_after_tool_call,
+                    tool_calls=req.tool_choice.mode != "none", constraint=constraint,
+                    logprobs=req.logprobs)
 
 
 async def handle(svc: ChatService, api: ApiModule, body: dict) -> Response | StreamingResponse:

@@ -24,12 +24,12 @@ import time
 
 from q27py.chat import stream as cs
 from q27py.chat.conversation import CUSTOM_TOOL_INPUT
-from q27py.server import sse
+from q27py.server import control, sse
 from q27py.server.errors import ApiError
 from q27py.server.params import Fields
 from q27py.server.request import ChatRequest, conversation, read_sampling, read_template_thinking, refuse_unhonoured
 from q27py.server.service import Prompt, TurnResult
-from q27py.server.turn import KEEPALIVE, Finish, Usage
+from q27py.server.turn import KEEPALIVE, Finish, Logprobs, Usage
 
 log = logging.getLogger("q27py.server")
 
@@ -53,7 +53,7 @@ def _new_id(prefix: str) -> str:
 
 # Request fields the response object repeats back.
 ECHOED = ("instructions", "max_output_tokens", "parallel_tool_calls", "reasoning", "temperature", "top_p",
-          "tool_choice", "tools")
+          "tool_choice", "tools", "text", "top_logprobs")
 
 
 def read(body: dict) -> ChatRequest:
@@ -68,6 +68,9 @@ def read(body: dict) -> ChatRequest:
     req.max_tokens = f.integer("max_output_tokens", minimum=1)
     req.stop_after_tool_call = f.boolean("parallel_tool_calls") is False
     read_template_thinking(f, req)
+    req.response_format = control.responses_format(body)
+    req.logprobs = control.responses_logprobs(body)
+    req.penalties = control.penalties(body)
     req.conv, req.tool_choice = conversation("responses", body)
     req.echo = {key: body[key] for key in ECHOED if key in body}
     return req
@@ -101,7 +104,8 @@ class _ResponseShell:
                "previous_response_id": None,
                "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
                "store": False, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-               "text": {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
+               "text": body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}},
+               "top_logprobs": body.get("top_logprobs"), "tool_choice": body.get("tool_choice", "auto"),
                "tools": body.get("tools") or [], "truncation": "disabled"}
         obj.update(extra)
         return obj
@@ -144,9 +148,9 @@ def _reasoning_item(text: str) -> dict:
             "status": "completed"}
 
 
-def _message_item(text: str, status: str = "completed") -> dict:
+def _message_item(text: str, status: str = "completed", logprobs: list | None = None) -> dict:
     return {"type": "message", "id": _new_id("msg_"), "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _output_items(conv, result: TurnResult) -> list[dict]:
@@ -154,7 +158,7 @@ def _output_items(conv, result: TurnResult) -> list[dict]:
     if result.reasoning:
         items.append(_reasoning_item(result.reasoning))
     if result.text:
-        items.append(_message_item(result.text))
+        items.append(_message_item(result.text, logprobs=result.logprobs))
     for call in result.tool_calls:
         items.append(_call_item(conv, call.name, call.arguments))
     return items
@@ -169,6 +173,7 @@ class _Emitter:
         self.item: dict | None = None  # the item being streamed
         self.text = ""
         self.call_index: int | None = None
+        self.logprobs: list = []  # every token's entry so far: the message's output_text carries them
 
     def _event(self, name: str, payload: dict) -> bytes:
         payload = {"type": name, "sequence_number": self.seq, **payload}
@@ -202,13 +207,13 @@ class _Emitter:
                                                                 "content_index": 0, "text": self.text})
             item = _reasoning_item(self.text) | {"id": item["id"]}
         elif kind == "message":
-            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
             out += self._event("response.output_text.done", {"item_id": item["id"], "output_index": idx,
                                                              "content_index": 0, "text": self.text,
-                                                             "logprobs": []})
+                                                             "logprobs": self.logprobs})
             out += self._event("response.content_part.done", {"item_id": item["id"], "output_index": idx,
                                                               "content_index": 0, "part": part})
-            item = _message_item(self.text) | {"id": item["id"]}
+            item = _message_item(self.text, logprobs=self.logprobs) | {"id": item["id"]}
         self.item = None
         self.output.append(item)
         return out + self._event("response.output_item.done", {"output_index": idx, "item": item})
@@ -216,6 +221,9 @@ class _Emitter:
     def on(self, ev) -> bytes:
         if ev is KEEPALIVE:
             return self._event("response.in_progress", {"response": self.shell.object("in_progress", [])})
+        if isinstance(ev, Logprobs):
+            self.logprobs.extend(ev.entries)
+            return b""
         if isinstance(ev, cs.ReasoningDelta):
             out = b""
             if self.item is None or self.item["type"] != "reasoning":

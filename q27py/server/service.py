@@ -22,7 +22,7 @@ from q27py.server import turn as turn_mod
 from q27py.server.bridge import EngineBridge
 from q27py.server.errors import ApiError
 from q27py.server.metrics import Metrics
-from q27py.server.turn import KEEPALIVE, Finish, TurnPlan, Usage
+from q27py.server.turn import KEEPALIVE, Finish, Logprobs, TurnPlan, Usage
 
 log = logging.getLogger("q27py.server")
 
@@ -53,12 +53,14 @@ class TurnResult:
     text: str = ""
     tool_calls: list[ToolCallResult] = field(default_factory=list)
     finish: Finish | None = None
+    logprobs: list = field(default_factory=list)  # content entries (server/control.py), when asked
 
 
 class ChatService:
     def __init__(self, bridge: EngineBridge, tokenizer, *, model_name: str, template: str,
                  stop_ids, config: ServerConfig | None = None, metrics: Metrics | None = None,
-                 ping_interval_s: float = 10.0):
+                 ping_interval_s: float = 10.0, tool_dialect: str = "xml"):
+        self.tool_dialect = tool_dialect  # the checkpoint's call syntax: forced calls use it
         self.bridge = bridge
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -158,13 +160,15 @@ class ChatService:
 
     def plan(self, prompt: Prompt, *, conv: Conversation | None, max_tokens: int, sampling: SamplingParams,
              stop_sequences=(), reasoning_budget: int | None = None,
-             stop_after_tool_call: bool = False, tool_calls: bool = True) -> TurnPlan:
+             stop_after_tool_call: bool = False, tool_calls: bool = True, constraint=None,
+             logprobs: int | None = None) -> TurnPlan:
         return TurnPlan(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling,
                         stop_ids=self.stop_ids, stop_sequences=tuple(stop_sequences),
                         stable_len=prompt.stable_tokens, system_len=prompt.system_tokens,
                         starts_in_reasoning=prompt.starts_in_reasoning,
                         reasoning_budget=reasoning_budget, stop_after_tool_call=stop_after_tool_call,
-                        make_splitter=self.splitter_factory(conv, tool_calls))
+                        make_splitter=self.splitter_factory(conv, tool_calls), constraint=constraint,
+                        logprobs=logprobs)
 
     # ---- running ---------------------------------------------------------
 
@@ -192,6 +196,8 @@ class ChatService:
                     call = calls.setdefault(ev.index, ToolCallResult(ev.index, "", ""))
                     call.arguments = ev.arguments_json
                     result.tool_calls.append(call)
+                elif isinstance(ev, Logprobs):
+                    result.logprobs.extend(ev.entries)
                 elif isinstance(ev, Finish):
                     result.finish = ev
         self.record(result.finish)

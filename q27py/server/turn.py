@@ -20,14 +20,15 @@ think block the prompt opened, the generation is stopped, a close
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 import trio
 
 from q27py.chat.textstage import FORCED_THINK_CLOSE, RawSplitter, TextStage
-from q27py.engine.api import GenerationRequest, SamplingParams
+from q27py.engine.api import GenerationRequest, OutputConstraint, SamplingParams
 from q27py.server.bridge import EngineBridge, Generation
+from q27py.server.control import content_logprobs
 
 log = logging.getLogger("q27py.server")
 
@@ -69,6 +70,16 @@ class TurnPlan:
     reasoning_budget: int | None = None  # tokens; None = unlimited
     stop_after_tool_call: bool = False  # parallel tool calls disabled: end the turn after the first call
     make_splitter: Callable[[bool], object] | None = None  # in_reasoning -> splitter; None = raw text
+    constraint: OutputConstraint | None = None  # grammar the output must follow (server/control.py)
+    logprobs: int | None = None  # None: off; n: each token's logprob and the n most likely
+
+
+@dataclass
+class Logprobs:
+    """Log probabilities of the tokens of one engine chunk, in order (server/control.py
+    content_logprobs entries), yielded after that chunk's text events."""
+
+    entries: list
 
 
 async def run_turn(bridge: EngineBridge, tokenizer, plan: TurnPlan, *,
@@ -81,10 +92,14 @@ async def run_turn(bridge: EngineBridge, tokenizer, plan: TurnPlan, *,
     usage = Usage(prompt_tokens=len(plan.prompt_ids))
     budget_exceeded = False
 
-    def submit(prompt_ids: list[int], max_tokens: int) -> Generation:
+    def submit(prompt_ids: list[int], max_tokens: int, think_closed: bool = False) -> Generation:
+        constraint = plan.constraint
+        if constraint is not None and think_closed:
+            constraint = replace(constraint, after_think=False)  # the close is in the prompt now
         return bridge.submit(GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=plan.sampling,
-            stop_ids=plan.stop_ids, stable_len=plan.stable_len, system_len=plan.system_len))
+            stop_ids=plan.stop_ids, stable_len=plan.stable_len, system_len=plan.system_len,
+            constraint=constraint, logprobs=plan.logprobs))
 
     generation = submit(list(plan.prompt_ids), plan.max_tokens)
     engine_reason: str | None = None
@@ -104,6 +119,8 @@ async def run_turn(bridge: EngineBridge, tokenizer, plan: TurnPlan, *,
                 usage.cached_tokens = max(0, min(int(stats["cached_tokens"]), usage.prompt_tokens))
             for ev in stage.feed(chunk.token_ids):
                 yield ev
+            if chunk.logprobs:
+                yield Logprobs(content_logprobs(chunk.logprobs, tokenizer))
             if stage.stopped:
                 break
             if stage.budget_hit:
@@ -127,7 +144,7 @@ async def run_turn(bridge: EngineBridge, tokenizer, plan: TurnPlan, *,
                 if remaining <= 0:
                     engine_reason = "length"
                     break
-                generation = submit(list(plan.prompt_ids) + stage.generated, remaining)
+                generation = submit(list(plan.prompt_ids) + stage.generated, remaining, think_closed=True)
                 continue
             engine_reason = chunk.finish_reason
             if engine_reason == "cancelled":
