@@ -146,7 +146,8 @@ def plan_for(svc: ChatService, api: ApiModule, req: ChatRequest, prompt: Prompt)
         one_call=req.stop_after_tool_call)
     return svc.plan(prompt, conv=req.conv, max_tokens=max_tokens, sampling=sampling,
                     stop_sequences=req.stop, reasoning_budget=budget, stop_after_tool_call=req.stop_after_tool_call,
-                    tool_calls=req.tool_choice.mode != "none", constraint=constraint,
+                    tool_calls=req.tool_choice.mode != "none" and bool(req.conv is not None and req.conv.tools),
+                    constraint=constraint,
                     logprobs=req.logprobs)
 
 

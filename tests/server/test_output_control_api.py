@@ -128,3 +128,11 @@ def test_penalties_change_output_and_stream_matches(live):
     chunks = [json.loads(d) for _, d in sse_events(raw) if d != "[DONE]"]
     streamed = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
     assert penalized != plain and streamed == penalized
+
+
+def test_a_call_written_without_declared_tools_comes_back_as_text(live):
+    """The bundled agent model writes tool calls even when a request declares no tools (seen with
+    this prompt); a client that offered none must get text, never tool_calls (as with tool_choice none)."""
+    s, raw = post(live, "/v1/chat/completions", chat_body(max_tokens=20))
+    msg = json.loads(raw)["choices"][0]["message"]
+    assert s == 200 and not msg.get("tool_calls") and msg["content"]
