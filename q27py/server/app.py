@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from q27py.server import anthropic, completions, openai_chat, responses
+from q27py.server import anthropic, completions, dashboard, openai_chat, responses
 from q27py.server.auth import KeyRing
 from q27py.server.bridge import EngineFailure
 from q27py.server.errors import ApiError, error_json, family_for_path
@@ -33,7 +33,7 @@ POST_ROUTES: dict[str, tuple[str, Route]] = {
     "/v1/completions": ("completions", completions.completions),
     "/v1/responses": ("responses", responses.create_response),
 }
-GET_PATHS = ("/", "/health", "/metrics", "/v1/models")
+GET_PATHS = ("/", "/health", "/metrics", "/v1/models") + dashboard.PATHS
 
 
 def json_response(status: int, payload) -> Response:
@@ -45,6 +45,7 @@ class App:
         self.service = service
         self.keys = keys or KeyRing()
         self.metrics = service.metrics
+        service.bridge.observer = self.metrics  # engine-thread timing and load samples feed /metrics
         self.started = time.time()
 
     def http_server(self, limits: Limits | None = None) -> HttpServer:
@@ -72,6 +73,8 @@ class App:
         method = request.method
         if path == "/health" and method in ("GET", "HEAD"):
             return json_response(200, {"status": "ok", "model": self.service.model_name})
+        if path in dashboard.PUBLIC_PATHS and method == "GET":
+            return dashboard.page(path)  # static page and script, no data: the JSON below needs the key
         if method == "HEAD":
             # Connection pre-warm probes (Claude Code's HEAD / and HEAD /api/hello): answer at once.
             return Response(200, b"", None)
@@ -90,10 +93,13 @@ class App:
             raise ApiError(404, f"no such endpoint: {method} {request.path}")
         if path == "/":
             return json_response(200, {"status": "ok", "model": self.service.model_name,
-                                       "endpoints": sorted(POST_ROUTES) + ["/v1/models", "/health", "/metrics"]})
+                                       "endpoints": sorted(POST_ROUTES) + ["/v1/models", "/health", "/metrics",
+                                                                         "/dashboard"]})
         if path == "/metrics":
             text = self.metrics.render(self.service.bridge.load())
             return Response(200, text.encode("utf-8"), METRICS_CONTENT_TYPE)
+        if path == dashboard.DATA_PATH:
+            return json_response(200, self.metrics.snapshot(self.service.bridge.load()))
         if path == "/v1/models":
             model = self._model_object(self.service.model_name)
             return json_response(200, {"object": "list", "data": [model], "has_more": False,
