@@ -56,6 +56,9 @@ def _prepare(svc: ChatService, body: dict):
     return f, conv, opts, prompt
 
 
+prepare = _prepare  # also used by render_ids (POST /v1/messages/render)
+
+
 async def count_tokens(svc: ChatService, request: Request, body: dict) -> Response:
     _, _, _, prompt = _prepare(svc, body)
     return _json(200, {"input_tokens": len(prompt.ids)})

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from q27py.server import anthropic, completions, dashboard, openai_chat, responses
+from q27py.server import anthropic, completions, dashboard, openai_chat, render_ids, responses
 from q27py.server.auth import KeyRing
 from q27py.server.bridge import EngineFailure
 from q27py.server.errors import ApiError, error_json, family_for_path
@@ -32,6 +32,7 @@ POST_ROUTES: dict[str, tuple[str, Route]] = {
     "/v1/chat/completions": ("chat", openai_chat.chat_completions),
     "/v1/completions": ("completions", completions.completions),
     "/v1/responses": ("responses", responses.create_response),
+    **render_ids.ROUTES,  # prompt ids for prefix-aware routers (docs/DEPLOY.md)
 }
 GET_PATHS = ("/", "/health", "/metrics", "/v1/models") + dashboard.PATHS
 

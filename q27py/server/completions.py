@@ -34,6 +34,9 @@ def _prompt(svc: ChatService, value) -> Prompt:
     raise bad_request("prompt: expected a string, a list of token ids, or a one-element list of either", "prompt")
 
 
+prompt_of = _prompt  # also used by render_ids (POST /v1/completions/render)
+
+
 async def completions(svc: ChatService, request: Request, body: dict) -> Response | StreamingResponse:
     f = Fields(body)
     model = f.string("model", required=True)
