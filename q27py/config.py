@@ -75,6 +75,9 @@ class ServerConfig:
     default_temperature: float = 0.0  # when a request sends none; 0 = greedy
     keepalive_interval_s: float = 10.0  # ping / in_progress events while the engine is silent
     shutdown_grace_s: float = 10.0  # in-flight requests get this long on SIGINT/SIGTERM
+    # GET /metrics without the API key, for scrapers that send none (Prometheus, the Kubernetes
+    # inference gateway's endpoint picker); it carries counts and timings, never request content.
+    metrics_without_key: bool = False
 
 
 @dataclass

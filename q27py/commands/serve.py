@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-budget", type=int, metavar="N",
                    help="force-close a think block after N tokens (default: half of max_tokens)")
     p.add_argument("--default-max-tokens", type=int, metavar="N", help="max_tokens when a request gives none")
+    p.add_argument("--metrics-without-key", action="store_true", default=None,
+                   help="serve GET /metrics without the API key (for Prometheus / inference-gateway scrapers)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -66,7 +68,8 @@ def build_config(args: argparse.Namespace, environ=None) -> Q27Config:
     apply_overrides(cfg.server, {"host": args.host, "port": args.port, "api_keys": validate_keys(keys),
                                  "default_thinking": args.default_thinking,
                                  "reasoning_budget": args.reasoning_budget,
-                                 "default_max_tokens": args.default_max_tokens})
+                                 "default_max_tokens": args.default_max_tokens,
+                                 "metrics_without_key": getattr(args, "metrics_without_key", None)})
     if cfg.server.reasoning_budget is not None and cfg.server.reasoning_budget < 1:
         raise ConfigError("--reasoning-budget must be at least 1")
     if not 0 <= cfg.server.port <= 65535:

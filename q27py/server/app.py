@@ -79,7 +79,8 @@ class App:
         if method == "HEAD":
             # Connection pre-warm probes (Claude Code's HEAD / and HEAD /api/hello): answer at once.
             return Response(200, b"", None)
-        if not self.keys.allows(request.headers):
+        scrape = path == "/metrics" and method == "GET" and self.service.config.metrics_without_key
+        if not scrape and not self.keys.allows(request.headers):
             presented = self.keys.presented_key(request.headers) is not None
             raise ApiError(401, "invalid API key" if presented else
                            "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")

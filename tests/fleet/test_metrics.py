@@ -173,3 +173,23 @@ def test_dashboard_assets_are_public_and_self_contained_but_data_needs_the_key(m
     status, _, raw = http_request(live.port, "GET", "/dashboard.json", None, {"Authorization": "Bearer k1"})
     assert status == 200 and json.loads(raw)["model"] == "scripted-tiny"
     assert http_request(live.port, "POST", "/dashboard.json", b"", {"Authorization": "Bearer k1"})[0] == 405
+
+
+def test_metrics_without_key_opens_only_metrics(make_server):
+    live = make_server(keys=["k1"], metrics_without_key=True)
+    assert http_request(live.port, "GET", "/metrics")[0] == 200
+    assert http_request(live.port, "POST", "/metrics", b"")[0] == 401  # only the scrape, nothing else
+    assert http_request(live.port, "GET", "/dashboard.json")[0] == 401
+    assert http_request(live.port, "POST", "/v1/chat/completions",
+                        {"model": "m", "messages": [{"role": "user", "content": "x"}]})[0] == 401
+
+
+def test_metrics_without_key_flag_maps_into_the_config():
+    import argparse
+
+    from q27py.commands import serve
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    assert serve.build_config(p.parse_args([]), environ={}).server.metrics_without_key is False
+    assert serve.build_config(p.parse_args(["--metrics-without-key"]), environ={}).server.metrics_without_key is True
