@@ -252,8 +252,9 @@ def session_turn(conversation: int, turn: int) -> str:
     return f"step {turn}: add a helper named f{conversation}_{turn}"
 
 
-def replay(fleet: Fleet, conversations: int, turns: int, max_tokens: int = 4) -> dict:
-    """Interleave `conversations` chat sessions turn by turn; sum prompt and cached tokens."""
+def replay(fleet: Fleet, conversations: int, turns: int, max_tokens: int = 4, session_header: bool = False) -> dict:
+    """Interleave `conversations` chat sessions turn by turn; sum prompt and cached tokens.
+    session_header: send each conversation's id as X-Claude-Code-Session-Id, as Claude Code does."""
     histories = {c: [{"role": "system", "content": session_system(c)}] for c in range(conversations)}
     prompt = cached = 0
     per_request = []
@@ -263,7 +264,8 @@ def replay(fleet: Fleet, conversations: int, turns: int, max_tokens: int = 4) ->
             histories[c].append({"role": "user", "content": session_turn(c, t)})
             status, body = request(fleet.url + "/v1/chat/completions",
                                    {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                                    "messages": histories[c]}, fleet.auth)
+                                    "messages": histories[c]},
+                                   dict(fleet.auth, **({"x-claude-code-session-id": f"s{c}"} if session_header else {})))
             if status != 200:
                 raise RuntimeError(f"turn {t} of conversation {c}: HTTP {status}: {body}")
             usage = body["usage"]
@@ -287,11 +289,12 @@ def main(argv=None) -> int:
     rp.add_argument("--replicas", type=int, default=3)
     rp.add_argument("--conversations", type=int, default=4)
     rp.add_argument("--turns", type=int, default=6)
-    rp.add_argument("--policies", default="cache_aware,round_robin")
+    rp.add_argument("--policies", default="cache_aware,round_robin,round_robin+sticky,cache_aware+sticky")
     args = p.parse_args(argv)
     base = ["--max-context", "4096", "--no-think"]
     if args.cmd == "up":
-        with Fleet(args.replicas, policy=args.policy, api_key=args.api_key, serve_args=base + args.serve_args) as f:
+        with Fleet(args.replicas, policy=args.policy, api_key=args.api_key, serve_args=base + args.serve_args,
+                   router_args=STICKY_ARGS) as f:
             print(f"router {f.url} -> " + " ".join(r.url for r in f.replicas), flush=True)
             try:
                 while all(r.alive for r in f.replicas) or f.router_proc.poll() is None:
@@ -300,14 +303,16 @@ def main(argv=None) -> int:
                 pass
         return 0
     results = {}
-    for policy in args.policies.split(","):
-        with Fleet(args.replicas, policy=policy, serve_args=base) as f:
+    for name in args.policies.split(","):
+        # "POLICY+sticky": also pin each conversation by its session header (smg --sticky-sessions)
+        policy, _, sticky = name.partition("+")
+        with Fleet(args.replicas, policy=policy, serve_args=base, router_args=STICKY_ARGS if sticky else ()) as f:
             t0 = time.monotonic()
-            r = replay(f, args.conversations, args.turns)
+            r = replay(f, args.conversations, args.turns, session_header=bool(sticky))
             r["seconds"] = round(time.monotonic() - t0, 2)
             r["generations_per_replica"] = f.generations()
-        results[policy] = r
-        print(json.dumps({policy: {k: v for k, v in r.items() if k != "cached_per_request"}}), flush=True)
+        results[name] = r
+        print(json.dumps({name: {k: v for k, v in r.items() if k != "cached_per_request"}}), flush=True)
     print(json.dumps(results, indent=1))
     return 0
 

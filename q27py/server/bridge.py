@@ -168,12 +168,16 @@ class EngineBridge:
                         self._running_tokens += len(chunk.token_ids)
                     if tap is not None:
                         tap.chunk(chunk)
+                        if chunk.finish_reason is not None:
+                            tap.close()  # recorded before the client can see the end and read /metrics
                     job.deliver(chunk)
                     if chunk.finish_reason is not None:
                         finished = True
                         break
                 if not finished:  # an engine that just stops iterating: tell the consumer why
                     reason = "cancelled" if request.cancel.is_set() else "stop"
+                    if tap is not None:
+                        tap.close(reason)
                     job.deliver(GenerationChunk(token_ids=[], finish_reason=reason))
             except Exception as exc:
                 log.exception("engine failed on a request")
@@ -183,5 +187,5 @@ class EngineBridge:
                     self._running = None
                     self._running_tokens = 0
                 if tap is not None:
-                    tap.close(None if finished else ("cancelled" if request.cancel.is_set() else None))
+                    tap.close("error")  # no-op unless the engine raised
                 self._sample()

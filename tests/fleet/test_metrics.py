@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -193,3 +194,46 @@ def test_metrics_without_key_flag_maps_into_the_config():
     serve.add_arguments(p)
     assert serve.build_config(p.parse_args([]), environ={}).server.metrics_without_key is False
     assert serve.build_config(p.parse_args(["--metrics-without-key"]), environ={}).server.metrics_without_key is True
+
+
+class _SlowToReleaseEngine:
+    """Yields one token and the end, then spends a while releasing its state (as the real engine's
+    prefix-cache release does when the bridge closes the generator)."""
+
+    max_context = 4096
+    model_name = "slow-release"
+
+    def __init__(self, stop_id: int):
+        self.stop_id = stop_id
+
+    def generate(self, request):
+        from q27py.engine.api import GenerationChunk
+
+        try:
+            yield GenerationChunk(token_ids=[self.stop_id])
+            yield GenerationChunk(token_ids=[], finish_reason="stop",
+                                  stats={"prompt_tokens": len(request.prompt_ids), "generated_tokens": 1})
+        finally:
+            time.sleep(0.5)
+
+
+def test_a_generation_is_in_metrics_as_soon_as_its_response_is(tokenizer):
+    """Regression: the timing tap was closed after the engine released its state, so a client
+    reading /metrics right after its response could miss its own generation."""
+    from q27py.server.app import App
+    from q27py.server.bridge import EngineBridge
+    from q27py.server.service import ChatService
+    from server_harness import LiveServer, fast_limits
+
+    engine = _SlowToReleaseEngine(min(tokenizer.eos_ids))
+    bridge = EngineBridge(engine)
+    service = ChatService(bridge, tokenizer, model_name=engine.model_name, template="qwen3.6",
+                          stop_ids=tokenizer.eos_ids)
+    app = App(service)
+    with LiveServer(app.http_server(fast_limits()), on_start=bridge.start, on_stop=bridge.stop) as live:
+        status, _, _ = http_request(live.port, "POST", "/v1/chat/completions",
+                                    {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert status == 200
+        fams = _scrape(live.port)
+        assert histogram(fams, "vllm:e2e_request_latency_seconds")["count"] == 1
+        assert histogram(fams, "vllm:request_generation_tokens")["sum"] == 1
