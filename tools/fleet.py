@@ -131,6 +131,7 @@ class Fleet:
         self.serve_args = list(serve_args) + (["--api-key", api_key] if api_key else [])
         self.health_interval_s = health_interval_s
         self.router_args = list(router_args)
+        self._model: str | None = None
         self.log_dir = log_dir
         self.replicas: list[Replica] = []
         self.router_proc: subprocess.Popen | None = None
@@ -144,8 +145,11 @@ class Fleet:
     @property
     def model(self) -> str:
         """The served model's id: smg routes by it (vllm-router and q27py accept any name)."""
-        status, body = request(self.replicas[0].url + "/v1/models", headers=self.auth, timeout=10)
-        return body["data"][0]["id"]
+        if self._model is None:  # asked once, of a live replica (a test may kill any of them later)
+            live = next(r for r in self.replicas if r.alive)
+            status, body = request(live.url + "/v1/models", headers=self.auth, timeout=10)
+            self._model = body["data"][0]["id"]
+        return self._model
 
     @property
     def auth(self) -> dict:
@@ -293,8 +297,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     base = ["--max-context", "4096", "--no-think"]
     if args.cmd == "up":
+        sticky = STICKY_ARGS if Path(find_router() or "").name == "smg" else ()  # smg's flags only
         with Fleet(args.replicas, policy=args.policy, api_key=args.api_key, serve_args=base + args.serve_args,
-                   router_args=STICKY_ARGS) as f:
+                   router_args=sticky) as f:
             print(f"router {f.url} -> " + " ".join(r.url for r in f.replicas), flush=True)
             try:
                 while all(r.alive for r in f.replicas) or f.router_proc.poll() is None:

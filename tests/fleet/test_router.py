@@ -81,17 +81,29 @@ def test_router_needs_the_key_and_passes_every_api(fleet):
 
 
 def test_streaming_passes_through(fleet):
-    import urllib.request
+    """An Anthropic stream through the router: its events in order, read until message_stop
+    (with an overall deadline, so a stream the router never ends fails instead of hanging)."""
+    import http.client
 
-    req = urllib.request.Request(
-        fleet.url + "/v1/messages",
-        json.dumps({"model": fleet.model, "max_tokens": 3, "stream": True,
-                    "messages": [{"role": "user", "content": "hi"}]}).encode(),
-        dict(fleet.auth, **{"content-type": "application/json"}))
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.headers["content-type"].startswith("text/event-stream")
-        events = [line.split(":", 1)[1].strip() for line in r.read().decode().splitlines() if line.startswith("event:")]
+    conn = http.client.HTTPConnection(fleet_tool.HOST, fleet.router_port, timeout=30)
+    try:
+        conn.request("POST", "/v1/messages",
+                     json.dumps({"model": fleet.model, "max_tokens": 3, "stream": True,
+                                 "messages": [{"role": "user", "content": "hi"}]}),
+                     dict(fleet.auth, **{"content-type": "application/json"}))
+        r = conn.getresponse()
+        assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+        events, deadline = [], time.monotonic() + 90
+        while "message_stop" not in events:
+            assert time.monotonic() < deadline, f"stream not finished after 90 s: {events}"
+            line = r.readline()
+            assert line, f"stream closed before message_stop: {events}"
+            if line.startswith(b"event:"):
+                events.append(line.split(b":", 1)[1].strip().decode())
+    finally:
+        conn.close()
     assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert "content_block_delta" in events
 
 
 def test_a_conversation_stays_on_its_replica_and_reuses_its_prefix(fleet):
