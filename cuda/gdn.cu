@@ -76,3 +76,104 @@ __device__ __forceinline__ void gdn_body(float* __restrict__ state, const float*
 GDN_KERNEL(gdn_step_k1, 1)
 GDN_KERNEL(gdn_step_k2, 2)
 GDN_KERNEL(gdn_step_k4, 4)
+
+// Prefill variant: the same recurrence, bit for bit (the same operations per column in the same
+// order, the same butterflies), but one warp owns NC consecutive value columns of a head. Why:
+// the decode kernel's 48 x 128 = 6144 warps (27B) run in ~3 waves on 132 SMs and each token step
+// is a dependent chain (two 5-shuffle reductions plus the next token's loads), so a long prefill
+// costs ~1.4 us per token per layer. With NC = 4 the warps fit one wave, the NC reductions of a
+// step are independent (ILP), q/k loads are shared by the NC columns, and the next token's inputs
+// are loaded before the current step's math (register double buffering). dv % NC == 0.
+template <int KPL, int NC>
+__device__ __forceinline__ void gdn_prefill_body(float* __restrict__ state, const float* __restrict__ qkvn,
+                                                 const float* __restrict__ gb, float* __restrict__ out, int ldo, int H,
+                                                 int HV, int dk, int dv, int nlanes) {
+    const int wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const int per_head = dv / NC;
+    if (wid >= HV * per_head) return;
+    const int h = wid / per_head, j0 = (wid - h * per_head) * NC, kh = h / (HV / H);
+    const int C = 2 * H * dk + HV * dv;
+    float s[NC][KPL];
+    bool ok[KPL];
+#pragma unroll
+    for (int i = 0; i < KPL; i++) ok[i] = lane * KPL + i < dk;
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const float* col = state + (i64)(h * dv + j0 + c) * dk;
+#pragma unroll
+        for (int i = 0; i < KPL; i++) s[c][i] = ok[i] ? col[lane * KPL + i] : 0.f;
+    }
+    float qn[KPL], kn[KPL], vn[NC], gn = 0.f, bn = 0.f;
+    auto load = [&](int t) {
+        const float* row = qkvn + (i64)t * C;
+#pragma unroll
+        for (int i = 0; i < KPL; i++) {
+            const int kk = lane * KPL + i;
+            qn[i] = ok[i] ? __ldg(row + kh * dk + kk) : 0.f;
+            kn[i] = ok[i] ? __ldg(row + H * dk + kh * dk + kk) : 0.f;
+        }
+#pragma unroll
+        for (int c = 0; c < NC; c++) vn[c] = __ldg(row + 2 * H * dk + h * dv + j0 + c);
+        gn = __ldg(gb + (i64)t * 2 * HV + h);
+        bn = __ldg(gb + (i64)t * 2 * HV + HV + h);
+    };
+    if (nlanes > 0) load(0);
+    for (int t = 0; t < nlanes; t++) {
+        float q[KPL], k[KPL], v[NC];
+#pragma unroll
+        for (int i = 0; i < KPL; i++) { q[i] = qn[i]; k[i] = kn[i]; }
+#pragma unroll
+        for (int c = 0; c < NC; c++) v[c] = vn[c];
+        const float decay = expf(gn), beta = bn;
+        if (t + 1 < nlanes) load(t + 1);
+        float pk[NC];
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            pk[c] = 0.f;
+#pragma unroll
+            for (int i = 0; i < KPL; i++) {
+                s[c][i] = s[c][i] * decay;
+                pk[c] = fmaf(s[c][i], k[i], pk[c]);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NC; c++) pk[c] = warp_sum(pk[c]);
+        float pq[NC];
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            const float u = beta * (v[c] - pk[c]);
+            pq[c] = 0.f;
+#pragma unroll
+            for (int i = 0; i < KPL; i++) {
+                s[c][i] = fmaf(k[i], u, s[c][i]);
+                pq[c] = fmaf(s[c][i], q[i], pq[c]);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NC; c++) pq[c] = warp_sum(pq[c]);
+        if (lane == 0) {
+#pragma unroll
+            for (int c = 0; c < NC; c++) out[(i64)t * ldo + h * dv + j0 + c] = pq[c];
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        float* col = state + (i64)(h * dv + j0 + c) * dk;
+#pragma unroll
+        for (int i = 0; i < KPL; i++)
+            if (ok[i]) col[lane * KPL + i] = s[c][i];
+    }
+}
+
+// grid ceil(HV * dv / 4 / 4), block 128: emits outputs and writes the state (a prefill chunk).
+#define GDN_PREFILL_KERNEL(NAME, KPL)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128)                                                       \
+        NAME(float* state, const float* qkvn, const float* gb, float* out, int ldo, int H, int HV, int dk,  \
+             int dv, int nlanes) {                                                                          \
+        gdn_prefill_body<KPL, 4>(state, qkvn, gb, out, ldo, H, HV, dk, dv, nlanes);                         \
+    }
+
+GDN_PREFILL_KERNEL(gdn_prefill_k1, 1)
+GDN_PREFILL_KERNEL(gdn_prefill_k2, 2)
+GDN_PREFILL_KERNEL(gdn_prefill_k4, 4)

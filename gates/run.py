@@ -21,21 +21,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from q27py import DEFAULT_MODEL_DIR  # noqa: E402 - after the path insert; a plain constant, no heavy import
+
+BUNDLED = DEFAULT_MODEL_DIR.name  # tiny gates run the bundled default model and are named after it
+
 CANONICAL = Path(__file__).resolve().parent / "canonical.json"
 TOKENS = 128
 TINY_PROMPT = "Write a Python function `flatten(items)`: Flatten a nested list into a flat list."
 RANDOM_PROMPT = [9707, 11, 1879, 0, 248045, 872, 198, 1024, 4096, 77]
 
 GATES = [
-    {"name": "q36-tiny-code/bf16", "model": "tiny", "tier": "bf16"},
-    {"name": "q36-tiny-code/q8", "model": "tiny", "tier": "q8"},
-    {"name": "q36-tiny-code/q4s", "model": "tiny", "tier": "q4s"},
+    {"name": f"{BUNDLED}/bf16", "model": "tiny", "tier": "bf16"},
+    {"name": f"{BUNDLED}/q8", "model": "tiny", "tier": "q8"},
+    {"name": f"{BUNDLED}/q4s", "model": "tiny", "tier": "q4s"},
     {"name": "random-27b-seed0/q4s", "model": "random-27b", "tier": "q4s"},
 ]
 
 
 def greedy_ids(gate: dict) -> list[int]:
-    from q27py import DEFAULT_MODEL_DIR
     from q27py.gpu.forward import FastModel
     from q27py.gpu.weights import from_checkpoint, random_weights
 

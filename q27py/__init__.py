@@ -5,4 +5,4 @@ from pathlib import Path
 __version__ = "0.1.0"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-DEFAULT_MODEL_DIR = PACKAGE_DIR / "data" / "models" / "q36-tiny-code"
+DEFAULT_MODEL_DIR = PACKAGE_DIR / "data" / "models" / "q36-tiny-agent"

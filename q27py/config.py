@@ -13,13 +13,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from q27py import DEFAULT_MODEL_DIR
+from q27py.errors import ConfigError
 
 
 @dataclass
 class SpecConfig:
     """Self-speculative decoding (MTP draft ladder + suffix drafter).
 
-    Defaults are measured on held-out code with the bundled model and priced with
+    Defaults are measured on held-out code with q36-tiny-code (the bundled model then) and priced with
     the CUDA path's measured round costs (docs/PERF.md, "Speculative decoding
     (reference path)"; tools/spec_measure.py). Deeper or wider settings commit
     more tokens per round but cost more per round than they gain there.
@@ -44,16 +45,27 @@ class EngineConfig:
     """What model runs where, and how much of it fits."""
 
     model_dir: Path = DEFAULT_MODEL_DIR
-    device: str = "cpu"  # "cpu" (numpy reference) or "cuda" (fast path)
+    device: str = "cpu"  # "cpu" (numpy) or "cuda" (CuPy RawModule kernels)
     dtype: str = "float32"  # reference path compute dtype: float32 | float64 | bfloat16 (bf16-rounded)
-    backend: str = "auto"  # cuda only: "fast" (RawModule kernels) or "reference"; auto = fast
+    # "fast" or "reference" (the readable numpy spec, q27py/model/reference.py). On the CPU, fast is
+    # q27py/model/fastcpu.py (float32 only); on cuda, the RawModule kernels. auto = fast, except that
+    # a CPU dtype other than float32 runs the reference (the only path that computes in it).
+    backend: str = "auto"
     tier: str | None = None  # weight tier when quantizing a bf16 checkpoint on load (q4s | q5f | q8 | None)
     max_context: int = 32768  # tokens per sequence (clamped to the model's max_position_embeddings)
     max_sequences: int = 4  # live sequences (slots) kept for prefix reuse
-    prefill_chunk: int = 2048  # tokens per prefill chunk
+    prefill_chunk: int = 2048  # tokens per prefill chunk (CPU paths)
+    # cuda: tokens per fast-path forward launch. Large, because the cuBLAS prefill route expands
+    # each packed matrix to bf16 once per launch (~20 ms for the 27B), amortized over the chunk.
+    gpu_prefill_chunk: int = 4096
+    prefill_gemm: str = "auto"  # cuda: "auto" (cuBLAS on bf16 expansions for big chunks) | "kernel" (mma.sync only)
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30
+
+    def engine_prefill_chunk(self) -> int:
+        """Tokens per prefill piece the decoder feeds the model on this device."""
+        return self.gpu_prefill_chunk if self.device == "cuda" else self.prefill_chunk
 
 
 @dataclass
@@ -68,7 +80,18 @@ class ServerConfig:
     body_timeout_s: float = 120.0
     default_thinking: bool = True
     default_max_tokens: int = 32768  # when a client sends none (Codex never does); clamped to the context left
-    reasoning_budget: int | None = None  # force-close <think> after this many tokens
+    reasoning_budget: int | None = None  # force-close <think> after this many tokens (None: half of max_tokens)
+    max_tokens_ceiling: int | None = None  # ceiling on any request's max_tokens, a client's own included (None: none)
+    # The CPU path's values of the three above, installed by `apply_device_defaults` when the
+    # engine runs on the CPU (flags still win). A small model on a laptop CPU decodes ~100-200
+    # tokens/s: 32,768 tokens of a turn that never closes would hold a client for minutes. The
+    # bundled q36-tiny-agent was trained on conversations of at most 8K tokens whose answers run
+    # ~20-200 tokens and whose think blocks ~30-90 (its train_report.json): 1,024 tokens cover any
+    # answer it gives, 256 think tokens leave room for the answer after a forced close, and
+    # 4,096 bounds clients that always ask for more (Claude Code asks for 32,000).
+    cpu_default_max_tokens: int = 1024
+    cpu_reasoning_budget: int = 256
+    cpu_max_tokens_ceiling: int = 4096
     # Keep earlier turns' thinking in the prompt (Qwen3.6 preserve_thinking): the rendered
     # history then stays byte-stable across turns, which prefix reuse needs.
     preserve_thinking: bool = True
@@ -87,15 +110,25 @@ class Q27Config:
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
+def _key_list(value: str) -> list[str]:
+    """Q27_API_KEY: comma-separated keys. A set variable naming an empty key ("," or "a,,b") is an
+    error, as an empty key file is: a server the operator meant to protect must not start open."""
+    keys = [k.strip() for k in value.split(",")]
+    if not all(keys):
+        raise ConfigError("Q27_API_KEY holds an empty key (comma-separated keys, none of them empty)")
+    return keys
+
+
 # Environment variables, all here. Value: (section, field, parser).
 ENV_VARS = {
     "Q27_MODEL": ("engine", "model_dir", Path),
     "Q27_DEVICE": ("engine", "device", str),
+    "Q27_BACKEND": ("engine", "backend", str),
     "Q27_MAX_CONTEXT": ("engine", "max_context", int),
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
-    "Q27_API_KEY": ("server", "api_keys", lambda s: [k for k in s.split(",") if k]),
+    "Q27_API_KEY": ("server", "api_keys", _key_list),
 }
 
 
@@ -105,6 +138,17 @@ def apply_env(cfg: Q27Config, environ: dict[str, str] | None = None) -> Q27Confi
     for var, (section, name, parse) in ENV_VARS.items():
         if var in environ and environ[var] != "":
             setattr(getattr(cfg, section), name, parse(environ[var]))
+    return cfg
+
+
+def apply_device_defaults(cfg: Q27Config) -> Q27Config:
+    """Install the CPU path's output limits (ServerConfig.cpu_*) when the engine runs on the CPU.
+    Call after env and engine flags (which pick the device), before the server flags (which win)."""
+    if cfg.engine.device == "cpu":
+        s = cfg.server
+        s.default_max_tokens = s.cpu_default_max_tokens
+        s.reasoning_budget = s.cpu_reasoning_budget
+        s.max_tokens_ceiling = s.cpu_max_tokens_ceiling
     return cfg
 
 

@@ -23,7 +23,7 @@ from q27py.tokenizer.byte_level import BYTE_TO_CHAR, from_alphabet, to_alphabet
 from q27py.tokenizer.regex_translate import compile_split_regex
 
 REPO = Path(__file__).resolve().parents[1]
-BUNDLED_MODEL = REPO / "q27py" / "data" / "models" / "q36-tiny-code"
+BUNDLED_MODEL = REPO / "q27py" / "data" / "models" / "q36-tiny-agent"
 VOCABS = {
     "qwen36-first2048": "tokenizer.json",
     "qwen36-first16384": "tokenizer.json",
@@ -167,8 +167,10 @@ def test_split_regex_covers_every_character(qwen_split):
     assert "".join(qwen_split.findall(text)) == text
 
 
-@pytest.mark.parametrize("prop, categories", [("L", "L"), ("N", "N"), ("M", "M"), ("Lu", "Lu"), ("Nd", "Nd")])
-def test_unicode_property_classes_follow_unicodedata(prop, categories):
+# \p{L}, \p{M}, \p{N} and \s are the reference's own tables (tests/test_tokenizer_unicode16.py);
+# categories no Qwen tokenizer uses still follow this Python's unicodedata.
+@pytest.mark.parametrize("prop, categories", [("Lu", "Lu"), ("Nd", "Nd")])
+def test_other_unicode_categories_follow_unicodedata(prop, categories):
     regex = compile_split_regex(rf"\p{{{prop}}}")
     for cp in range(0, 0x32000):
         c = chr(cp)

@@ -3,8 +3,8 @@
     python3 tools/repack.py SRC_DIR OUT_FILE --tier q4s
 
 Reads the checkpoint tensor by tensor (memory-mapped), quantizes and packs each fused matrix
-with q27py.gpu.layout (the same bytes the GPU packer makes), and writes it at its planned
-offset; peak memory is about one fused matrix in fp32.
+with q27py.gpu.layout (the same bytes the GPU packer makes; q27py/gpu/q27pack.py), and writes it
+blob by blob; peak memory is about one fused matrix in fp32.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def repack(src: Path, out: Path, tier: str, progress: bool = True) -> dict:
     from q27py.io.checkpoint import Checkpoint
-    from q27py.io.q27file import write
+    from q27py.gpu.q27pack import write
 
     ckpt = Checkpoint.open(src)
     t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """`q27py bench`: benchmarks on the CUDA fast path.
 
-  q27py bench --random-weights 27b [--tier q4s] [--json]   full 27B shapes, random weights made on the GPU
-  q27py bench shortbench [--model DIR] [--json]            5 short prompts x 128 tokens through the engine
+  q27py bench [--random-weights 27b] [--tier q4s] [--json] full 27B shapes, random weights made on the GPU (the default)
+  q27py bench shortbench [--model DIR] [--device cpu|cuda] [--json]
+                                                           5 short prompts x 128 tokens through the engine
   q27py bench replay [--model DIR | --random-weights 27b] [--device cpu|cuda] [--json]
                                                            a Claude-Code-shaped session: prefix reuse and TTFT
 """
@@ -12,15 +13,14 @@ import json
 import sys
 from pathlib import Path
 
-from q27py.errors import Q27Error
-
 
 def add_arguments(p) -> None:
     from q27py.gpu.weights import TIERS
 
     p.add_argument("suite", nargs="?", choices=["shortbench", "replay"],
                    help="shortbench or replay (default: the --random-weights kernel bench)")
-    p.add_argument("--random-weights", choices=["27b"], help="full Qwen3.6-27B shapes with seeded random weights")
+    p.add_argument("--random-weights", choices=["27b"],
+                   help="full Qwen3.6-27B shapes with seeded random weights (the default bench; 27b is the only size)")
     p.add_argument("--tier", choices=sorted(TIERS), default=None,
                    help="weight tier (random weights: default q4s; shortbench: the checkpoint's own bf16)")
     p.add_argument("--seed", type=int, default=0)
@@ -28,24 +28,33 @@ def add_arguments(p) -> None:
     p.add_argument("--model", type=Path, default=None, help="model directory for shortbench")
     p.add_argument("--tokens", type=int, default=128, help="tokens per shortbench prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="replay: engine device (default cuda)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="shortbench / replay: engine device (default cuda)")
     p.add_argument("--system-tokens", type=int, default=20000, help="replay: size of the system + tools block")
     p.add_argument("--turns", type=int, default=30, help="replay: turns in the session")
 
 
+def suite(args) -> str:
+    """Which bench the arguments select: no positional suite means the random-weights bench, as the help says."""
+    if args.suite:
+        return args.suite
+    return "random-weights"
+
+
 def run(args) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    if args.suite == "shortbench":
+    which = suite(args)
+    if which == "shortbench":
         from q27py.bench.shortbench import run_shortbench
         from q27py.config import Q27Config, apply_env, apply_overrides
         from q27py.engine.engine import LocalEngine
 
         cfg = apply_env(Q27Config())
-        apply_overrides(cfg.engine, {"model_dir": args.model, "device": "cuda", "tier": args.tier})
+        apply_overrides(cfg.engine, {"model_dir": args.model, "device": args.device or "cuda", "tier": args.tier})
         result = run_shortbench(LocalEngine.load(cfg), args.tokens, log)
-    elif args.suite == "replay":
+    elif which == "replay":
         result = _replay(args, log)
-    elif args.random_weights:
+    else:
         from q27py.bench.random_weights import Bench
 
         bench = Bench(tier=args.tier or "q4s", seed=args.seed, log=log)
@@ -54,8 +63,6 @@ def run(args) -> int:
             result = bench.run(decode_ctx=(2048,), prefill_lens=(2048,), mem_ctx=(2048, 32768))
         else:
             result = bench.run()
-    else:
-        raise Q27Error("choose a benchmark: --random-weights 27b, or shortbench")
     if args.json:
         print(json.dumps(result, indent=1, default=float))
     return 0
@@ -79,7 +86,7 @@ def _replay(args, log) -> dict:
         from q27py.model.tiny import FULL_TOKENIZER
 
         model = FastModel(random_weights(qwen36_27b_config(), args.tier or "q4s", args.seed),
-                          max_context=cfg.engine.max_context, kv_dtype="bf16", chunk=1024)
+                          max_context=cfg.engine.max_context, kv_dtype="bf16", chunk=cfg.engine.gpu_prefill_chunk)
         model.enable_graphs()
         tokenizer = Tokenizer.from_file(FULL_TOKENIZER)
     else:

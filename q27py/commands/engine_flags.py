@@ -12,8 +12,10 @@ from pathlib import Path
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, serving: bool = False) -> None:
     p.add_argument("--model", type=Path, default=None,
-                   help="Hugging Face checkpoint directory or repacked .q27 file (default: the bundled q36-tiny-code, or $Q27_MODEL)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="cpu = numpy reference path; cuda = fast path")
+                   help="Hugging Face checkpoint directory or repacked .q27 file (default: the bundled q36-tiny-agent, or $Q27_MODEL)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="cpu = numpy; cuda = CuPy kernels")
+    p.add_argument("--backend", choices=["auto", "fast", "reference"], default=None,
+                   help="fast path or the numpy reference (the specification); auto = fast (cpu: when --dtype is float32)")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default=None, help="reference-path compute dtype")
     p.add_argument("--tier", choices=["bf16", "q8", "q5f", "q4s"], default=None,
                    help="cuda: quantize a bf16 checkpoint on load to this tier (docs/QUANT.md)")
@@ -40,7 +42,7 @@ def apply_engine_arguments(cfg, args) -> None:
 
     get = lambda name: getattr(args, name, None)  # noqa: E731 - flags a command did not add stay None
     apply_overrides(cfg.engine, {
-        "model_dir": get("model"), "device": get("device"), "dtype": get("dtype"), "tier": get("tier"),
+        "model_dir": get("model"), "device": get("device"), "backend": get("backend"), "dtype": get("dtype"), "tier": get("tier"),
         "max_context": get("max_context"), "prefix_cache_dir": get("prefix_cache"),
         "prefix_cache_max_bytes": int(get("prefix_cache_gb") * (1 << 30)) if get("prefix_cache_gb") else None,
         "checkpoint_every": get("checkpoint_every"), "max_sequences": get("max_sequences"),

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from q27py.commands.engine_flags import add_engine_arguments, apply_engine_arguments
-from q27py.config import Q27Config, apply_env, apply_overrides
+from q27py.config import Q27Config, apply_device_defaults, apply_env, apply_overrides
 from q27py.errors import ConfigError
 
 log = logging.getLogger("q27py.server")
@@ -35,8 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     think.add_argument("--no-think", dest="default_thinking", action="store_false",
                        help="answer without a think block unless a request asks for one")
     p.add_argument("--reasoning-budget", type=int, metavar="N",
-                   help="force-close a think block after N tokens (default: half of max_tokens)")
-    p.add_argument("--default-max-tokens", type=int, metavar="N", help="max_tokens when a request gives none")
+                   help="force-close a think block after N tokens (default: 256 on the CPU, else half of max_tokens)")
+    p.add_argument("--default-max-tokens", type=int, metavar="N",
+                   help="max_tokens when a request gives none (default: 1024 on the CPU, else 32768)")
+    p.add_argument("--max-tokens-ceiling", type=int, metavar="N",
+                   help="ceiling on every request's max_tokens (default: 4096 on the CPU, else none)")
     p.add_argument("--metrics-without-key", action="store_true", default=None,
                    help="serve GET /metrics without the API key (for Prometheus / inference-gateway scrapers)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -62,6 +65,7 @@ def build_config(args: argparse.Namespace, environ=None) -> Q27Config:
 
     cfg = apply_env(Q27Config(), environ)
     apply_engine_arguments(cfg, args)
+    apply_device_defaults(cfg)  # CPU output limits; the server flags below still win
     keys = list(cfg.server.api_keys) + list(args.api_key or [])
     if args.api_key_file is not None:
         keys += load_key_file(args.api_key_file)
@@ -69,6 +73,7 @@ def build_config(args: argparse.Namespace, environ=None) -> Q27Config:
                                  "default_thinking": args.default_thinking,
                                  "reasoning_budget": args.reasoning_budget,
                                  "default_max_tokens": args.default_max_tokens,
+                                 "max_tokens_ceiling": getattr(args, "max_tokens_ceiling", None),
                                  "metrics_without_key": getattr(args, "metrics_without_key", None)})
     if cfg.server.reasoning_budget is not None and cfg.server.reasoning_budget < 1:
         raise ConfigError("--reasoning-budget must be at least 1")

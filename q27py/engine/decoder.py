@@ -63,7 +63,8 @@ class DecodeStats:
                 proposed[k] += 1
                 accepted[k] += k < accepted_drafts
         if self.record_trace:
-            self.trace.append({"source": source, "drafts": [int(t) for t in drafts], "accepted": int(emitted)})
+            self.trace.append({"source": source, "drafts": [int(t) for t in drafts], "accepted": int(emitted),
+                               "lanes": int(lanes), "mtp_steps": int(mtp_steps)})
 
     def acceptance_by_depth(self, sources=("mtp", "suffix")) -> list[float]:
         """Share of drafts proposed at depth k (1-based: index k-1) that were accepted."""
@@ -133,6 +134,15 @@ def prefill(model, state: SequenceState, ids: list[int], chunk: int,
     return last
 
 
+def pick_row(sampler: PositionSampler, out, row: int, position: int) -> int:
+    """The token for logits row `row` of a forward output. Greedy picks use the output's device
+    argmax when it has one (the fast path: W ids downloaded instead of W vocab-sized rows plus a
+    host argmax each); it is numpy.argmax's choice, ties to the lowest index, so the same token."""
+    if sampler.params.greedy and hasattr(out, "greedy_ids"):
+        return int(out.greedy_ids()[row])
+    return sampler.pick(out.logits[row], position)
+
+
 def begin_run(sampling: SamplingParams, stats: DecodeStats | None, trace: bool) -> tuple[PositionSampler, DecodeStats]:
     """What every decoder does first: check the sampling settings, key the sampler, set up stats."""
     validate(sampling)
@@ -177,8 +187,9 @@ class Decoder:
             return
         logits = prefill(self.model, state, prompt_suffix(state, prompt_ids), self.prefill_chunk, prefill_breaks)
         produced = 0
+        out = None
         while True:
-            tok = sampler.pick(logits, state.position)
+            tok = sampler.pick(logits, state.position) if out is None else pick_row(sampler, out, 0, state.position)
             produced += 1
             stats.record_round("none", [], 0, 1, lanes=1 if produced > 1 else 0)
             yield [tok]
@@ -186,7 +197,6 @@ class Decoder:
                 return
             out = self.model.forward(state, [tok])
             state.extra["hidden_last"] = out.hidden[-1:].copy()
-            logits = out.logits[-1]
 
 
 def build_decoder(model, cfg):
@@ -200,5 +210,5 @@ def build_decoder(model, cfg):
     if use_spec:
         from q27py.engine.spec import SpecDecoder  # spec.py imports this module
 
-        return SpecDecoder(model, spec, prefill_chunk=cfg.engine.prefill_chunk)
-    return Decoder(model, prefill_chunk=cfg.engine.prefill_chunk, trace=spec.trace)
+        return SpecDecoder(model, spec, prefill_chunk=cfg.engine.engine_prefill_chunk())
+    return Decoder(model, prefill_chunk=cfg.engine.engine_prefill_chunk(), trace=spec.trace)

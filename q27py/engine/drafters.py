@@ -15,7 +15,6 @@ can change the output, only how many tokens each verify forward commits.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -100,6 +99,8 @@ class MTPLadder:
         start = self.kv.length
         assert start + self.backlog == position, "MTP backlog out of step with the committed position"
         rows = np.concatenate(self._hidden)
+        if hasattr(self.model, "mtp_draft_chain"):
+            return self._draft_on_device(rows, max_drafts, min_margin, position, stop_if_first)
         logits, hm = self.model.mtp_forward(self.kv, rows, self._next, start, logits_rows="last")
         self._hidden, self._next = [], []
         warm_length = self.kv.length  # == position: row position-1 (step 0) is a committed row
@@ -122,6 +123,25 @@ class MTPLadder:
         return Draft(MTP if tokens else NONE, tokens, gated, steps)
 
 
+    def _draft_on_device(self, rows, max_drafts: int, min_margin: float, position: int, stop_if_first) -> Draft:
+        """The same ladder with every step chained on the device (the fast path's mtp_draft_chain):
+        all max_drafts steps run in one graph, then the gate and the probe cut the list here --
+        the drafts kept are exactly the host ladder's; the extra steps only cost device time."""
+        ids, margins = self.model.mtp_draft_chain(self.kv, rows, self._next, self.kv.length, max_drafts)
+        self._hidden, self._next = [], []
+        tokens: list[int] = []
+        gated = False
+        for k in range(max_drafts):
+            if margins[k] < min_margin:
+                gated = True
+                break
+            tokens.append(int(ids[k]))
+            if len(tokens) == 1 and stop_if_first and stop_if_first(tokens[0]):
+                break
+        self.kv.truncate(position)  # draft rows are guesses: never keep them
+        return Draft(MTP if tokens else NONE, tokens, gated, max_drafts)
+
+
 class SuffixIndex:
     """Incremental index of the token stream (prompt + output) for suffix drafting.
 
@@ -140,20 +160,56 @@ class SuffixIndex:
         self.max_match = max_match
         self._tokens = np.zeros(1024, dtype=np.int64)
         self.length = 0
-        self._index: dict[tuple, deque] = {}
+        self._index: dict[tuple, list[int]] = {}
 
     def extend(self, ids) -> None:
-        for t in ids:
-            if self.length == self._tokens.shape[0]:
-                self._tokens = np.concatenate([self._tokens, np.zeros_like(self._tokens)])
-            self._tokens[self.length] = int(t)
-            self.length += 1
-            if self.length >= self.key_len:
-                key = tuple(self._tokens[self.length - self.key_len : self.length].tolist())
-                slot = self._index.get(key)
-                if slot is None:
-                    slot = self._index[key] = deque(maxlen=self.max_candidates)
-                slot.append(self.length - 1)
+        ids = [int(t) for t in ids]
+        if not ids:
+            return
+        old, k = self.length, self.key_len
+        need = old + len(ids)
+        if need > self._tokens.shape[0]:
+            grown = np.zeros(max(need, 2 * self._tokens.shape[0]), dtype=np.int64)
+            grown[:old] = self._tokens[:old]
+            self._tokens = grown
+        self._tokens[old:need] = ids
+        self.length = need
+        # Every position `end` >= k - 1 indexes the key of the k tokens ending there, in a plain
+        # list per key (ascending ends; lookups read its last max_candidates). Keys come from one
+        # Python list through zip (tuples made in C): per-token numpy slices and a deque per key
+        # cost ~2.5x more on a 20K-token agent prompt (docs/PERF.md).
+        first = max(old, k - 1)
+        if first >= need:
+            return
+        toks = self._tokens[first - k + 1 : need].tolist()
+        index = self._index
+        for end, key in zip(range(first, need), zip(*(toks[j:] for j in range(k)))):
+            slot = index.get(key)
+            if slot is None:
+                index[key] = [end]
+            else:
+                slot.append(end)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (a new request that shares only a prefix of this stream)."""
+        length = max(0, min(length, self.length))
+        k = self.key_len
+        for end in range(self.length - 1, max(length, k - 1) - 1, -1):
+            key = tuple(self._tokens[end - k + 1 : end + 1].tolist())
+            slot = self._index.get(key)
+            while slot and slot[-1] >= length:
+                slot.pop()
+            if slot is not None and not slot:
+                del self._index[key]
+        self.length = length
+
+    def common_prefix(self, ids) -> int:
+        """Length of the longest common prefix of this stream and ids."""
+        n = min(self.length, len(ids))
+        if n == 0:
+            return 0
+        diff = np.nonzero(self._tokens[:n] != np.asarray(ids[:n], dtype=np.int64))[0]
+        return int(diff[0]) if diff.size else n
 
     def longest_match(self) -> tuple[int, int]:
         """(end position of the best earlier match of the tail, its length); (-1, 0) if none."""
@@ -161,7 +217,7 @@ class SuffixIndex:
         if n <= self.key_len:
             return -1, 0
         key = tuple(self._tokens[n - self.key_len : n].tolist())
-        ends = np.array([e for e in self._index.get(key, ()) if e < n - 1], dtype=np.int64)
+        ends = np.array([e for e in self._index.get(key, ())[-self.max_candidates :] if e < n - 1], dtype=np.int64)
         if ends.size == 0:
             return -1, 0
         span = min(self.max_match, n - 1)

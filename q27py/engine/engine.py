@@ -30,6 +30,12 @@ class ContextLengthError(Q27Error):
 def load_model(cfg: Q27Config):
     """The forward-pass object for cfg.engine.device: same interface on both paths."""
     e = cfg.engine
+    if e.backend not in ("auto", "fast", "reference"):
+        raise Q27Error(f"unknown backend {e.backend!r} (auto | fast | reference)")
+    if e.device == "cpu" and (e.backend == "fast" or (e.backend == "auto" and e.dtype == "float32")):
+        from q27py.model.fastcpu import FastCPUModel  # the reference's math, arranged for speed
+
+        return FastCPUModel.load(e.model_dir, dtype=e.dtype)
     if e.device == "cpu" or e.backend == "reference":
         from q27py.model.reference import ReferenceModel
 

@@ -14,8 +14,12 @@ summary that can only be resumed where it was saved. So reuse is designed in:
   rest. Snapshots past the restore point are dropped: their KV rows get overwritten.
 - The opt-in disk cache stores whole prefixes (tokens + KV rows + GDN state). Its
   file names are hashes, never trusted: the stored token vector is compared element
-  by element, and a compatibility hash (model bytes, dims, format) plus a payload
-  checksum make foreign, stale, truncated or bit-flipped files invisible.
+  by element, and a compatibility hash (model bytes, dims, format) plus checksums over
+  the header and every array make foreign, stale, truncated or bit-flipped files
+  invisible. The entry bytes are q27py/io/prefix_entry.py's; this module is the policy
+  (which entries exist, LRU by mtime, when to write). Any failure of the disk tier means
+  "ignore the entry, log it, serve cold": the cache directory can neither stop startup
+  (unreadable, read-only, a FIFO named like an entry) nor fail a request.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,11 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
+from q27py.io import prefix_entry
+from q27py.io.blobfile import BlobFileError, open_regular
+from q27py.io.prefix_entry import FORMAT_VERSION, ForeignEntry
 
 log = logging.getLogger("q27py.prefix")
-
-FORMAT_VERSION = 1
-MAGIC = b"Q27PREFX"
 
 
 @dataclass
@@ -136,6 +139,8 @@ class PrefixCache:
             if disk_pos > best_pos and disk_pos <= len(prompt) - 1:
                 if self.disk.load_into(self.model, seq, prompt[:disk_pos]):
                     best_pos = disk_pos
+                else:  # untouched, or started over when an entry did not fit the state
+                    best_pos = seq.state.position
         seq.busy = True
         seq.last_used = time.monotonic()
         if best_pos:
@@ -220,87 +225,142 @@ def _key(tokens: list[int]) -> str:
     return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
 
 
+def _identity(st: os.stat_result) -> tuple:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class DiskCache:
     """Persistent prefix entries: <key>.q27p files, atomic writes from a background thread, LRU by mtime."""
 
     def __init__(self, directory: Path, compat: str, max_bytes: int = 8 << 30, min_tokens: int = 256):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.compat = compat
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
         self.lengths: dict[int, int] = {}  # prefix length -> entries with that length
+        self._refused: dict[str, tuple] = {}  # key -> identity of the file refused (re-read only if it changes)
+        self._template: dict[str, tuple[str, tuple[int, ...]]] | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=4)
         self.hits = 0
         self.rejected = 0
-        for tmp in self.dir.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)  # a crash mid-write leaves these; never read them
-        for p in self.dir.glob("*.q27p"):
-            head = self._read_header(p)
-            if head is not None:
-                self.lengths[head["n_tokens"]] = self.lengths.get(head["n_tokens"], 0) + 1
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # the entries already there (if any) can still be read
+            log.warning("prefix cache: cannot create %s (%s); new entries will not be written", self.dir, exc)
+        self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="q27-prefix-writer", daemon=True)
         self._writer.start()
 
-    # ---- reading
-    def _read_header(self, path: Path) -> dict | None:
+    def _scan(self) -> None:
+        """Index the entries' lengths from their headers; nothing here may block or raise."""
         try:
-            with open(path, "rb") as f:
-                magic = f.read(8)
-                if magic != MAGIC:
-                    raise ValueError("bad magic")
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > 1 << 24:
-                    raise ValueError("bad header length")
-                head = json.loads(f.read(n))
-        except (OSError, ValueError, struct.error) as exc:
-            log.warning("prefix cache: ignoring %s (%s)", path.name, exc)
-            return None
-        if head.get("compat") != self.compat or head.get("version") != FORMAT_VERSION:
-            # another model, tier or format: never used, and said once at startup
-            log.info("prefix cache: ignoring %s (written for another model or format)", path.name)
-            return None
-        return head
+            names = sorted(os.listdir(self.dir))
+        except OSError as exc:
+            log.warning("prefix cache: cannot list %s (%s); starting with an empty disk tier", self.dir, exc)
+            return
+        for name in names:
+            path = self.dir / name
+            if name.endswith(".tmp"):  # a crash mid-write leaves these; never read them
+                try:
+                    path.unlink()
+                except OSError as exc:
+                    log.warning("prefix cache: cannot remove leftover %s (%s)", name, exc)
+                continue
+            if not name.endswith(".q27p"):
+                continue
+            try:
+                n = prefix_entry.read_header(path, self.compat)
+            except ForeignEntry:
+                # another model, tier or format: never used, and said once at startup
+                log.info("prefix cache: ignoring %s (written for another model or format)", name)
+                continue
+            except Exception as exc:  # damaged, unreadable, not a regular file: ignored, never fatal
+                log.warning("prefix cache: ignoring %s (%s)", name, exc)
+                continue
+            self.lengths[n] = self.lengths.get(n, 0) + 1
 
+    # ---- reading
     def lookup_length(self, prompt: list[int]) -> int:
         """Longest stored prefix length whose entry exists for this prompt (token-verified on load)."""
         for n in sorted(self.lengths, reverse=True):
-            if n < len(prompt) and (self.dir / f"{_key(prompt[:n])}.q27p").exists():
-                return n
+            if n < len(prompt):
+                key = _key(prompt[:n])
+                try:
+                    st = os.stat(self.dir / f"{key}.q27p")
+                except OSError:
+                    continue
+                if self._refused.get(key) != _identity(st):
+                    return n
         return 0
 
     def load_into(self, model, seq: LiveSequence, tokens: list[int]) -> bool:
-        path = self.dir / f"{_key(tokens)}.q27p"
+        """Install the stored prefix `tokens` into seq; False (logged) if the entry cannot be used.
+
+        The entry is verified whole before the state is touched; if it still does not fit
+        the state, seq is started over (position 0) and the caller serves the request cold.
+        """
+        key = _key(tokens)
+        path = self.dir / f"{key}.q27p"
         try:
-            data = path.read_bytes()
-            if data[:8] != MAGIC:
-                raise ValueError("bad magic")
-            (n,) = struct.unpack("<Q", data[8:16])
-            head = json.loads(data[16 : 16 + n])
-            if head.get("compat") != self.compat or head.get("version") != FORMAT_VERSION:
-                raise ValueError("foreign entry")
-            payload = memoryview(data)[16 + n :]
-            if hashlib.sha256(payload).hexdigest() != head["sha256"]:
-                raise ValueError("checksum mismatch (truncated or corrupted)")
-            arrays = {}
-            for name, (dtype, shape, off, size) in head["arrays"].items():
-                arrays[name] = np.frombuffer(payload[off : off + size], dtype=dtype).reshape(shape).copy()
+            f, _ = open_regular(path, path.name)
+            with f:
+                ident = _identity(os.fstat(f.fileno()))
+                if self._refused.get(key) == ident:
+                    return False
+                data = f.read()
+            arrays = prefix_entry.decode(data, self.compat, path.name)
             stored = arrays.pop("tokens")
             # Never trust the key: the whole token vector must match.
-            if stored.shape[0] != len(tokens) or not np.array_equal(stored, np.asarray(tokens, dtype=np.int32)):
-                raise ValueError("token vector differs from the prompt prefix")
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-            self.rejected += 1
-            log.warning("prefix cache: not using %s (%s)", path.name, exc)
+            if not np.array_equal(stored, np.asarray(tokens, dtype=np.int32)):
+                raise BlobFileError(f"{path.name}: token vector differs from the prompt prefix")
+            hidden = arrays.pop("hidden_last", None)
+            self._check_fits(model, seq, arrays, len(tokens), path.name)
+        except (OSError, ValueError) as exc:  # BlobFileError is a ValueError
+            self._refuse(key, path, exc)
             return False
-        hidden = arrays.pop("hidden_last", None)
-        model.import_prefix(seq.state, arrays, len(tokens))
-        seq.state.extra["hidden_last"] = hidden
-        seq.tokens = list(tokens)
-        seq.snapshots = {len(tokens): take_snapshot(model, seq.state, "disk")}
-        os.utime(path)  # LRU by mtime
+        try:
+            model.import_prefix(seq.state, arrays, len(tokens))
+            seq.state.extra["hidden_last"] = hidden
+            seq.tokens = list(tokens)
+            seq.snapshots = {len(tokens): take_snapshot(model, seq.state, "disk")}
+        except Exception as exc:  # half-installed: start the slot over, serve cold
+            seq.state = model.new_state()
+            seq.tokens, seq.snapshots = [], {}
+            self._refuse(key, path, f"does not fit the model state ({exc!r})")
+            return False
+        try:
+            os.utime(path)  # LRU by mtime
+        except OSError as exc:  # a read-only directory: the entry still serves; eviction order lags
+            log.info("prefix cache: cannot touch %s (%s)", path.name, exc)
         self.hits += 1
         return True
+
+    def _refuse(self, key: str, path: Path, why) -> None:
+        self.rejected += 1
+        log.warning("prefix cache: not using %s (%s)", path.name, why)
+        try:
+            self._refused[key] = _identity(os.stat(path))
+        except OSError:
+            self._refused.pop(key, None)
+
+    def _check_fits(self, model, seq: LiveSequence, arrays: dict[str, np.ndarray], n: int, what: str) -> None:
+        """Names, dtypes and shapes must be what this model exports (token axis: at most n rows).
+
+        The template is what export_prefix gives for a state at position 0 (zero rows on the
+        token axis, so taking it is cheap); until a position-0 state has been seen the
+        check is left to import_prefix's own failure path."""
+        if self._template is None and seq.state.position == 0:
+            self._template = {k: (a.dtype.str, a.shape) for k, a in model.export_prefix(seq.state).items()}
+        if self._template is None:
+            return
+        if set(arrays) != set(self._template):
+            raise BlobFileError(f"{what}: arrays {sorted(set(arrays) ^ set(self._template))} do not match the model's")
+        for name, a in arrays.items():
+            dtype, shape = self._template[name]
+            fits = a.dtype.str == dtype and a.ndim == len(shape) and all(
+                d == t or (t == 0 and d <= n) for d, t in zip(a.shape, shape))
+            if not fits:
+                raise BlobFileError(f"{what}: array {name} is {a.dtype.str}{list(a.shape)}, the model's {dtype}{list(shape)}")
 
     # ---- writing
     def store_async(self, model, seq: LiveSequence) -> None:
@@ -329,7 +389,7 @@ class DiskCache:
             n, arrays = self._queue.get()
             try:
                 self._write(n, arrays)
-            except OSError as exc:
+            except Exception as exc:  # a full disk, a read-only directory: the entry is skipped
                 log.warning("prefix cache: write failed (%s)", exc)
             finally:
                 self._queue.task_done()
@@ -337,32 +397,43 @@ class DiskCache:
     def _write(self, n: int, arrays: dict[str, np.ndarray]) -> None:
         key = _key(arrays["tokens"].tolist())
         final = self.dir / f"{key}.q27p"
-        if final.exists():
-            os.utime(final)
+        if final.exists() and self._refused.get(key) is None:
+            try:
+                os.utime(final)
+            except OSError:
+                pass
             return
-        meta, blobs, off = {}, [], 0
-        for name, a in arrays.items():
-            raw = np.ascontiguousarray(a).tobytes()
-            meta[name] = (a.dtype.str, list(a.shape), off, len(raw))
-            blobs.append(raw)
-            off += len(raw)
-        payload = b"".join(blobs)
-        head = json.dumps({"version": FORMAT_VERSION, "compat": self.compat, "n_tokens": n,
-                           "sha256": hashlib.sha256(payload).hexdigest(), "arrays": meta}).encode()
+        data = prefix_entry.encode(self.compat, arrays)
         tmp = final.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(head)) + head + payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._refused.pop(key, None)
         self.lengths[n] = self.lengths.get(n, 0) + 1
         self._evict()
 
     def _evict(self) -> None:
-        files = sorted(self.dir.glob("*.q27p"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
+        files = []
+        for p in self.dir.glob("*.q27p"):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+        files.sort()
+        total = sum(size for _, size, _ in files)
         while files and total > self.max_bytes:
-            victim = files.pop(0)
-            total -= victim.stat().st_size
-            victim.unlink(missing_ok=True)
+            _, size, victim = files.pop(0)
+            total -= size
+            try:
+                victim.unlink()
+            except OSError as exc:
+                log.warning("prefix cache: cannot evict %s (%s)", victim.name, exc)
+                continue
             log.info("prefix cache: evicted %s", victim.name)

@@ -25,17 +25,19 @@ splits are chosen from shapes and pos0 only), so greedy output is width-invarian
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from q27py.gpu import kernels as K
 from q27py.gpu import layout as L
-from q27py.gpu.runtime import Runtime, ptr
+from q27py.gpu.runtime import Runtime, i32, ptr
 from q27py.gpu.weights import LayerW, ModelWeights
 from q27py.model.config import FULL, ModelConfig
 from q27py.model.reference import select_rows
 
+LOGIT_ROWS = 1024  # logits rows one forward chunk can return (compact storage, see FastModel.logits)
 VERIFY_SPAN = 16  # lane capacity the attention split size is derived from (>= any verify width)
 # Launches of more lanes than any verify (prefill chunks, MTP warm-up) run the tiled tensor-core
 # attention, which reads each K/V tile once per 64 query rows instead of once per lane. Decode
@@ -53,19 +55,45 @@ class FastTrace:
 
 
 class FastOutput:
-    """logits: numpy [R, V] for the requested rows; hidden: post-norm [T, H] (host copy on first use)."""
+    """logits: numpy [R, V] for the requested rows (host copy on first use); hidden: post-norm
+    [T, H] (host copy on first use); greedy_ids(): the device argmax of each requested row.
+
+    Nothing is downloaded until asked for: a greedy round needs W token ids (W x 4 bytes), not
+    W logits rows (W x 1 MB on the 27B) and a host argmax over each. Read before the next
+    forward (the model reuses its scratch), as with hidden.
+    """
 
     def __init__(self, model: "FastModel", t: int, rows: np.ndarray, trace: FastTrace | None):
         self._model = model
         self._t = t
         self.rows = rows
         self.trace = trace
-        self.logits = model._fetch_logits(rows)
+        self._logits = None
         self._hidden = None
+        self._serial = model._out_serial
+
+    def _check_fresh(self) -> None:
+        if self._serial != self._model._out_serial:
+            raise RuntimeError("FastOutput read after a later forward reused the model's scratch")
+
+    @property
+    def logits(self) -> np.ndarray:
+        if self._logits is None:
+            self._check_fresh()
+            self._logits = self._model._fetch_logits(self.rows)
+        return self._logits
+
+    def greedy_ids(self) -> np.ndarray:
+        """numpy.argmax of each requested logits row (lowest index on ties), computed on the device."""
+        if self._logits is not None:
+            return np.argmax(self._logits, axis=1)
+        self._check_fresh()
+        return self._model._fetch_ids(self.rows)
 
     @property
     def hidden(self) -> np.ndarray:
         if self._hidden is None:
+            self._check_fresh()
             m = self._model
             self._hidden = m.hidden[: self._t, : m.cfg.hidden_size].get()
         return self._hidden
@@ -88,6 +116,12 @@ class MtpKV:
     def truncate(self, length: int) -> None:
         assert 0 <= length <= self.length
         self.length = length
+
+
+def _release_graphs(model_ref, state_id: int) -> None:
+    model = model_ref()
+    if model is not None and model.graphs is not None:
+        model.graphs.drop_id(state_id)
 
 
 class FastState:
@@ -119,6 +153,8 @@ class FastState:
         self.ctl = cp.zeros(4, dtype=cp.int32)
         self.mtp_kv = MtpKV(self) if model.has_mtp else None
         self.extra: dict = {}  # engine-side per-sequence notes (as on the reference state)
+        # when this state is freed (the prefix cache replaces a slot's state), its graphs go too
+        weakref.finalize(self, _release_graphs, weakref.ref(model), self.id)
 
     def reset(self) -> None:
         self.position = 0
@@ -142,7 +178,8 @@ class FastState:
 
 
 class FastModel:
-    def __init__(self, weights: ModelWeights, max_context: int = 4096, kv_dtype: str = "bf16", chunk: int = 64):
+    def __init__(self, weights: ModelWeights, max_context: int = 4096, kv_dtype: str = "bf16", chunk: int = 64,
+                 device_snapshot_bytes: int | None = None):
         rt = Runtime.get()
         cp = rt.cp
         self.rt = rt
@@ -168,10 +205,16 @@ class FastModel:
         c = cfg.gdn_conv_dim
         self.ld_proj = L.round_up(c + hv * dv, 4)
         ng = max(len(cfg.linear_layers), 1)
-        # GDN records, per layer (they outlive the forward until commit)
-        self.proj = z(ng, T, self.ld_proj)
-        self.qkvn = z(ng, T, c)
-        self.gb = z(ng, T, 2 * hv)
+        # GDN records, per layer (they outlive a verify forward until commit): verify widths only.
+        # Prefill chunks (t > VERIFY_SPAN) never commit from records, so they share one scratch
+        # of T rows -- at T = 4096 per-layer records would cost 48 x T x 107 KB = 21 GB.
+        R = VERIFY_SPAN
+        self.proj = z(ng, R, self.ld_proj)
+        self.qkvn = z(ng, R, c)
+        self.gb = z(ng, R, 2 * hv)
+        self.proj_big = z(T, self.ld_proj) if T > R else None
+        self.qkvn_big = z(T, c) if T > R else None
+        self.gb_big = z(T, 2 * hv) if T > R else None
         self.ab = z(T, 2 * hv)
         self.o_gdn = z(T, hv * dv)
         self.ld_xo = L.round_up(hv * dv, 64)
@@ -183,16 +226,21 @@ class FastModel:
         self.qbuf = z(T, nq * hd)
         self.ld_xa = L.round_up(nq * hd, 64)
         self.xa = z(T, self.ld_xa)
-        self.part = cp.zeros(K.attention_partials_floats(T, nq, hd), dtype=cp.float32)
+        # split-K partials: decode / verify lanes only, unless this card cannot run the tiled
+        # prefill attention (then prefill chunks take the per-lane kernel too)
+        part_lanes = VERIFY_SPAN if (PREFILL_ATTENTION and K.attention_prefill_fits(hd, self.kv_bf16)) else T
+        self.part = cp.zeros(K.attention_partials_floats(part_lanes, nq, hd), dtype=cp.float32)
         rd = cfg.rotary_dim
         inv = 1.0 / (cfg.rope_theta ** (np.arange(0, rd, 2, dtype=np.float64) / rd))
         self.inv_freq = cp.asarray(inv)
         # MLP
         self.ld_act = L.round_up(cfg.intermediate_size, 64)
         self.act = z(T, self.ld_act)
-        # logits + argmax
+        # logits + argmax. Rows are stored compactly (the i-th requested row of a launch in row i),
+        # so a long prefill chunk does not need T x vocab floats (4 GB at T = 4096 on the 27B).
         self.vocab = cfg.vocab_size
-        self.logits = z(T, self.vocab)
+        self.logit_rows = min(T, LOGIT_ROWS)
+        self.logits = z(self.logit_rows, self.vocab)
         self.top2_part = cp.zeros((T, K.TOP2_BLOCKS, 2), dtype=cp.uint64)
         self.tok = cp.zeros(T, dtype=cp.int32)
         self.top1 = z(T)
@@ -205,9 +253,13 @@ class FastModel:
         self.mtp_ids = cp.zeros(T, dtype=cp.int32)
         self._plans()
         self._serial = 0
+        self._out_serial = 0  # bumped by every forward / mtp_forward: outputs older than it are stale
         self._pending: FastTrace | None = None
         self.graphs = None  # q27py.gpu.graphs.GraphCache, attached by enable_graphs()
         self.stream = cp.cuda.Stream(non_blocking=True)
+        # prefix snapshots kept on the device up to this many bytes (host copies beyond)
+        self.device_snapshot_bytes = min(4 << 30, rt.total_mem // 10) if device_snapshot_bytes is None \
+            else int(device_snapshot_bytes)
 
     # ------------------------------------------------------------------ GEMV plans
     def _plans(self) -> None:
@@ -237,6 +289,8 @@ class FastModel:
         else:
             g = lw.gdn
             p["in"] = K.GemvPlan([g.qkvz, g.ab], [(self.proj[gi], self.ld_proj), (self.ab, self.ab.shape[1])], ws)
+            if self.proj_big is not None:  # prefill chunks write the shared scratch, not the records
+                p["in_big"] = K.GemvPlan([g.qkvz, g.ab], [(self.proj_big, self.ld_proj), (self.ab, self.ab.shape[1])], ws)
             p["out"] = K.GemvPlan([g.out], [(self.h, self.hp)], ws)
             p["gi"] = gi
         return p
@@ -258,6 +312,7 @@ class FastModel:
             raise ValueError(f"verify width {t} > {VERIFY_SPAN}")
         rows = select_rows(t, logits_rows)
         self._pending = None
+        self._out_serial += 1
         with self.stream:
             if t > self.chunk:
                 # prefill in chunks; only the last chunk's rows can be returned
@@ -299,6 +354,7 @@ class FastModel:
         """One MTP pass over rows at positions start.. (writes their MTP KV rows); host arrays out.
 
         kv is state.mtp_kv (as on the reference path): rows past `start` are dropped first.
+        logits_rows="none" (the KV warm-up) downloads nothing and returns no hidden rows.
         """
         if not self.has_mtp:
             raise RuntimeError("this model has no MTP head")
@@ -313,6 +369,8 @@ class FastModel:
         # Warming MTP rows during prefill needs no logits: skipping the lm_head there saves
         # a GEMM and a [rows x vocab] download per chunk.
         want = select_rows(t, logits_rows)
+        if want.size:
+            self._out_serial += 1  # the logits rows of an earlier forward's output are overwritten
         logits_out, hm_out = [], []
         h = self.cfg.hidden_size
         with self.stream:
@@ -332,11 +390,70 @@ class FastModel:
                     self.enqueue_mtp(state, n, "all" if mode == "all" else local)
                 if local.size:
                     logits_out.append(self._fetch_logits(local))
-                hm_out.append(self.mtp_out[:n, :h].get(stream=self.stream))
+                if want.size:  # "none" is the warm-up: nobody reads its hidden rows, skip the download
+                    hm_out.append(self.mtp_out[:n, :h].get(stream=self.stream))
         state.mtp_position = start + t
         kv.length = start + t
         logits = np.concatenate(logits_out) if logits_out else np.zeros((0, self.vocab), dtype=np.float32)
-        return logits, np.concatenate(hm_out)
+        return logits, np.concatenate(hm_out) if hm_out else np.zeros((0, h), dtype=np.float32)
+
+    def mtp_draft_chain(self, kv: MtpKV, hidden, next_ids, start: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """A whole greedy MTP ladder on the device: step 0 over the t rows at start.. (their KV rows
+        are committed rows, kept), then depth - 1 steps each fed the previous step's argmax and
+        post-norm output. Returns (draft ids [depth], top1 - top2 margins [depth]) in one download.
+
+        The drafts are what MTPLadder.draft computes on the host (device argmax = numpy.argmax);
+        the caller applies the confidence gate to the margins and truncates the KV to start + t.
+        One CUDA graph per (t, depth); backlogs over VERIFY_SPAN rows are written first.
+        """
+        if not self.has_mtp:
+            raise RuntimeError("this model has no MTP head")
+        cp = self.rt.cp
+        rows = hidden if isinstance(hidden, cp.ndarray) else np.asarray(hidden, dtype=np.float32)
+        next_ids = np.asarray(next_ids, dtype=np.int64).reshape(-1)
+        t = int(next_ids.shape[0])
+        if t > VERIFY_SPAN:  # long backlog (suffix rounds): plain warm-up rows first
+            self.mtp_forward(kv, rows[: t - 1], next_ids[: t - 1], start, logits_rows="none")
+            rows, next_ids, start, t = rows[t - 1 :], next_ids[t - 1 :], start + t - 1, 1
+        state = kv.state
+        if start > kv.length:
+            raise ValueError(f"MTP rows must be contiguous: start {start} > {kv.length} rows")
+        kv.truncate(start)
+        depth = max(1, int(depth))
+        if not hasattr(self, "_chain_draft"):
+            self._chain_draft = cp.zeros(8, dtype=cp.int32)
+            self._chain_margin = cp.zeros(8, dtype=cp.float32)
+        if depth > self._chain_draft.size:
+            raise ValueError(f"MTP chain depth {depth} > {self._chain_draft.size}")
+        h = self.cfg.hidden_size
+        self._out_serial += 1
+        hid = rows if isinstance(rows, cp.ndarray) else cp.asarray(rows)
+        with self.stream:
+            self.mtp_ids[:t].set(next_ids.astype(np.int32), stream=self.stream)
+            self.mtp_hidden_in[:t, :h] = hid[:t, :h]
+            state.ctl[1:2].set(np.array([start], dtype=np.int32), stream=self.stream)
+
+            def chain():
+                rt = self.rt
+                self.enqueue_mtp(state, t, np.array([t - 1]))
+                for k in range(depth):
+                    feed = k + 1 < depth
+                    src = self.mtp_out[t - 1 if k == 0 else 0]
+                    rt.launch("chain", "mtp_chain_step", 1, 256,
+                              (self.tok, self.margin, self._chain_draft, self._chain_margin, i32(k), i32(int(feed)),
+                               self.mtp_ids, self.mtp_hidden_in, src, i32(h), state.ctl, i32(t if k == 0 else 1)))
+                    if feed:
+                        self.enqueue_mtp(state, 1, np.array([0]))
+
+            if self.graphs is not None:
+                self.graphs.run(state, ("mtp-chain", t, depth), chain)
+            else:
+                chain()
+            ids = self._chain_draft[:depth].get(stream=self.stream).astype(np.int64)
+            margins = self._chain_margin[:depth].get(stream=self.stream)
+        kv.length = start + t + depth - 1
+        state.mtp_position = kv.length
+        return ids, margins
 
     # ------------------------------------------------------------------ device-side steps
     def _run_main(self, state: FastState, ids: np.ndarray, verify: bool, rows: np.ndarray) -> None:
@@ -409,14 +526,20 @@ class FastModel:
         gi = plan["gi"]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, kw, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim
-        plan["in"].run(self.x, self.hp, t)
-        raw = self.proj[gi]
+        if t > VERIFY_SPAN:  # prefill chunk: one shared scratch (never replayed by commit)
+            raw, qkvn, gb = self.proj_big, self.qkvn_big, self.gb_big
+        else:  # decode / verify: this layer's records
+            raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
+        plan["in_big" if t > VERIFY_SPAN else "in"].run(self.x, self.hp, t)
         K.gdn_conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv,
-                   dk, dv, kw, self.qkvn[gi], self.gb[gi], t)
+                   dk, dv, kw, qkvn, gb, t)
         if commit:
             K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
-        K.gdn_step(state.gdn[gi], 0, self.qkvn[gi], 0, self.gb[gi], 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
-                   emit=True, write_state=commit)
+        if commit and t > VERIFY_SPAN and K.gdn_prefill_supported(dk, dv):
+            K.gdn_prefill(state.gdn[gi], qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, t)
+        else:
+            K.gdn_step(state.gdn[gi], 0, qkvn, 0, gb, 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
+                       emit=True, write_state=commit)
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv, self.xo,
                         self.ld_xo)
         plan["out"].run(self.xo, self.ld_xo, t)
@@ -444,18 +567,34 @@ class FastModel:
         plan["down"].run(self.act, self.ld_act, t)
 
     def _logits_rows(self, src, rows: np.ndarray) -> None:
-        """lm_head + argmax for the given lanes (contiguous runs become one GEMV each)."""
+        """lm_head + argmax for the given lanes (contiguous runs become one GEMV each).
+
+        The i-th distinct requested lane (ascending) lands in logits / tok row i: lane r0 of a
+        run placed at row c reads src row r0 = (r0 - c) + c, i.e. src shifted by r0 - c and lane0 = c.
+        """
+        c = 0
         for r0, n in _runs(rows):
-            self.lm_plan.run(src, self.hp, n, lane0=r0)
-            K.top2(self.logits[r0:], self.vocab, self.vocab, n, self.top2_part, self.tok[r0:], self.top1[r0:],
-                   self.margin[r0:])
+            if c + n > self.logit_rows:
+                raise ValueError(f"more than {self.logit_rows} logits rows requested from one forward chunk")
+            self.lm_plan.run(src[r0 - c :], self.hp, n, lane0=c)
+            K.top2(self.logits[c:], self.vocab, self.vocab, n, self.top2_part, self.tok[c:], self.top1[c:],
+                   self.margin[c:])
+            c += n
+
+    def _fetch_ids(self, rows: np.ndarray) -> np.ndarray:
+        """Device argmax ids of the rows computed by the last _logits_rows (compact order)."""
+        if rows.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        u = np.unique(rows)
+        ids = self.tok[: u.size].get(stream=self.stream).astype(np.int64)
+        return ids[np.searchsorted(u, rows)]
 
     def _fetch_logits(self, rows: np.ndarray) -> np.ndarray:
         if rows.size == 0:
             return np.zeros((0, self.vocab), dtype=np.float32)
-        lo, hi = int(rows.min()), int(rows.max())
-        block = self.logits[lo : hi + 1].get(stream=self.stream)
-        return block[rows - lo]
+        u = np.unique(rows)
+        block = self.logits[: u.size].get(stream=self.stream)
+        return block[np.searchsorted(u, rows)]
 
     def argmax_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, top1-top2 margins) of the first n logits rows computed by the last step."""
@@ -475,23 +614,37 @@ class FastModel:
     def state_format(self) -> str:
         return f"cuda-{'bf16' if self.kv_bf16 else 'f32'}kv"
 
-    def save_recurrent(self, state: FastState) -> dict[str, np.ndarray]:
+    def save_recurrent(self, state: FastState) -> dict:
+        """GDN state + conv windows at this point. Device copies while the snapshot budget lasts (a
+        stream-ordered copy of ~150 MB on the 27B: ~0.1 ms, where a pageable host copy cost ~80 ms
+        per snapshot in the agent replay, docs/PERF.md), host copies beyond it."""
+        nbytes = int(state.gdn.nbytes + state.window.nbytes)
+        if DeviceSnapshot.live_bytes + nbytes <= self.device_snapshot_bytes:
+            with self.stream:
+                return DeviceSnapshot({"gdn": state.gdn.copy(), "window": state.window.copy()}, nbytes)
         self.stream.synchronize()
         return {"gdn": state.gdn.get(), "window": state.window.get()}
 
-    def rewind(self, state: FastState, position: int, recurrent: dict[str, np.ndarray]) -> None:
+    def rewind(self, state: FastState, position: int, recurrent: dict) -> None:
         """Back to `position`: KV rows past it are dead (overwritten by the next forward)."""
+        cp = self.rt.cp
         state.position = position
         if state.mtp_kv is not None:
             state.mtp_kv.truncate(min(state.mtp_kv.length, max(position - 1, 0)))
             state.mtp_position = state.mtp_kv.length
-        state.gdn.set(np.ascontiguousarray(recurrent["gdn"]), stream=self.stream)
-        state.window.set(np.ascontiguousarray(recurrent["window"]), stream=self.stream)
+        with self.stream:
+            for name, dst in (("gdn", state.gdn), ("window", state.window)):
+                src = recurrent[name]
+                if isinstance(src, cp.ndarray):
+                    dst[...] = src
+                else:
+                    dst.set(np.ascontiguousarray(src), stream=self.stream)
         self._pending = None
 
     def export_prefix(self, state: FastState) -> dict[str, np.ndarray]:
         n = state.position
-        arrays = self.save_recurrent(state)
+        self.stream.synchronize()
+        arrays = {"gdn": state.gdn.get(), "window": state.window.get()}  # host arrays: they go to disk
         arrays["k"] = state.k[:, :, :n].get()
         arrays["v"] = state.v[:, :, :n].get()
         if state.mtp_kv is not None:
@@ -519,6 +672,21 @@ class FastModel:
             cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
             + (cfg.linear_conv_kernel_dim - 1) * cfg.gdn_conv_dim)
         return per_tok * context + fixed
+
+
+class DeviceSnapshot(dict):
+    """save_recurrent()'s dict when its arrays live on the device; counts the bytes it holds so the
+    model keeps device snapshots under FastModel.device_snapshot_bytes (freed with the dict)."""
+
+    live_bytes = 0
+
+    def __init__(self, arrays: dict, nbytes: int):
+        super().__init__(arrays)
+        self._nbytes = nbytes
+        DeviceSnapshot.live_bytes += nbytes
+
+    def __del__(self):
+        DeviceSnapshot.live_bytes -= self._nbytes
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -567,7 +735,10 @@ def load_fast_model(cfg) -> FastModel:
         weights = from_checkpoint(Checkpoint.open(src), tier=e.tier or "bf16", progress=True)
     ctx = min(e.max_context, weights.cfg.max_position_embeddings)
     # bf16 weights keep fp32 KV (the path the golden tests hold to 1e-3); quantized tiers use bf16 KV
-    # chunk 1024: prefill runs the tensor-core GEMM on up to 1024 rows per weight pass (docs/PERF.md)
-    model = FastModel(weights, max_context=ctx, kv_dtype="f32" if weights.tier == "bf16" else "bf16", chunk=1024)
+    # chunk: prefill runs the GEMM (cuBLAS on bf16 expansions, or the mma.sync kernel) on up to
+    # this many rows per weight pass (docs/PERF.md)
+    K.PREFILL_GEMM = e.prefill_gemm
+    model = FastModel(weights, max_context=ctx, kv_dtype="f32" if weights.tier == "bf16" else "bf16",
+                      chunk=e.gpu_prefill_chunk)
     model.enable_graphs()
     return model

@@ -48,8 +48,15 @@ class GraphCache:
         return graph
 
     def drop_state(self, state) -> None:
-        for k in [k for k in self.graphs if k[0] == state.id]:
+        self.drop_id(state.id)
+
+    def drop_id(self, state_id: int) -> None:
+        """Release every graph captured for a sequence state (it was replaced or freed): graphs
+        bake in that state's pointers and would otherwise be kept for the process lifetime."""
+        for k in [k for k in self.graphs if k[0] == state_id]:
             del self.graphs[k]
+        for k in [k for k in self.seen if k[0] == state_id]:
+            del self.seen[k]
 
 
 def capture(fn, stream=None):

@@ -185,8 +185,19 @@ def gemm_supported(m: GpuMatrix) -> bool:
     return m.shape.fmt in (L.FMT_Q4, L.FMT_Q8) and m.shape.group == L.DEFAULT_GROUP[m.shape.fmt]
 
 
+# "auto": cuBLAS on a bf16 expansion of the weights for chunks of >= blas.MIN_TOKENS tokens, the
+# mma.sync kernel below that; "kernel": always the kernel (A/B runs). Set from EngineConfig.prefill_gemm.
+PREFILL_GEMM = "auto"
+
+
 def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int) -> None:
-    """Y[t] (mode)= W x[t] for ntok tokens, tensor-core tiles of 128 rows x 64 tokens (cuda/gemm.cu)."""
+    """Y[t] (mode)= W x[t] for ntok tokens, tensor-core tiles of 128 rows x 64 tokens (cuda/gemm.cu),
+    or through cuBLAS (q27py/gpu/blas.py) for large chunks."""
+    from q27py.gpu import blas
+
+    if PREFILL_GEMM != "kernel" and ntok >= blas.MIN_TOKENS and blas.available():
+        blas.prefill_gemm(m, x, ldx, ntok, y, ldy)
+        return
     fmt = m.shape.fmt
     slot = (2 if fmt == L.FMT_Q8 else 1) * 16 + 4
     smem = 2 * 64 * 72 * 2 + 4 * 256 * slot
@@ -330,6 +341,20 @@ def gdn_step(state, state_stride: int, qkvn, qkvn_stride: int, gb, gb_stride: in
                          (state, i64(state_stride), qkvn, i64(qkvn_stride), gb, i64(gb_stride), out, i32(ldo), i32(h),
                           i32(hv), i32(dk), i32(dv), i32(nlanes), n_dev, i32(1 if emit else 0),
                           i32(1 if write_state else 0)))
+
+
+def gdn_prefill_supported(dk: int, dv: int) -> bool:
+    return dk <= 128 and dv % 4 == 0
+
+
+def gdn_prefill(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int) -> None:
+    """gdn_step(emit=True, write_state=True) for a long run of lanes, bitwise equal to it: four value
+    columns per warp, so the warps fit one wave and the per-token chains overlap (cuda/gdn.cu)."""
+    kpl = -(-dk // 32)
+    kernel = {1: "gdn_prefill_k1", 2: "gdn_prefill_k2", 3: "gdn_prefill_k4", 4: "gdn_prefill_k4"}[kpl]
+    warps = hv * dv // 4
+    Runtime.get().launch("gdn", kernel, -(-warps // 4), 128,
+                         (state, qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dk), i32(dv), i32(nlanes)))
 
 
 # ---------------------------------------------------------------- attention

@@ -33,7 +33,7 @@ def _find_cuda_dir() -> Path:
 
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
-KERNEL_FILES = ("gemv", "gemm", "quant", "embed", "norm", "conv", "gdn", "rope", "attention", "attention_prefill",
+KERNEL_FILES = ("gemv", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "rope", "attention", "attention_prefill",
                 "sampling", "probe")
 
 

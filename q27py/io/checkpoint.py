@@ -94,6 +94,14 @@ def expected_shapes(cfg: ModelConfig, with_mtp: bool) -> dict[str, tuple[int, ..
     return shapes
 
 
+def _is_q27(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(7) == b"Q27PACK"  # every .q27 layout generation (q27py/io/q27file.py)
+    except OSError:
+        return False
+
+
 class Checkpoint:
     """Tensors of one model, by canonical name, memory-mapped and converted one at a time."""
 
@@ -106,6 +114,10 @@ class Checkpoint:
     @classmethod
     def open(cls, model_dir: str | Path, config: ModelConfig | None = None) -> "Checkpoint":
         model_dir = Path(model_dir)
+        if model_dir.is_file() and _is_q27(model_dir):
+            # the CPU path reads Hugging Face checkpoints only; say so rather than "not a directory"
+            raise CheckpointError(f"{model_dir} is a repacked .q27 file: .q27 files need --device cuda "
+                                  "(on the CPU, pass the checkpoint directory it was repacked from)")
         if not model_dir.is_dir():
             raise CheckpointError(f"{model_dir}: not a directory")
         config = config or ModelConfig.from_model_dir(model_dir)

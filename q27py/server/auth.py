@@ -3,6 +3,13 @@
 Clients present the key as `Authorization: Bearer K` (OpenAI SDKs, Codex with
 env_key, Claude Code with ANTHROPIC_AUTH_TOKEN) or `x-api-key: K` (Anthropic
 SDK, Claude Code with ANTHROPIC_API_KEY); both are accepted everywhere.
+
+The rule when a request carries both (docs/SERVER.md): it is allowed when either
+presented key is valid. A wrong Bearer token beside a right x-api-key passes, and
+so does the reverse: the client holds a valid key either way, and SDKs or proxies
+that add an Authorization header of their own must not lock out the x-api-key
+the user configured. Every presented key is compared with every configured key,
+with no early exit.
 """
 
 from __future__ import annotations
@@ -51,22 +58,28 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._digests)
 
-    def presented_key(self, headers: dict[str, str]) -> str | None:
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.strip().partition(" ")
+    def presented_keys(self, headers: dict[str, str]) -> list[str]:
+        """The keys a request presents: the Bearer token and/or x-api-key (in that order)."""
+        keys = []
+        scheme, _, token = headers.get("authorization", "").strip().partition(" ")
         if scheme.lower() == "bearer" and token.strip():
-            return token.strip()
+            keys.append(token.strip())
         key = headers.get("x-api-key", "").strip()
-        return key or None
+        if key:
+            keys.append(key)
+        return keys
+
+    def presented_key(self, headers: dict[str, str]) -> str | None:
+        keys = self.presented_keys(headers)
+        return keys[0] if keys else None
 
     def allows(self, headers: dict[str, str]) -> bool:
+        """True when any presented key is a configured key (the module docstring's rule)."""
         if not self._digests:
             return True
-        key = self.presented_key(headers)
-        if key is None:
-            return False
-        candidate = _digest(key)
         ok = False
-        for digest in self._digests:  # no early exit: every key is compared
-            ok |= hmac.compare_digest(candidate, digest)
+        for key in self.presented_keys(headers):
+            candidate = _digest(key)
+            for digest in self._digests:  # no early exit: every key is compared
+                ok |= hmac.compare_digest(candidate, digest)
         return ok

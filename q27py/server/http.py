@@ -5,12 +5,23 @@ each to an async handler and writes back a `Response` (a whole body) or a
 `StreamingResponse` (an async iterator of byte chunks, sent chunked). While a
 handler runs, a watcher task keeps reading the socket: EOF means the client
 went away, so the handler is cancelled (its `finally` blocks cancel the
-generation) instead of generating into a dead socket.
+generation) instead of generating into a dead socket -- unless the client only
+half-closed (shut down its sending side and waits for the answer, as `nc -N` and some
+scripted clients do): before the answer has started, EOF is followed by a probe (an
+interim `100 Continue`, which every HTTP/1.1 client must accept), and only a client whose
+socket then refuses bytes counts as gone; a half-closed one gets its answer, then the
+connection closes.
+
+Framing rules beyond h11's: a request with both Content-Length and Transfer-Encoding is
+refused (400) and the connection closed (RFC 9112 section 6.1: the smuggling vector); the
+request line + headers limit counts the whole head, however the bytes arrived; only
+HTTP/1.0 and 1.1 are served (anything else, such as an HTTP/2 preface, is a 505).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
@@ -43,6 +54,7 @@ class Request:
     body: bytes
     client: str = ""
     disconnected: trio.Event = field(default_factory=trio.Event)
+    half_closed: bool = False  # the client shut down its sending side; it still reads the answer
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name.lower(), default)
@@ -83,6 +95,47 @@ def _declared_length(value: str | None) -> int | None:
 
 class _ClientGone(Exception):
     """The peer closed or reset the connection."""
+
+
+class _Stream:
+    """A socket stream whose writes are serialized: the disconnect watcher's probe and the
+    handler's answer may both write, and their bytes must never interleave."""
+
+    def __init__(self, stream):
+        self.raw = stream
+        self.socket = stream.socket
+        self.lock = trio.Lock()
+
+    async def send_all(self, data: bytes) -> None:
+        async with self.lock:
+            await self.raw.send_all(data)
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        return await self.raw.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        async with self.lock:
+            await self.raw.send_eof()
+
+    async def aclose(self) -> None:
+        await self.raw.aclose()
+
+
+TCP_CLOSE_WAIT = 8  # linux/tcp_states.h: the peer sent FIN, we have not closed
+
+
+def _tcp_state(sock) -> int | None:
+    """The kernel's TCP state of a socket (Linux TCP_INFO), None where unavailable."""
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    except (AttributeError, OSError, IndexError):
+        return None
+
+
+def _head_size(event: h11.Request) -> int:
+    """Bytes of the request line and headers as sent (h11 only bounds what it buffers at once)."""
+    line = len(event.method) + len(event.target) + len(b" HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items()) + 2
 
 
 class HttpServer:
@@ -134,6 +187,7 @@ class HttpServer:
     # ---- one connection --------------------------------------------------
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        stream = _Stream(stream)
         try:
             peer = stream.socket.getpeername()
             client = f"{peer[0]}:{peer[1]}"
@@ -181,6 +235,19 @@ class HttpServer:
             val = value.decode("latin-1")
             headers[key] = f"{headers[key]}, {val}" if key in headers else val
         method = event.method.decode("latin-1").upper()
+
+        if event.http_version not in (b"1.0", b"1.1"):
+            version = event.http_version.decode("latin-1")
+            await self._send_error(conn, stream, path, 505, f"HTTP/{version} is not supported (HTTP/1.1 only)")
+            return False
+        if _head_size(event) > limits.max_header_bytes:
+            await self._send_error(conn, stream, path, 431, f"request headers exceed the "
+                                   f"{limits.max_header_bytes}-byte limit")
+            return False
+        if "transfer-encoding" in headers and "content-length" in headers:
+            await self._send_error(conn, stream, path, 400, "a request may not carry both Content-Length "
+                                   "and Transfer-Encoding")
+            return False
 
         declared = _declared_length(headers.get("content-length"))
         if declared is not None and declared > limits.max_body_bytes:
@@ -248,7 +315,7 @@ class HttpServer:
                      request.target, elapsed)
             return False
         log.info("%s %s %s -> %d (%.0f ms)", request.client, request.method, request.target, status, elapsed)
-        return True
+        return not request.half_closed  # a half-closed client sends nothing more: close after the answer
 
     async def _watch_disconnect(self, conn: h11.Connection, stream, request: Request, scope) -> None:
         """Read while the handler runs: EOF cancels it; pipelined bytes wait for the next cycle."""
@@ -258,12 +325,41 @@ class HttpServer:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 data = b""
             if not data:
+                if await self._still_listening(conn, stream):
+                    request.half_closed = True  # answer it; nothing more will be read
+                    return
                 request.disconnected.set()
                 scope.cancel()
                 return
             conn.receive_data(data)
             if len(conn.trailing_data[0]) > self.limits.max_header_bytes:
                 return  # enough buffered; h11 will reject it as too long on the next cycle
+
+    async def _still_listening(self, conn: h11.Connection, stream: _Stream) -> bool:
+        """After EOF: is this a half-close (the client still reads) or a client that went away?
+
+        Only a write can tell: a closed socket answers the first one with a reset, which fails
+        the second. The probe is an interim 100 Continue, sent only while the final answer has
+        not started. Once it has, its own bytes were the probe: a reset since then shows in the
+        kernel's TCP state (Linux); a socket still in CLOSE_WAIT is read as a half-close, and
+        if the client is in fact gone the next writes of the stream fail and end it."""
+        for _ in range(2):
+            async with stream.lock:
+                if conn.our_state is not h11.SEND_RESPONSE:
+                    await trio.sleep(0.05)
+                    return _tcp_state(stream.socket) == TCP_CLOSE_WAIT
+                if conn.their_http_version != b"1.1":
+                    return False  # no interim responses to HTTP/1.0 clients (RFC 9110 15.2): EOF = gone
+                try:
+                    probe = conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+                except h11.LocalProtocolError:
+                    return False
+                try:
+                    await stream.raw.send_all(probe)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    return False
+            await trio.sleep(0.05)
+        return True
 
     # ---- writing ---------------------------------------------------------
 

@@ -122,6 +122,7 @@ class ChatService:
     def max_tokens(self, requested: int | None, prompt: Prompt) -> int:
         """The client's limit (or the server default), clamped to what the context has left."""
         wanted = self.config.default_max_tokens if requested is None else requested
+        wanted = min(wanted, self.config.max_tokens_ceiling or wanted)  # the server's ceiling (CPU path)
         return max(1, min(wanted, self.max_context - len(prompt.ids)))
 
     def reasoning_budget(self, requested: int | None, max_tokens: int) -> int:

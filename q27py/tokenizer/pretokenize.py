@@ -14,6 +14,7 @@ import unicodedata
 from collections.abc import Callable
 
 from q27py.errors import TokenizerError
+from q27py.tokenizer import nfc
 from q27py.tokenizer.regex_translate import compile_split_regex
 
 # The split regex ByteLevel applies when `use_regex` is true (GPT-2's).
@@ -26,7 +27,11 @@ def build_normalizer(spec: dict | None) -> Callable[[str], str]:
     if spec is None:
         return lambda text: text
     kind = spec.get("type")
+    if kind == "NFC":
+        # the reference's NFC from the package's tables: the same on every Python (tokenizer/nfc.py)
+        return nfc.default()
     if kind in _UNICODE_FORMS:
+        # NFD/NFKC/NFKD (no Qwen tokenizer uses them) follow this Python's unicodedata
         return lambda text: text if unicodedata.is_normalized(kind, text) else unicodedata.normalize(kind, text)
     if kind == "Sequence":
         steps = [build_normalizer(s) for s in spec.get("normalizers", [])]

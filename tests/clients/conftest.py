@@ -31,3 +31,46 @@ def make_server(tokenizer):
     factory = ServerFactory(tokenizer)
     yield factory
     factory.close()
+
+
+class RecordingEngine:
+    """The real LocalEngine, plus a record of what it was asked and what it said (for asserts)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.turns: list[dict] = []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, request):
+        turn = {"prompt": self._engine.tokenizer.decode(request.prompt_ids), "output": "",
+                "max_tokens": request.max_tokens, "finish": None}
+        self.turns.append(turn)
+        for chunk in self._engine.generate(request):
+            turn["output"] += chunk.text or ""
+            turn["finish"] = chunk.finish_reason or turn["finish"]
+            yield chunk
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """`q27py serve`'s own config and app (CPU defaults and limits, the bundled model, the fast
+    CPU path) in this process, so tests can see the prompts the engine got."""
+    import argparse
+
+    from server_harness import LiveServer
+
+    from q27py.commands import serve
+    from q27py.engine.engine import LocalEngine
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    cfg = serve.build_config(parser.parse_args([]), environ={})
+    engine = RecordingEngine(LocalEngine.load(cfg))
+    app = serve.build_app(cfg, engine)
+    bridge = app.service.bridge
+    live = LiveServer(app.http_server(serve.limits_for(cfg)), on_start=bridge.start, on_stop=bridge.stop)
+    live.engine = engine
+    with live:
+        yield live

@@ -1,7 +1,9 @@
 """Claude Code and Codex CLI, headless, each completing one shell-tool round trip against q27py.
 
-The model side is scripted (the tiny model cannot be made to call tools
-reliably): it calls the client's shell tool with `echo tool-ran-ok`, and once a
+The model side is scripted here: these tests pin the exact command and its output
+through the whole path, and the bundled model does call the shell tool but does not
+reliably copy the requested command (test_cli_real_model.py drives the real model and
+says what it does). The script calls the client's shell tool with `echo tool-ran-ok`, and once a
 <tool_response> is in the prompt it answers with what the tool printed. So the
 answer can only be right if the client really ran the command and sent the
 result back. Everything else is the real path: the client's own request

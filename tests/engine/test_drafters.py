@@ -68,9 +68,31 @@ def test_proposal_needs_min_match_and_never_matches_itself():
 def test_candidate_cap_keeps_the_most_recent():
     idx = SuffixIndex(key_len=1, max_candidates=3)
     idx.extend([0, 1, 0, 2, 0, 3, 0, 4, 0])
-    # Only the last three earlier "0"s (positions 4, 6 and the tail itself at 8) are kept.
-    assert list(idx._index[(0,)]) == [4, 6, 8]
+    # Only the last three "0"s (positions 4, 6 and the tail itself at 8) are candidates: the index
+    # keeps every end (it can be truncated back), lookups read the newest max_candidates.
+    assert list(idx._index[(0,)])[-idx.max_candidates:] == [4, 6, 8]
     assert idx.propose(1, 1) == ([4], 1)
+    # a cap of 1 leaves only the tail itself: no earlier match
+    one = SuffixIndex(key_len=1, max_candidates=1)
+    one.extend([0, 1, 0, 2, 0])
+    assert one.propose(1, 1) == ([], 0)
+
+
+def test_truncate_then_extend_equals_a_fresh_index():
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        ids = rng.integers(0, 6, rng.integers(1, 300)).tolist()
+        cut = int(rng.integers(0, len(ids) + 1))
+        more = rng.integers(0, 6, rng.integers(0, 100)).tolist()
+        a = SuffixIndex(key_len=int(rng.integers(1, 5)), max_candidates=int(rng.integers(1, 8)))
+        a.extend(ids)
+        a.truncate(cut)
+        a.extend(more)
+        b = SuffixIndex(key_len=a.key_len, max_candidates=a.max_candidates)
+        b.extend(ids[:cut] + more)
+        assert a.length == b.length and a._index == b._index
+        assert a.propose(5, 1) == b.propose(5, 1)
+        assert a.common_prefix(ids[:cut] + more + [9]) == a.length
 
 
 # ----------------------------------------------------------------------------- depth controller

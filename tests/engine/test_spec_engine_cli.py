@@ -74,7 +74,9 @@ def test_generate_flags_and_stats_keys(capsys):
     assert s["rounds"] == len(s["trace"]) and sum(r["accepted"] for r in s["trace"]) == 16
     assert s["tokens_per_round"] == pytest.approx(16 / s["rounds"]) and s["tokens_per_round"] > 1.5
     assert {r["source"] for r in s["trace"]} <= {"mtp", "suffix", "none"}
-    assert all(set(r) == {"source", "drafts", "accepted"} for r in s["trace"])
+    # the contract keys, plus the round's verify lanes and MTP passes (added for the trace replay bench)
+    assert all(set(r) == {"source", "drafts", "accepted", "lanes", "mtp_steps"} for r in s["trace"])
+    assert all(r["lanes"] == (len(r["drafts"]) + 1 if i else 0) for i, r in enumerate(s["trace"]))
     assert plain["stats"]["tokens_per_round"] == 1.0 and plain["stats"]["rounds"] == 16
     no_trace = _generate(capsys, "--prompt-ids", ids, "-n", "4")
     assert "trace" not in no_trace["stats"] and "rounds" in no_trace["stats"]

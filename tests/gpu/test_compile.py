@@ -82,3 +82,16 @@ def test_interleave_gate_up_groups_rows_by_eight():
     np.testing.assert_array_equal(out[16:20], gate[8:12])
     np.testing.assert_array_equal(out[24:28], up[8:12])
     assert not out[20:24].any() and not out[28:32].any()
+
+
+def test_setup_cfg_installs_every_cuda_file():
+    """An installed package compiles from share/q27py/cuda: every kernel file must be listed there."""
+    import configparser
+
+    from q27py.gpu.runtime import CUDA_DIR
+
+    cfg = configparser.ConfigParser()
+    cfg.read(CUDA_DIR.parent / "setup.cfg")
+    listed = {line.strip().split("/")[-1] for line in cfg["options.data_files"]["share/q27py/cuda"].splitlines() if line.strip()}
+    on_disk = {p.name for p in CUDA_DIR.iterdir() if p.suffix in (".cu", ".cuh")}
+    assert on_disk == listed

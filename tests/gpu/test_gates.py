@@ -25,7 +25,7 @@ def test_tiny_gate_repeatable_and_canonical():
     from q27py.gpu.runtime import Runtime
 
     run = load_runner()
-    gate = next(g for g in run.GATES if g["name"] == "q36-tiny-code/bf16")
+    gate = next(g for g in run.GATES if g["name"] == f"{run.BUNDLED}/bf16")
     first = run.greedy_ids(gate)
     assert len(first) == run.TOKENS
     assert run.greedy_ids(gate) == first

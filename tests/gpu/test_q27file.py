@@ -9,7 +9,8 @@ import pytest
 from q27py import DEFAULT_MODEL_DIR
 from q27py.gpu import layout as L
 from q27py.io.checkpoint import Checkpoint
-from q27py.io.q27file import ALIGN, Q27File, recipe, write
+from q27py.gpu.q27pack import recipe, write
+from q27py.io.q27file import ALIGN, Q27File
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def test_header_covers_the_recipe_with_aligned_blobs(q4s_file):
     assert qf.names() == [it.name for it in recipe(ckpt.config, ckpt.has_mtp)]
     ends = []
     for name in qf.names():
-        for off, n in qf.entry(name)["blobs"]:
+        for off, n in qf.blob_ranges(name):
             assert off % ALIGN == 0
             ends.append((off, off + n))
     ends.sort()

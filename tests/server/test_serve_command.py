@@ -82,7 +82,7 @@ def test_real_model_answers_all_apis(served):
     assert status == 200 and json.loads(raw)["input_tokens"] > 3
     assert http_request(port, "GET", "/v1/models")[0] == 401
     metrics = http_request(port, "GET", "/metrics", None, KEY)[2].decode()
-    assert 'vllm:num_requests_running{model_name="q36-tiny-code"} 0' in metrics
+    assert 'vllm:num_requests_running{model_name="q36-tiny-agent"} 0' in metrics
 
 
 def test_prefix_reuse_reported_in_usage_and_metrics(served):
@@ -103,9 +103,9 @@ def test_prefix_reuse_reported_in_usage_and_metrics(served):
                                   {"x-api-key": "secret"}, timeout=60)
     assert status == 200 and json.loads(raw)["usage"]["cache_read_input_tokens"] > 100  # the shared system block
     metrics = http_request(port, "GET", "/metrics", None, KEY)[2].decode()
-    hits = re.search(r'q27py_prefix_cache_hits_total\{model_name="q36-tiny-code"\} (\d+)', metrics)
+    hits = re.search(r'q27py_prefix_cache_hits_total\{model_name="q36-tiny-agent"\} (\d+)', metrics)
     assert hits and int(hits.group(1)) >= 2
-    assert re.search(r'q27py_prefix_cache_reused_tokens_total\{model_name="q36-tiny-code"\} [1-9]', metrics)
+    assert re.search(r'q27py_prefix_cache_reused_tokens_total\{model_name="q36-tiny-agent"\} [1-9]', metrics)
 
 
 def test_sigint_exits_cleanly(served):

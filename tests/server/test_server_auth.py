@@ -120,3 +120,19 @@ def test_live_auth(make_server):
     assert http_request(live.port, "GET", "/v1/models", None, {"x-api-key": "k-two"})[0] == 200
     assert http_request(live.port, "GET", "/health")[0] == 200, "/health stays open for probes"
     assert len(live.engine.requests) == 2, "refused requests never reach the engine"
+
+
+@pytest.mark.parametrize("value", [",", " , ", "a,,b", "key,"])
+def test_an_api_key_variable_naming_an_empty_key_refuses_to_start(value):
+    """Q27_API_KEY="," used to start with no key at all; like an empty key file it must refuse."""
+    with pytest.raises(ConfigError, match="Q27_API_KEY"):
+        serve.build_config(_args(), environ={"Q27_API_KEY": value})
+    assert serve.build_config(_args(), environ={"Q27_API_KEY": "a, b"}).server.api_keys == ["a", "b"]
+
+
+def test_bearer_and_x_api_key_together_pass_when_either_is_valid():
+    """The documented rule (docs/SERVER.md): any presented key that is valid lets the request in."""
+    ring = KeyRing(["right"])
+    assert ring.allows({"authorization": "Bearer wrong", "x-api-key": "right"})
+    assert ring.allows({"authorization": "Bearer right", "x-api-key": "wrong"})
+    assert not ring.allows({"authorization": "Bearer wrong", "x-api-key": "also-wrong"})

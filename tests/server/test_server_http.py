@@ -143,8 +143,9 @@ MALFORMED_HTTP = {
 def test_malformed_http_gets_4xx_and_server_survives(toy, name):
     raw = raw_exchange(toy.port, MALFORMED_HTTP[name], timeout=4)
     status = parse_response(raw)[0]
-    # RFC 9112: a transfer coding the server does not implement is 501, everything else a 4xx
-    expected = (501,) if name == "unknown transfer-encoding" else range(400, 500)
+    # RFC 9112: a transfer coding the server does not implement is 501, an HTTP version it does
+    # not serve 505 (RFC 9110 15.6.6), everything else a 4xx
+    expected = {"unknown transfer-encoding": (501,), "http/2 preface": (505,)}.get(name, range(400, 500))
     assert status in expected, (name, raw[:200])
     assert http_request(toy.port, "POST", "/echo", b"alive")[2] == b"POST alive"
 
@@ -222,3 +223,50 @@ def test_graceful_shutdown_finishes_in_flight_request():
         assert not live.alive
         with pytest.raises(OSError):
             socket.create_connection((HOST, live.port), timeout=1).close()
+
+
+# ---- framing hardening (issue 13 item 8)
+
+
+def test_half_closed_client_still_gets_its_answer(toy):
+    """A client that shuts down its sending side after the request waits for the answer."""
+    for path, want in (("/slow", b"slow done"), ("/echo", b"GET ")):
+        raw = raw_exchange(toy.port, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), half_close=True)
+        while raw.startswith(b"HTTP/1.1 100"):  # interim responses are allowed before the answer
+            raw = raw.partition(b"\r\n\r\n")[2]
+        status, _, body = parse_response(raw)
+        assert (status, body) == (200, want), raw[:300]
+
+
+def test_half_closed_streaming_client_gets_the_stream(toy):
+    raw = raw_exchange(toy.port, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n", half_close=True)
+    while raw.startswith(b"HTTP/1.1 100"):
+        raw = raw.partition(b"\r\n\r\n")[2]
+    assert parse_response(raw)[2] == b"part0;part1;part2;"
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_closed(toy):
+    smuggle = (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"0\r\n\r\nGET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+    raw = raw_exchange(toy.port, smuggle)
+    status, headers, _ = parse_response(raw)
+    assert status == 400 and headers.get("connection") == "close"
+    assert raw.count(b"HTTP/1.1") == 1, "the smuggled second request was answered"
+    assert http_request(toy.port, "POST", "/echo", b"alive")[2] == b"POST alive"
+
+
+@pytest.mark.parametrize("size", [70_000, 127_000])
+def test_header_limit_counts_the_whole_head(toy, size):
+    """Headers just over 64 KB, split over many lines, used to pass; the limit is the whole head."""
+    lines = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(size // 1012))
+    raw = raw_exchange(toy.port, b"GET /echo HTTP/1.1\r\nHost: x\r\n" + lines + b"\r\n")
+    assert parse_response(raw)[0] == 431
+    ok = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(50))  # ~50 KB: fine
+    assert parse_response(raw_exchange(toy.port, b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                       + ok + b"\r\n"))[0] == 200
+
+
+def test_http2_request_line_is_refused(toy):
+    raw = raw_exchange(toy.port, b"GET /echo HTTP/2.0\r\nHost: x\r\n\r\n")
+    assert parse_response(raw)[0] == 505
+    assert http_request(toy.port, "POST", "/echo", b"alive")[2] == b"POST alive"

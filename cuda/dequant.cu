@@ -1,0 +1,128 @@
+// Prefill through cuBLAS: packed weights -> row-major bf16 scratch, activations fp32 -> bf16,
+// and the SwiGLU epilogue the GEMV fuses but a library GEMM cannot.
+//
+// Why: on the H200 cuBLAS bf16 runs the model's linear shapes at ~650 TFLOP/s while our
+// mma.sync GEMM reaches ~120. For a prefill chunk of T tokens, expanding a layer's packed
+// matrix to bf16 costs one read of the packed bytes and one write of 2 bytes per weight
+// (~20 ms for the whole 27B), against 2 * 27e9 * T FLOP of matrix work (~85 ms at T = 1024,
+// ~340 ms at T = 4096): the expansion is amortized over the chunk. The dequantized value is
+// bf16(code * scale): the fp32 product is exact (<= 8-bit code x 11-bit fp16 scale), then one
+// round to nearest even, so it differs from the GEMV's "exact code, scale applied per chunk in
+// fp32" by at most half a bf16 ulp per weight: the prefill tolerance class (docs/PERF.md).
+//
+// Packed layout (q27py/gpu/layout.py is the spec): blocks of 16 rows x 64 k, tile-major, each
+// a warp's mma.m16n8k16 A fragments; lane l: g = l / 4, t = l % 4, k = 16 s + 2 t.
+#include "common.cuh"
+
+#define DQ_FMT_BF16 0
+#define DQ_FMT_Q8 1
+#define DQ_FMT_Q4 2
+#define DQ_WARPS 8
+#define DQ_LD 72  // bf16 per staged row (64 + 8 pad: 16-byte aligned rows, no bank conflicts)
+
+// One warp expands one (tile, chunk) block into shared memory, then the warp writes the 16 x 64
+// block out as 16-byte row segments (each row's 128 bytes are contiguous in the output).
+// grid.x = ceil(row_tiles * kchunks / DQ_WARPS), block = 32 * DQ_WARPS.
+template <int FMT>
+__device__ __forceinline__ void dequant_body(const u8* __restrict__ codes, const u32* __restrict__ scales, int row_tiles,
+                                             int kchunks, int ngroups, int group_chunks, u16* __restrict__ out,
+                                             i64 ldo) {
+    __shared__ __align__(16) u16 blk[DQ_WARPS][16 * DQ_LD];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const i64 b = (i64)blockIdx.x * DQ_WARPS + warp;
+    if (b >= (i64)row_tiles * kchunks) return;  // whole warp exits together (no block barrier below)
+    const int tile = (int)(b / kchunks), chunk = (int)(b - (i64)tile * kchunks);
+    u16* s = blk[warp];
+    float s_lo = 1.f, s_hi = 1.f;  // scales of rows g and g + 8 for this chunk's group
+    if (FMT != DQ_FMT_BF16) {
+        const u32 pair = __ldg(scales + ((i64)tile * ngroups + chunk / group_chunks) * 8 + g);
+        s_lo = half_to_float((u16)(pair & 0xffffu));
+        s_hi = half_to_float((u16)(pair >> 16));
+    }
+    if (FMT == DQ_FMT_Q4) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(codes + b * 512) + lane);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int st = 0; st < 4; st++) {
+#pragma unroll
+            for (int q = 0; q < 8; q++) {  // nibble slot q: pair p = q % 4, element e = q / 4
+                const int p = q & 3, e = q >> 2;
+                const int row = g + 8 * (p & 1), k = 16 * st + 2 * t + 8 * (p >> 1) + e;
+                const float c = (float)((int)((w[st] >> (4 * q)) & 15u) - 8);
+                s[row * DQ_LD + k] = float_to_bf16(c * (row < 8 ? s_lo : s_hi));
+            }
+        }
+    } else if (FMT == DQ_FMT_Q8) {
+#pragma unroll
+        for (int jj = 0; jj < 2; jj++) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(codes + b * 1024 + jj * 512) + lane);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int wi = 0; wi < 4; wi++) {  // (sub, word) = (wi / 2, wi % 2); byte bb: row g + 8 (bb % 2), k + bb / 2
+                const int step = 2 * jj + (wi >> 1), word = wi & 1;
+#pragma unroll
+                for (int bb = 0; bb < 4; bb++) {
+                    const int row = g + 8 * (bb & 1), k = 16 * step + 2 * t + 8 * word + (bb >> 1);
+                    const float c = (float)((int)((w[wi] >> (8 * bb)) & 255u) - 128);
+                    s[row * DQ_LD + k] = float_to_bf16(c * (row < 8 ? s_lo : s_hi));
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int st = 0; st < 4; st++) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(codes + b * 2048 + st * 512) + lane);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int reg = 0; reg < 4; reg++) {  // a0..a3: row g + 8 (reg % 2), k + 8 (reg / 2), low half first
+                const int row = g + 8 * (reg & 1), k = 16 * st + 2 * t + 8 * (reg >> 1);
+                s[row * DQ_LD + k] = (u16)(w[reg] & 0xffffu);
+                s[row * DQ_LD + k + 1] = (u16)(w[reg] >> 16);
+            }
+        }
+    }
+    __syncwarp();
+    // 16 rows x 128 bytes = 128 uint4; lane moves 4 of them (8 lanes per row: 128 contiguous bytes)
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int idx = i * 32 + lane, row = idx >> 3, seg = idx & 7;
+        const uint4 val = *reinterpret_cast<const uint4*>(s + row * DQ_LD + seg * 8);
+        *reinterpret_cast<uint4*>(out + ((i64)tile * 16 + row) * ldo + (i64)chunk * 64 + seg * 8) = val;
+    }
+}
+
+#define DQ_KERNEL(NAME, FMT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * DQ_WARPS)                                             \
+        NAME(const u8* __restrict__ codes, const u32* __restrict__ scales, int row_tiles, int kchunks,      \
+             int ngroups, int group_chunks, u16* __restrict__ out, long long ldo) {                        \
+        dequant_body<FMT>(codes, scales, row_tiles, kchunks, ngroups, group_chunks, out, ldo);             \
+    }
+
+DQ_KERNEL(dequant_q4, DQ_FMT_Q4)
+DQ_KERNEL(dequant_q8, DQ_FMT_Q8)
+DQ_KERNEL(dequant_bf16, DQ_FMT_BF16)
+
+// x fp32 [rows][ldx] (first `cols` columns) -> bf16 bits [rows][ldo], round to nearest even.
+// cols must be a multiple of 4 (the packed K is a multiple of 64). grid (ceil(cols / 1024), rows), block 256.
+extern "C" __global__ void f32_to_bf16_rows(const float* __restrict__ x, int ldx, int cols, u16* __restrict__ out,
+                                            int ldo) {
+    const int row = blockIdx.y, c = (blockIdx.x * 256 + threadIdx.x) * 4;
+    if (c >= cols) return;
+    const float4 v = *reinterpret_cast<const float4*>(x + (i64)row * ldx + c);
+    uint2 o;
+    o.x = pack_bf16x2(v.x, v.y);
+    o.y = pack_bf16x2(v.z, v.w);
+    *reinterpret_cast<uint2*>(out + (i64)row * ldo + c) = o;
+}
+
+// SwiGLU over a GEMM output whose 16-row tiles are 8 gate rows then the matching 8 up rows
+// (layout.interleave_gate_up): y[t][o] = silu(g) * u for o < nout, g = z[t][16 (o/8) + o%8],
+// u = z[t][16 (o/8) + 8 + o%8]. grid (ceil(nout / 256), ntok), block 256.
+extern "C" __global__ void swiglu_tiles(const float* __restrict__ z, int ldz, int nout, float* __restrict__ y,
+                                        int ldy) {
+    const int tok = blockIdx.y, o = blockIdx.x * 256 + threadIdx.x;
+    if (o >= nout) return;
+    const float* zr = z + (i64)tok * ldz + (o >> 3) * 16 + (o & 7);
+    const float gt = zr[0], up = zr[8];
+    y[(i64)tok * ldy + o] = gt * sigmoid_f(gt) * up;
+}

@@ -1,0 +1,135 @@
+"""Prefill GEMMs through cuBLAS (CuPy's binding): packed weights expanded to a bf16 scratch.
+
+For a prefill chunk of T tokens, `prefill_gemm` computes what the GEMV/GEMM kernels compute
+for a packed matrix -- Y[t] (store | add | SwiGLU)= W x[t] -- as
+
+    W  -> bf16 [rows, kpad] row-major scratch      (cuda/dequant.cu: dequant_q4 / q8 / bf16)
+    x  -> bf16 [T, kpad] scratch                    (f32_to_bf16_rows)
+    Y  =  x W^T   (cublasGemmEx, bf16 in, fp32 accumulate and out; beta = 1 for MODE_ADD)
+    SwiGLU: Y into an fp32 scratch, then swiglu_tiles writes the inner rows.
+
+Why not our own kernel: on the H200 cuBLAS runs these shapes at ~650 TFLOP/s, our mma.sync
+GEMM at ~120 (docs/PERF.md). The expansion costs one pass over the packed bytes plus 2 bytes
+written per weight, amortized over the chunk's T tokens (the engine's prefill chunk is sized
+for that). Numerics: weights bf16(code * scale) instead of exact codes with the scale applied
+per 64-k chunk -- a relative difference of at most 2^-9 per weight, far under the 4-bit
+quantization step; the prefill tolerance class of docs/PERF.md.
+
+Only cuBLAS through CuPy (a runtime dependency already), no other library. Every call is
+enqueued on CuPy's current stream; scratch buffers grow and are kept per process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from q27py.gpu import layout as L
+from q27py.gpu.runtime import Runtime, i32, i64
+
+# cublas / CUDA enums (cublas_api.h, library_types.h)
+_OP_N, _OP_T = 0, 1
+_R_32F, _R_16BF = 0, 14
+_COMPUTE_32F = 68
+_GEMM_DEFAULT = -1
+_DQ_WARPS = 8  # DQ_WARPS in cuda/dequant.cu
+
+MIN_TOKENS = 128  # below this the mma.sync GEMM (no expansion pass) is faster: measured, docs/PERF.md
+_ONE = np.ones(1, dtype=np.float32)
+_ZERO = np.zeros(1, dtype=np.float32)
+
+
+class _Scratch:
+    """Growing device buffers shared by every prefill GEMM of the process (one stream at a time)."""
+
+    def __init__(self):
+        self.bufs: dict[str, object] = {}
+
+    def get(self, name: str, nbytes: int):
+        cp = Runtime.get().cp
+        b = self.bufs.get(name)
+        if b is None or b.nbytes < nbytes:
+            self.bufs.pop(name, None)
+            b = cp.empty(max(nbytes, 16) // 2 + 8, dtype=cp.uint16)
+            self.bufs[name] = b
+        return b
+
+
+_SCRATCH = _Scratch()
+
+
+def available() -> bool:
+    """cuBLAS reachable through CuPy (it ships with cupy-cudaXXx's CUDA libraries)."""
+    try:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def _handle():
+    cp = Runtime.get().cp
+    from cupy_backends.cuda.libs import cublas
+
+    h = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(h, cp.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(h, 0)  # CUBLAS_POINTER_MODE_HOST: alpha/beta are host floats (CuPy may leave DEVICE set)
+    return cublas, h
+
+
+def dequantize_to_bf16(m, out=None):
+    """Packed GpuMatrix -> bf16 bits [row_tiles * 16, kpad] (row-major, padded rows/k are zero codes)."""
+    rt = Runtime.get()
+    sh = m.shape
+    nrows = sh.row_tiles * 16
+    if out is None:
+        out = _SCRATCH.get("w", nrows * sh.kpad * 2)
+    kern = {L.FMT_Q4: "dequant_q4", L.FMT_Q8: "dequant_q8", L.FMT_BF16: "dequant_bf16"}[sh.fmt]
+    nblk = sh.row_tiles * sh.kchunks
+    rt.launch("dequant", kern, -(-nblk // _DQ_WARPS), 32 * _DQ_WARPS,
+              (m.codes, m.scales, i32(sh.row_tiles), i32(sh.kchunks), i32(sh.groups), i32(sh.group_chunks), out,
+               i64(sh.kpad)))
+    return out
+
+
+def to_bf16(x, ldx: int, ntok: int, cols: int, out=None, ldo: int | None = None):
+    rt = Runtime.get()
+    ldo = cols if ldo is None else ldo
+    if out is None:
+        out = _SCRATCH.get("x", ntok * ldo * 2)
+    rt.launch("dequant", "f32_to_bf16_rows", (-(-cols // 1024), ntok), 256, (x, i32(ldx), i32(cols), out, i32(ldo)))
+    return out
+
+
+def gemm_bf16(w_bf16, ldw: int, x_bf16, ldx: int, ntok: int, nrows: int, k: int, y, ldy: int, accumulate: bool) -> None:
+    """y[t][r] (+)= sum_k W[r][k] x[t][k] for r < nrows, t < ntok: bf16 operands, fp32 math and output.
+
+    Row-major W [nrows, ldw] is column-major [ldw, nrows], so in cuBLAS terms C(nrows x ntok,
+    ldc = ldy) = op_T(W) (nrows x k) . X (k x ntok, ldb = ldx).
+    """
+    cublas, h = _handle()
+    beta = _ONE if accumulate else _ZERO
+    cublas.gemmEx(h, _OP_T, _OP_N, int(nrows), int(ntok), int(k), _ONE.ctypes.data, int(w_bf16.data.ptr), _R_16BF,
+                  int(ldw), int(x_bf16.data.ptr), _R_16BF, int(ldx), beta.ctypes.data, int(y.data.ptr), _R_32F,
+                  int(ldy), _COMPUTE_32F, _GEMM_DEFAULT)
+
+
+def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None) -> None:
+    """The GEMM kernel's contract (kernels.gemm) through cuBLAS: MODE_STORE, MODE_ADD or MODE_SWIGLU.
+
+    x_bf16: the activations already converted (matrices of one plan share them), else converted here.
+    """
+    from q27py.gpu import kernels as K
+
+    sh = m.shape
+    if x_bf16 is None:
+        x_bf16 = to_bf16(x, ldx, ntok, sh.kpad)
+    w = dequantize_to_bf16(m)
+    if m.mode == K.MODE_SWIGLU:
+        nrows = sh.row_tiles * 16
+        z = _SCRATCH.get("z", ntok * nrows * 4).view(Runtime.get().cp.float32)
+        gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, nrows, sh.kpad, z, nrows, accumulate=False)
+        Runtime.get().launch("dequant", "swiglu_tiles", (-(-m.nout // 256), ntok), 256,
+                             (z, i32(nrows), i32(m.nout), y, i32(ldy)))
+    else:
+        gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, m.nout, sh.kpad, y, ldy, accumulate=m.mode == K.MODE_ADD)

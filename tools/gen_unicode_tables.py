@@ -1,0 +1,158 @@
+"""Generate q27py/tokenizer/unicode_tables.py: the character tables the reference tokenizer uses.
+
+    python3 tools/gen_unicode_tables.py [--fixtures DIR] [--out FILE] [--check]
+
+The tokenizer must encode the same on every Python, so it may not ask the running Python's
+`unicodedata` (3.10 ships Unicode 13, 3.11 Unicode 14, 3.13 Unicode 15.1) what a letter is or
+how to normalize. The reference (HF tokenizers) answers from its own tables, which were probed
+code point by code point into ../shared/fixtures/tokenizers/unicode16/:
+
+- classes.json: \\p{L}, \\p{M}, \\p{N}, \\s as inclusive ranges -> copied as they are;
+- nfc_cases.jsonl: every string whose NFC differs between the reference and Python 3.11. The
+  probes show the reference treating 98 combining marks as starters (canonical combining class
+  0: never reordered, blocking composition). The NFC tables are therefore Python 3.11's
+  (Unicode 14.0) canonical data with those marks' classes set to 0; the tool checks that the
+  result reproduces every case and refuses to run on a Python whose Unicode is not 14.0, so the
+  committed tables never silently change with the generating interpreter.
+
+--check regenerates in memory and exits 1 if the committed module differs (CI-friendly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import unicodedata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+DEFAULT_FIXTURES = REPO.parent / "shared" / "fixtures" / "tokenizers" / "unicode16"
+DEFAULT_OUT = REPO / "q27py" / "tokenizer" / "unicode_tables.py"
+BASE_UNICODE = "14.0.0"  # the Unicode the nfc_cases were diffed against (Python 3.11)
+CLASS_KEYS = {"\\p{L}": "L", "\\p{M}": "M", "\\p{N}": "N", "\\s": "s"}
+HANGUL = range(0xAC00, 0xAC00 + 11172)
+SURROGATES = range(0xD800, 0xE000)
+
+
+def _hex_ranges(ranges) -> str:
+    return " ".join(f"{lo:X}" if lo == hi else f"{lo:X}-{hi:X}" for lo, hi in ranges)
+
+
+def _wrap(s: str, width: int = 96) -> str:
+    """A long space-separated string as implicitly joined literal lines."""
+    lines, line = [], ""
+    for word in s.split(" "):
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line + " ")
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    lines.append(line)
+    return "(\n" + "\n".join(f'    "{ln}"' for ln in lines) + "\n)"
+
+
+def _starter_marks(cases: list[dict]) -> set[int]:
+    """Code points the probes are about (every probe is that mark between 'a', U+0301, U+0334)."""
+    probe = {ord("a"), 0x0301, 0x0334}
+    return {ord(c) for case in cases for c in case["text"] if ord(c) not in probe}
+
+
+def build(fixtures: Path) -> str:
+    if unicodedata.unidata_version != BASE_UNICODE:
+        raise SystemExit(f"run this with a Python whose unicodedata is Unicode {BASE_UNICODE} (3.11); "
+                         f"this one has {unicodedata.unidata_version}")
+    classes = json.loads((fixtures / "classes.json").read_text(encoding="utf-8"))["classes"]
+    cases = [json.loads(line) for line in (fixtures / "nfc_cases.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    starters = _starter_marks(cases)
+
+    ccc: dict[int, int] = {}
+    decomp: dict[int, list[int]] = {}
+    pairs: dict[tuple[int, int], int] = {}
+    for cp in range(0x110000):
+        if cp in SURROGATES or cp in HANGUL:  # Hangul syllables are algorithmic (q27py/tokenizer/nfc.py)
+            continue
+        c = chr(cp)
+        k = unicodedata.combining(c)
+        if k and cp not in starters:
+            ccc[cp] = k
+        d = unicodedata.decomposition(c)
+        if d and not d.startswith("<"):
+            parts = [int(x, 16) for x in d.split()]
+            if any(p in starters for p in parts) or cp in starters:
+                raise SystemExit(f"U+{cp:04X}: a starter-override mark takes part in a decomposition (revisit the tool)")
+            decomp[cp] = parts
+            # primary composites: two-part canonical decompositions that NFC keeps composed
+            if len(parts) == 2 and unicodedata.normalize("NFC", c) == c:
+                pairs[(parts[0], parts[1])] = cp
+
+    def full(cp: int) -> list[int]:
+        return [x for p in decomp[cp] for x in (full(p) if p in decomp else [p])] if cp in decomp else [cp]
+
+    ccc_runs: list[tuple[int, int, int]] = []
+    for cp in sorted(ccc):
+        if ccc_runs and ccc_runs[-1][1] == cp - 1 and ccc_runs[-1][2] == ccc[cp]:
+            ccc_runs[-1] = (ccc_runs[-1][0], cp, ccc[cp])
+        else:
+            ccc_runs.append((cp, cp, ccc[cp]))
+    ccc_text = " ".join((f"{lo:X}" if lo == hi else f"{lo:X}-{hi:X}") + f":{v}" for lo, hi, v in ccc_runs)
+    decomp_text = " ".join(f"{cp:X}:" + ".".join(f"{p:X}" for p in full(cp)) for cp in sorted(decomp))
+    compose_text = " ".join(f"{a:X}.{b:X}:{c:X}" for (a, b), c in sorted(pairs.items()))
+
+    out = [
+        '"""Unicode tables of the reference tokenizer. GENERATED by tools/gen_unicode_tables.py: do not edit.',
+        "",
+        "Source: ../shared/fixtures/tokenizers/unicode16 (classes.json, nfc_cases.jsonl) and Unicode",
+        f"{BASE_UNICODE} canonical data with {len(starters)} combining marks set to class 0, as the reference has them.",
+        "Formats (hex code points, space separated): CLASSES: LO[-HI]; CCC: LO[-HI]:class;",
+        "DECOMPOSITION: CP:full canonical decomposition joined by '.'; COMPOSITION: FIRST.SECOND:COMPOSITE",
+        "(primary composites only; Hangul is algorithmic).",
+        '"""',
+        "",
+        f'UNICODE_BASE = "{BASE_UNICODE}"',
+        "",
+        "CLASSES = {",
+    ]
+    for key, name in CLASS_KEYS.items():
+        out.append(f'    "{name}": {_wrap(_hex_ranges(classes[key]))},')
+    out.append("}")
+    out += ["", f"CCC = {_wrap(ccc_text)}", "", f"DECOMPOSITION = {_wrap(decomp_text)}", "",
+            f"COMPOSITION = {_wrap(compose_text)}", ""]
+    source = "\n".join(out)
+    _verify(source, cases)
+    return source
+
+
+def _verify(source: str, cases: list[dict]) -> None:
+    """The generated tables must reproduce every reference NFC case."""
+    import types
+
+    from q27py.tokenizer import nfc
+
+    module = types.ModuleType("unicode_tables_candidate")
+    exec(compile(source, "unicode_tables_candidate", "exec"), module.__dict__)
+    norm = nfc.Nfc(module)
+    bad = [c for c in cases if norm(c["text"]) != c["nfc"]]
+    if bad:
+        raise SystemExit(f"{len(bad)} of {len(cases)} NFC cases not reproduced, e.g. {bad[0]!r}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the committed tables differ")
+    args = ap.parse_args(argv)
+    source = build(args.fixtures)
+    if args.check:
+        same = args.out.exists() and args.out.read_text(encoding="utf-8") == source
+        print("unicode tables up to date" if same else f"{args.out} differs from a fresh generation")
+        return 0 if same else 1
+    args.out.write_text(source, encoding="utf-8")
+    print(f"wrote {args.out} ({len(source.encode()) / 1024:.1f} KiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
