@@ -138,6 +138,9 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0  # in-flight requests get this long on SIGINT/SIGTERM
     chat_template: str | None = None  # None: chosen from the checkpoint (chat/render.py choose_dialect)
     tool_dialect: str | None = None  # "xml" | "json"; None: from the checkpoint's template text
+    # GET /metrics without the API key, for scrapers that send none (Prometheus, the Kubernetes
+    # inference gateway's endpoint picker); it carries counts and timings, never request content.
+    metrics_without_key: bool = False
 
 
 @dataclass

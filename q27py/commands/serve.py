@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="template variant (default: chosen from the checkpoint's template text or name; logged)")
     p.add_argument("--tool-dialect", choices=TOOL_DIALECTS, default=None,
                    help="tool-call syntax forced calls use (default: from the checkpoint's template text; xml)")
+    p.add_argument("--metrics-without-key", action="store_true", default=None,
+                   help="serve GET /metrics without the API key (for Prometheus / inference-gateway scrapers)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -79,7 +81,8 @@ def build_config(args: argparse.Namespace, environ=None) -> Q27Config:
                                  "default_max_tokens": args.default_max_tokens,
                                  "max_tokens_ceiling": getattr(args, "max_tokens_ceiling", None),
                                  "chat_template": getattr(args, "chat_template", None),
-                                 "tool_dialect": getattr(args, "tool_dialect", None)})
+                                 "tool_dialect": getattr(args, "tool_dialect", None),
+                                 "metrics_without_key": getattr(args, "metrics_without_key", None)})
     if cfg.server.reasoning_budget is not None and cfg.server.reasoning_budget < 1:
         raise ConfigError("--reasoning-budget must be at least 1")
     if not 0 <= cfg.server.port <= 65535:

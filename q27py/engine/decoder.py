@@ -87,6 +87,10 @@ class DecodeStats:
             "drafted_by_depth": [sum(v) for v in _zip_longest(self.drafted_by_depth["mtp"], self.drafted_by_depth["suffix"])],
             "mtp_steps": self.mtp_steps,
             "verify_lanes": self.lanes,
+            # raw counts, for metrics that sum over requests (ratios do not add up)
+            "drafted_by_source": {s: sum(self.drafted_by_depth[s]) for s in ("mtp", "suffix")},
+            "accepted_by_source": {s: sum(self.accepted_by_depth[s]) for s in ("mtp", "suffix")},
+            "accepted_by_depth": [sum(v) for v in _zip_longest(self.accepted_by_depth["mtp"], self.accepted_by_depth["suffix"])],
         }
         if self.record_trace:
             d["trace"] = list(self.trace)

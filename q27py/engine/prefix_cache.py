@@ -198,7 +198,7 @@ class PrefixCache:
 
     def usage(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens,
-                "live_sequences": len(self.slots),
+                "live_sequences": len(self.slots), "max_sequences": self.max_sequences,
                 "snapshots": sum(len(s.snapshots) for s in self.slots)}
 
 

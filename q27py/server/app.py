@@ -13,7 +13,7 @@ import time
 import trio
 from typing import Awaitable, Callable
 
-from q27py.server import anthropic, completions, openai_chat, responses
+from q27py.server import anthropic, completions, dashboard, openai_chat, render_ids, responses
 from q27py.server.auth import KeyRing
 from q27py.server.bridge import EngineFailure
 from q27py.server.errors import ApiError, error_json, family_for_path
@@ -43,8 +43,9 @@ POST_ROUTES: dict[str, tuple[str, Route]] = {
     "/v1/chat/completions": ("chat", _generate(openai_chat)),
     "/v1/completions": ("completions", _generate(completions)),
     "/v1/responses": ("responses", _generate(responses)),
+    **render_ids.ROUTES,  # prompt ids for prefix-aware routers (docs/DEPLOY.md)
 }
-GET_PATHS = ("/", "/health", "/metrics", "/v1/models")
+GET_PATHS = ("/", "/health", "/metrics", "/v1/models") + dashboard.PATHS
 
 
 class App:
@@ -52,6 +53,7 @@ class App:
         self.service = service
         self.keys = keys or KeyRing()
         self.metrics = service.metrics
+        service.bridge.observer = self.metrics  # engine-thread timing and load samples feed /metrics
         self.started = time.time()
 
     def http_server(self, limits: Limits | None = None) -> HttpServer:
@@ -79,10 +81,13 @@ class App:
         method = request.method
         if path == "/health" and method in ("GET", "HEAD"):
             return json_response(200, {"status": "ok", "model": self.service.model_name})
+        if path in dashboard.PUBLIC_PATHS and method == "GET":
+            return dashboard.page(path)  # static page and script, no data: the JSON below needs the key
         if method == "HEAD":
             # Connection pre-warm probes (Claude Code's HEAD / and HEAD /api/hello): answer at once.
             return Response(200, b"", None)
-        if not self.keys.allows(request.headers):
+        scrape = path == "/metrics" and method == "GET" and self.service.config.metrics_without_key
+        if not scrape and not self.keys.allows(request.headers):
             presented = self.keys.presented_key(request.headers) is not None
             raise ApiError(401, "invalid API key" if presented else
                            "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
@@ -100,10 +105,13 @@ class App:
             raise ApiError(404, f"no such endpoint: {method} {request.path}")
         if path == "/":
             return json_response(200, {"status": "ok", "model": self.service.model_name,
-                                       "endpoints": sorted(POST_ROUTES) + ["/v1/models", "/health", "/metrics"]})
+                                       "endpoints": sorted(POST_ROUTES) + ["/v1/models", "/health", "/metrics",
+                                                                         "/dashboard"]})
         if path == "/metrics":
             text = self.metrics.render(self.service.bridge.load())
             return Response(200, text.encode("utf-8"), METRICS_CONTENT_TYPE)
+        if path == dashboard.DATA_PATH:
+            return json_response(200, self.metrics.snapshot(self.service.bridge.load()))
         if path == "/v1/models":
             model = self._model_object(self.service.model_name)
             return json_response(200, {"object": "list", "data": [model], "has_more": False,

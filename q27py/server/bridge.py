@@ -14,7 +14,8 @@ import logging
 import math
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import trio
 
@@ -33,6 +34,7 @@ class _Job:
     request: GenerationRequest
     token: trio.lowlevel.TrioToken
     send: trio.MemorySendChannel
+    submitted: float = field(default_factory=time.monotonic)
 
     def deliver(self, item) -> None:
         def put() -> None:
@@ -87,6 +89,8 @@ class EngineBridge:
         self._running_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="q27py-engine", daemon=True)
         self._started = False
+        # Set by the App to its Metrics: timing taps per generation and load samples (server/metrics.py).
+        self.observer = None
 
     @property
     def max_context(self) -> int:
@@ -113,6 +117,7 @@ class EngineBridge:
         with self._lock:
             self._waiting += 1
         self._jobs.put(job)
+        self._sample()
         return Generation(request, receive)
 
     def load(self) -> EngineLoad:
@@ -125,7 +130,13 @@ class EngineBridge:
             fraction = min(1.0, tokens / max(1, self.max_context))
         prefix = self.engine.prefix_stats()
         prefix = dict(prefix) if prefix is not None else None
-        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=float(fraction), prefix=prefix)
+        slots = (prefix or {}).get("max_sequences")
+        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=float(fraction), prefix=prefix,
+                          slots_total=int(slots) if slots is not None else None)
+
+    def _sample(self) -> None:
+        if self.observer is not None:
+            self.observer.sample_load(self.load())
 
     # ---- the engine thread ---------------------------------------------
 
@@ -146,17 +157,25 @@ class EngineBridge:
             if skipped:
                 job.deliver(GenerationChunk(token_ids=[], finish_reason="cancelled"))
                 continue
+            tap = self.observer.tap(job.submitted, len(request.prompt_ids)) if self.observer else None
+            self._sample()
             try:
                 finished = False
                 for chunk in self.engine.generate(request):
                     with self._lock:
                         self._running_tokens += len(chunk.token_ids)
+                    if tap is not None:
+                        tap.chunk(chunk)
+                        if chunk.finish_reason is not None:
+                            tap.close()  # recorded before the client can see the end and read /metrics
                     job.deliver(chunk)
                     if chunk.finish_reason is not None:
                         finished = True
                         break
                 if not finished:  # an engine that just stops iterating: tell the consumer why
                     reason = "cancelled" if request.cancel.is_set() else "stop"
+                    if tap is not None:
+                        tap.close(reason)
                     job.deliver(GenerationChunk(token_ids=[], finish_reason=reason))
             except Exception as exc:
                 log.exception("engine failed on a request")
@@ -165,3 +184,6 @@ class EngineBridge:
                 with self._lock:
                     self._running = None
                     self._running_tokens = 0
+                if tap is not None:
+                    tap.close("error")  # no-op unless the engine raised
+                self._sample()

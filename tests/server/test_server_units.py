@@ -55,11 +55,12 @@ def test_metrics_text_format():
     for line in text.splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split(" ")
-            assert kind in ("gauge", "counter")
+            assert kind in ("gauge", "counter", "histogram")
             names_typed.add(name)
         elif not line.startswith("# HELP "):
             assert SAMPLE.match(line), line
-            assert line.split("{")[0].split(" ")[0] in names_typed
+            name = line.split("{")[0].split(" ")[0]
+            assert name in names_typed or re.sub(r"_(bucket|sum|count)$", "", name) in names_typed, line
     assert 'vllm:num_requests_waiting{model_name="model \\"quoted\\"\\nname"} 3' in text
     assert re.search(r"^vllm:kv_cache_usage_perc\{.*\} 0\.25$", text, re.M)
     assert re.search(r"^vllm:prompt_tokens_total\{.*\} 100$", text, re.M)
