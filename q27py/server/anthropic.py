@@ -78,7 +78,6 @@ def _read_thinking(f: Fields, req: ChatRequest) -> None:
     req.thinking_budget = t.integer("budget_tokens", minimum=1)
 
 
-prepare = _prepare  # also used by render_ids (POST /v1/messages/render)
 
 
 async def count_tokens(svc: ChatService, request: Request, body: dict) -> Response:
