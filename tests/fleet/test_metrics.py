@@ -206,6 +206,12 @@ class _SlowToReleaseEngine:
     def __init__(self, stop_id: int):
         self.stop_id = stop_id
 
+    def prefix_stats(self):  # the Engine protocol (engine/api.py)
+        return None
+
+    def kv_cache_usage(self):
+        return None
+
     def generate(self, request):
         from q27py.engine.api import GenerationChunk
 
