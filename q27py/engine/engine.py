@@ -31,7 +31,9 @@ def load_model(cfg: Q27Config):
     e = cfg.engine
     if e.backend not in ("auto", "fast", "reference"):
         raise Q27Error(f"unknown backend {e.backend!r} (auto | fast | reference)")
-    if e.device == "cpu" and (e.backend == "fast" or (e.backend == "auto" and e.dtype == "float32")):
+    # The fast CPU path keeps KV rows in float32; a quantized KV format (a quality study) runs on the
+    # reference, which implements every format (model/kvformat.py).
+    if e.device == "cpu" and (e.backend == "fast" or (e.backend == "auto" and e.dtype == "float32" and e.kv == "auto")):
         from q27py.model.fastcpu import FastCPUModel  # the reference's math, arranged for speed
 
         return FastCPUModel.load(e.model_dir, dtype=e.dtype)

@@ -119,17 +119,15 @@ def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None) -> None:
 
     x_bf16: the activations already converted (matrices of one plan share them), else converted here.
     """
-    from q27py.gpu import kernels as K
-
     sh = m.shape
     if x_bf16 is None:
         x_bf16 = to_bf16(x, ldx, ntok, sh.kpad)
     w = dequantize_to_bf16(m)
-    if m.mode == K.MODE_SWIGLU:
+    if m.mode == C.MODE_SWIGLU:
         nrows = sh.row_tiles * 16
         z = _SCRATCH.get("z", ntok * nrows * 4).view(Runtime.get().cp.float32)
         gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, nrows, sh.kpad, z, nrows, accumulate=False)
         Runtime.get().launch("dequant", "swiglu_tiles", (-(-m.nout // 256), ntok), 256,
                              (z, i32(nrows), i32(m.nout), y, i32(ldy)))
     else:
-        gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, m.nout, sh.kpad, y, ldy, accumulate=m.mode == K.MODE_ADD)
+        gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, m.nout, sh.kpad, y, ldy, accumulate=m.mode == C.MODE_ADD)

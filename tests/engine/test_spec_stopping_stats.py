@@ -147,5 +147,8 @@ def test_plain_decoder_statistics_and_trace(model, tok):
     chunks, _, stats = run(Decoder(model), model, tok.encode(CODE), 7)
     d = stats.as_dict()
     assert d["rounds"] == 7 and d["tokens_per_round"] == 1.0 and d["rounds_by_source"]["none"] == 7
-    assert d["trace"] == [{"source": "none", "drafts": [], "accepted": 1}] * 7
+    # (lanes: main-model rows of the round -- the first token comes from the prefill, the rest from
+    # one decode lane each; mtp_steps: MTP passes. Recorded for the trace replay bench.)
+    assert d["trace"] == ([{"source": "none", "drafts": [], "accepted": 1, "lanes": 0, "mtp_steps": 0}] +
+                          [{"source": "none", "drafts": [], "accepted": 1, "lanes": 1, "mtp_steps": 0}] * 6)
     assert "trace" not in DecodeStats().as_dict()

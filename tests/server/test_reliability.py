@@ -220,12 +220,20 @@ def test_health_and_streams_answer_while_a_body_is_being_read(make_server, monke
                                                 {"type": "function_call_output", "call_id": "c1"}]}, "output"),
     ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "mystery"}, {"type": "hologram", "data": 1}]}]}, "supported type"),
+    # Formats, log probabilities and penalties are honoured on every API now (server/control.py);
+    # what stays refused is the same on all of them: values out of range, schemas that cannot be compiled.
     ("/v1/responses", {"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "s",
-                                                                       "schema": {}}}}, "text.format"),
-    ("/v1/responses", {"model": "m", "input": "x", "top_logprobs": 3}, "top_logprobs"),
+                                                                       "schema": {"type": 5}}}}, "text.format"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                              "top_logprobs": 3}, "top_logprobs"),
-    ("/v1/responses", {"model": "m", "input": "x", "presence_penalty": 1}, "presence_penalty"),
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "s",
+                                                                                         "schema": {"type": 5}}}},
+     "response_format"),
+    ("/v1/responses", {"model": "m", "input": "x", "top_logprobs": 99}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ("/v1/responses", {"model": "m", "input": "x", "presence_penalty": 5}, "presence_penalty"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                              "presence_penalty": 5}, "presence_penalty"),
 ])
 def test_requests_that_must_be_refused(make_server, path, body, mention):
     live = make_server(lambda p: "ok", default_thinking=False)
