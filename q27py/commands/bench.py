@@ -6,6 +6,8 @@
   q27py bench replay [--model DIR | --random-weights 27b] [--device cpu|cuda] [--json]
                                                            a Claude-Code-shaped session: prefix reuse and TTFT
   q27py bench grammar [--tokenizer FILE] [--json]         output-constraint cost per decode step (CPU)
+  q27py bench spec-replay [--traces FILE ...] [--tier q4s] [--json]
+                                                           recorded speculative rounds replayed on the 27B shapes
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from pathlib import Path
 def add_arguments(p) -> None:
     from q27py.gpu.weights import TIERS
 
-    p.add_argument("suite", nargs="?", choices=["shortbench", "replay", "grammar"],
-                   help="shortbench, replay or grammar (default: the --random-weights kernel bench)")
+    p.add_argument("suite", nargs="?", choices=["shortbench", "replay", "grammar", "spec-replay"],
+                   help="shortbench, replay, grammar or spec-replay (default: the --random-weights kernel bench)")
     p.add_argument("--random-weights", choices=["27b"],
                    help="full Qwen3.6-27B shapes with seeded random weights (the default bench; 27b is the only size)")
     p.add_argument("--tier", choices=sorted(TIERS), default=None,
@@ -33,6 +35,8 @@ def add_arguments(p) -> None:
                    help="shortbench / replay: engine device (default cuda)")
     p.add_argument("--system-tokens", type=int, default=20000, help="replay: size of the system + tools block")
     p.add_argument("--turns", type=int, default=30, help="replay: turns in the session")
+    p.add_argument("--traces", type=Path, nargs="+", default=None,
+                   help="spec-replay: round traces (default: q27py/bench/data/spec_traces.json, tools/record_traces.py)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="grammar: tokenizer.json(.gz) (default: the bundled full Qwen3.6 vocabulary)")
 
@@ -61,6 +65,11 @@ def run(args) -> int:
         from q27py.bench.grammar import run_grammar_bench
 
         result = run_grammar_bench(args.tokenizer, log)
+    elif args.suite == "spec-replay":
+        from q27py.bench import spec_replay
+
+        result = [spec_replay.run(t, args.tier or "q4s", seed=args.seed, log=log)
+                  for t in (args.traces or [spec_replay.TRACES])]
     else:
         from q27py.bench.random_weights import Bench
 
