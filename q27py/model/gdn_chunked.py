@@ -1,0 +1,79 @@
+"""The gated delta rule in chunked (WY / UT) form: the specification of cuda/gdn_chunk.cu.
+
+ops.gdn_recurrent (token by token) is the definition; this is the same map reorganised so that
+a chunk of C tokens costs a few C x C and C x d matrix products per value head (tensor-core
+work on the GPU) plus one short triangular solve, and only the state crosses chunks.
+
+Derivation, per value head, S in R^{dk x dv}, S0 the state entering the chunk, tokens i = 0..n-1
+of the chunk, G_i = sum_{m<=i} g_m (log-space cumulative decay, so every ratio below is an
+exp of a difference <= 0: no overflow, and strong decays underflow to 0 harmlessly):
+    S_i = e^{g_i} S_{i-1} + k_i u_i^T,   u_i = b_i (v_i - e^{g_i} S_{i-1}^T k_i)
+Unrolling S_{i-1} = e^{G_{i-1}} S0 + sum_{m<i} e^{G_{i-1} - G_m} k_m u_m^T gives
+    u_i = b_i (v_i - e^{G_i} S0^T k_i - sum_{m<i} e^{G_i - G_m} (k_i . k_m) u_m)
+i.e. the unit lower triangular system (I + A) U = R with
+    A_im = b_i e^{G_i - G_m} (k_i . k_m)   (m < i),   R = diag(b) (V - diag(e^G) K S0)
+and then, with M_im = e^{G_i - G_m} (m <= i, else 0),
+    O   = diag(e^G) Q S0 + (M o (Q K^T)) U
+    S_n = e^{G_{n-1}} S0 + K^T diag(e^{G_{n-1} - G}) U
+(the brief's W = T diag(b e^G) K and U~ = T diag(b) V are the same U = T R split in two; the
+kernel never forms T or W: it solves for U by forward substitution, one column per thread group.)
+Helper `default` (branch default, q27py/model/fastcpu.py) derived the same form for the CPU fast
+path; this module keeps the GPU kernel's order of operations and its chunk alignment.
+
+Chunk alignment: chunks start at absolute positions that are multiples of C (pos0 is the position
+of the first token), so the same token always lands in the same chunk however the prompt was
+split into prefill pieces or restored from a snapshot at a multiple of C; see chunk_spans.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CHUNK = 64  # tokens per chunk on the GPU (cuda/gdn_chunk.cu); 32 where shared memory is small
+
+
+def chunk_spans(pos0: int, t: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+    """(start, length) of each chunk of t tokens whose first sits at absolute position pos0:
+    boundaries at multiples of `chunk`, so the first (and last) chunk may be partial."""
+    spans, s = [], 0
+    while s < t:
+        n = min(chunk - (pos0 + s) % chunk, t - s)
+        spans.append((s, n))
+        s += n
+    return spans
+
+
+def gdn_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
+    """Same contract as ops.gdn_recurrent (without per-token states): q, k [T, H, dk] (already
+    normalised / scaled), v [T, HV, dv], g (log decay <= 0), beta [T, HV], state [HV, dk, dv]
+    (not modified). Returns (o [T, HV, dv], final state [HV, dk, dv]) in the inputs' dtype."""
+    t_all, h, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    rep = hv // h
+    dt = np.result_type(q.dtype, v.dtype, state.dtype)
+    qh = np.repeat(q, rep, axis=1).astype(dt).transpose(1, 0, 2)  # [HV, T, dk]
+    kh = np.repeat(k, rep, axis=1).astype(dt).transpose(1, 0, 2)
+    vh = v.astype(dt).transpose(1, 0, 2)  # [HV, T, dv]
+    gh, bh = g.astype(dt).T, beta.astype(dt).T  # [HV, T]
+    s = state.astype(dt, copy=True)
+    out = np.empty((hv, t_all, dv), dtype=dt)
+    for c0, n in chunk_spans(pos0, t_all, chunk):
+        sl = slice(c0, c0 + n)
+        qc, kc, vc, b = qh[:, sl], kh[:, sl], vh[:, sl], bh[:, sl]
+        gam = np.cumsum(gh[:, sl], axis=1)  # [HV, n]
+        diff = gam[:, :, None] - gam[:, None, :]  # G_i - G_m
+        low = np.tri(n, dtype=bool)  # m <= i
+        decay = np.exp(np.where(low, diff, -np.inf)).astype(dt)  # M; 0 above the diagonal
+        kk = kc @ kc.transpose(0, 2, 1)
+        a = b[:, :, None] * kk * decay
+        a[:, np.arange(n), np.arange(n)] = 0.0  # strictly lower
+        eg = np.exp(gam)
+        r = b[:, :, None] * (vc - eg[:, :, None] * (kc @ s))  # [HV, n, dv]
+        u = np.empty_like(r)
+        for i in range(n):  # forward substitution of (I + A) U = R, row by row
+            u[:, i] = r[:, i] - np.einsum("hm,hmv->hv", a[:, i, :i], u[:, :i])
+        qk = (qc @ kc.transpose(0, 2, 1)) * decay
+        out[:, sl] = eg[:, :, None] * (qc @ s) + qk @ u
+        tail = np.exp(gam[:, -1:] - gam)  # e^{G_{n-1} - G_i}
+        s = np.exp(gam[:, -1])[:, None, None] * s + (kc * tail[:, :, None]).transpose(0, 2, 1) @ u
+    return out.transpose(1, 0, 2), s
