@@ -68,6 +68,10 @@ class EngineConfig:
     gpu_prefill_chunk: int = 4096
     prefill_gemm: str = "auto"  # cuda: "auto" (cuBLAS on bf16 expansions for big chunks) | "kernel" (mma.sync only)
     cpu_prefill_chunk: int = 256  # at most this on the CPU path: the cancel flag is checked between chunks
+    # cuda: GDN prefill runs through the chunked tensor-core kernel ("chunked", chunks aligned to
+    # absolute positions; within fp32 rounding of the sequential kernel) or the per-token kernel
+    # ("sequential": bitwise the decode step). docs/PERF.md "GDN chunked prefill".
+    gdn_prefill: str = "sequential"
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30
@@ -168,6 +172,7 @@ ENV_VARS = {
     "Q27_KV": ("engine", "kv", parse_kv),
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
     "Q27_GEMV": ("engine", "gemv", str),
+    "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

@@ -550,7 +550,7 @@ class FastModel:
         if commit:
             K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
         if commit and t > VERIFY_SPAN and K.gdn_prefill_supported(dk, dv):
-            K.gdn_prefill(state.gdn[gi], qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, t)
+            K.gdn_prefill_run(state.gdn[gi], qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, t, pos0=state.position)
         else:
             K.gdn_step(state.gdn[gi], 0, qkvn, 0, gb, 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
                        emit=True, write_state=commit)
@@ -777,6 +777,7 @@ def load_fast_model(cfg) -> FastModel:
     # chunk: prefill runs the GEMM (cuBLAS on bf16 expansions, or the mma.sync kernel) on up to
     # this many rows per weight pass (docs/PERF.md)
     K.PREFILL_GEMM = e.prefill_gemm
+    K.GDN_PREFILL = e.gdn_prefill
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk)
     if not isinstance(e.max_context, int):
         size_context_to_memory(model, e)

@@ -445,6 +445,58 @@ def gdn_prefill(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: in
                          (state, qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dk), i32(dv), i32(nlanes)))
 
 
+# Chunked (WY / UT) GDN prefill on tensor cores (cuda/gdn_chunk.cu; spec q27py/model/gdn_chunked.py).
+# "chunked": prefill runs use it where the shape and the card allow; "sequential": gdn_prefill
+# always (bitwise the decode step). Set from EngineConfig.gdn_prefill.
+GDN_PREFILL = "chunked"
+GDN_CHUNK_BV = 64  # value columns per block
+GDN_CHUNK_DK = (64, 128)  # key head dims with a compiled variant
+
+
+def gdn_chunk_floats(dk: int, chunk: int) -> int:
+    """Shared-memory floats of one block (ChunkSmem in cuda/gdn_chunk.cu: K, Q, S, A, M, U, G, beta)."""
+    ldk, ldc, ldv = dk + 4, chunk + 4, GDN_CHUNK_BV + 8
+    return 2 * chunk * ldk + dk * ldv + 2 * chunk * ldc + chunk * ldv + 2 * chunk
+
+
+def gdn_chunk_size(dk: int, dv: int) -> int:
+    """Tokens per chunk the card runs for this head shape: 64 where the block's shared memory
+    fits (~155 KB at dk 128: sm_80 / sm_90), else 32 (~87 KB: sm_86 / sm_89 / sm_120); 0 when the
+    shape has no variant (callers then take gdn_prefill)."""
+    if dk not in GDN_CHUNK_DK or dv % GDN_CHUNK_BV:
+        return 0
+    rt = Runtime.get()
+    if rt.cc < (8, 0):  # mma.sync tf32 needs sm_80
+        return 0
+    for chunk in (64, 32):
+        if 4 * gdn_chunk_floats(dk, chunk) <= rt.smem_optin:
+            return chunk
+    return 0
+
+
+def gdn_prefill_chunked(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
+                        pos0: int = 0, chunk: int | None = None) -> None:
+    """gdn_prefill's contract (o for every lane, the final state written; state K-last [HV][dv][dk])
+    through the chunked form: chunks start at absolute positions that are multiples of the chunk
+    size (pos0 = position of lane 0), so pieces split there give the bits of one run. Matches the
+    sequential kernel within fp32 rounding (3xTF32 products; tests/gpu/test_gdn_chunk.py)."""
+    chunk = chunk or gdn_chunk_size(dk, dv)
+    if not chunk:
+        raise ValueError(f"no chunked GDN kernel for dk={dk}, dv={dv} on this card")
+    Runtime.get().launch("gdn_chunk", f"gdn_chunk_d{dk}_c{chunk}", (dv // GDN_CHUNK_BV, hv), 256,
+                         (state, qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dv), i32(nlanes), i32(pos0)),
+                         shared_mem=4 * gdn_chunk_floats(dk, chunk))
+
+
+def gdn_prefill_run(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
+                    pos0: int = 0) -> None:
+    """A prefill run of lanes by the configured route (GDN_PREFILL), falling back to gdn_prefill."""
+    if GDN_PREFILL == "chunked" and gdn_chunk_size(dk, dv):
+        gdn_prefill_chunked(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes, pos0)
+    else:
+        gdn_prefill(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes)
+
+
 # ---------------------------------------------------------------- attention
 def qk_norm_rope_store(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int, rd: int,
                        inv_freq, pos0_dev, qout, ldqo: int, kcache, vcache, kv_bf16: bool, max_pos: int,

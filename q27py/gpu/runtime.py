@@ -33,7 +33,7 @@ def _find_cuda_dir() -> Path:
 
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
-KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "rope", "attention",
+KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_chunk", "rope", "attention",
                 "attention_prefill", "sampling", "probe", "kv_rotated")
 
 
@@ -111,6 +111,8 @@ class Runtime:
         self.sm_count = int(props["multiProcessorCount"])
         self.l2_bytes = int(props["l2CacheSize"])
         self.total_mem = int(props["totalGlobalMem"])
+        # the most dynamic shared memory one block may opt into (sizes the GDN chunk kernel)
+        self.smem_optin = int(props.get("sharedMemPerBlockOptin", 48 * 1024))
         self.arch = f"sm_{self.cc[0]}{self.cc[1]}"
         self._modules: dict[str, object] = {}
         self._functions: dict[tuple[str, str], object] = {}
