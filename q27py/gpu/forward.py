@@ -777,7 +777,7 @@ def load_fast_model(cfg) -> FastModel:
     # chunk: prefill runs the GEMM (cuBLAS on bf16 expansions, or the mma.sync kernel) on up to
     # this many rows per weight pass (docs/PERF.md)
     K.PREFILL_GEMM = e.prefill_gemm
-    K.GDN_PREFILL = e.gdn_prefill
+    K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk)
     if not isinstance(e.max_context, int):
         size_context_to_memory(model, e)

@@ -448,9 +448,16 @@ def gdn_prefill(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: in
 # Chunked (WY / UT) GDN prefill on tensor cores (cuda/gdn_chunk.cu; spec q27py/model/gdn_chunked.py).
 # "chunked": prefill runs use it where the shape and the card allow; "sequential": gdn_prefill
 # always (bitwise the decode step). Set from EngineConfig.gdn_prefill.
-GDN_PREFILL = "chunked"
+GDN_PREFILL = "sequential"
 GDN_CHUNK_BV = 64  # value columns per block
 GDN_CHUNK_DK = (64, 128)  # key head dims with a compiled variant
+
+
+def gdn_prefill_mode(mode: str) -> str:
+    """EngineConfig.gdn_prefill, checked when the model loads (a typo fails there, not mid-request)."""
+    if mode not in ("chunked", "sequential"):
+        raise ValueError(f"gdn_prefill must be 'chunked' or 'sequential', not {mode!r}")
+    return mode
 
 
 def gdn_chunk_floats(dk: int, chunk: int) -> int:
