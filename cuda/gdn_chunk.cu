@@ -4,7 +4,7 @@
 // and its derivation are in q27py/model/gdn_chunked.py (the numpy specification):
 //   G = cumsum(g) in the chunk (log space: every exp below is of a difference <= 0)
 //   A_im = b_i e^{G_i - G_m} k_i.k_m (m < i);  M_im = e^{G_i - G_m} (m <= i)
-//   R = diag(b) (V - diag(e^G) K S0);  (I + A) U = R   (forward substitution)
+//   R = diag(b) (V - diag(e^G) K S0);  (I + A) U = R   (blockwise: 16 x 16 diagonal inverses)
 //   O = diag(e^G) Q S0 + (M o Q K^T) U;  S = e^{G_last} S0 + K^T diag(e^{G_last - G}) U
 // One CTA per (value head, 64-column tile of dv); chunks walk in order and the state tile
 // [dk x 64] stays in shared memory in fp32 for the whole run, so only the final state goes
@@ -89,9 +89,9 @@ __device__ __forceinline__ void warp_mma(float (&d)[NT][4], const float* A, int 
 // ld = 8 mod 32; both make the 32 lanes' fragment loads hit 32 different banks.
 template <int DK, int C, int BV>
 struct ChunkSmem {
-    static constexpr int LDK = DK + 4, LDC = C + 4, LDV = BV + 8;
+    static constexpr int LDK = DK + 4, LDC = C + 4, LDV = BV + 8, LDT = 16 + 4;
     static constexpr int K = 0, Q = K + C * LDK, S = Q + C * LDK, A = S + DK * LDV, M = A + C * LDC,
-                         U = M + C * LDC, G = U + C * LDV, B = G + C, FLOATS = B + C;
+                         U = M + C * LDC, G = U + C * LDV, B = G + C, T = B + C, FLOATS = T + C * LDT;
 };
 
 template <int DK, int C, int BV, int NW>
@@ -99,15 +99,14 @@ __device__ __forceinline__ void gdn_chunk_body(float* __restrict__ state, const 
                                                const float* __restrict__ gb, float* __restrict__ out, int ldo, int H,
                                                int HV, int dv, int nlanes, int pos0) {
     using L = ChunkSmem<DK, C, BV>;
-    constexpr int LDK = L::LDK, LDC = L::LDC, LDV = L::LDV;
+    constexpr int LDK = L::LDK, LDC = L::LDC, LDV = L::LDV, LDT = L::LDT;
     constexpr int MT = C / 16;                // 16-row tiles of a chunk
     constexpr int NPW = BV * MT / (8 * NW);   // 8-column tiles per warp in the [C x BV] products
     constexpr int MTS = DK / 16;              // 16-row tiles of the state
     constexpr int NPS = BV * MTS / (8 * NW);  // 8-column tiles per warp in the state update
-    constexpr int TPC = NW * 32 / BV;         // threads per column in the forward substitution
     static_assert(NW % MT == 0 && NPW >= 1 && NPW * 8 * (NW / MT) == BV, "chunk tiles must split over the warps");
     static_assert(NW % MTS == 0 && NPS >= 1 && NPS * 8 * (NW / MTS) == BV, "state tiles must split over the warps");
-    static_assert(TPC == 4, "forward substitution: 4 lanes of one warp per column");
+    static_assert(NW * 8 == BV, "blocked solve: one 8-column tile per warp");
     static_assert(C <= 64 && C % 16 == 0 && DK % 16 == 0, "chunk / head shape");
 
     extern __shared__ float smem[];
@@ -119,6 +118,7 @@ __device__ __forceinline__ void gdn_chunk_body(float* __restrict__ state, const 
     float* sU = smem + L::U;  // [C][LDV] V, then R, then U
     float* sG = smem + L::G;  // [C] g, then its in-chunk cumulative sum G
     float* sB = smem + L::B;  // [C] beta
+    float* sT = smem + L::T;  // [C][LDT] the inverses of A's 16 x 16 diagonal blocks (block b: rows 16b..)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     const int h = blockIdx.y, j0 = blockIdx.x * BV, kh = h / (HV / H);
@@ -137,8 +137,6 @@ __device__ __forceinline__ void gdn_chunk_body(float* __restrict__ state, const 
     // this warp's tiles of the [C x BV] products (X = K S0, Y = Q S0, O) and of the state update
     const int mt = warp % MT, nb = (warp / MT) * NPW * 8;
     const int mts = warp % MTS, nbs = (warp / MTS) * NPS * 8;
-    // forward substitution: column `col` of U, lanes 4c..4c+3 of a warp share it
-    const int col = warp * 8 + (lane >> 2), part = lane & 3;
 
     for (int c0 = 0; c0 < nlanes;) {
         const int n = min(C - (pos0 + c0) % C, nlanes - c0);  // ragged first / last chunk
@@ -209,15 +207,45 @@ __device__ __forceinline__ void gdn_chunk_body(float* __restrict__ state, const 
                 y[nt][e] *= eg;  // diag(e^G) Q S0, kept in registers until the output
             }
         __syncthreads();
-        // ---- (I + A) U = R by forward substitution, one column per 4 lanes (no block barrier:
-        // a column belongs to one warp). Rows >= n stay 0 (R = 0 and A = 0 there).
-        for (int i = 1; i < n; i++) {
-            float acc = 0.f;
-            for (int m = part; m < i; m += TPC) acc = fmaf(sA[i * LDC + m], sU[m * LDV + col], acc);
-            acc += __shfl_xor_sync(FULL_MASK, acc, 1);
-            acc += __shfl_xor_sync(FULL_MASK, acc, 2);
-            if (part == 0) sU[i * LDV + col] -= acc;
-            __syncwarp();
+        // ---- T_b = (I + A_bb)^-1 for the 16 x 16 diagonal blocks (state-independent): one thread per
+        // column of a block, T[i][j] = delta_ij - sum_{m<i} A[i][m] T[m][j], unrolled into registers
+        if (tid < C) {
+            const int b = tid >> 4, jj = tid & 15;
+            const float* a = sA + b * 16 * LDC + b * 16;
+            float tc[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                float acc = i == jj ? 1.f : 0.f;
+#pragma unroll
+                for (int m = 0; m < i; m++) acc = fmaf(-a[i * LDC + m], tc[m], acc);
+                tc[i] = acc;
+            }
+#pragma unroll
+            for (int i = 0; i < 16; i++) sT[(b * 16 + i) * LDT + jj] = tc[i];
+        }
+        __syncthreads();
+        // ---- (I + A) U = R blockwise: U_b = T_b (R_b - A_{b,<b} U_{<b}), b = 0..C/16-1, in place in sU.
+        // Warp w owns value columns 8w..8w+7 for the whole solve (reads and writes only those), so
+        // the block steps need no block barrier. The chain is C/16 steps of tensor-core products
+        // instead of C dependent rows.
+        {
+            const int nw = warp * 8;
+            for (int b = 0; b < MT; b++) {
+                float z[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+                if (b) warp_mma<1, 3>(z, sA + b * 16 * LDC, LDC, 1, sU + nw, LDV, 1, b * 16);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {  // Z_b = R_b - A_{b,<b} U_{<b}, over R_b
+                    float* r = sU + (b * 16 + g + (e >> 1) * 8) * LDV + nw + 2 * t4 + (e & 1);
+                    *r -= z[0][e];
+                }
+                __syncwarp();
+                float u[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+                warp_mma<1, 3>(u, sT + b * 16 * LDT, LDT, 1, sU + b * 16 * LDV + nw, LDV, 1, 16);
+                __syncwarp();  // every lane has read Z_b before U_b overwrites it
+#pragma unroll
+                for (int e = 0; e < 4; e++) sU[(b * 16 + g + (e >> 1) * 8) * LDV + nw + 2 * t4 + (e & 1)] = u[0][e];
+                __syncwarp();
+            }
         }
         __syncthreads();
         // ---- O = diag(e^G) Q S0 + (M o Q K^T) U: M is lower triangular, so k stops at this tile's rows
@@ -269,7 +297,7 @@ __device__ __forceinline__ void gdn_chunk_body(float* __restrict__ state, const 
 // grid (dv / 64, HV), block 256, dynamic shared memory ChunkSmem<DK, C, 64>::FLOATS * 4 bytes.
 // Same contract as gdn_prefill_*: emits o for every lane, writes the final state.
 #define GDN_CHUNK_KERNEL(NAME, DK, C)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256)                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                          \
         NAME(float* state, const float* qkvn, const float* gb, float* out, int ldo, int H, int HV, int dv,         \
              int nlanes, int pos0) {                                                                              \
         gdn_chunk_body<DK, C, 64, 8>(state, qkvn, gb, out, ldo, H, HV, dv, nlanes, pos0);                         \

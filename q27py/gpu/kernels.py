@@ -461,14 +461,14 @@ def gdn_prefill_mode(mode: str) -> str:
 
 
 def gdn_chunk_floats(dk: int, chunk: int) -> int:
-    """Shared-memory floats of one block (ChunkSmem in cuda/gdn_chunk.cu: K, Q, S, A, M, U, G, beta)."""
-    ldk, ldc, ldv = dk + 4, chunk + 4, GDN_CHUNK_BV + 8
-    return 2 * chunk * ldk + dk * ldv + 2 * chunk * ldc + chunk * ldv + 2 * chunk
+    """Shared-memory floats of one block (ChunkSmem in cuda/gdn_chunk.cu: K, Q, S, A, M, U, G, beta, T)."""
+    ldk, ldc, ldv, ldt = dk + 4, chunk + 4, GDN_CHUNK_BV + 8, 16 + 4
+    return 2 * chunk * ldk + dk * ldv + 2 * chunk * ldc + chunk * ldv + 2 * chunk + chunk * ldt
 
 
 def gdn_chunk_size(dk: int, dv: int) -> int:
     """Tokens per chunk the card runs for this head shape: 64 where the block's shared memory
-    fits (~155 KB at dk 128: sm_80 / sm_90), else 32 (~87 KB: sm_86 / sm_89 / sm_120); 0 when the
+    fits (~160 KB at dk 128: sm_80 / sm_90), else 32 (~90 KB: sm_86 / sm_89 / sm_120); 0 when the
     shape has no variant (callers then take gdn_prefill)."""
     if dk not in GDN_CHUNK_DK or dv % GDN_CHUNK_BV:
         return 0

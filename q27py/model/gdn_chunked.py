@@ -16,7 +16,8 @@ and then, with M_im = e^{G_i - G_m} (m <= i, else 0),
     O   = diag(e^G) Q S0 + (M o (Q K^T)) U
     S_n = e^{G_{n-1}} S0 + K^T diag(e^{G_{n-1} - G}) U
 (the brief's W = T diag(b e^G) K and U~ = T diag(b) V are the same U = T R split in two; the
-kernel never forms T or W: it solves for U by forward substitution, one column per thread group.)
+kernel never forms W: it solves for U blockwise, U_b = T_b (R_b - A_{b,<b} U_{<b}) with T_b the
+inverses of A's 16 x 16 diagonal blocks, all on tensor cores.)
 Helper `default` (branch default, q27py/model/fastcpu.py) derived the same form for the CPU fast
 path; this module keeps the GPU kernel's order of operations and its chunk alignment.
 

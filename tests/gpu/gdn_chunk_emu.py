@@ -2,8 +2,7 @@
 
 It reads and writes one flat float32 "shared memory" array through the kernel's own index
 formulas (ChunkSmem offsets and strides, per-warp tile assignment, the mma.sync m16n8k8 tf32
-fragment map per lane, the 3xTF32 split, the cumsum scan, the 4-lanes-per-column forward
-substitution), so an index or fragment mistake in the kernel shows up here on the CPU as a
+fragment map per lane, the 3xTF32 split, the cumsum scan, the blockwise triangular solve), so an index or fragment mistake in the kernel shows up here on the CPU as a
 mismatch against the numpy specification (q27py/model/gdn_chunked.py). It assumes only the
 PTX ISA's fragment layout; the GPU tests check the real kernel.
 """
@@ -52,7 +51,7 @@ def frag_rows_cols(e):
 
 def run(state, qkvn, gb, out, ldo, H, HV, DK, dv, nlanes, pos0, C=64, BV=64, NW=8, out_passes=3):
     """One launch: state [HV][dv][dk] fp32 (updated in place), out [T, ldo] (written)."""
-    LDK, LDC, LDV = DK + 4, C + 4, BV + 8
+    LDK, LDC, LDV, LDT = DK + 4, C + 4, BV + 8, 16 + 4
     oK = 0
     oQ = oK + C * LDK
     oS = oQ + C * LDK
@@ -61,13 +60,14 @@ def run(state, qkvn, gb, out, ldo, H, HV, DK, dv, nlanes, pos0, C=64, BV=64, NW=
     oU = oM + C * LDC
     oG = oU + C * LDV
     oB = oG + C
+    oT = oB + C
     MT, MTS = C // 16, DK // 16
-    NPW, NPS, TPC = BV * MT // (8 * NW), BV * MTS // (8 * NW), NW * 32 // BV
+    NPW, NPS = BV * MT // (8 * NW), BV * MTS // (8 * NW)
     ldq = 2 * H * DK + HV * dv
     flat_q, flat_g, st = qkvn.reshape(-1), gb.reshape(-1), state.reshape(-1)
     for h in range(HV):
         for bx in range(dv // BV):
-            sm = np.full(oB + C, np.nan, np.float32)  # poison: every read must follow a write
+            sm = np.full(oT + C * LDT, np.nan, np.float32)  # poison: every read must follow a write
             j0, kh = bx * BV, h // (HV // H)
             qb, kb, vb = kh * DK, H * DK + kh * DK, 2 * H * DK + h * dv + j0
             idx = np.arange(BV * DK)
@@ -129,17 +129,33 @@ def run(state, qkvn, gb, out, ldo, H, HV, DK, dv, nlanes, pos0, C=64, BV=64, NW=
                             sm[a] = bet[i] * (sm[a] - eg * x[nt, :, e])
                             y[nt, :, e] *= eg
                     ys.append(y)
-                cols = np.arange(NW)[:, None] * 8 + (LANE >> 2)[None, :]  # [warp, lane]
-                part = np.broadcast_to(LANE & 3, cols.shape)
-                for i in range(1, n):
-                    acc = np.zeros(cols.shape, np.float32)
-                    for step in range(0, i, TPC):
-                        m = step + part
-                        live = m < i
-                        mm = np.where(live, m, 0)
-                        acc = np.where(live, acc + sm[oA + i * LDC + mm] * sm[oU + mm * LDV + cols], acc)
-                    tot = acc.reshape(NW, 8, 4).sum(axis=2)  # xor 1, xor 2 butterflies
-                    sm[oU + i * LDV + cols[:, ::4]] -= tot
+                # diagonal-block inverses, one thread per column (tid < C): T[i][j] = delta - sum A[i][m] T[m][j]
+                for tid in range(C):
+                    blk, jj = tid >> 4, tid & 15
+                    a0 = oA + blk * 16 * LDC + blk * 16
+                    tc = np.zeros(16, np.float32)
+                    for i in range(16):
+                        acc = np.float32(1.0 if i == jj else 0.0)
+                        for m in range(i):
+                            acc = np.float32(acc - sm[a0 + i * LDC + m] * tc[m])
+                        tc[i] = acc
+                    for i in range(16):
+                        sm[oT + (blk * 16 + i) * LDT + jj] = tc[i]
+                # blockwise solve, warp w on value columns 8w..8w+7
+                for warp in range(NW):
+                    nw = warp * 8
+                    for blk in range(MT):
+                        z = np.zeros((1, 32, 4), np.float32)
+                        if blk:
+                            warp_mma(z, sm, oA + blk * 16 * LDC, LDC, 1, oU + nw, LDV, 1, blk * 16, 3)
+                        for e in range(4):
+                            r, c = frag_rows_cols(e)
+                            sm[oU + (blk * 16 + r) * LDV + nw + c] -= z[0, :, e]
+                        u = np.zeros((1, 32, 4), np.float32)
+                        warp_mma(u, sm, oT + blk * 16 * LDT, LDT, 1, oU + blk * 16 * LDV + nw, LDV, 1, 16, 3)
+                        for e in range(4):
+                            r, c = frag_rows_cols(e)
+                            sm[oU + (blk * 16 + r) * LDV + nw + c] = u[0, :, e]
                 for warp in range(NW):
                     mt, nb = warp % MT, (warp // MT) * NPW * 8
                     y = ys[warp]
