@@ -172,11 +172,16 @@ __device__ __forceinline__ void gdn_chunk_body(float* __restrict__ state, const 
             if (C > 32) sG[lane + 32] = x1 + half;
         }
         __syncthreads();
-        // ---- A = b_i e^{G_i-G_m} K K^T (m < i) and M o Q K^T (m <= i); tiles above the diagonal are zero
-        for (int tile = warp; tile < MT * (C / 8); tile += NW) {
+        // ---- A = b_i e^{G_i-G_m} K K^T (m < i) and M o Q K^T (m <= i); tiles above the diagonal are zero.
+        // The 20 (C = 64) tiles that touch the lower triangle are dealt round-robin over the warps
+        // (at most 3 each), the rest (zeros only) by tile index.
+        for (int tile = 0, lower_seen = 0; tile < MT * (C / 8); tile++) {
             const int tm = tile / (C / 8), tn = tile - tm * (C / 8);
+            const bool lower = tn * 8 <= tm * 16 + 15;
+            const int owner = lower ? lower_seen++ % NW : tile % NW;  // the same count in every warp
+            if (owner != warp) continue;
             float kk[1][4] = {{0.f, 0.f, 0.f, 0.f}}, qk[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-            if (tn * 8 <= tm * 16 + 15) {  // warp-uniform: the tile touches the lower triangle
+            if (lower) {  // warp-uniform
                 warp_mma<1, 3>(kk, sK + tm * 16 * LDK, LDK, 1, sK + tn * 8 * LDK, 1, LDK, DK);
                 warp_mma<1, GDN_OUT_PASSES>(qk, sQ + tm * 16 * LDK, LDK, 1, sK + tn * 8 * LDK, 1, LDK, DK);
             }

@@ -101,8 +101,15 @@ def run(state, qkvn, gb, out, ldo, H, HV, DK, dv, nlanes, pos0, C=64, BV=64, NW=
                 if C > 32:
                     sm[oG + LANE + 32] = x1 + x0[31]
                 gam, bet = sm[oG : oG + C], sm[oB : oB + C]
+                owners, seen = [], 0  # the kernel's round-robin of lower-triangle tiles
+                for tile in range(MT * (C // 8)):
+                    tm, tn = tile // (C // 8), tile % (C // 8)
+                    lower = tn * 8 <= tm * 16 + 15
+                    owners.append(seen % NW if lower else tile % NW)
+                    seen += lower
+                assert max(owners.count(w) for w in range(NW)) <= -(-MT * (C // 8) // NW) + 1
                 for warp in range(NW):
-                    for tile in range(warp, MT * (C // 8), NW):
+                    for tile in [x for x in range(MT * (C // 8)) if owners[x] == warp]:
                         tm, tn = tile // (C // 8), tile % (C // 8)
                         kkd, qkd = np.zeros((1, 32, 4), np.float32), np.zeros((1, 32, 4), np.float32)
                         if tn * 8 <= tm * 16 + 15:
