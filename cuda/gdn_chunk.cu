@@ -108,6 +108,7 @@ __device__ __forceinline__ void gdn_chunk_body(float* __restrict__ state, const 
     static_assert(NW % MTS == 0 && NPS >= 1 && NPS * 8 * (NW / MTS) == BV, "state tiles must split over the warps");
     static_assert(NW * 8 == BV, "blocked solve: one 8-column tile per warp");
     static_assert(C <= 64 && C % 16 == 0 && DK % 16 == 0, "chunk / head shape");
+    static_assert(L::Q % 4 == 0 && L::U % 4 == 0 && LDK % 4 == 0 && LDV % 4 == 0, "float4 shared rows");
 
     extern __shared__ float smem[];
     float* sK = smem + L::K;  // [C][LDK] keys of the chunk (later scaled by e^{G_last - G_i})
@@ -141,17 +142,25 @@ __device__ __forceinline__ void gdn_chunk_body(float* __restrict__ state, const 
     for (int c0 = 0; c0 < nlanes;) {
         const int n = min(C - (pos0 + c0) % C, nlanes - c0);  // ragged first / last chunk
         __syncthreads();  // the previous chunk (or the state load) is done with every buffer
-        // ---- load the chunk; rows n..C-1 are zero (beta = g = 0 there too), so they add nothing
-        for (int idx = tid; idx < C * DK; idx += NW * 32) {
-            const int i = idx / DK, kk = idx - i * DK;
-            const bool ok = i < n;
-            const i64 row = (i64)(c0 + i) * ldq;
-            sK[i * LDK + kk] = ok ? __ldg(kbase + row + kk) : 0.f;
-            sQ[i * LDK + kk] = ok ? __ldg(qbase + row + kk) : 0.f;
+        // ---- load the chunk; rows n..C-1 are zero (beta = g = 0 there too), so they add nothing.
+        // float4 loads: every row start, head offset and shared row stride is a multiple of 4 floats
+        // and the host checks the base pointers are 16-byte aligned (kernels.gdn_prefill_chunked).
+        for (int idx = tid; idx < C * DK / 4; idx += NW * 32) {
+            const int i = idx / (DK / 4), kk = (idx - i * (DK / 4)) * 4;
+            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), qv = kv;
+            if (i < n) {
+                const i64 row = (i64)(c0 + i) * ldq;
+                kv = *reinterpret_cast<const float4*>(kbase + row + kk);
+                qv = *reinterpret_cast<const float4*>(qbase + row + kk);
+            }
+            *reinterpret_cast<float4*>(sK + i * LDK + kk) = kv;
+            *reinterpret_cast<float4*>(sQ + i * LDK + kk) = qv;
         }
-        for (int idx = tid; idx < C * BV; idx += NW * 32) {
-            const int i = idx / BV, j = idx - i * BV;
-            sU[i * LDV + j] = i < n ? __ldg(vbase + (i64)(c0 + i) * ldq + j) : 0.f;
+        for (int idx = tid; idx < C * BV / 4; idx += NW * 32) {
+            const int i = idx / (BV / 4), j = (idx - i * (BV / 4)) * 4;
+            float4 vv = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < n) vv = *reinterpret_cast<const float4*>(vbase + (i64)(c0 + i) * ldq + j);
+            *reinterpret_cast<float4*>(sU + i * LDV + j) = vv;
         }
         if (tid < C) {
             const bool ok = tid < n;

@@ -490,15 +490,23 @@ def gdn_prefill_chunked(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int
     chunk = chunk or gdn_chunk_size(dk, dv)
     if not chunk:
         raise ValueError(f"no chunked GDN kernel for dk={dk}, dv={dv} on this card")
+    if not gdn_chunk_aligned(qkvn, h, hv, dk, dv):
+        raise ValueError("gdn_prefill_chunked reads qkvn with float4 loads: its rows must start 16-byte aligned")
     Runtime.get().launch("gdn_chunk", f"gdn_chunk_d{dk}_c{chunk}", (dv // GDN_CHUNK_BV, hv), 256,
                          (state, qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dv), i32(nlanes), i32(pos0)),
                          shared_mem=4 * gdn_chunk_floats(dk, chunk))
 
 
+def gdn_chunk_aligned(qkvn, h: int, hv: int, dk: int, dv: int) -> bool:
+    """The chunked kernel's float4 loads need 16-byte aligned rows and head offsets."""
+    base = qkvn.data.ptr if hasattr(qkvn, "data") else int(qkvn)
+    return base % 16 == 0 and dk % 4 == 0 and dv % 4 == 0 and (2 * h * dk + hv * dv) % 4 == 0
+
+
 def gdn_prefill_run(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
                     pos0: int = 0) -> None:
     """A prefill run of lanes by the configured route (GDN_PREFILL), falling back to gdn_prefill."""
-    if GDN_PREFILL == "chunked" and gdn_chunk_size(dk, dv):
+    if GDN_PREFILL == "chunked" and gdn_chunk_size(dk, dv) and gdn_chunk_aligned(qkvn, h, hv, dk, dv):
         gdn_prefill_chunked(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes, pos0)
     else:
         gdn_prefill(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes)

@@ -104,6 +104,18 @@ def test_shared_memory_budget():
     assert 4 * gdn_chunk_floats(128, 32) <= 99 * 1024  # sm_86 / sm_89 / sm_120 opt-in
 
 
+def test_route_switch_maps_from_config_and_env():
+    from q27py.config import Q27Config, apply_env
+    from q27py.gpu import kernels as K
+
+    assert Q27Config().engine.gdn_prefill == "sequential"  # until the device run holds the chunked route
+    assert apply_env(Q27Config(), {"Q27_GDN_PREFILL": "chunked"}).engine.gdn_prefill == "chunked"
+    assert K.gdn_prefill_mode("chunked") == "chunked" and K.gdn_prefill_mode("sequential") == "sequential"
+    with pytest.raises(ValueError, match="gdn_prefill"):
+        K.gdn_prefill_mode("chunky")
+    assert K.gdn_chunk_aligned(1 << 20, 16, 48, 128, 128) and not K.gdn_chunk_aligned((1 << 20) + 8, 16, 48, 128, 128)
+
+
 # ---------------------------------------------------------------- GPU
 @pytest.fixture(scope="module")
 def cp():
