@@ -168,6 +168,20 @@ __device__ __forceinline__ void gdn_chunk_body(float* __restrict__ state, const 
             sB[tid] = ok ? __ldg(gb + (i64)(c0 + tid) * 2 * HV + HV + h) : 0.f;
         }
         __syncthreads();
+        // ---- ask L2 for the next chunk's rows (k, q, this block's v columns) while this one computes:
+        // a chunk's loads are otherwise a full memory latency on the sequential chain.
+        {
+            constexpr int LQK = DK * 4 / 128, LV = BV * 4 / 128, PER = 2 * LQK + LV;  // 128-byte lines per row
+            const int c1 = c0 + n, n1 = min(C, nlanes - c1);
+            for (int idx = tid; idx < n1 * PER; idx += NW * 32) {
+                const int i = idx / PER, l = idx - i * PER;
+                const i64 row = (i64)(c1 + i) * ldq;
+                const float* p = l < LQK       ? kbase + row + l * 32
+                                 : l < 2 * LQK ? qbase + row + (l - LQK) * 32
+                                               : vbase + row + (l - 2 * LQK) * 32;
+                asm volatile("prefetch.L2 [%0];" ::"l"(p));
+            }
+        }
         // ---- G = inclusive cumsum of g over the chunk (warp 0; two halves of 32 for C = 64)
         if (warp == 0) {
             float x0 = sG[lane], x1 = C > 32 ? sG[(lane + 32) % C] : 0.f;

@@ -208,7 +208,7 @@ def test_long_run_at_27b_shape_stays_in_class(cp, K):
                                  d["s0"][heads].astype(np.float64))
     s64 = klast(s64)
     err_chunk, err_seq = rel(st[heads], s64), rel(ss[heads], s64)
-    assert err_chunk < 4 * err_seq + 1e-6, (err_chunk, err_seq)
+    assert err_chunk < 4 * err_seq + 1e-5, (err_chunk, err_seq)
 
 
 @pytest.mark.gpu
