@@ -93,3 +93,15 @@ def test_pieces_split_at_chunk_boundaries_are_bitwise_one_run():
     o1, s1 = gdn_chunked(q[:100], k[:100], v[:100], g[:100], beta[:100], s0, chunk=64, pos0=0)
     o2, s2 = gdn_chunked(q[100:], k[100:], v[100:], g[100:], beta[100:], s1, chunk=64, pos0=100)
     assert rel(np.concatenate([o1, o2]), o_all) < 1e-5 and rel(s2, s_all) < 1e-5
+
+
+def test_agrees_with_the_cpu_fast_path_form():
+    """fastcpu.gdn_chunked (helper `default`, the CPU fast path) derives the same form with a
+    batched inverse and chunks from the run's first token: the same map within fp32 rounding."""
+    from q27py.model.fastcpu import gdn_chunked as fast_chunked
+
+    rng = np.random.default_rng(5)
+    q, k, v, g, beta, s0 = f32(*inputs(rng, 150, decay="strong"))
+    o1, s1 = gdn_chunked(q, k, v, g, beta, s0, chunk=64, pos0=0)
+    o2, s2 = fast_chunked(q, k, v, g, beta, s0, chunk=64)
+    assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5
