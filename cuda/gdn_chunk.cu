@@ -31,9 +31,8 @@
 // tests/gpu/test_gdn_chunk.py emulates this layout in numpy (warp_mma below) on the CPU.
 #include "common.cuh"
 
-#ifndef GDN_OUT_PASSES
-#define GDN_OUT_PASSES 3
-#endif
+// passes of the output-only products (3 = 3xTF32, 1 = plain tf32); kernel-local, Python never sees it
+constexpr int GDN_OUT_PASSES = 3;
 
 __device__ __forceinline__ u32 to_tf32(float x) {
     u32 r;
