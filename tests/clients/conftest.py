@@ -47,8 +47,11 @@ class RecordingEngine:
         turn = {"prompt": self._engine.tokenizer.decode(request.prompt_ids), "output": "",
                 "max_tokens": request.max_tokens, "finish": None}
         self.turns.append(turn)
+        ids: list[int] = []
         for chunk in self._engine.generate(request):
-            turn["output"] += chunk.text or ""
+            # the engine speaks token ids only (engine/api.py): the record decodes them itself
+            ids.extend(chunk.token_ids)
+            turn["output"] = self._engine.tokenizer.decode(ids)
             turn["finish"] = chunk.finish_reason or turn["finish"]
             yield chunk
 
