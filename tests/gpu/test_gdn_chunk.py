@@ -219,7 +219,7 @@ def test_fast_model_prefill_through_the_chunked_route(cp, K):
     from q27py import DEFAULT_MODEL_DIR
     from q27py.gpu.forward import FastModel
     from q27py.gpu.weights import from_checkpoint
-    from q27py.io.checkpoint import Checkpoint
+    from q27py.model.checkpoint import Checkpoint
 
     model = FastModel(from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), "bf16", progress=False), max_context=1024,
                       kv_dtype="f32", chunk=512)
