@@ -16,6 +16,7 @@ head_dim x 2 B per attention layer) + GDN state read and written.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -84,6 +85,25 @@ def fmt_ms(d: dict) -> str:
 
 def L_round(k: int) -> int:
     return round_up(k, 64)
+
+
+@contextmanager
+def only_family(keep: set):
+    """Every kernel family of FAMILIES other than `keep` becomes a no-op inside the block (the
+    per-family breakdowns of decode and prefill time)."""
+    saved = {}
+    for names in FAMILIES.values():
+        if names is keep:
+            continue
+        for name in names:
+            obj, attr = (K.GemvPlan, "run") if name == "GemvPlan.run" else (K, name)
+            saved[(obj, attr)] = getattr(obj, attr)
+            setattr(obj, attr, lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for (obj, attr), fn in saved.items():
+            setattr(obj, attr, fn)
 
 
 class Bench:
@@ -177,21 +197,10 @@ class Bench:
 
     def _time_only(self, keep: set, enqueue, reps: int) -> float:
         """Graph time of `enqueue` with every kernel family outside `keep` turned into a no-op."""
-        saved = {}
-        for fam, names in FAMILIES.items():
-            if names is keep:
-                continue
-            for name in names:
-                obj, attr = (K.GemvPlan, "run") if name == "GemvPlan.run" else (K, name)
-                saved[(obj, attr)] = getattr(obj, attr)
-                setattr(obj, attr, lambda *a, **k: None)
-        try:
+        with only_family(keep):
             with self.stream:
                 g = capture(enqueue, self.stream)
             return _time_graph(g, self.stream, reps)
-        finally:
-            for (obj, attr), fn in saved.items():
-                setattr(obj, attr, fn)
 
     def verify(self, ctx: int = 2048, widths=range(1, 17)) -> list[dict]:
         m, st = self.model, self.state
@@ -244,15 +253,7 @@ class Bench:
         for fam, keep in FAMILIES.items():
             if fam == "argmax":
                 continue
-            saved = {}
-            for f2, names in FAMILIES.items():
-                if names is keep:
-                    continue
-                for name in names:
-                    obj, attr = (K.GemvPlan, "run") if name == "GemvPlan.run" else (K, name)
-                    saved[(obj, attr)] = getattr(obj, attr)
-                    setattr(obj, attr, lambda *a, **k: None)
-            try:
+            with only_family(keep):
                 st = m.new_state()
                 self.stream.synchronize()
                 t0 = time.perf_counter()
@@ -260,9 +261,6 @@ class Bench:
                 self.stream.synchronize()
                 out["gemm" if fam == "gemv" else fam] = time.perf_counter() - t0
                 del st
-            finally:
-                for (obj, attr), fn in saved.items():
-                    setattr(obj, attr, fn)
         flops = {"gemm": 2.0 * self.weights_params() * n, "attention": self.attention_flops(n)}
         return {"tokens": n, "seconds": out,
                 "TFLOPs": {k: flops[k] / out[k] / 1e12 for k in flops if out.get(k)}}
