@@ -19,6 +19,7 @@ import json
 
 import numpy as np
 
+from q27py.bench.random_weights import _time_graph, read_probe_ms
 from q27py.gpu import kernels as K
 from q27py.gpu import layout as L
 from q27py.gpu.graphs import capture
@@ -42,38 +43,16 @@ SHAPES_27B = {
 
 
 def read_probe(nbytes: int = 2 << 30) -> float:
-    """Streaming-read ceiling in GB/s (the kernel random_weights.copy_bandwidth uses)."""
-    rt = Runtime.get()
-    cp = rt.cp
+    """Streaming-read ceiling in GB/s (the probe random_weights.copy_bandwidth reports)."""
+    cp = Runtime.get().cp
     src = cp.empty(nbytes // 4, dtype=cp.float32)
     K.fill_uniform(src, 1, -1.0, 1.0)
     sink = cp.zeros(1, dtype=cp.uint32)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        g = capture(lambda: rt.launch("probe", "read_bw", rt.sm_count * 8, 256, (src, np.int64(nbytes // 16), sink)),
-                    stream)
-        ms = _time(g, stream, 20)
+        ms = read_probe_ms(src, sink, stream, 20)
     del src
     return nbytes / ms / 1e6
-
-
-def _time(graph, stream, reps: int) -> float:
-    """Median ms per replay over 3 batches (after warm-up)."""
-    cp = Runtime.get().cp
-    for _ in range(3):
-        graph.launch(stream)
-    stream.synchronize()
-    out = []
-    per = max(1, reps // 3)
-    for _ in range(3):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(stream)
-        for _ in range(per):
-            graph.launch(stream)
-        e1.record(stream)
-        e1.synchronize()
-        out.append(cp.cuda.get_elapsed_time(e0, e1) / per)
-    return float(np.median(out))
 
 
 def measure(mats_spec, impls, lanes, copies: int | None = None, partition=None, once: bool = False) -> dict:
@@ -108,7 +87,7 @@ def measure(mats_spec, impls, lanes, copies: int | None = None, partition=None, 
                     stream.synchronize()
                     continue
                 g = capture(lambda: [p.run(x, kpad, n) for p in plans], stream)
-                ms_ = _time(g, stream, 12)
+                ms_ = _time_graph(g, stream, 12)
             out[impl]["us"][n] = ms_ * 1e3 / len(plans)
         del plans
     del sets

@@ -72,11 +72,17 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> dict:
     with stream:
         g = capture(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3, stream.ptr), stream)
         ms = _time_graph(g, stream, 30)
-        n16 = nbytes // 16
-        gr = capture(lambda: rt.launch("probe", "read_bw", rt.sm_count * 8, 256, (src, np.int64(n16), sink)), stream)
-        ms_read = _time_graph(gr, stream, 30)
+        ms_read = read_probe_ms(src, sink, stream)
     return {"bytes_moved": 2 * nbytes, "ms": ms, "GBps": 2 * nbytes / ms / 1e6,
             "read_bytes": nbytes, "read_ms": ms_read, "read_GBps": nbytes / ms_read / 1e6}
+
+
+def read_probe_ms(src, sink, stream, reps: int = 30) -> float:
+    """Milliseconds of one streaming read of `src` (cuda/probe.cu, 16-byte loads): the roofline."""
+    rt = Runtime.get()
+    n16 = src.nbytes // 16
+    g = capture(lambda: rt.launch("probe", "read_bw", rt.sm_count * 8, 256, (src, np.int64(n16), sink)), stream)
+    return _time_graph(g, stream, reps)
 
 
 def fmt_ms(d: dict) -> str:
