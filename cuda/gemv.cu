@@ -22,6 +22,20 @@
 //
 // One launch may run up to 4 matrices that read the same x (e.g. GDN in_proj + gates):
 // descriptors live in device memory (int64 fields, below).
+//
+// The a8 kernels (gemv8_*: q4 / q8 weights only) take the activations as int8 instead: one
+// code per k and one fp32 scale per (lane, 64-k chunk), made by quant_act8 below (absmax / 127,
+// round to nearest even), and run mma.m16n8k32 s8 x s8 -> s32 on the same weight bytes. Why:
+// the bf16 path spends ~48 of its ~66 instructions per 16 weight bytes on unpacking nibbles to
+// bf16 and on 4 bf16 mma; the int8 path unpacks 8 nibbles in 3 integer ops (the nibble lands in
+// the high half of a byte: byte = 16 x code, exact) and needs 2 mma, so the loop is ~2x shorter
+// and the kernel can stay on the memory roofline instead of the issue limit. The int8 rounding of
+// the activations (2^-8 of each chunk's max) is a numerics change: it is its own tier ("a8",
+// EngineConfig.gemv_act) with a measured quality gate; the bf16 path stays selectable.
+// Activation bytes sit in fragment order: per (lane, chunk) 64 bytes, byte t*16 + s*4 + j holds
+// k = 16 s + 2 t + {0, 8, 1, 9}[j] -- exactly the k slots whose weights thread (g, t) holds in
+// both the q4 and the q8 layout (docs/FORMAT.md), so one 16-byte load gives a thread both B
+// fragments of both k32 steps of a chunk, and the weight file format does not change.
 #include "common.cuh"
 
 // Formats, modes, GEMV_R, GEMV_WARPS, ring depths and the descriptor fields (D_*) come from the
@@ -42,6 +56,34 @@ __device__ __forceinline__ u32 q8_pair(u32 v) {
     u32 x = (v & 0x007F007Fu) | 0x43004300u;   // 128 + low7
     u32 c = (v & 0x00800080u) ^ 0x43804380u;   // 256 if the top bit is clear, else 128
     return fma_bf16x2(c, 0xBF80BF80u, x);      // x - c
+}
+
+// ---- a8 helpers
+// int4 nibbles of a word -> int8 x 16 (signed, exact): the low nibbles (even slots: row g) and
+// the high nibbles (odd slots: row g + 8). Nibbles hold code + 8; flipping the top bit of the
+// byte's high nibble turns (code + 8) << 4 into the two's complement byte code << 4.
+// sgn = 0x80808080 arrives as a kernel argument on purpose: held in a register, (w & mask) ^ sgn
+// is one LOP3 (a literal would make ptxas split it into two: LOP3 takes one immediate).
+__device__ __forceinline__ u32 lop3_and_xor(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "n"(0xF0F0F0F0u), "r"(c));  // (a & b) ^ c
+    return r;
+}
+__device__ __forceinline__ u32 q4_lo8(u32 w, u32 sgn) { return lop3_and_xor(w << 4, 0xF0F0F0F0u, sgn); }
+__device__ __forceinline__ u32 q4_hi8(u32 w, u32 sgn) { return lop3_and_xor(w, 0xF0F0F0F0u, sgn); }
+
+__device__ __forceinline__ u32 prmt_b32(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// D = A(16x32 s8, row) * B(32x8 s8, col) + C (s32). Fragment layout: PTX ISA, mma.m16n8k32.
+__device__ __forceinline__ void mma_s8_16832(int& d0, int& d1, int& d2, int& d3, u32 a0, u32 a1, u32 a2, u32 a3,
+                                             u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(d0), "+r"(d1), "+r"(d2), "+r"(d3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 template <int FMT>
@@ -196,13 +238,79 @@ __device__ __forceinline__ void compute_stage(float (&acc)[GEMV_R][NT][4], const
     }
 }
 
+// Pointers to one launch's activations, by lane tile: fp32 rows (bf16 path) or int8 codes +
+// chunk scales (a8 path).
+template <int NT>
+struct Act {
+    const float* xr[NT];  // fp32 row of this thread's B column (+ 2t)
+    const uint4* xq[NT];  // a8: this thread's 16 bytes of chunk 0 in its B column's code row
+    const float* xs;      // a8: chunk scales [chunk][GEMV_MAX_LANES], + 2t
+    u32 sgn;              // a8: 0x80808080 (see q4_lo8)
+};
+
+// a8: one chunk = two k32 steps. Weights per tile: q4 one uint4 (words s = 0..3), q8 two
+// (steps 2j, 2j+1 as words A, B each). Scales: the weight's fp16 pair (rows g, g + 8) times the
+// activation chunk scales of columns 2t, 2t + 1, applied to the chunk's exact int32 sums.
+template <int FMT, int NT>
+__device__ __forceinline__ void compute_stage8(float (&acc)[GEMV_R][NT][4], const Stage<FMT>& st, int c,
+                                               const Act<NT>& xa) {
+    uint4 xb[NT];
+    float2 xs[NT];
+    // q4 codes carry a factor 16 (nibble in the high half of the byte): folded into the chunk's
+    // activation scales once, not into every tile's weight scales
+    const float wmul = FMT == FMT_Q4 ? 0.0625f : 1.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        xb[nt] = __ldg(xa.xq[nt] + c * 4);  // 64 bytes per chunk = 4 uint4
+        xs[nt] = __ldg(reinterpret_cast<const float2*>(xa.xs + c * GEMV_MAX_LANES + nt * 8));
+        xs[nt].x *= wmul;
+        xs[nt].y *= wmul;
+    }
+    const u32 sgn = xa.sgn;
+#pragma unroll
+    for (int i = 0; i < GEMV_R; i++) {
+        int ia[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) ia[nt][0] = ia[nt][1] = ia[nt][2] = ia[nt][3] = 0;
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            u32 a0, a1, a2, a3;
+            if (FMT == FMT_Q4) {
+                const uint4 v = st.wv[i][0];
+                const u32 w0 = b ? v.z : v.x, w1 = b ? v.w : v.y;  // steps 2b, 2b + 1
+                a0 = q4_lo8(w0, sgn); a1 = q4_hi8(w0, sgn); a2 = q4_lo8(w1, sgn); a3 = q4_hi8(w1, sgn);
+            } else {
+                const uint4 v = st.wv[i][b];
+                const u32 A0 = v.x ^ sgn, B0 = v.y ^ sgn;  // step 2b: bytes code + 128
+                const u32 A1 = v.z ^ sgn, B1 = v.w ^ sgn;  // step 2b + 1
+                a0 = prmt_b32(A0, B0, 0x6240u); a1 = prmt_b32(A0, B0, 0x7351u);
+                a2 = prmt_b32(A1, B1, 0x6240u); a3 = prmt_b32(A1, B1, 0x7351u);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const u32 b0 = b ? xb[nt].z : xb[nt].x, b1 = b ? xb[nt].w : xb[nt].y;
+                mma_s8_16832(ia[nt][0], ia[nt][1], ia[nt][2], ia[nt][3], a0, a1, a2, a3, b0, b1);
+            }
+        }
+        const float s_lo = half_to_float((u16)(st.sv[i] & 0xffffu));  // row g
+        const float s_hi = half_to_float((u16)(st.sv[i] >> 16));      // row g + 8
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            acc[i][nt][0] = fmaf(s_lo * xs[nt].x, (float)ia[nt][0], acc[i][nt][0]);
+            acc[i][nt][1] = fmaf(s_lo * xs[nt].y, (float)ia[nt][1], acc[i][nt][1]);
+            acc[i][nt][2] = fmaf(s_hi * xs[nt].x, (float)ia[nt][2], acc[i][nt][2]);
+            acc[i][nt][3] = fmaf(s_hi * xs[nt].y, (float)ia[nt][3], acc[i][nt][3]);
+        }
+    }
+}
+
 // A warp walks its n chunks cstart, cstart+cstep, ... through the ring. Iteration k waits for
 // chunk k, copies it to registers, refills the slot read in iteration k-1 (its values are
 // consumed, so the overwrite is safe) with chunk k+STAGES-1, then computes chunk k.
-template <int FMT, int NT>
+template <int FMT, int NT, bool A8>
 __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_ptr, const u8* __restrict__ w,
                                           const u32* __restrict__ sc, int kch, int ngroups, int rg, int cstart,
-                                          int cstep, int n, const float* const (&xr)[NT], int lane) {
+                                          int cstep, int n, const Act<NT>& xa, int lane) {
     typedef FmtInfo<FMT> F;
     constexpr int S = Ring<FMT>::STAGES;
     constexpr int T = GEMV_WARPS * 32;
@@ -236,7 +344,10 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
         cp_async_commit();
         rd = rd + 1 == S ? 0 : rd + 1;
         wr = wr + 1 == S ? 0 : wr + 1;
-        compute_stage<FMT, NT>(acc, st, c, xr);
+        if constexpr (A8)
+            compute_stage8<FMT, NT>(acc, st, c, xa);
+        else
+            compute_stage<FMT, NT>(acc, st, c, xa.xr);
     }
     cp_async_wait<0>();
 }
@@ -246,17 +357,27 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
 // through shared memory in fixed warp order. A unit with splits > 1 writes its partial tile;
 // the CTA that arrives last for the row group (integer ticket) sums the partials in split
 // order and runs the epilogue.
-template <int FMT, int NT>
+template <int FMT, int NT, bool A8>
 __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x,
-                                          int ldx, int nlanes, int lane0) {
+                                          int ldx, const u8* __restrict__ xq, int ldq, const float* __restrict__ xs,
+                                          u32 sgn, int nlanes, int lane0) {
     extern __shared__ __align__(16) u8 dyn_smem[];
     constexpr int COLS = NT * 8, E = GEMV_R * 16 * COLS;
     __shared__ int s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, tid = threadIdx.x;
-    x += (i64)lane0 * ldx;
-    const float* xr[NT];
+    Act<NT> xa;
+    if constexpr (A8) {
+        // the codes' rows are this launch's lanes (lane 0 = lane0); rows past nlanes repeat the last
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) xr[nt] = x + (i64)min(nt * 8 + g, nlanes - 1) * ldx + 2 * t;
+        for (int nt = 0; nt < NT; nt++)
+            xa.xq[nt] = reinterpret_cast<const uint4*>(xq + (i64)min(nt * 8 + g, nlanes - 1) * ldq + t * 16);
+        xa.xs = xs + 2 * t;
+        xa.sgn = sgn;
+    } else {
+        x += (i64)lane0 * ldx;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) xa.xr[nt] = x + (i64)min(nt * 8 + g, nlanes - 1) * ldx + 2 * t;
+    }
 
     const int u = blockIdx.x;
     int m = 0;
@@ -280,7 +401,7 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
     for (int i = 0; i < GEMV_R; i++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
-    gemv_loop<FMT, NT>(acc, dyn_smem, w, sc, kch, ngroups, rg, cs, GEMV_WARPS, n, xr, lane);
+    gemv_loop<FMT, NT, A8>(acc, dyn_smem, w, sc, kch, ngroups, rg, cs, GEMV_WARPS, n, xa, lane);
     __syncthreads();  // every warp is done with its ring before it becomes the reduction buffer
 
     float(*red)[E] = reinterpret_cast<float(*)[E]>(dyn_smem);
@@ -347,7 +468,16 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                                \
         NAME(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x, int ldx,       \
              int nlanes, int lane0) {                                                                      \
-        gemv_body<FMT, NT>(desc, nmat, units, x, ldx, nlanes, lane0);                                      \
+        gemv_body<FMT, NT, false>(desc, nmat, units, x, ldx, nullptr, 0, nullptr, 0u, nlanes, lane0);      \
+    }
+
+// a8: xq int8 codes [nlanes][ldq bytes] in fragment order, xs chunk scales [kch][GEMV_MAX_LANES],
+// sgn = 0x80808080 (q4_lo8)
+#define GEMV8_KERNEL(NAME, FMT, NT, MINB)                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,          \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                 \
+        gemv_body<FMT, NT, true>(desc, nmat, units, nullptr, 0, xq, ldq, xs, sgn, nlanes, lane0);            \
     }
 
 GEMV_KERNEL(gemv_q4_nt1, FMT_Q4, 1, V1_CTAS_NT1)
@@ -356,3 +486,31 @@ GEMV_KERNEL(gemv_q8_nt1, FMT_Q8, 1, V1_CTAS_NT1)
 GEMV_KERNEL(gemv_q8_nt2, FMT_Q8, 2, V1_CTAS_NT2)
 GEMV_KERNEL(gemv_bf16_nt1, FMT_BF16, 1, V1_CTAS_BF16)
 GEMV_KERNEL(gemv_bf16_nt2, FMT_BF16, 2, V1_CTAS_BF16)
+
+GEMV8_KERNEL(gemv8_q4_nt1, FMT_Q4, 1, A8_CTAS_NT1)
+GEMV8_KERNEL(gemv8_q4_nt2, FMT_Q4, 2, A8_CTAS_NT2)
+GEMV8_KERNEL(gemv8_q8_nt1, FMT_Q8, 1, A8_CTAS_NT1)
+GEMV8_KERNEL(gemv8_q8_nt2, FMT_Q8, 2, A8_CTAS_NT2)
+
+// Activations -> int8 codes in fragment order + one fp32 scale per (lane, 64-k chunk), for the
+// a8 kernels. grid (ceil(kch / 8), nlanes), block 256: a warp per chunk, 2 values per thread.
+// scale = amax / 127, code = rint(x * (127 / amax)) (IEEE divisions, no contraction: the numpy
+// spec in q27py/gpu/layout.py quantize_act8 gives the same bits); an all-zero chunk has scale 0.
+// Columns k >= K (inside the padded row) must read as zero: the fp32 rows keep their pads zero.
+extern "C" __global__ void quant_act8(const float* __restrict__ x, int ldx, int kch, u8* __restrict__ xq, int ldq,
+                                      float* __restrict__ xs) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int c = blockIdx.x * 8 + warp, row = blockIdx.y;
+    if (c >= kch) return;
+    const float2 v = *reinterpret_cast<const float2*>(x + (i64)row * ldx + c * 64 + 2 * lane);
+    const float amax = warp_max(fmaxf(fabsf(v.x), fabsf(v.y)));
+    const float inv = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
+    const int q0 = max(-127, min(127, __float2int_rn(__fmul_rn(v.x, inv))));
+    const int q1 = max(-127, min(127, __float2int_rn(__fmul_rn(v.y, inv))));
+    // k = 2 lane, 2 lane + 1 -> s = k / 16, t = (k % 8) / 2, h = (k % 16) / 8; j = h (even k), 2 + h (odd)
+    const int k = 2 * lane, s = k >> 4, t = (k & 7) >> 1, h = (k >> 3) & 1;
+    u8* dst = xq + (i64)row * ldq + c * 64 + t * 16 + s * 4;
+    dst[h] = (u8)(signed char)q0;
+    dst[2 + h] = (u8)(signed char)q1;
+    if (lane == 0) xs[c * GEMV_MAX_LANES + row] = __fdiv_rn(amax, 127.f);
+}

@@ -32,6 +32,9 @@ GEMV_MAX_LANES = 16  # lanes per launch (two 8-lane mma tiles)
 # v1 cp.async ring depth per format, and resident CTAs of 8 warps per SM (its launch bounds)
 RING_BF16, RING_Q8, RING_Q4 = 2, 3, 4
 V1_CTAS_NT1, V1_CTAS_NT2, V1_CTAS_BF16 = 2, 1, 1
+# a8 kernels (int8 activations, mma.m16n8k32 s8): their 16-lane loop holds no hi/lo activation
+# pairs, so it fits two CTAs per SM as well
+A8_CTAS_NT1, A8_CTAS_NT2 = 2, 2
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
 G2_WARPS = 4

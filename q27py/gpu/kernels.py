@@ -27,7 +27,9 @@ ATT_NSPLIT = C.NSPLIT
 ATT_WARPS = C.ATT_WARPS
 TOP2_BLOCKS = C.TOP2_BLOCKS
 TAB_F32, TAB_BF16, TAB_Q8 = C.TAB_F32, C.TAB_BF16, C.TAB_Q8
-GEMV_IMPLS = ("v1", "v2")
+# "v1" cuda/gemv.cu, "v2" cuda/gemv2.cu, "a8": v1's kernels with int8 activations for q4/q8 weights
+# (quant_act8 + gemv8_*; its own tolerance class, docs/QUANT.md "a8"); bf16 weights stay on v1 there
+GEMV_IMPLS = ("v1", "v2", "a8")
 
 
 @dataclass
@@ -143,7 +145,18 @@ class Workspace:
         self.counters = 0
         self.ws = None
         self.cnt = None
+        self.kpad8 = 0  # a8: int8 activation codes [GEMV_MAX_LANES][kpad8] and scales [kpad8 / 64][lanes]
+        self.xq = None
+        self.xs = None
         self._keep = []
+
+    def reserve_act8(self, kpad: int) -> None:
+        cp = Runtime.get().cp
+        if self.xq is None or kpad > self.kpad8:
+            self.kpad8 = max(kpad, self.kpad8)
+            self.xq = cp.zeros((GEMV_MAX_LANES, self.kpad8), dtype=cp.uint8)
+            self.xs = cp.zeros((self.kpad8 // L.CHUNK_K, GEMV_MAX_LANES), dtype=cp.float32)
+            self._keep += [self.xq, self.xs]
 
     def reserve(self, floats: int, counters: int) -> None:
         cp = Runtime.get().cp
@@ -225,6 +238,12 @@ class GemvPlan:
                     cnt_need += blocks[j]
             rows.append((fmt, desc, cta))
         workspace.reserve(ws_need, cnt_need)
+        self.a8 = self.impl == "a8" and any(m.shape.fmt != L.FMT_BF16 for m in mats)
+        if self.a8:
+            workspace.reserve_act8(self.kpad)
+            # the buffers as of now (a later, larger reserve allocates new ones and keeps these alive,
+            # so graphs captured with this plan stay valid)
+            self.xq, self.xs = workspace.xq, workspace.xs
         ws_base, cnt_base = int(ptr(workspace.ws)), int(ptr(workspace.cnt))
         self.launches = []
         for fmt, desc, units in rows:
@@ -245,10 +264,19 @@ class GemvPlan:
         while done < nlanes:
             n = min(GEMV_MAX_LANES, nlanes - done)
             nt = 1 if n <= 8 else 2
+            if self.a8 and not use_gemm:
+                kch = self.kpad // L.CHUNK_K
+                rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
+                          (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
+                           i32(self.xq.shape[1]), self.xs))
             for fmt, desc, nmat, units in self.launches:
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
-                if self.impl == "v2":
+                if self.a8 and fmt != L.FMT_BF16:
+                    rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
+                              (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
+                               np.uint32(0x80808080), i32(n), i32(lane0 + done)), shared_mem=gemv_shared_bytes(fmt, nt))
+                elif self.impl == "v2":
                     rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
                               (desc, i32(nmat), x, i32(ldx), i32(n), i32(lane0 + done)))
                 else:

@@ -310,3 +310,84 @@ def unpack(pm: PackedMatrix) -> np.ndarray:
         chunk_group = np.arange(nc) // shape.group_chunks
         full *= sc[:, chunk_group, :][:, :, :, None]
     return full.transpose(0, 2, 1, 3).reshape(nt * 16, nc * 64)[: shape.rows, : shape.cols]
+
+
+# ---------------------------------------------------------------- a8 activations (cuda/gemv.cu quant_act8)
+def act8_order() -> np.ndarray:
+    """k (inside a 64-k chunk) stored at each byte of the chunk: byte t*16 + s*4 + j holds
+    k = 16 s + 2 t + (0, 8, 1, 9)[j] -- the k slots thread (g, t) holds weights for in the q4 and q8
+    layouts, so a thread's 16-byte load is its B fragments for both k32 steps of the chunk."""
+    t, s, j = np.meshgrid(np.arange(4), np.arange(4), np.arange(4), indexing="ij")
+    return (16 * s + 2 * t + np.array([0, 8, 1, 9])[j]).reshape(-1)
+
+
+def quantize_act8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The a8 GEMV's activations: x [n, kpad] fp32 -> (codes int8 [n, kpad] in natural k order,
+    scales fp32 [n, kpad / 64]), bit-exact with the kernel: scale = amax / 127 and
+    code = rint(x * (127 / amax)) clipped to +-127, per (row, 64-k chunk); zero chunks scale 0."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, kpad = x.shape
+    assert kpad % CHUNK_K == 0
+    xc = x.reshape(n, kpad // CHUNK_K, CHUNK_K)
+    amax = np.abs(xc).max(axis=2)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    codes = np.clip(np.rint(xc * inv[:, :, None]), -127, 127).astype(np.int8)
+    scales = (amax / np.float32(127.0)).astype(np.float32)
+    return codes.reshape(n, kpad), scales
+
+
+def dequantize_act8(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    n, kpad = codes.shape
+    return (codes.reshape(n, -1, CHUNK_K).astype(np.float32) * scales[:, :, None]).reshape(n, kpad)
+
+
+def act8_fragment_bytes(codes: np.ndarray) -> np.ndarray:
+    """Natural-order codes [n, kpad] -> the kernel's byte order (uint8, same shape)."""
+    n, kpad = codes.shape
+    return codes.reshape(n, -1, CHUNK_K)[:, :, act8_order()].reshape(n, kpad).view(np.uint8)
+
+
+def _s8x4(word: int) -> np.ndarray:
+    return np.array([word], dtype=np.uint32).view(np.int8).astype(np.int64)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    src = np.array([a, b], dtype=np.uint32).view(np.uint8)
+    return int(np.array([src[(sel >> (4 * i)) & 7] for i in range(4)], dtype=np.uint8).view(np.uint32)[0])
+
+
+def emulate_a8_chunk(codes: np.ndarray, shape: MatrixShape, tile: int, chunk: int, xbytes: np.ndarray) -> np.ndarray:
+    """One (16-row tile, 64-k chunk) of the a8 GEMV, done the way the kernel does it: weight words
+    unpacked by the same bit operations (q4: nibble -> byte x 16; q8: byte permutes), the 8 lanes'
+    activation bytes (xbytes [8, 64], act8_fragment_bytes order) loaded as B fragments, and
+    mma.m16n8k32 s8 per the PTX fragment maps. Returns the exact int32 sums [16 rows, 8 lanes]
+    (q4 sums carry the factor 16)."""
+    cb = CHUNK_BYTES[shape.fmt]
+    words = codes[(tile * shape.kchunks + chunk) * cb: (tile * shape.kchunks + chunk + 1) * cb].view(np.uint32)
+    xw = np.ascontiguousarray(xbytes, dtype=np.uint8).view(np.uint32)  # [8, 16] words
+    d = np.zeros((16, 8), dtype=np.int64)
+    for b in range(2):  # k32 steps of the chunk
+        A = np.zeros((16, 32), dtype=np.int64)  # the mma's own (row, k) view
+        B = np.zeros((32, 8), dtype=np.int64)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            if shape.fmt == FMT_Q4:
+                w0, w1 = int(words[lane * 4 + 2 * b]), int(words[lane * 4 + 2 * b + 1])
+                lo8 = lambda w: ((w << 4) & 0xF0F0F0F0) ^ 0x80808080  # noqa: E731
+                hi8 = lambda w: (w & 0xF0F0F0F0) ^ 0x80808080  # noqa: E731
+                regs = [lo8(w0), hi8(w0), lo8(w1), hi8(w1)]
+            else:
+                base = (b * 512 + lane * 16) // 4
+                a0, b0, a1, b1 = (int(words[base + i]) ^ 0x80808080 for i in range(4))
+                regs = [_prmt(a0, b0, 0x6240), _prmt(a0, b0, 0x7351), _prmt(a1, b1, 0x6240), _prmt(a1, b1, 0x7351)]
+            # A fragment (m16n8k32, s8): a0 (g, 4t..), a1 (g+8, 4t..), a2 (g, 16+4t..), a3 (g+8, 16+4t..)
+            A[g, 4 * t: 4 * t + 4] = _s8x4(regs[0])
+            A[g + 8, 4 * t: 4 * t + 4] = _s8x4(regs[1])
+            A[g, 16 + 4 * t: 20 + 4 * t] = _s8x4(regs[2])
+            A[g + 8, 16 + 4 * t: 20 + 4 * t] = _s8x4(regs[3])
+            # B fragment: b0 (k 4t.., col g), b1 (k 16+4t.., col g) = words 2b, 2b+1 of the thread's 16 bytes
+            B[4 * t: 4 * t + 4, g] = _s8x4(int(xw[g, t * 4 + 2 * b]))
+            B[16 + 4 * t: 20 + 4 * t, g] = _s8x4(int(xw[g, t * 4 + 2 * b + 1]))
+        d += A @ B
+    return d

@@ -55,14 +55,22 @@ def padded_x(cp, x: np.ndarray, kpad: int):
 
 # ---------------------------------------------------------------- GEMV (both implementations)
 GEMV_SHAPES = [(300, 640), (96, 5120), (1040, 256), (37, 200)]
-IMPLS = ["v1", "v2"]
+IMPLS = ["v1", "v2", "a8"]
 # v2 partitions (row groups per CTA, splits) forced in some tests, so every reduction path runs
 V2_PARTITIONS = [(1, 1), (2, 3), (4, 2), (1, 5)]
 
 
-def quantized_x(x: np.ndarray, fmt: int) -> np.ndarray:
-    """What the kernels multiply by: bf16 weights see x (hi + lo, fp32-grade), q8/q4 bf16(x)."""
-    return x if fmt == L.FMT_BF16 else L.bf16_to_f32(L.bf16_bits(x))
+def quantized_x(x: np.ndarray, fmt: int, impl: str = "v1") -> np.ndarray:
+    """What the kernels multiply by: bf16 weights see x (hi + lo, fp32-grade), q8/q4 bf16(x), or
+    with impl a8 the int8 codes x chunk scales of quant_act8 (layout.quantize_act8, bit-exact)."""
+    if fmt == L.FMT_BF16:
+        return x
+    if impl == "a8":
+        kpad = L.round_up(x.shape[1], L.CHUNK_K)
+        xp = np.zeros((x.shape[0], kpad), np.float32)
+        xp[:, : x.shape[1]] = x
+        return L.dequantize_act8(*L.quantize_act8(xp))[:, : x.shape[1]]
+    return L.bf16_to_f32(L.bf16_bits(x))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -82,7 +90,7 @@ def test_gemv_matches_float64(cp, K, impl, fmt, rows, cols):
         plan.run(padded_x(cp, x, pm.shape.kpad), pm.shape.kpad, n)
         got = y.get()
         assert np.isfinite(got).all(), f"unwritten outputs at n={n}"
-        ref = quantized_x(x, fmt).astype(np.float64) @ wd.T
+        ref = quantized_x(x, fmt, impl).astype(np.float64) @ wd.T
         assert rel(got, ref) < 2e-5, (n, rel(got, ref))
 
 
@@ -121,7 +129,7 @@ def test_gemv_27b_shapes_match_float64(cp, K, impl, name):
     xd = padded_x(cp, x, sh.kpad)
     last = sh.row_tiles
     parts = [(0, 8), (last - 8, last)]  # first and last 128 rows (row tiles are padded to groups of 4)
-    refs = [quantized_x(x, fmt).astype(np.float64) @ L.unpack(tile_subset(K, m, a, b)).astype(np.float64).T
+    refs = [quantized_x(x, fmt, impl).astype(np.float64) @ L.unpack(tile_subset(K, m, a, b)).astype(np.float64).T
             for a, b in parts]
     for n in (1, 8, 16):
         y = poisoned(cp, (n, rows))
@@ -143,7 +151,7 @@ def test_gemv_lanes_are_width_invariant(cp, K, impl, fmt):
     m = K.upload_packed(pm)
     ws = K.Workspace()
     x = padded_x(cp, rng.standard_normal((16, cols)).astype(np.float32), pm.shape.kpad)
-    parts = [None] if impl == "v1" else [None, *V2_PARTITIONS]
+    parts = [None, *V2_PARTITIONS] if impl == "v2" else [None]
     for part in parts:
         outs = {}
         for n in range(1, 17):
@@ -170,7 +178,7 @@ def test_gemv_split_k_is_repeatable_and_lane_offset_works(cp, K, impl):
     for _ in range(3):  # same bits every run (fixed-order split reduction, counters re-armed)
         K.GemvPlan([m], [(y2, rows)], ws, impl=impl).run(x, pm.shape.kpad, 20)
         np.testing.assert_array_equal(y1.get(), y2.get())
-    ref = quantized_x(x.get()[:, :cols], L.FMT_Q4).astype(np.float64) @ L.unpack(pm).astype(np.float64).T
+    ref = quantized_x(x.get()[:, :cols], L.FMT_Q4, impl).astype(np.float64) @ L.unpack(pm).astype(np.float64).T
     assert rel(y1.get(), ref) < 2e-5
     # lane0: lanes 5..11 alone land in rows 5..11 of y with the same bits as the full run
     y3 = poisoned(cp, (20, rows))
@@ -179,6 +187,24 @@ def test_gemv_split_k_is_repeatable_and_lane_offset_works(cp, K, impl):
     got = y3.get()
     np.testing.assert_array_equal(got[5:12], y1.get()[5:12])
     assert np.isnan(got[:5]).all() and np.isnan(got[12:]).all()
+
+
+def test_quant_act8_matches_numpy_spec_bitwise(cp, K):
+    """quant_act8's codes (in fragment order) and chunk scales equal layout.quantize_act8 bit for bit,
+    including an all-zero chunk, a lane offset, and huge / tiny magnitudes."""
+    from q27py.gpu.runtime import Runtime, i32
+
+    rng = np.random.default_rng(31)
+    n, kpad = 13, 1024
+    x = (rng.standard_normal((n + 2, kpad)) * np.exp(rng.uniform(-20, 20, (n + 2, 1)))).astype(np.float32)
+    x[3, 128:192] = 0.0
+    xq = cp.full((16, kpad), 0xAB, dtype=cp.uint8)
+    xs = cp.full((kpad // 64, 16), np.nan, dtype=cp.float32)
+    xd = cp.asarray(x)
+    Runtime.get().launch("gemv", "quant_act8", (kpad // 64 // 8, n), 256, (xd[2:], i32(kpad), i32(kpad // 64), xq, i32(kpad), xs))
+    codes, scales = L.quantize_act8(x[2:])
+    np.testing.assert_array_equal(xq.get()[:n], L.act8_fragment_bytes(codes))
+    np.testing.assert_array_equal(xs.get()[:, :n], scales.T)
 
 
 @pytest.mark.parametrize("part", V2_PARTITIONS)
@@ -221,7 +247,7 @@ def test_gemv_residual_add_and_multi_matrix(cp, K, impl):
         plan = K.GemvPlan([ma, mb, mc], [(ya, 130), (yb, 48), (yc, 300)], K.Workspace(), impl=impl)
         assert len(plan.launches) == 2
         plan.run(padded_x(cp, x, 512), 512, n)
-        xb = quantized_x(x, L.FMT_Q4).astype(np.float64)
+        xb = quantized_x(x, L.FMT_Q4, impl).astype(np.float64)
         assert rel(ya.get(), base + xb @ L.unpack(pa).T) < 2e-5
         assert rel(yb.get(), x.astype(np.float64) @ L.unpack(pb).T) < 2e-5
         assert rel(yc.get(), xb @ L.unpack(pc).T) < 2e-5
@@ -241,7 +267,7 @@ def test_gemv_swiglu_epilogue(cp, K, impl, fmt):
         x = rng.standard_normal((n, cols)).astype(np.float32)
         y = poisoned(cp, (n, inter))
         K.GemvPlan([m], [(y, inter)], K.Workspace(), impl=impl).run(padded_x(cp, x, 256), 256, n)
-        gu = quantized_x(x, fmt).astype(np.float64) @ wd.T  # interleaved rows
+        gu = quantized_x(x, fmt, impl).astype(np.float64) @ wd.T  # interleaved rows
         tiles = gu.reshape(n, -1, 2, 8)
         g, u = tiles[:, :, 0, :].reshape(n, -1)[:, :inter], tiles[:, :, 1, :].reshape(n, -1)[:, :inter]
         assert rel(y.get(), ops.silu(g) * u) < 2e-5
