@@ -47,3 +47,54 @@ def test_a8_chunk_emulation_gives_exact_integer_dots(fmt):
         got = L.emulate_a8_chunk(pm.codes, pm.shape, 0, chunk, xb[:, chunk * 64:(chunk + 1) * 64])
         ref = codes_w[:, chunk * 64:(chunk + 1) * 64].astype(np.int64) @ xc[:, chunk * 64:(chunk + 1) * 64].astype(np.int64).T
         np.testing.assert_array_equal(got, mult * ref)
+
+
+# ---------------------------------------------------------------- the a8 persistent schedule (cuda/gemv.cu gemv8_body)
+def _start(c, ctas, items):
+    return c * items // ctas
+
+
+def _cta_of(i, ctas, items):
+    c = i * ctas // items
+    while c + 1 < ctas and _start(c + 1, ctas, items) <= i:
+        c += 1
+    while c > 0 and _start(c, ctas, items) > i:
+        c -= 1
+    return c
+
+
+@pytest.mark.parametrize("row_groups,kch,ctas", [(544, 80, 264), (80, 96, 264), (32, 80, 160), (3880, 80, 264),
+                                                 (1, 272, 17), (7, 3, 5), (2, 80, 264)])
+def test_a8_schedule_covers_every_item_once_and_partials_do_not_collide(row_groups, kch, ctas):
+    """Mirror of the kernel's index math: every (row group, chunk) item is computed by exactly one
+    (CTA, warp); a row group split between CTAs gets one partial per CTA in distinct (CTA, slot)
+    places, and the last CTA's sum (CTAs c_first..c_last) reads exactly those."""
+    from q27py.gpu import constants as C
+
+    items = row_groups * kch
+    ctas = max(1, min(ctas, items // C.A8_MIN_ITEMS)) if items >= C.A8_MIN_ITEMS else 1
+    seen = np.zeros(items, dtype=np.int64)
+    writers: dict[int, set] = {}
+    for c in range(ctas):
+        i0, i1 = _start(c, ctas, items), _start(c + 1, ctas, items)
+        if i1 <= i0:
+            continue
+        slots = set()
+        for rg in range(i0 // kch, (i1 - 1) // kch + 1):
+            lo = i0 - rg * kch if rg == i0 // kch else 0
+            hi = i1 - rg * kch if rg == (i1 - 1) // kch else kch
+            for w in range(C.GEMV_WARPS):
+                for ch in range(lo + w, hi, C.GEMV_WARPS):
+                    seen[rg * kch + ch] += 1
+            slot = 0 if rg == i0 // kch else 1
+            c_first, c_last = _cta_of(rg * kch, ctas, items), _cta_of(rg * kch + kch - 1, ctas, items)
+            assert c_first <= c <= c_last
+            if c_first != c_last:
+                assert slot not in slots
+                slots.add(slot)
+                writers.setdefault(rg, set()).add((c, slot))
+    assert (seen == 1).all()
+    for rg, ws in writers.items():
+        c_first, c_last = _cta_of(rg * kch, ctas, items), _cta_of(rg * kch + kch - 1, ctas, items)
+        reads = {(cc, 0 if rg == _start(cc, ctas, items) // kch else 1) for cc in range(c_first, c_last + 1)}
+        assert reads == ws, rg
