@@ -78,6 +78,10 @@ class EngineConfig:
     # cuda fast path GEMV: "v1" (cuda/gemv.cu) or "v2" (cuda/gemv2.cu, register-streamed). v1 stays the
     # default until v2 has passed the GPU tests and gates on the device (v2 sums in another order)
     gemv: str = "v1"
+    # cuda: the GDN decode / verify step (conv, gates, delta rule, gated norm, window commit) as one
+    # kernel (cuda/gdn_decode.cu, bitwise the kernel chain) instead of four launches. Off until the
+    # device run has held it bitwise and measured it (docs/PERF.md).
+    gdn_fused: bool = False
 
     def engine_prefill_chunk(self) -> int:
         """Tokens per prefill piece the decoder feeds the model on this device."""
@@ -101,6 +105,14 @@ def parse_max_context(value) -> int | str:
 def fixed_max_context(engine: "EngineConfig") -> int:
     """The window when nothing measures memory (the CPU path, scripted engines): a number or the default."""
     return engine.max_context if isinstance(engine.max_context, int) else CPU_MAX_CONTEXT
+
+
+def parse_switch(value: str) -> bool:
+    """A 0|1 environment switch (Q27_GDN_FUSED)."""
+    v = str(value).strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"expected 0 or 1, not {value!r}")
+    return v == "1"
 
 
 def parse_kv(value: str) -> str:
@@ -173,6 +185,7 @@ ENV_VARS = {
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
     "Q27_GEMV": ("engine", "gemv", str),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
+    "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

@@ -6,6 +6,8 @@ Reported (each with achieved GB/s or TFLOP/s and the fraction of the measured ce
   gemv sweeps: every layer's gate/up matrix at 1, 8, 16 lanes (weights only, no L2 reuse)
   decode t/s at context 2K and 32K (device time per step in a CUDA graph, and host loop)
   verify round (W lanes + commit) for W = 1..16 at 2K
+  kernels per decode step and per verify round (every launch recorded into the step's graph),
+    by family; the GDN kernel chain vs the fused GDN step (cuda/gdn_decode.cu) at 1 / 8 / 16 lanes
   one MTP draft step
   prefill tok/s at 2K, 8K, 32K
   memory per sequence at the given contexts
@@ -34,11 +36,35 @@ BF16_DENSE_PEAK_TFLOPS = 790.0
 FAMILIES = {
     "gemv": {"GemvPlan.run"},
     "norms": {"rmsnorm", "embed"},
-    "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm"},
+    "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm", "gdn_decode_fused"},
     "attention": {"qk_norm_rope_store", "attention", "attention_prefill", "qk_norm_rope_store_fp8", "attention_fp8",
                   "attention_prefill_fp8"},
     "argmax": {"top2"},
 }  # the box's measured cuBLAS-class bf16 GEMM (KINDS.md); spec dense ~990
+
+
+# kernel launches by family (Runtime.count_launches keys (module, kernel)); gated_rmsnorm lives in
+# norm.cu but belongs to the GDN block, as in FAMILIES
+MODULE_FAMILY = {"gemv": "gemv", "gemv2": "gemv", "gemm": "gemv", "norm": "norms", "embed": "norms", "conv": "gdn",
+                 "gdn": "gdn", "gdn_decode": "gdn", "gdn_chunk": "gdn", "rope": "attention", "attention": "attention",
+                 "attention_prefill": "attention", "sampling": "argmax"}
+
+
+def launch_families(tally) -> dict:
+    out: dict[str, int] = {}
+    for (module, kernel), n in sorted(tally.items()):
+        fam = "gdn" if kernel == "gated_rmsnorm" else MODULE_FAMILY.get(module, module)
+        out[fam] = out.get(fam, 0) + n
+    return out
+
+
+def captured(enqueue, stream) -> tuple[object, dict]:
+    """(graph of enqueue's launches, its kernel count: total and by family)."""
+    rt = Runtime.get()
+    with rt.count_launches() as tally:
+        with stream:
+            g = capture(enqueue, stream)
+    return g, {"total": sum(tally.values()), "by_family": launch_families(tally)}
 
 
 def _time_graph(graph, stream, reps: int) -> float:
@@ -179,8 +205,7 @@ class Bench:
         m, st = self.model, self.state
         self._set(st, ctx - 1, [7])
         st.position = ctx - 1
-        with self.stream:
-            g = capture(lambda: m.enqueue_main(st, 1, False, np.array([0])), self.stream)
+        g, kernels = captured(lambda: m.enqueue_main(st, 1, False, np.array([0])), self.stream)
         # each replay writes the same position: fine for timing, the work per step is the same
         ms = _time_graph(g, self.stream, steps)
         nbytes = self.weights.stream_bytes() + self.kv_bytes(ctx) + self.gdn_bytes()
@@ -199,7 +224,8 @@ class Bench:
         non_gemv = sum(v for k, v in breakdown.items() if k != "gemv")
         return {"context": ctx, "ms_per_token_device": ms, "tokens_per_s": 1e3 / ms, "ms_per_token_host_loop": host_ms,
                 "ms_without_gemv": non_gemv, "breakdown_ms": breakdown, "bytes_per_step": nbytes,
-                "GBps": nbytes / ms / 1e6}
+                "GBps": nbytes / ms / 1e6, "kernels_per_step": kernels["total"],
+                "kernels_by_family": kernels["by_family"], "gdn_fused": m.gdn_fused}
 
     def _time_only(self, keep: set, enqueue, reps: int) -> float:
         """Graph time of `enqueue` with every kernel family outside `keep` turned into a no-op."""
@@ -218,12 +244,44 @@ class Bench:
                 m.enqueue_main(st, w, True, np.arange(w))
                 m.enqueue_commit(st)
 
-            with self.stream:
-                g = capture(round_, self.stream)
+            g, kernels = captured(round_, self.stream)
             ms = _time_graph(g, self.stream, 15)
             nbytes = self.weights.stream_bytes() + self.kv_bytes(ctx) + 2 * self.gdn_bytes()
-            out.append({"width": w, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6})
-            self.log(f"  verify W={w:2d}: {ms:.3f} ms")
+            out.append({"width": w, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
+                        "kernels_per_round": kernels["total"], "kernels_by_family": kernels["by_family"]})
+            self.log(f"  verify W={w:2d}: {ms:.3f} ms, {kernels['total']} kernels")
+        return out
+
+    def gdn_fused_compare(self, ctx: int = 2048, widths=(1, 8, 16), warps=(None, 4, 8, 16, 32)) -> list[dict]:
+        """Decode step and verify rounds with the GDN chain vs the fused kernel (FastModel.gdn_fused)
+        at each warps-per-block choice, in one run: device ms and kernels per step / round."""
+        from q27py.gpu import constants as C
+
+        m, st = self.model, self.state
+        saved = (m.gdn_fused, m.gdn_fused_warps)
+        out = []
+        try:
+            for wp in warps:
+                m.gdn_fused, m.gdn_fused_warps = (False, C.GDN_FD_WARPS) if wp is None else (True, wp)
+                row = {"fused": wp is not None, "warps": wp}
+                self._set(st, ctx - 1, [7])
+                g, k = captured(lambda: m.enqueue_main(st, 1, False, np.array([0])), self.stream)
+                row["decode_ms"], row["decode_kernels"] = _time_graph(g, self.stream, 30), k["total"]
+                for w in widths:
+                    self._set(st, ctx - 1, list(range(5, 5 + w)))
+
+                    def round_():
+                        m.enqueue_main(st, w, True, np.arange(w))
+                        m.enqueue_commit(st)
+
+                    g, k = captured(round_, self.stream)
+                    row[f"verify_w{w}_ms"], row[f"verify_w{w}_kernels"] = _time_graph(g, self.stream, 15), k["total"]
+                out.append(row)
+                self.log(f"  GDN {'fused, ' + str(wp) + ' warps' if wp else 'chain':<16}: decode {row['decode_ms']:.3f} ms "
+                         f"({row['decode_kernels']} kernels); " + "; ".join(
+                             f"W={w} {row[f'verify_w{w}_ms']:.3f} ms ({row[f'verify_w{w}_kernels']})" for w in widths))
+        finally:
+            m.gdn_fused, m.gdn_fused_warps = saved
         return out
 
     def mtp_step(self, ctx: int = 2048) -> dict:
@@ -380,7 +438,10 @@ class Bench:
             log(f"decode ctx={ctx}: {d['tokens_per_s']:.1f} t/s ({d['ms_per_token_device']:.3f} ms device, "
                 f"{d['ms_per_token_host_loop']:.3f} ms host loop; by family {fmt_ms(d['breakdown_ms'])}), "
                 f"{d['GBps']:.0f} GB/s = {d['fraction_of_copy_bw']:.1%} of copy, {d['fraction_of_read_bw']:.1%} of read")
+            log(f"  kernels per decode step: {d['kernels_per_step']} ("
+                + " ".join(f"{k} {v}" for k, v in d["kernels_by_family"].items()) + f"; gdn_fused={d['gdn_fused']})")
         r["verify"] = self.verify()
+        r["gdn_fused_compare"] = self.gdn_fused_compare()
         w1 = r["verify"][0]["ms"]
         for v in r["verify"]:
             v["vs_w1"] = v["ms"] / w1

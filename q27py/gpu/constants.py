@@ -77,6 +77,10 @@ DQ_LD = 72  # bf16 per staged row (64 + 8 pad: 16-byte aligned rows, no bank con
 # ---------------------------------------------------------------- GDN prefill (cuda/gdn.cu gdn_prefill_*)
 GDN_PF_COLS = 4  # value columns per warp
 GDN_PF_WARPS = 4  # warps per CTA
+# ---------------------------------------------------------------- fused GDN decode (cuda/gdn_decode.cu)
+GDN_FD_COLS = 4  # value columns per warp (the recurrence of each exactly as gdn_step's)
+GDN_FD_WARPS = 8  # warps per block by default: 32 columns, so a 128-column head spans 4 blocks
+GDN_FD_MAX_WARPS = 32  # launch bounds (a whole 128-column head in one block, no norm ticket)
 TOP2_BLOCKS = 16  # partial blocks per row of the argmax / sampling pass
 
 

@@ -11,7 +11,9 @@ How one forward of T tokens ("lanes") runs (all enqueued on one stream, no host 
   RMSNorm, SwiGLU fused into the gate/up GEMV, down GEMV (+residual) -> final norm ->
   lm_head rows -> argmax with top1-top2 margin.
 GEMVs stream the weights once per block of up to 16 lanes. Everything else runs all T lanes
-in one launch.
+in one launch. With gdn_fused (EngineConfig.gdn_fused, env Q27_GDN_FUSED=1) a decode / verify
+GDN layer's conv, gates, delta-rule step, gated norm and window commit are one kernel
+(cuda/gdn_decode.cu) with the chain's bits; prefill chunks keep the chain.
 
 Speculative verify (verify=True) never writes committed state: GDN lanes read the committed
 S and conv window and only emit outputs; their inputs stay recorded per layer (raw
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from q27py.gpu import constants as C
 from q27py.gpu import kernels as K
 from q27py.gpu import layout as L
 from q27py.gpu.runtime import Runtime, i32, ptr
@@ -187,7 +190,7 @@ class FastState:
 
 class FastModel:
     def __init__(self, weights: ModelWeights, max_context: int = 4096, kv_dtype: str = "bf16", chunk: int = 64,
-                 device_snapshot_bytes: int | None = None):
+                 device_snapshot_bytes: int | None = None, gdn_fused: bool | None = None):
         rt = Runtime.get()
         cp = rt.cp
         self.rt = rt
@@ -228,6 +231,11 @@ class FastModel:
         self.qkvn_big = z(T, c) if T > R else None
         self.gb_big = z(T, 2 * hv) if T > R else None
         self.ab = z(T, 2 * hv)
+        # decode / verify GDN step as one kernel (EngineConfig.gdn_fused; None: the env default).
+        # Its tickets (window per key head, norm per value head) are left zero by every launch.
+        self.gdn_fused = K.gdn_fused_default() if gdn_fused is None else bool(gdn_fused)
+        self.gdn_fused_warps = C.GDN_FD_WARPS
+        self.gdn_tickets = cp.zeros(cfg.linear_num_key_heads + hv, dtype=cp.int32)
         self.o_gdn = z(T, hv * dv)
         self.ld_xo = L.round_up(hv * dv, 64)
         self.xo = z(T, self.ld_xo)
@@ -545,6 +553,14 @@ class FastModel:
         else:  # decode / verify: this layer's records
             raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
         plan["in_big" if t > VERIFY_SPAN else "in"].run(self.x, self.hp, t)
+        if self.gdn_fused and t <= VERIFY_SPAN and K.gdn_fused_supported(hk, hv, dk, dv, kw, t, self.gdn_fused_warps):
+            # one launch, bitwise the chain below (same records, o, normed rows, state and window)
+            K.gdn_decode_fused(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
+                               g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, state.gdn[gi], self.o_gdn, hv * dv, g.norm_w,
+                               cfg.rms_norm_eps, self.xo, self.ld_xo, self.gdn_tickets, t, commit,
+                               warps=self.gdn_fused_warps)
+            plan["out"].run(self.xo, self.ld_xo, t)
+            return
         K.gdn_conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv,
                    dk, dv, kw, qkvn, gb, t)
         if commit:
@@ -778,7 +794,7 @@ def load_fast_model(cfg) -> FastModel:
     # this many rows per weight pass (docs/PERF.md)
     K.PREFILL_GEMM = e.prefill_gemm
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
-    model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk)
+    model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused)
     if not isinstance(e.max_context, int):
         size_context_to_memory(model, e)
     model.enable_graphs()

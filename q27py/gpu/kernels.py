@@ -500,6 +500,52 @@ def gdn_step(state, state_stride: int, qkvn, qkvn_stride: int, gb, gb_stride: in
                           i32(1 if write_state else 0)))
 
 
+# Fused decode / verify step (cuda/gdn_decode.cu): conv + gates + q/k norm, the delta rule step,
+# the gated RMSNorm and (commit) the window slide in one launch, bitwise the chain above.
+def gdn_fused_shared_floats(nlanes: int, dk: int, warps: int) -> int:
+    """Dynamic shared floats of one block: q/k rows, the block's v columns, g/beta."""
+    return nlanes * (2 * dk + warps * C.GDN_FD_COLS + 2)
+
+
+def gdn_fused_supported(h: int, hv: int, dk: int, dv: int, kw: int, nlanes: int,
+                        warps: int = C.GDN_FD_WARPS) -> bool:
+    """Shapes the fused kernel runs (callers keep the kernel chain otherwise)."""
+    return (dk <= 128 and dv <= 1024 and dv % C.GDN_FD_COLS == 0 and hv % h == 0 and kw - 1 <= 8
+            and 1 <= warps <= C.GDN_FD_MAX_WARPS and 4 * gdn_fused_shared_floats(nlanes, dk, warps) <= 48 * 1024)
+
+
+def gdn_decode_fused(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int, dv: int,
+                     kw: int, qkvn, gb, state, out, ldo: int, norm_w, eps: float, y, ldy: int, tickets, nlanes: int,
+                     commit: bool, warps: int = C.GDN_FD_WARPS) -> None:
+    """gdn_conv + [gdn_conv_commit] + gdn_step(emit, write_state=commit) + gated_rmsnorm of one layer,
+    bitwise: the same records (qkvn, gb), o in `out`, the normed rows in y, and when committing the
+    state and window advanced by nlanes. z is read from raw's columns past the conv channels.
+    tickets: int32 [h + hv], zero, left zero (the kernel's last arrivals reset them)."""
+    if not gdn_fused_supported(h, hv, dk, dv, kw, nlanes, warps):
+        raise ValueError(f"fused GDN step: unsupported shape h={h} hv={hv} dk={dk} dv={dv} kw={kw} lanes={nlanes}")
+    kpl = -(-dk // 32)
+    kernel = {1: "gdn_decode_k1", 2: "gdn_decode_k2", 3: "gdn_decode_k4", 4: "gdn_decode_k4"}[kpl]
+    nb = -(-dv // (warps * C.GDN_FD_COLS))
+    Runtime.get().launch("gdn_decode", kernel, (nb, hv), 32 * warps,
+                         (raw, i32(ldr), window, convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv), i32(dk),
+                          i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb, state, out, i32(ldo),
+                          norm_w, f32(eps), y, i32(ldy), tickets, i32(nlanes), i32(1 if commit else 0)),
+                         shared_mem=4 * gdn_fused_shared_floats(nlanes, dk, warps))
+
+
+def gdn_fused_default() -> bool:
+    """Whether models use the fused step by default: EngineConfig.gdn_fused (env Q27_GDN_FUSED), read once."""
+    global _GDN_FUSED
+    if _GDN_FUSED is None:
+        from q27py.config import Q27Config, apply_env
+
+        _GDN_FUSED = bool(apply_env(Q27Config()).engine.gdn_fused)
+    return _GDN_FUSED
+
+
+_GDN_FUSED: bool | None = None
+
+
 def gdn_prefill_supported(dk: int, dv: int) -> bool:
     return dk <= 128 and dv % C.GDN_PF_COLS == 0
 

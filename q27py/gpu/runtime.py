@@ -14,6 +14,8 @@ Typed arguments: CuPy passes a Python int as a 64-bit value, which silently corr
 from __future__ import annotations
 
 import threading
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +35,7 @@ def _find_cuda_dir() -> Path:
 
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
-KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_chunk", "rope", "attention",
+KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_decode", "gdn_chunk", "rope", "attention",
                 "attention_prefill", "sampling", "probe", "kv_rotated")
 
 
@@ -117,6 +119,8 @@ class Runtime:
         self._modules: dict[str, object] = {}
         self._functions: dict[tuple[str, str], object] = {}
         self._shared_set: dict[tuple[str, str], int] = {}
+        self.launches = 0  # kernels this process launched through launch() (eager or into a capture)
+        self._tally: Counter | None = None  # (module, kernel) -> launches while count_launches() is open
 
     @classmethod
     def get(cls) -> "Runtime":
@@ -151,6 +155,22 @@ class Runtime:
         if shared_mem > 48 * 1024:
             self._allow_shared(module, kernel, f, int(shared_mem))
         f(grid, block, args, shared_mem=int(shared_mem))
+        self.launches += 1
+        if self._tally is not None:
+            self._tally[(module, kernel)] += 1
+
+    @contextmanager
+    def count_launches(self):
+        """Yields a Counter of (module, kernel) -> launches made inside the block, eager or recorded
+        into a graph capture (a captured step's launches are its graph's kernel nodes). Every
+        kernel in cuda/ goes through launch(); cuBLAS calls (the prefill route) are not counted."""
+        saved, self._tally = self._tally, Counter()
+        try:
+            yield self._tally
+        finally:
+            inner, self._tally = self._tally, saved
+            if saved is not None:
+                saved.update(inner)
 
     def _allow_shared(self, module: str, kernel: str, f, nbytes: int) -> None:
         """Raise the kernel's dynamic shared-memory limit above the 48 KB default (once)."""

@@ -73,6 +73,18 @@ def test_gemv_kernels_build_without_spills(tmp_path, arch):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gdn_decode_builds_without_spills(tmp_path, arch):
+    """The fused GDN step keeps its state columns in registers at its launch bounds (32 warps:
+    64 registers): a spill would add local-memory traffic beside the state stream."""
+    rc, err = _nvcc(tmp_path, "gdn_decode", arch)
+    assert rc == 0, err[-2000:]
+    rep = _ptxas_report(err)
+    assert sorted(rep) == ["gdn_decode_k1", "gdn_decode_k2", "gdn_decode_k4"], rep
+    assert all(spill == 0 for _, spill in rep.values()), rep
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sources_need_the_constants_table(tmp_path):
     """A kernel built without the table's -D defines must fail: the numbers are not hidden in the
     sources (guards against a re-added #ifndef default)."""
