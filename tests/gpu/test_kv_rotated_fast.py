@@ -281,9 +281,12 @@ def test_prefix_round_trip_bitwise_and_other_formats_refused(fast):
         assert arrays["mtp.k.norm"].shape[-1] == arrays["mtp.k"].shape[1] == a.mtp_kv.length
     b = m.new_state()
     m.import_prefix(b, arrays, n)
+    saved = m.save_recurrent(a)  # a DeviceSnapshot: GDN state only, the KV rows stay in the state
     la = m.forward(a, ids[30:34]).logits
     lb = m.forward(b, ids[30:34]).logits
     np.testing.assert_array_equal(la, lb)
+    m.rewind(a, n, saved)  # rows past n are overwritten by the next forward, in the same format
+    np.testing.assert_array_equal(m.forward(a, ids[30:34]).logits, la)
     if m.has_mtp:  # the MTP KV came back too: the next MTP rows read it
         ma, _ = m.mtp_forward(a.mtp_kv, hid[29:30], ids[30:31], 29)
         mb, _ = m.mtp_forward(b.mtp_kv, hid[29:30], ids[30:31], 29)
