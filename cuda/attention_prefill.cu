@@ -10,7 +10,10 @@
 // last row position are skipped, and the per-element mask is a select (cheap next to the mma).
 //
 // fp8 KV (e4m3 codes + int8 row exponents) is staged into the same bf16 tiles (exact, see
-// pf_load8_fp8).
+// pf_load8_fp8). Rotated Lloyd-Max KV (k5v3 / k3v3: codes + fp16 norms, KBITS / VBITS > 0) is
+// dequantized in the rotated basis (centroid * s / sqrt(d)) and staged as fp32 K/V are (hi + lo,
+// pf_load8_rot), against a query already rotated by the store kernel; its epilogue writes the
+// ungated output in the rotated basis and kv_rotated.cu's unrotate_gate finishes (R^T, gate).
 //
 // Numerics: fp32 inputs go in as bf16 hi + lo pairs (x = hi + lo to ~2^-17 relative), so
 // the result keeps fp32-grade accuracy, like the GEMV's bf16 path: Q and P always split
@@ -80,6 +83,24 @@ __device__ __forceinline__ void pf_load8_fp8(const u8* p, const signed char* ex,
     hi.w = pack_bf16x2(f[6] * sc, f[7] * sc);
 }
 
+// Rotated Lloyd-Max rows (kvformat "k5v3" / "k3v3"): dims dc*8 .. dc*8+7 of one row in the rotated
+// basis, centroid * s / sqrt(d), as bf16 hi + lo (the fp32 path's split: ~2^-17 relative, so the
+// tiles carry what the decode kernel multiplies in fp32).
+template <int BITS, int HD>
+__device__ __forceinline__ void pf_load8_rot(const u8* row, int dc, const u16* norm, const float* __restrict__ cb,
+                                             float inv_sqrt_d, bool ok, uint4& hi, uint4& lo) {
+    hi = make_uint4(0u, 0u, 0u, 0u);
+    lo = hi;
+    if (!ok) return;
+    u32 c[8];
+    lm_codes8(row, dc * 8, HD, BITS, c);
+    const float sc = half_to_float(*norm) * inv_sqrt_d;
+    pf_split2(cb[c[0]] * sc, cb[c[1]] * sc, hi.x, lo.x);
+    pf_split2(cb[c[2]] * sc, cb[c[3]] * sc, hi.y, lo.y);
+    pf_split2(cb[c[4]] * sc, cb[c[5]] * sc, hi.z, lo.z);
+    pf_split2(cb[c[6]] * sc, cb[c[7]] * sc, hi.w, lo.w);
+}
+
 // Two key rows (8 dims each, packed bf16 pairs) -> 8 words {row a dim e, row b dim e}
 __device__ __forceinline__ void pf_store_vt(u16* dst, int vs, uint4 a, uint4 b) {
     u32* d = reinterpret_cast<u32*>(dst);
@@ -101,15 +122,23 @@ __device__ __forceinline__ void pf_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u3
 // grid (nkv, ceil(rep * t / 64)), block 128, dynamic smem PfLayout::BYTES.
 // q [t][ldq] fp32 (q head h at h*HD); kc, vc [nkv][max_pos][HD]; qg [t][ldqg] with the gate of
 // q head h at h*2*HD + HD; out[lane][h*HD + d] = softmax(q k^T * scale) v * sigmoid(gate).
-template <int HD, int NK, typename KVT>
+// Rotated KV (KBITS > 0): kc / vc rows of HD * bits / 8 code bytes, kn / vn fp16 norms [nkv][max_pos],
+// ck / cvb the codebooks; out gets the ungated output in the rotated basis (qg unused).
+template <int HD, int NK, typename KVT, int KBITS = 0, int VBITS = 0>
 __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int ldq, const KVT* __restrict__ kc,
                                              const KVT* __restrict__ vc, int max_pos, int nq, int nkv, int t,
                                              float scale, const int* __restrict__ pos0_dev,
                                              const float* __restrict__ qg, int ldqg, float* __restrict__ out, int ldo,
                                              const signed char* __restrict__ kx = nullptr,
-                                             const signed char* __restrict__ vx = nullptr) {
-    constexpr bool F32KV = sizeof(KVT) == 4;
-    constexpr bool FP8 = sizeof(KVT) == 1;  // kx / vx: row exponents [nkv][max_pos]
+                                             const signed char* __restrict__ vx = nullptr,
+                                             const u16* __restrict__ kn = nullptr, const u16* __restrict__ vn = nullptr,
+                                             const float* __restrict__ ck = nullptr,
+                                             const float* __restrict__ cvb = nullptr, float inv_sqrt_d = 0.f) {
+    constexpr bool ROT = KBITS > 0;
+    constexpr bool F32KV = sizeof(KVT) == 4 || ROT;  // hi + lo tiles
+    constexpr bool FP8 = sizeof(KVT) == 1 && !ROT;  // kx / vx: row exponents [nkv][max_pos]
+    constexpr int KRS = ROT ? HD * KBITS / 8 : HD;  // K / V row strides (elements of KVT)
+    constexpr int VRS = ROT ? HD * VBITS / 8 : HD;
     using LY = PfLayout<HD, NK, F32KV>;
     constexpr int QS = LY::QS, VS = LY::VS;
     constexpr int NT = NK / 8;   // key n-tiles of S
@@ -156,8 +185,8 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int ld
     for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    const KVT* kg = kc + (i64)g * max_pos * HD;
-    const KVT* vg = vc + (i64)g * max_pos * HD;
+    const KVT* kg = kc + (i64)g * max_pos * KRS;
+    const KVT* vg = vc + (i64)g * max_pos * VRS;
     const u16* qa_h = qh + (warp * 16 + gq) * QS + 2 * tq;
     const u16* qa_l = ql + (warp * 16 + gq) * QS + 2 * tq;
     const int ntk = pos_max / NK + 1;
@@ -170,7 +199,10 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int ld
             const int kr = u / DC, dc = u - kr * DC;
             const int key = k0 + kr;
             uint4 hi, lo;
-            if constexpr (FP8) {
+            if constexpr (ROT) {
+                pf_load8_rot<KBITS, HD>(kg + (i64)key * KRS, dc, kn + (i64)g * max_pos + key, ck, inv_sqrt_d,
+                                        key <= pos_max, hi, lo);
+            } else if constexpr (FP8) {
                 pf_load8_fp8(kg + (i64)key * HD + dc * 8, kx + (i64)g * max_pos + key, key <= pos_max, hi);
             } else {
                 pf_load8(kg + (i64)key * HD + dc * 8, key <= pos_max, hi, lo);
@@ -183,7 +215,12 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int ld
             const int kp = u % (NK / 2), dc = u / (NK / 2);
             const int key = k0 + 2 * kp;
             uint4 h0, l0, h1, l1;
-            if constexpr (FP8) {
+            if constexpr (ROT) {
+                const u16* vr = vn + (i64)g * max_pos + key;
+                pf_load8_rot<VBITS, HD>(vg + (i64)key * VRS, dc, vr, cvb, inv_sqrt_d, key <= pos_max, h0, l0);
+                pf_load8_rot<VBITS, HD>(vg + (i64)(key + 1) * VRS, dc, vr + 1, cvb, inv_sqrt_d, key + 1 <= pos_max, h1,
+                                        l1);
+            } else if constexpr (FP8) {
                 const signed char* ve = vx + (i64)g * max_pos + key;
                 pf_load8_fp8(vg + (i64)key * HD + dc * 8, ve, key <= pos_max, h0);
                 pf_load8_fp8(vg + (i64)(key + 1) * HD + dc * 8, ve + 1, key + 1 <= pos_max, h1);
@@ -293,7 +330,11 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int ld
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 const int dd = d * 8 + 2 * tq + c;
-                dst[dd] = (o[d][2 * i + c] / l[i]) * sigmoid_f(gate[dd]);
+                if constexpr (ROT) {
+                    dst[dd] = o[d][2 * i + c] / l[i];  // rotated basis, ungated: unrotate_gate finishes
+                } else {
+                    dst[dd] = (o[d][2 * i + c] / l[i]) * sigmoid_f(gate[dd]);
+                }
             }
     }
 }
@@ -314,6 +355,16 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, int ld
                                  vx);                                                                           \
     }
 
+// Rotated KV: fp32-style hi + lo tiles (same shared memory and key tile as the f32 kernels).
+#define PF_KERNEL_ROT(NAME, HD, NK, KB, VB)                                                                     \
+    extern "C" __global__ void __launch_bounds__(PF_THREADS)                                                    \
+        NAME(const float* q, int ldq, const u8* kc, const u8* vc, int max_pos, int nq, int nkv, int t,          \
+             float scale, const int* pos0_dev, float* out, int ldo, const u16* kn, const u16* vn,              \
+             const float* ck, const float* cvb, float inv_sqrt_d) {                                             \
+        prefill_body<HD, NK, u8, KB, VB>(q, ldq, kc, vc, max_pos, nq, nkv, t, scale, pos0_dev, nullptr, 0, out, \
+                                         ldo, nullptr, nullptr, kn, vn, ck, cvb, inv_sqrt_d);                   \
+    }
+
 // key tile NK: 32, except fp32 K/V at head dim 256 (16 keys keep the CTA near 100 KB of smem)
 PF_KERNEL(attn_prefill_bf16_d32, u16, 32, 32)
 PF_KERNEL(attn_prefill_bf16_d64, u16, 64, 32)
@@ -327,3 +378,11 @@ PF_KERNEL_FP8(attn_prefill_fp8_d32, 32)
 PF_KERNEL_FP8(attn_prefill_fp8_d64, 64)
 PF_KERNEL_FP8(attn_prefill_fp8_d128, 128)
 PF_KERNEL_FP8(attn_prefill_fp8_d256, 256)
+PF_KERNEL_ROT(attn_prefill_k5v3_d32, 32, 32, 5, 3)
+PF_KERNEL_ROT(attn_prefill_k5v3_d64, 64, 32, 5, 3)
+PF_KERNEL_ROT(attn_prefill_k5v3_d128, 128, 32, 5, 3)
+PF_KERNEL_ROT(attn_prefill_k5v3_d256, 256, 16, 5, 3)
+PF_KERNEL_ROT(attn_prefill_k3v3_d32, 32, 32, 3, 3)
+PF_KERNEL_ROT(attn_prefill_k3v3_d64, 64, 32, 3, 3)
+PF_KERNEL_ROT(attn_prefill_k3v3_d128, 128, 32, 3, 3)
+PF_KERNEL_ROT(attn_prefill_k3v3_d256, 256, 16, 3, 3)

@@ -173,3 +173,107 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     float t = lane < nw ? red[lane] : 0.f;
     return warp_max(t);
 }
+
+// ---------------------------------------------------------------- rotated Lloyd-Max KV (kvformat "k5v3" / "k3v3")
+// Shared by the store (rope.cu), the decode / verify attention (kv_rotated.cu) and the prefill
+// tiles (attention_prefill.cu), so every path reads and writes one layout with one set of bits.
+// A row (one head vector, d = a power of two) is its codes in planes -- the low plane (2 bits x 4
+// per byte for 3-bit codes, 4 bits x 2 per byte for 5-bit) then the high-bit plane (8 per byte) --
+// plus a fp16 corrected norm s: value = s / sqrt(d) * (R^T c), R = H D / sqrt(d), c the centroids.
+
+// sign diagonal D: bit 0 of murmur3 fmix32(i + 0x9E3779B9) set -> -1 (kvformat.rotation_signs)
+__device__ __forceinline__ float rot_sign(u32 i) {
+    u32 h = i + 0x9E3779B9u;
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return (h & 1u) ? -1.f : 1.f;
+}
+
+// In-place unnormalized Walsh-Hadamard transform of xs[0..d) by a block of >= d threads
+// (butterfly order of kvformat.fwht: stage h pairs i and i + h within blocks of 2h; fp32 adds,
+// so the same bits as the spec). Starts and ends with a barrier.
+__device__ __forceinline__ void block_fwht(float* xs, int d) {
+    const int i = threadIdx.x;
+    for (int h = 1; h < d; h <<= 1) {
+        __syncthreads();
+        float a = 0.f, b = 0.f;
+        const bool top = i < d && (i & h) == 0;
+        if (top) {
+            a = xs[i];
+            b = xs[i + h];
+        }
+        __syncthreads();
+        if (top) {
+            xs[i] = a + b;
+            xs[i + h] = a - b;
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ int lm_lo_bits(int bits) { return bits == 3 ? 2 : 4; }
+
+// code i of a packed row of d codes
+__device__ __forceinline__ u32 lm_code(const u8* row, int i, int d, int bits) {
+    const int lw = lm_lo_bits(bits), per = 8 / lw;
+    const u32 lo = (row[i / per] >> (lw * (i % per))) & ((1u << lw) - 1u);
+    const u32 hi = (row[d * lw / 8 + i / 8] >> (i % 8)) & 1u;
+    return lo | (hi << lw);
+}
+
+// codes i0 .. i0 + 7 (i0 % 8 == 0) with one low-plane word and one high-plane byte. Aligned: a
+// row is d * bits / 8 bytes (a multiple of 4 for d >= 32), the 3-bit low plane's word sits at
+// an even offset (i0 / 4) and the 5-bit one at a multiple of 4 (i0 / 2).
+__device__ __forceinline__ void lm_codes8(const u8* row, int i0, int d, int bits, u32 (&c)[8]) {
+    const u32 hb = row[d * lm_lo_bits(bits) / 8 + i0 / 8];
+    if (bits == 3) {
+        const u32 w = *reinterpret_cast<const u16*>(row + i0 / 4);
+#pragma unroll
+        for (int k = 0; k < 8; k++) c[k] = ((w >> (2 * k)) & 3u) | (((hb >> k) & 1u) << 2);
+    } else {
+        const u32 w = *reinterpret_cast<const u32*>(row + i0 / 2);
+#pragma unroll
+        for (int k = 0; k < 8; k++) c[k] = ((w >> (4 * k)) & 15u) | (((hb >> k) & 1u) << 4);
+    }
+}
+
+// kvformat.lm_quantize of one head vector held by a block of exactly d threads (thread i holds
+// x_i): rotate, scale to unit variance, nearest centroid (searchsorted "left" on the edges),
+// pack the planes into row[0 .. d*bits/8), corrected fp16 norm into *norm. Scratch: xs d
+// floats, cs d bytes, red 32 floats. Every thread must call it (block barriers inside); it may
+// follow other uses of xs / cs / red directly (it starts with a barrier).
+__device__ __forceinline__ void lm_quantize_block(float x, int d, int bits, const float* __restrict__ centroids,
+                                                  const float* __restrict__ edges, float inv_sqrt_d, float sqrt_d,
+                                                  float* xs, u8* cs, float* red, u8* __restrict__ row,
+                                                  u16* __restrict__ norm) {
+    const int i = threadIdx.x;
+    const float n = sqrtf(block_sum(x * x, red));  // block_sum's barriers order earlier xs reads
+    xs[i] = x * rot_sign(i);
+    block_fwht(xs, d);
+    const float safe = n > 0.f ? n : 1.f;
+    const float z = (xs[i] * inv_sqrt_d) * (sqrt_d / safe);
+    const int nl = 1 << bits;
+    u32 c = 0;
+    for (int e = 0; e < nl - 1; e++) c += z > edges[e] ? 1u : 0u;
+    cs[i] = (u8)c;
+    const float cv = centroids[c];
+    const float cn = sqrtf(block_sum(cv * cv, red));  // its barriers publish cs
+    const int lw = lm_lo_bits(bits), per = 8 / lw;
+    if (i < d / per) {  // low plane byte i
+        u32 b = 0;
+        for (int k = 0; k < per; k++) b |= ((u32)cs[i * per + k] & ((1u << lw) - 1u)) << (lw * k);
+        row[i] = (u8)b;
+    }
+    if (i < d / 8) {  // high plane byte i
+        u32 b = 0;
+        for (int k = 0; k < 8; k++) b |= (((u32)cs[i * 8 + k] >> lw) & 1u) << k;
+        row[d * lw / 8 + i] = (u8)b;
+    }
+    if (i == 0) {
+        const float s = n > 0.f ? n * sqrt_d / cn : 0.f;
+        *norm = float_to_half(fminf(s, 65504.f));
+    }
+}

@@ -1,6 +1,8 @@
 // Rotated Lloyd-Max KV formats (q27py/model/kvformat.py "k5v3" / "k3v3"): the quantizer, the query /
-// output rotations, and decode / verify split-K attention reading the codes. Not yet wired into
-// FastModel (tests/gpu/test_kv_rotated.py checks each kernel against the numpy specification).
+// output rotations, decode / verify split-K attention reading the codes, and the epilogue of the
+// rotated prefill kernel (attention_prefill.cu attn_prefill_k*v3_d*). FastModel stores rows with
+// rope.cu's qk_norm_rope_store_rot (query rotated there too); tests/gpu/test_kv_rotated.py checks
+// each kernel against the numpy specification.
 //
 // Row layout (one head vector of d = HD dims): codes in planes -- low plane (2 bits x 4 per byte for
 // 3-bit, 4 bits x 2 per byte for 5-bit) then the high-bit plane (8 per byte) -- and a fp16 corrected
@@ -12,47 +14,8 @@
 // NSPLIT, REPMAX and ATT_WARPS (the decode attention's splits, q heads per kv head, warps) come
 // from the constants table (-D defines): the partials buffer and the combine kernel share them.
 
-// sign diagonal D: bit 0 of murmur3 fmix32(i + 0x9E3779B9) set -> -1 (kvformat.rotation_signs)
-__device__ __forceinline__ float rot_sign(u32 i) {
-    u32 h = i + 0x9E3779B9u;
-    h ^= h >> 16;
-    h *= 0x85EBCA6Bu;
-    h ^= h >> 13;
-    h *= 0xC2B2AE35u;
-    h ^= h >> 16;
-    return (h & 1u) ? -1.f : 1.f;
-}
-
-// In-place unnormalized Walsh-Hadamard transform of xs[0..d) by d threads (butterfly order of
-// kvformat.fwht: stage h pairs i and i + h within blocks of 2h; fp32 adds, so the same bits).
-__device__ __forceinline__ void block_fwht(float* xs, int d) {
-    const int i = threadIdx.x;
-    for (int h = 1; h < d; h <<= 1) {
-        __syncthreads();
-        float a = 0.f, b = 0.f;
-        const bool top = i < d && (i & h) == 0;
-        if (top) {
-            a = xs[i];
-            b = xs[i + h];
-        }
-        __syncthreads();
-        if (top) {
-            xs[i] = a + b;
-            xs[i + h] = a - b;
-        }
-    }
-    __syncthreads();
-}
-
-__device__ __forceinline__ int code_bits_lo(int bits) { return bits == 3 ? 2 : 4; }
-
-// code i of a packed row
-__device__ __forceinline__ u32 unpack_code(const u8* row, int i, int d, int bits) {
-    const int lw = code_bits_lo(bits), per = 8 / lw;
-    const u32 lo = (row[i / per] >> (lw * (i % per))) & ((1u << lw) - 1u);
-    const u32 hi = (row[d * lw / 8 + i / 8] >> (i % 8)) & 1u;
-    return lo | (hi << lw);
-}
+// rot_sign, block_fwht, lm_code(s8) and lm_quantize_block live in common.cuh (the store in rope.cu and
+// the prefill tiles in attention_prefill.cu use them too).
 
 // grid n_rows, block d (a power of two, 32..1024). x: rows [n][ldx] fp32 (row r at r * ldx);
 // codes [n][d * bits / 8]; norms [n] fp16 bits. centroids: 2^bits floats, edges 2^bits - 1.
@@ -63,37 +26,9 @@ extern "C" __global__ void lm_quantize_rows(const float* __restrict__ x, int ldx
                                             u16* __restrict__ norms) {
     extern __shared__ float xs[];  // d floats, then d bytes of codes
     __shared__ float red[32];
-    u8* cs = reinterpret_cast<u8*>(xs + d);
-    const int r = blockIdx.x, i = threadIdx.x;
-    const float v = x[(i64)r * ldx + i];
-    const float n = sqrtf(block_sum(v * v, red));
-    xs[i] = v * rot_sign(i);
-    block_fwht(xs, d);
-    const float safe = n > 0.f ? n : 1.f;
-    const float z = (xs[i] * inv_sqrt_d) * (sqrt_d / safe);
-    const int nl = 1 << bits;
-    u32 c = 0;
-    for (int e = 0; e < nl - 1; e++) c += z > edges[e] ? 1u : 0u;  // searchsorted(edges, z, "left")
-    cs[i] = (u8)c;
-    const float cv = centroids[c];
-    const float cn = sqrtf(block_sum(cv * cv, red));
-    __syncthreads();
-    const int lw = code_bits_lo(bits), per = 8 / lw;
-    u8* row = codes + (i64)r * (d * bits / 8);
-    if (i < d / per) {  // low plane byte i
-        u32 b = 0;
-        for (int k = 0; k < per; k++) b |= ((u32)cs[i * per + k] & ((1u << lw) - 1u)) << (lw * k);
-        row[i] = (u8)b;
-    }
-    if (i < d / 8) {  // high plane byte i
-        u32 b = 0;
-        for (int k = 0; k < 8; k++) b |= (((u32)cs[i * 8 + k] >> lw) & 1u) << k;
-        row[d * lw / 8 + i] = (u8)b;
-    }
-    if (i == 0) {
-        const float s = n > 0.f ? n * sqrt_d / cn : 0.f;
-        norms[r] = float_to_half(fminf(s, 65504.f));
-    }
+    const int r = blockIdx.x;
+    lm_quantize_block(x[(i64)r * ldx + threadIdx.x], d, bits, centroids, edges, inv_sqrt_d, sqrt_d, xs,
+                      reinterpret_cast<u8*>(xs + d), red, codes + (i64)r * (d * bits / 8), norms + r);
 }
 
 // grid (rows, heads), block d: x[row][h*d ..] <- R x (forward: H D / sqrt(d)) or R^T x (inverse:
@@ -148,10 +83,20 @@ __device__ __forceinline__ void rq_split_body(const float* __restrict__ q, int l
         const u8* kr = kc + row * kb;
         const u8* vr = vc + row * vb;
         float kv[DPL], vv[DPL];
+        if constexpr (DPL == 8) {  // head dim 256: one low-plane word + one high-plane byte per row
+            u32 c[8];
+            lm_codes8(kr, lane * 8, HD, kbits, c);
 #pragma unroll
-        for (int i = 0; i < DPL; i++) {
-            kv[i] = ck[unpack_code(kr, lane * DPL + i, HD, kbits)];
-            vv[i] = cvb[unpack_code(vr, lane * DPL + i, HD, vbits)];
+            for (int i = 0; i < 8; i++) kv[i] = ck[c[i]];
+            lm_codes8(vr, lane * 8, HD, vbits, c);
+#pragma unroll
+            for (int i = 0; i < 8; i++) vv[i] = cvb[c[i]];
+        } else {
+#pragma unroll
+            for (int i = 0; i < DPL; i++) {
+                kv[i] = ck[lm_code(kr, lane * DPL + i, HD, kbits)];
+                vv[i] = cvb[lm_code(vr, lane * DPL + i, HD, vbits)];
+            }
         }
         const float ks = half_to_float(kn[row]) * inv_sqrt_d, vs = half_to_float(vn[row]) * inv_sqrt_d;
 #pragma unroll
@@ -244,4 +189,18 @@ extern "C" __global__ void attn_combine_rotated(const float* __restrict__ part, 
     const float y = xs[d] * inv_sqrt_d * rot_sign(d);
     const float gate = qg[(i64)t * ldq + h * 2 * hd + hd + d];
     out[(i64)t * ldo + h * hd + d] = y * sigmoid_f(gate);
+}
+
+// grid (nlanes, nq), block hd (a power of two): the rotated prefill kernel's epilogue. out[t][h*hd ..]
+// holds the head's attention output in the rotated basis (ungated); rotate it back (R^T) and apply
+// the sigmoid gate, in place -- attn_combine_rotated's tail, so prefill and decode finish alike.
+extern "C" __global__ void unrotate_gate(float* __restrict__ out, int ldo, const float* __restrict__ qg, int ldq,
+                                         int hd, float inv_sqrt_d) {
+    extern __shared__ float xs[];
+    const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    float* p = out + (i64)t * ldo + (i64)h * hd;
+    xs[d] = p[d];
+    block_fwht(xs, hd);
+    const float y = xs[d] * inv_sqrt_d * rot_sign(d);
+    p[d] = y * sigmoid_f(qg[(i64)t * ldq + h * 2 * hd + hd + d]);
 }

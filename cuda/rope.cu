@@ -1,6 +1,7 @@
 // Attention front end, per (lane, head): q/k RMSNorm (zero-centred weight), partial
 // rotate-half RoPE on the first rd dims at absolute position pos0 + lane, and the K/V
-// store into the cache (fp32 or bf16). q goes to a per-lane buffer for the attention kernel.
+// store into the cache (fp32, bf16, fp8 e4m3 or rotated Lloyd-Max codes). q goes to a per-lane
+// buffer for the attention kernel.
 #include "common.cuh"
 
 // grid (nlanes, nq + nkv), block = hd rounded up to 32 (<= 1024).
@@ -99,6 +100,58 @@ extern "C" __global__ void qk_norm_rope_store_fp8(const float* __restrict__ qg, 
         kexp[row] = (signed char)ek;
         vexp[row] = (signed char)ev;
     }
+}
+
+// The same front end storing rotated Lloyd-Max KV (kvformat "k5v3" / "k3v3"): K after q/k norm and
+// RoPE, V as projected (the reference's order), each quantized by lm_quantize_block into codes
+// kc [nkv][max_pos][hd * kbits / 8], vc [nkv][max_pos][hd * vbits / 8] and fp16 corrected norms
+// kn / vn [nkv][max_pos]. The query goes out rotated (R q, rotate_heads' bits): the attention kernels
+// score it against the codes in the rotated basis. grid (nlanes, nq + nkv), block hd (a power of
+// two, 32..1024: every thread is live), dynamic smem 5 * hd bytes. ck / ek, cv / ev: the K and V
+// codebooks' centroids and edges (kvformat.CODEBOOKS / codebook_edges).
+extern "C" __global__ void qk_norm_rope_store_rot(const float* __restrict__ qg, int ldq, const float* __restrict__ kv,
+                                                  int ldkv, const float* __restrict__ q_norm,
+                                                  const float* __restrict__ k_norm, float eps, int nq, int nkv, int hd,
+                                                  int rd, const double* __restrict__ inv_freq,
+                                                  const int* __restrict__ pos0_dev, float* __restrict__ qout, int ldqo,
+                                                  u8* __restrict__ kc, u8* __restrict__ vc, u16* __restrict__ kn,
+                                                  u16* __restrict__ vn, int kbits, int vbits,
+                                                  const float* __restrict__ ck, const float* __restrict__ ek,
+                                                  const float* __restrict__ cv, const float* __restrict__ ev,
+                                                  float inv_sqrt_d, float sqrt_d, int max_pos) {
+    extern __shared__ float xs[];  // hd floats, then hd bytes of codes
+    __shared__ float red[32];
+    const int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
+    const bool is_q = slot < nq;
+    const int kvh = slot - nq;
+    const float x = is_q ? qg[(i64)t * ldq + slot * 2 * hd + d] : kv[(i64)t * ldkv + kvh * hd + d];
+    const float ss = block_sum(x * x, red);
+    const float* w = is_q ? q_norm : k_norm;
+    const float xn = (x / sqrtf(ss / (float)hd + eps)) * (w[d] + 1.0f);
+    xs[d] = xn;
+    __syncthreads();
+    const int pos = *pos0_dev + t;
+    float y = xn;
+    if (d < rd) {
+        const int half = rd >> 1;
+        const int jf = d < half ? d : d - half;
+        const float ang = (float)((double)pos * inv_freq[jf]);
+        const float c = cosf(ang), s = sinf(ang);
+        const float rot = d < half ? -xs[d + half] : xs[d - half];
+        y = xn * c + rot * s;
+    }
+    if (is_q) {  // the whole block is a q head: uniform branch
+        __syncthreads();  // RoPE's reads of xs are done
+        xs[d] = y * rot_sign(d);
+        block_fwht(xs, hd);
+        qout[(i64)t * ldqo + slot * hd + d] = xs[d] * inv_sqrt_d;
+        return;
+    }
+    const float v = kv[(i64)t * ldkv + nkv * hd + kvh * hd + d];
+    const i64 row = (i64)kvh * max_pos + pos;
+    u8* cs = reinterpret_cast<u8*>(xs + hd);
+    lm_quantize_block(y, hd, kbits, ck, ek, inv_sqrt_d, sqrt_d, xs, cs, red, kc + row * (hd * kbits / 8), kn + row);
+    lm_quantize_block(v, hd, vbits, cv, ev, inv_sqrt_d, sqrt_d, xs, cs, red, vc + row * (hd * vbits / 8), vn + row);
 }
 
 // Test probe for the e4m3 conversions (tests/gpu/test_kv_fp8.py): out[i] = code of x[i], and

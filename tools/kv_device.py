@@ -1,14 +1,18 @@
 """Device measurements for the KV formats (run by tools/device_kv.sh on a GPU; JSON on stdout).
 
   attention   decode / verify attention kernels alone at the 27B shapes (24 q heads, 4 kv heads,
-              head_dim 256, 17 layers per step) at 2K / 32K / 128K, bf16 vs fp8 KV
-  decode      the whole random-weight 27B decode step (q4s) at 2K / 32K / 128K and verify W=16 at
-              32K, bf16 vs fp8 KV (the issue's bar: fp8 at 32K >= 1.3x bf16 at 32K)
+              head_dim 256, 17 layers per step) at 2K / 32K / 128K, 1 and 16 lanes, every format
+              (bf16, fp8, k5v3, k3v3; --formats), each against bf16
+  decode      the whole random-weight 27B step (q4s): decode and verify W=16 (+ commit) at 2K / 32K /
+              128K for every format, ratios against bf16 (the issue's bar: fp8 decode at 32K >= 1.3x
+              bf16 at 32K)
+  prefill     prefill tokens/s at 8K and 32K for every format (the tiled attention over each format)
   window      --max-context auto at the 27B shapes with random weights: size the window for N
               sequences, allocate all N states at it, run a decode and a verify at the window's
               last positions through CUDA graphs, report free memory left (the safety margin check)
 
-    PYTHONPATH=. python3 tools/kv_device.py attention decode window [--sequences 8]
+    PYTHONPATH=. python3 tools/kv_device.py attention decode prefill window [--sequences 8]
+        [--formats bf16,fp8,k5v3,k3v3] [--kv bf16,fp8,k5v3,k3v3]
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CONTEXTS = (2048, 32768, 131072)
+FORMATS = ("bf16", "fp8", "k5v3", "k3v3")
+PREFILL_TOKENS = (8192, 32768)
 
 
 def log(*a):
@@ -46,7 +52,44 @@ def time_ms(cp, fn, reps: int = 20) -> float:
     return float(np.median(times))
 
 
-def attention_bench() -> list[dict]:
+def attention_payloads(rows: np.ndarray, max_pos: int, formats) -> dict:
+    """Device KV for each format from 4096 distinct rows per kv head, tiled to max_pos positions:
+    the run function of one layer's attention for (q, qg, out, part, pos, lanes)."""
+    import cupy as cp
+
+    from q27py.gpu import kernels as K
+    from q27py.model import kvformat as F
+
+    nkv, _, hd = rows.shape
+    reps = -(-max_pos // rows.shape[1])
+    tile = lambda a: cp.asarray(np.tile(a, (1, reps) + (1,) * (a.ndim - 2))[:, :max_pos])  # noqa: E731
+    nq = 24
+    out = {}
+    for fmt in formats:
+        if fmt == "bf16":
+            kb = tile((np.asarray(F.bf16_round(rows)).view(np.uint32) >> 16).astype(np.uint16))
+            out[fmt] = (lambda kb: lambda q, qg, o, part, pos, lanes: K.attention(
+                q, nq * hd, kb, kb, True, max_pos, nq, nkv, hd, pos, 16, part, qg, 2 * nq * hd, o, nq * hd,
+                lanes))(kb)
+        elif fmt == "fp8":
+            codes, exps = F.fp8_quantize(rows)
+            k8, e8 = tile(codes), tile(exps)
+            out[fmt] = (lambda k8, e8: lambda q, qg, o, part, pos, lanes: K.attention_fp8(
+                q, nq * hd, k8, k8, e8, e8, max_pos, nq, nkv, hd, pos, 16, part, qg, 2 * nq * hd, o, nq * hd,
+                lanes))(k8, e8)
+        else:
+            f = F.get_format(fmt)
+            kc, kn = F.lm_quantize(rows, f.k_bits)
+            vc, vn = F.lm_quantize(rows, f.v_bits)
+            dev = (tile(kc), tile(vc), tile(kn.view(np.uint16)), tile(vn.view(np.uint16)))
+            kt, vt = K.rotated_kv_tables(f.k_bits)[0], K.rotated_kv_tables(f.v_bits)[0]
+            out[fmt] = (lambda dev, f, kt, vt: lambda q, qg, o, part, pos, lanes: K.attention_rotated(
+                q, nq * hd, *dev, f.k_bits, f.v_bits, kt, vt, max_pos, nq, nkv, hd, pos, 16, part, qg, 2 * nq * hd,
+                o, nq * hd, lanes))(dev, f, kt, vt)
+    return out
+
+
+def attention_bench(formats=FORMATS) -> list[dict]:
     import cupy as cp
 
     from q27py.gpu import kernels as K
@@ -62,56 +105,88 @@ def attention_bench() -> list[dict]:
         part = cp.zeros(K.attention_partials_floats(16, nq, hd), cp.float32)
         pos = cp.asarray(np.array([ctx - 1], np.int32))
         rows = (np.random.default_rng(2).standard_normal((nkv, 4096, hd))).astype(np.float32)
-        reps = -(-max_pos // 4096)
-        kb = cp.asarray(np.tile(np.asarray(F.bf16_round(rows)).view(np.uint32) >> 16, (1, reps, 1))[:, :max_pos].astype(np.uint16))
-        codes, exps = F.fp8_quantize(rows)
-        k8 = cp.asarray(np.tile(codes, (1, reps, 1))[:, :max_pos])
-        e8 = cp.asarray(np.tile(exps, (1, reps))[:, :max_pos])
+        runs = attention_payloads(rows, max_pos, formats)
         for lanes in (1, 16):
-            run_bf16 = lambda: [K.attention(q, nq * hd, kb, kb, True, max_pos, nq, nkv, hd, pos, 16, part, qg, 2 * nq * hd,  # noqa: E731
-                                            o, nq * hd, lanes) for _ in range(layers)]
-            run_fp8 = lambda: [K.attention_fp8(q, nq * hd, k8, k8, e8, e8, max_pos, nq, nkv, hd, pos, 16, part, qg,  # noqa: E731
-                                               2 * nq * hd, o, nq * hd, lanes) for _ in range(layers)]
-            b, f = time_ms(cp, run_bf16), time_ms(cp, run_fp8)
-            read_b = layers * 2 * nkv * ctx * hd * 2
-            read_f = layers * 2 * nkv * ctx * (hd + 1)
-            row = {"context": ctx, "lanes": lanes, "bf16_ms": b, "fp8_ms": f, "speedup": b / f,
-                   "bf16_GBps": read_b / b / 1e6, "fp8_GBps": read_f / f / 1e6}
-            log(f"attention x{layers} ctx {ctx:>6} lanes {lanes:2d}: bf16 {b:.3f} ms  fp8 {f:.3f} ms  ({b / f:.2f}x)")
+            row = {"context": ctx, "lanes": lanes}
+            for fmt, run in runs.items():
+                ms = time_ms(cp, lambda: [run(q, qg, o, part, pos, lanes) for _ in range(layers)])
+                read = layers * ctx * F.bytes_per_token(fmt, 1, nkv, hd)
+                row[f"{fmt}_ms"] = ms
+                row[f"{fmt}_GBps"] = read / ms / 1e6
+            for fmt in runs:
+                if fmt != "bf16" and "bf16_ms" in row:
+                    row[f"{fmt}_speedup"] = row["bf16_ms"] / row[f"{fmt}_ms"]
+            if "fp8_speedup" in row:
+                row["speedup"] = row["fp8_speedup"]  # the earlier runs' key (bf16 / fp8)
+            log(f"attention x{layers} ctx {ctx:>6} lanes {lanes:2d}: "
+                + "  ".join(f"{fmt} {row[f'{fmt}_ms']:.3f} ms" for fmt in runs))
             out.append(row)
-        del kb, k8, e8
+        del runs
         cp.get_default_memory_pool().free_all_blocks()
     return out
 
 
-def decode_bench() -> dict:
+def format_benches(formats):
+    """(format, Bench) for each format in turn: one random-weight 27B q4s (built once), a FastModel per
+    format with the engine's prefill chunk, its state randomized; the previous format's state is
+    freed before the next is allocated (a 128K state is 9 GB in bf16)."""
     import cupy as cp
 
     from q27py.bench.random_weights import Bench
+    from q27py.config import EngineConfig
     from q27py.gpu.forward import FastModel
 
-    bench = Bench(tier="q4s", max_context=max(CONTEXTS) + 64, log=log)
-    out = {}
-    for kv in ("bf16", "fp8"):
+    chunk = EngineConfig().gpu_prefill_chunk
+    bench = Bench(tier="q4s", max_context=max(CONTEXTS) + 64, chunk=chunk, log=log)
+    for kv in formats:
         if kv != "bf16":
-            bench.model = FastModel(bench.weights, max_context=max(CONTEXTS) + 64, kv_dtype=kv, chunk=1024)
+            del bench.state
+            bench.model = None
+            cp.get_default_memory_pool().free_all_blocks()
+            bench.model = FastModel(bench.weights, max_context=max(CONTEXTS) + 64, kv_dtype=kv, chunk=chunk)
             bench.stream = bench.model.stream
             bench.state = bench.model.new_state()
             bench._randomize_state(bench.state, 0)
+        yield kv, bench
+    del bench.state
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def decode_bench(formats=FORMATS) -> dict:
+    out = {}
+    for kv, bench in format_benches(formats):
         rows = {}
         for ctx in CONTEXTS:
             d = bench.decode(ctx, steps=20)
             rows[str(ctx)] = {"ms": d["ms_per_token_device"], "tokens_per_s": d["tokens_per_s"],
                               "attention_ms": d["breakdown_ms"].get("attention")}
             log(f"decode {kv} ctx {ctx}: {d['ms_per_token_device']:.3f} ms/token")
-        ver = bench.verify(32768, widths=(16,))
-        rows["verify16_32768_ms"] = ver[0]["ms"]
+        for ctx in CONTEXTS:
+            ver = bench.verify(ctx, widths=(16,))
+            rows[f"verify16_{ctx}_ms"] = ver[0]["ms"]
+            log(f"verify W=16 {kv} ctx {ctx}: {ver[0]['ms']:.3f} ms/round")
         out[kv] = rows
-        del bench.state
-        cp.get_default_memory_pool().free_all_blocks()
-    out["fp8_over_bf16_decode_32k"] = out["bf16"]["32768"]["ms"] / out["fp8"]["32768"]["ms"]
-    out["fp8_over_bf16_verify16_32k"] = out["bf16"]["verify16_32768_ms"] / out["fp8"]["verify16_32768_ms"]
-    log(f"decode at 32K: fp8 {out['fp8_over_bf16_decode_32k']:.2f}x bf16 (bar 1.3x)")
+    for kv in formats:
+        if kv == "bf16" or "bf16" not in out:
+            continue
+        for ctx in CONTEXTS:
+            k = f"{ctx // 1024}k"
+            out[f"{kv}_over_bf16_decode_{k}"] = out["bf16"][str(ctx)]["ms"] / out[kv][str(ctx)]["ms"]
+            out[f"{kv}_over_bf16_verify16_{k}"] = out["bf16"][f"verify16_{ctx}_ms"] / out[kv][f"verify16_{ctx}_ms"]
+        log(f"decode at 32K: {kv} {out[f'{kv}_over_bf16_decode_32k']:.2f}x bf16"
+            + (" (bar 1.3x)" if kv == "fp8" else "")
+            + f"; verify W=16 at 32K {out[f'{kv}_over_bf16_verify16_32k']:.2f}x")
+    return out
+
+
+def prefill_bench(formats=FORMATS) -> dict:
+    out = {}
+    for kv, bench in format_benches(formats):
+        out[kv] = {}
+        for n in PREFILL_TOKENS:
+            r = bench.prefill(n)
+            out[kv][str(n)] = {"seconds": r["seconds"], "tokens_per_s": r["tokens_per_s"]}
+            log(f"prefill {kv} {n} tokens: {r['seconds']:.2f} s ({r['tokens_per_s']:.0f} tok/s)")
     return out
 
 
@@ -151,15 +226,19 @@ def window_check(sequences: int, kv: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("parts", nargs="*", default=["attention", "decode", "window"])
+    p.add_argument("parts", nargs="*", default=["attention", "decode", "prefill", "window"])
     p.add_argument("--sequences", type=int, default=8, help="window check: sequences sharing the card")
-    p.add_argument("--kv", default="bf16,fp8", help="window check: formats")
+    p.add_argument("--formats", default=",".join(FORMATS), help="attention / decode / prefill: formats (bf16 first)")
+    p.add_argument("--kv", default=",".join(FORMATS), help="window check: formats")
     args = p.parse_args()
+    formats = tuple(args.formats.split(","))
     result = {}
     if "attention" in args.parts:
-        result["attention"] = attention_bench()
+        result["attention"] = attention_bench(formats)
     if "decode" in args.parts:
-        result["decode"] = decode_bench()
+        result["decode"] = decode_bench(formats)
+    if "prefill" in args.parts:
+        result["prefill"] = prefill_bench(formats)
     if "window" in args.parts:
         result["window"] = [window_check(args.sequences, kv) for kv in args.kv.split(",")]
     print(json.dumps(result, indent=1))

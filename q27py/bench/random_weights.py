@@ -38,7 +38,7 @@ FAMILIES = {
     "norms": {"rmsnorm", "embed"},
     "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm", "gdn_decode_fused"},
     "attention": {"qk_norm_rope_store", "attention", "attention_prefill", "qk_norm_rope_store_fp8", "attention_fp8",
-                  "attention_prefill_fp8"},
+                  "attention_prefill_fp8", "qk_norm_rope_store_rot", "attention_rotated", "attention_prefill_rotated"},
     "argmax": {"top2"},
 }  # the box's measured cuBLAS-class bf16 GEMM (KINDS.md); spec dense ~990
 
@@ -160,12 +160,15 @@ class Bench:
         for arr in (st.k, st.v, st.mtp_k, st.mtp_v):
             if arr is None:
                 continue
-            if arr.dtype == self.cp.uint8:  # fp8 KV codes: any finite e4m3 (exponents stay 0 = 2^0 scale)
+            if arr.dtype == self.cp.uint8:  # fp8: any finite e4m3 (exponents stay 0 = 2^0); rotated codes: any byte
                 rs = self.cp.random.RandomState(seed + 17)
                 arr[...] = rs.randint(0, 0x6F, arr.shape, dtype=self.cp.uint8) | (rs.randint(0, 2, arr.shape, dtype=self.cp.uint8) << 7)
                 continue
             rt.launch("quant", "fill_random_bf16", min(-(-arr.size // 256), 65535), 256,
                       (arr, np.int64(arr.size), np.uint64(seed + 17), np.float32(-1.0), np.float32(1.0)))
+        for name, arr in st.side_arrays().items():
+            if name.endswith(".norm"):  # rotated KV: fp16 norm 16.0 (a unit-variance row of d = 256)
+                arr.fill(0x4C00)
         K.fill_uniform(st.gdn, seed + 19, -0.05, 0.05)
         K.fill_uniform(st.window, seed + 23, -1.0, 1.0)
         self.cp.cuda.get_current_stream().synchronize()

@@ -38,6 +38,7 @@ from q27py.gpu import layout as L
 from q27py.gpu.runtime import Runtime, i32, ptr
 from q27py.gpu.weights import LayerW, ModelWeights
 from q27py.model.config import FULL, ModelConfig
+from q27py.model.kvformat import get_format
 from q27py.model.reference import select_rows
 
 LOGIT_ROWS = 1024  # logits rows one forward chunk can return (compact storage, see FastModel.logits)
@@ -143,11 +144,19 @@ class FastState:
         kv_dtype = {"bf16": cp.uint16, "fp8": cp.uint8}.get(model.kv_name, cp.float32)
         n_attn = len(cfg.full_layers)
         kv_shape = (max(n_attn, 1), cfg.num_key_value_heads, model.max_pos, cfg.head_dim)
-        self.k = cp.zeros(kv_shape, dtype=kv_dtype)
-        self.v = cp.zeros(kv_shape, dtype=kv_dtype)
         mtp_shape = (cfg.num_key_value_heads, model.max_pos, cfg.head_dim)
-        self.mtp_k = cp.zeros(mtp_shape, dtype=kv_dtype) if model.has_mtp else None
-        self.mtp_v = cp.zeros(mtp_shape, dtype=kv_dtype) if model.has_mtp else None
+        rot = model.kv_bits  # rotated Lloyd-Max KV: K / V rows are hd * bits / 8 code bytes (u8)
+        kd, vd = (cfg.head_dim * rot[0] // 8, cfg.head_dim * rot[1] // 8) if rot else (cfg.head_dim, cfg.head_dim)
+        kv_dtype = cp.uint8 if rot else kv_dtype
+        self.k = cp.zeros(kv_shape[:3] + (kd,), dtype=kv_dtype)
+        self.v = cp.zeros(kv_shape[:3] + (vd,), dtype=kv_dtype)
+        self.mtp_k = cp.zeros(mtp_shape[:2] + (kd,), dtype=kv_dtype) if model.has_mtp else None
+        self.mtp_v = cp.zeros(mtp_shape[:2] + (vd,), dtype=kv_dtype) if model.has_mtp else None
+        # k5v3 / k3v3: one fp16 corrected norm per (layer, kv head, position) for K and for V
+        self.k_norm = cp.zeros(kv_shape[:3], dtype=cp.uint16) if rot else None
+        self.v_norm = cp.zeros(kv_shape[:3], dtype=cp.uint16) if rot else None
+        self.mtp_k_norm = cp.zeros(mtp_shape[:2], dtype=cp.uint16) if rot and model.has_mtp else None
+        self.mtp_v_norm = cp.zeros(mtp_shape[:2], dtype=cp.uint16) if rot and model.has_mtp else None
         # fp8 KV: one int8 exponent per (layer, kv head, position) for K and for V (kvformat "fp8")
         fp8 = model.kv_name == "fp8"
         self.k_exp = cp.zeros(kv_shape[:3], dtype=cp.int8) if fp8 else None
@@ -183,9 +192,24 @@ class FastState:
         n = self.k.nbytes + self.v.nbytes + self.gdn.nbytes + self.window.nbytes
         if self.mtp_k is not None:
             n += self.mtp_k.nbytes + self.mtp_v.nbytes
-        for a in (self.k_exp, self.v_exp, self.mtp_k_exp, self.mtp_v_exp):
-            n += a.nbytes if a is not None else 0
+        for a in self.side_arrays().values():
+            n += a.nbytes
         return int(n)
+
+    def side_arrays(self) -> dict:
+        """Per-row side data of the KV format, by export name: fp8 row exponents or rotated norms."""
+        named = {"k.exp": self.k_exp, "v.exp": self.v_exp, "mtp.k.exp": self.mtp_k_exp, "mtp.v.exp": self.mtp_v_exp,
+                 "k.norm": self.k_norm, "v.norm": self.v_norm, "mtp.k.norm": self.mtp_k_norm,
+                 "mtp.v.norm": self.mtp_v_norm}
+        return {name: a for name, a in named.items() if a is not None}
+
+    def side_rows(self, ai: int | None) -> tuple:
+        """(K side, V side) of attention layer ai (None: the MTP layer) for _attention; () for bf16 / f32."""
+        for k, v, mk, mv in ((self.k_exp, self.v_exp, self.mtp_k_exp, self.mtp_v_exp),
+                             (self.k_norm, self.v_norm, self.mtp_k_norm, self.mtp_v_norm)):
+            if k is not None:
+                return (mk, mv) if ai is None else (k[ai], v[ai])
+        return ()
 
 
 class FastModel:
@@ -199,10 +223,13 @@ class FastModel:
         cfg = self.cfg
         check_supported(cfg)
         self.has_mtp = weights.mtp is not None
-        if kv_dtype not in ("f32", "bf16", "fp8"):
-            raise ValueError(f"fast path KV storage {kv_dtype!r}: f32, bf16 or fp8")
+        if kv_dtype not in ("f32",) + FAST_KV_FORMATS:
+            raise ValueError(f"fast path KV storage {kv_dtype!r}: f32, {', '.join(FAST_KV_FORMATS)}")
         self.kv_bf16 = kv_dtype == "bf16"
         self.kv_name = kv_dtype
+        # k5v3 / k3v3: (K bits, V bits) and the codebooks (centroids, edges) as device tables
+        self.kv_bits = K.ROTATED_KV_BITS.get(kv_dtype)
+        self.kv_tables = {b: K.rotated_kv_tables(b) for b in set(self.kv_bits)} if self.kv_bits else None
         self.context_budget = None  # set by size_context_to_memory (--max-context auto)
         self.max_pos = int(max_context)
         self.chunk = max(VERIFY_SPAN, int(chunk))  # lanes per forward launch (prefill chunk)
@@ -500,7 +527,7 @@ class FastModel:
             K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
             if lw.kind == FULL:
                 self._attention(state, lw, plan, t, state.k[ai], state.v[ai], ptr(state.ctl), max(VERIFY_SPAN, t),
-                                *((state.k_exp[ai], state.v_exp[ai]) if state.k_exp is not None else ()))
+                                *state.side_rows(ai))
                 ai += 1
             else:
                 self._gdn(state, lw, plan, t, commit=not verify)
@@ -536,7 +563,7 @@ class FastModel:
         plan = self.mtp_layer_plan
         K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
         self._attention(state, lw, plan, t, state.mtp_k, state.mtp_v, ptr(state.ctl, 4), max(VERIFY_SPAN, t),
-                        *((state.mtp_k_exp, state.mtp_v_exp) if state.mtp_k_exp is not None else ()))
+                        *state.side_rows(None))
         self._mlp(lw, plan, t)
         K.rmsnorm(self.h, hp, m.norm, eps, h, self.mtp_out, hp, t)
         self._logits_rows(self.mtp_out, select_rows(t, rows))
@@ -578,6 +605,9 @@ class FastModel:
         cfg = self.cfg
         a = lw.attn
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self.kv_bits is not None:  # k5v3 / k3v3: its own store and kernels
+            self._attention_rotated(lw, plan, t, kc, vc, pos0_dev, span, kx, vx)
+            return
         plan["in"].run(self.x, self.hp, t)
         if kx is not None:  # fp8 KV (codes + row exponents): quantize on store, dequantize in attention
             K.qk_norm_rope_store_fp8(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
@@ -600,6 +630,29 @@ class FastModel:
         else:
             K.attention(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, span, self.part,
                         self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+        plan["out"].run(self.xa, self.ld_xa, t)
+
+    def _attention_rotated(self, lw: LayerW, plan: dict, t: int, kc, vc, pos0_dev, span: int, kn, vn) -> None:
+        """Attention over rotated Lloyd-Max KV (kvformat "k5v3" / "k3v3"): the store quantizes K (after
+        q/k norm and RoPE) and V and writes the query rotated, R q; decode / verify lanes score R q
+        against the codes (split-K, one inverse rotation per head before the gate), prefill chunks
+        run the tiled kernel over the codes dequantized in the rotated basis, then unrotate_gate.
+        kc / vc: codes [nkv][max_pos][hd*bits/8]; kn / vn: fp16 norms [nkv][max_pos]."""
+        cfg = self.cfg
+        a = lw.attn
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        kbits, vbits = self.kv_bits
+        kt, vt = self.kv_tables[kbits], self.kv_tables[vbits]
+        plan["in"].run(self.x, self.hp, t)
+        K.qk_norm_rope_store_rot(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
+                                 cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
+                                 nq * hd, kc, vc, kn, vn, kbits, vbits, kt, vt, self.max_pos, t)
+        if PREFILL_ATTENTION and t > VERIFY_SPAN and K.rotated_prefill_fits(hd):
+            K.attention_prefill_rotated(self.qbuf, nq * hd, kc, vc, kn, vn, kbits, vbits, kt[0], vt[0], self.max_pos,
+                                        nq, nkv, hd, pos0_dev, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+        else:
+            K.attention_rotated(self.qbuf, nq * hd, kc, vc, kn, vn, kbits, vbits, kt[0], vt[0], self.max_pos, nq, nkv,
+                                hd, pos0_dev, span, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
         plan["out"].run(self.xa, self.ld_xa, t)
 
     def _mlp(self, lw: LayerW, plan: dict, t: int) -> None:
@@ -654,7 +707,7 @@ class FastModel:
     # checkpoints live in host memory so they never compete with the KV cache for VRAM.
     @property
     def state_format(self) -> str:
-        return f"cuda-{self.kv_name}kv"  # cuda-f32kv | cuda-bf16kv | cuda-fp8kv
+        return f"cuda-{self.kv_name}kv"  # cuda-f32kv | cuda-bf16kv | cuda-fp8kv | cuda-k5v3kv | cuda-k3v3kv
 
     def save_recurrent(self, state: FastState) -> dict:
         """GDN state + conv windows at this point. Device copies while the snapshot budget lasts (a
@@ -689,43 +742,63 @@ class FastModel:
         arrays = {"gdn": state.gdn.get(), "window": state.window.get()}  # host arrays: they go to disk
         arrays["k"] = state.k[:, :, :n].get()
         arrays["v"] = state.v[:, :, :n].get()
-        if state.k_exp is not None:
-            arrays["k.exp"] = state.k_exp[:, :, :n].get()
-            arrays["v.exp"] = state.v_exp[:, :, :n].get()
+        side = state.side_arrays()  # fp8 row exponents ("k.exp", ...) or rotated norms ("k.norm", ...)
+        for name in ("k", "v"):
+            for suffix in (".exp", ".norm"):
+                if name + suffix in side:
+                    arrays[name + suffix] = side[name + suffix][:, :, :n].get()
         if state.mtp_kv is not None:
             m = min(state.mtp_kv.length, max(n - 1, 0))
             arrays["mtp.k"] = state.mtp_k[:, :m].get()
             arrays["mtp.v"] = state.mtp_v[:, :m].get()
-            if state.mtp_k_exp is not None:
-                arrays["mtp.k.exp"] = state.mtp_k_exp[:, :m].get()
-                arrays["mtp.v.exp"] = state.mtp_v_exp[:, :m].get()
+            for name, a in side.items():
+                if name.startswith("mtp."):
+                    arrays[name] = a[:, :m].get()
         return arrays
 
     def import_prefix(self, state: FastState, arrays: dict[str, np.ndarray], position: int) -> None:
         cp = self.rt.cp
+        side = state.side_arrays()
+        _check_prefix_format(state, arrays, side)
         state.k[:, :, :position] = cp.asarray(arrays["k"])
         state.v[:, :, :position] = cp.asarray(arrays["v"])
-        if state.k_exp is not None:
-            state.k_exp[:, :, :position] = cp.asarray(arrays["k.exp"])
-            state.v_exp[:, :, :position] = cp.asarray(arrays["v.exp"])
+        for name, a in side.items():
+            if not name.startswith("mtp."):
+                a[:, :, :position] = cp.asarray(arrays[name])
         if state.mtp_kv is not None and "mtp.k" in arrays:
             m = arrays["mtp.k"].shape[1]
             state.mtp_k[:, :m] = cp.asarray(arrays["mtp.k"])
             state.mtp_v[:, :m] = cp.asarray(arrays["mtp.v"])
-            if state.mtp_k_exp is not None:
-                state.mtp_k_exp[:, :m] = cp.asarray(arrays["mtp.k.exp"])
-                state.mtp_v_exp[:, :m] = cp.asarray(arrays["mtp.v.exp"])
+            for name, a in side.items():
+                if name.startswith("mtp."):
+                    a[:, :m] = cp.asarray(arrays[name])
             state.mtp_kv.length = m
         self.rewind(state, position, arrays)
 
     def memory_per_sequence(self, context: int) -> int:
         cfg = self.cfg
-        row = {"bf16": 2 * cfg.head_dim, "fp8": cfg.head_dim + 1}.get(self.kv_name, 4 * cfg.head_dim)  # + exponent
-        per_tok = 2 * cfg.num_key_value_heads * row * (len(cfg.full_layers) + (1 if self.has_mtp else 0))
+        # bytes of one (position, kv head) row of K and of V, side data included (fp8 exponent, fp16 norm)
+        kb, vb = (4 * cfg.head_dim,) * 2 if self.kv_name == "f32" else get_format(self.kv_name).row_bytes(cfg.head_dim)
+        per_tok = cfg.num_key_value_heads * (kb + vb) * (len(cfg.full_layers) + (1 if self.has_mtp else 0))
         fixed = 4 * len(cfg.linear_layers) * (
             cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
             + (cfg.linear_conv_kernel_dim - 1) * cfg.gdn_conv_dim)
         return per_tok * context + fixed
+
+
+def _check_prefix_format(state: FastState, arrays: dict, side: dict) -> None:
+    """Rows of another KV format are refused, never reinterpreted (the compatibility hash keeps disk
+    entries apart; this guards a caller that hands arrays across models)."""
+    want = {"k": (state.k.dtype, state.k.shape[-1]), "v": (state.v.dtype, state.v.shape[-1])}
+    for name, (dtype, row) in want.items():
+        a = arrays.get(name)
+        if a is None or a.dtype != dtype or a.shape[-1] != row:
+            got = None if a is None else f"{a.dtype}{list(a.shape)}"
+            raise ValueError(f"KV rows in another format: {name} is {got}, this model stores {dtype} rows of {row}")
+    base = {n for n in side if not n.startswith("mtp.")}
+    extra = {n for n in arrays if n.split(".")[-1] in ("exp", "norm") and not n.startswith("mtp.")}
+    if base != extra:
+        raise ValueError(f"KV rows in another format: side arrays {sorted(extra)}, this model's {sorted(base)}")
 
 
 class DeviceSnapshot(dict):
@@ -801,9 +874,10 @@ def load_fast_model(cfg) -> FastModel:
     return model
 
 
-# KV formats the fast path's kernels store and read today (q27py/model/kvformat.py names; "f32" is
-# the golden-test path's fp32 rows).
-FAST_KV_FORMATS = ("bf16", "fp8")
+# KV formats the fast path's kernels store and read (q27py/model/kvformat.py names; "f32" is the
+# golden-test path's fp32 rows). k5v3 / k3v3: cuda/kv_rotated.cu + rope.cu's store + the rotated
+# prefill tiles (FastModel._attention_rotated).
+FAST_KV_FORMATS = ("bf16", "fp8", "k5v3", "k3v3")
 # What `--kv auto` may pick on CUDA. fp8 joins once tests/gpu/test_kv_fp8.py and the decode bench
 # (tools/device_kv.sh) pass on the device: until then auto keeps bf16 (and the canonical gates).
 AUTO_FAST_KV_FORMATS = ("bf16",)
@@ -818,7 +892,7 @@ def resolve_fast_kv(kv: str, tier: str, cc: tuple[int, int]) -> str:
     if kv == "auto":
         return "f32" if tier == "bf16" else auto_kv_format(cc, AUTO_FAST_KV_FORMATS)
     if kv not in FAST_KV_FORMATS:
-        raise ConfigError(f"--kv {kv}: the CUDA path reads {', '.join(FAST_KV_FORMATS)} KV so far (docs/KV.md)")
+        raise ConfigError(f"--kv {kv}: the CUDA path reads {', '.join(FAST_KV_FORMATS)} KV (docs/KV.md)")
     return kv
 
 

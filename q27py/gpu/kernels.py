@@ -14,6 +14,7 @@ import numpy as np
 from q27py.gpu import constants as C
 from q27py.gpu import layout as L
 from q27py.gpu.runtime import Runtime, f32, i32, i64, ptr, u64
+from q27py.model.kvformat import KV_FORMATS
 
 # Kernel constants live in one table (q27py/gpu/constants.py) that the CUDA sources are compiled
 # with; the names below are that table's values, re-exported for callers.
@@ -764,7 +765,9 @@ def attention_prefill_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int,
 
 
 # ---------------------------------------------------------------- rotated Lloyd-Max KV (k5v3 / k3v3)
-# Kernels of cuda/kv_rotated.cu; not yet wired into FastModel (docs/KV.md).
+# cuda/kv_rotated.cu, the store in cuda/rope.cu and the prefill tiles in cuda/attention_prefill.cu
+# (FastModel._attention_rotated runs them; docs/KV.md).
+ROTATED_KV_BITS = {n: (f.k_bits, f.v_bits) for n, f in KV_FORMATS.items() if f.k_bits}  # k5v3 (5, 3), k3v3 (3, 3)
 def rotated_kv_tables(bits: int):
     """(centroids, edges) of the b-bit codebook as device arrays (kvformat's tables)."""
     from q27py.model import kvformat as F
@@ -807,4 +810,58 @@ def attention_rotated(q_rot, ldq: int, kcodes, vcodes, knorm, vnorm, kbits: int,
               shared_mem=4 * ATT_WARPS * (nq // nkv) * (hd + 2))
     rt.launch("kv_rotated", "attn_combine_rotated", (nlanes, nq), hd,
               (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), f32(1.0 / math.sqrt(hd)), out, i32(ldo)),
+              shared_mem=4 * hd)
+
+
+def _check_rotated_dims(hd: int) -> None:
+    if hd < 32 or hd > 1024 or hd & (hd - 1):
+        raise ValueError(f"rotated KV needs a power-of-two head dim in 32..1024, not {hd}")
+
+
+def qk_norm_rope_store_rot(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int,
+                           rd: int, inv_freq, pos0_dev, qout, ldqo: int, kcodes, vcodes, knorm, vnorm, kbits: int,
+                           vbits: int, ktabs, vtabs, max_pos: int, nlanes: int) -> None:
+    """qk_norm_rope_store into rotated Lloyd-Max KV: codes [nkv][max_pos][hd*bits/8] (u8) + fp16 norms
+    [nkv][max_pos] (u16) for K (kbits) and V (vbits); qout gets the rotated query R q.
+    ktabs / vtabs: rotated_kv_tables(kbits) / (vbits)."""
+    import math
+
+    _check_rotated_dims(hd)
+    Runtime.get().launch("rope", "qk_norm_rope_store_rot", (nlanes, nq + nkv), hd,
+                         (qg, i32(ldq), kv, i32(ldkv), q_norm, k_norm, f32(eps), i32(nq), i32(nkv), i32(hd), i32(rd),
+                          inv_freq, pos0_dev, qout, i32(ldqo), kcodes, vcodes, knorm, vnorm, i32(kbits), i32(vbits),
+                          ktabs[0], ktabs[1], vtabs[0], vtabs[1], f32(1.0 / math.sqrt(hd)), f32(math.sqrt(hd)),
+                          i32(max_pos)), shared_mem=5 * hd)
+
+
+def rotated_prefill_fits(hd: int) -> bool:
+    """The rotated prefill kernels stage hi + lo tiles like the fp32 ones: the same shared memory."""
+    return attention_prefill_fits(hd, False)
+
+
+def attention_prefill_rotated(q_rot, ldq: int, kcodes, vcodes, knorm, vnorm, kbits: int, vbits: int, ktab, vtab,
+                              max_pos: int, nq: int, nkv: int, hd: int, pos0_dev, qg, ldqg: int, out, ldo: int,
+                              nlanes: int) -> None:
+    """attention_prefill over rotated codes (q_rot = R q): the tiled kernel writes the rotated, ungated
+    output, unrotate_gate rotates it back and gates it in place. Same contract as attention_rotated."""
+    import math
+
+    _check_rotated_dims(hd)
+    if hd > 256:
+        raise ValueError(f"prefill attention head dim {hd} not supported (32, 64, 128 or 256)")
+    if nq % nkv:
+        raise ValueError(f"{nq} q heads do not split evenly over {nkv} kv heads")
+    if ldq % 4 or ldo < nq * hd or ldqg < 2 * nq * hd:
+        raise ValueError("q rows must be float4-aligned (ldq % 4 == 0) and out / qg rows wide enough")
+    name = {v: k for k, v in ROTATED_KV_BITS.items()}.get((kbits, vbits))
+    if name is None:
+        raise ValueError(f"no rotated prefill kernel for {kbits}-bit K / {vbits}-bit V")
+    rows = nq // nkv * nlanes
+    inv = f32(1.0 / math.sqrt(hd))
+    rt = Runtime.get()
+    rt.launch("attention_prefill", f"attn_prefill_{name}_d{hd}", (nkv, -(-rows // PF_ROWS)), PF_THREADS,
+              (q_rot, i32(ldq), kcodes, vcodes, i32(max_pos), i32(nq), i32(nkv), i32(nlanes), f32(hd ** -0.5),
+               pos0_dev, out, i32(ldo), knorm, vnorm, ktab, vtab, inv),
+              shared_mem=attention_prefill_shared_bytes(hd, False))
+    rt.launch("kv_rotated", "unrotate_gate", (nlanes, nq), hd, (out, i32(ldo), qg, i32(ldqg), i32(hd), inv),
               shared_mem=4 * hd)

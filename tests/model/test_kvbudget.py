@@ -105,5 +105,9 @@ def test_fast_path_kv_resolution():
     assert resolve_fast_kv("auto", "q4s", (9, 0)) in AUTO_FAST_KV_FORMATS
     assert resolve_fast_kv("fp8", "q4s", (8, 0)) == "fp8"  # the portable conversion runs on Ampere
     assert "fp8" in FAST_KV_FORMATS
-    with pytest.raises(ConfigError, match="k3v3"):
-        resolve_fast_kv("k3v3", "q4s", (9, 0))  # rotated formats have no CUDA kernels yet: a clear error
+    for fmt in ("k5v3", "k3v3"):  # the rotated formats run on the CUDA path (FastModel._attention_rotated)
+        assert resolve_fast_kv(fmt, "q4s", (8, 6)) == fmt
+        assert resolve_fast_kv(fmt, "bf16", (9, 0)) == fmt  # an explicit format wins over the golden-test rows
+    assert set(FAST_KV_FORMATS) == {"bf16", "fp8", "k5v3", "k3v3"}  # every kvformat format but none other
+    with pytest.raises(ConfigError, match="k4v4"):
+        resolve_fast_kv("k4v4", "q4s", (9, 0))  # an unknown name: a clear error
