@@ -69,7 +69,9 @@ class EngineConfig:
     prefill_gemm: str = "auto"  # cuda: "auto" (cuBLAS on bf16 expansions for big chunks) | "kernel" (mma.sync only)
     cpu_prefill_chunk: int = 256  # at most this on the CPU path: the cancel flag is checked between chunks
     # cuda: GDN prefill runs through the chunked tensor-core kernel ("chunked", chunks aligned to
-    # absolute positions; within fp32 rounding of the sequential kernel) or the per-token kernel
+    # absolute positions; within fp32 rounding of the sequential kernel), the three-kernel chunked
+    # pipeline ("chunked2": parallel pre-pass / sequential state pass / parallel output pass, same
+    # alignment and class, ~410 MB scratch at the 27B's 4096-lane chunk) or the per-token kernel
     # ("sequential": bitwise the decode step). docs/PERF.md "GDN chunked prefill".
     gdn_prefill: str = "sequential"
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)

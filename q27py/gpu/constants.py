@@ -81,6 +81,9 @@ GDN_PF_WARPS = 4  # warps per CTA
 GDN_FD_COLS = 4  # value columns per warp (the recurrence of each exactly as gdn_step's)
 GDN_FD_WARPS = 8  # warps per block by default: 32 columns, so a 128-column head spans 4 blocks
 GDN_FD_MAX_WARPS = 32  # launch bounds (a whole 128-column head in one block, no norm ticket)
+# ---------------------------------------------------------------- GDN chunked pipeline (cuda/gdn_chunk2.cu)
+GDN2_C = 64  # tokens per chunk (chunks start at absolute multiples of it)
+GDN2_BV = 64  # value columns per CTA of the state pass (4 warps of 16 rows)
 TOP2_BLOCKS = 16  # partial blocks per row of the argmax / sampling pass
 
 

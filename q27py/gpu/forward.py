@@ -263,6 +263,12 @@ class FastModel:
         self.gdn_fused = K.gdn_fused_default() if gdn_fused is None else bool(gdn_fused)
         self.gdn_fused_warps = C.GDN_FD_WARPS
         self.gdn_tickets = cp.zeros(cfg.linear_num_key_heads + hv, dtype=cp.int32)
+        # chunked2 GDN route: per-chunk W, U / V_new, start states and gates of one prefill chunk
+        # (kernels.gdn2_scratch_floats: 410.5 MB for the 27B at T = 4096). Allocated here when the
+        # route is on at load (so --max-context auto counts it), else on first use (_gdn2_scratch).
+        self.gdn2_scratch = None
+        if K.GDN_PREFILL == "chunked2" and T > R:
+            self._gdn2_scratch()
         self.o_gdn = z(T, hv * dv)
         self.ld_xo = L.round_up(hv * dv, 64)
         self.xo = z(T, self.ld_xo)
@@ -307,6 +313,16 @@ class FastModel:
         # prefix snapshots kept on the device up to this many bytes (host copies beyond)
         self.device_snapshot_bytes = min(4 << 30, rt.total_mem // 10) if device_snapshot_bytes is None \
             else int(device_snapshot_bytes)
+
+    def _gdn2_scratch(self):
+        """The chunked2 route's scratch for a prefill chunk of self.chunk lanes (any pos0), or None
+        when this model's GDN shape has no chunked2 kernels (the route then falls back)."""
+        cfg = self.cfg
+        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if self.gdn2_scratch is None and cfg.linear_layers and K.gdn2_stages(dk, dv):
+            n = K.gdn2_scratch_floats(K.gdn2_max_chunks(self.chunk), hv, dk, dv)
+            self.gdn2_scratch = self.rt.cp.empty(n, dtype=self.rt.cp.float32)
+        return self.gdn2_scratch
 
     # ------------------------------------------------------------------ GEMV plans
     def _plans(self) -> None:
@@ -593,7 +609,8 @@ class FastModel:
         if commit:
             K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
         if commit and t > VERIFY_SPAN and K.gdn_prefill_supported(dk, dv):
-            K.gdn_prefill_run(state.gdn[gi], qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, t, pos0=state.position)
+            K.gdn_prefill_run(state.gdn[gi], qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, t, pos0=state.position,
+                              scratch=self._gdn2_scratch() if K.GDN_PREFILL == "chunked2" else None)
         else:
             K.gdn_step(state.gdn[gi], 0, qkvn, 0, gb, 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
                        emit=True, write_state=commit)

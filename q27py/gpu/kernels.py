@@ -569,10 +569,13 @@ GDN_CHUNK_BV = 64  # value columns per block
 GDN_CHUNK_DK = (64, 128)  # key head dims with a compiled variant
 
 
+GDN_PREFILL_MODES = ("sequential", "chunked", "chunked2")
+
+
 def gdn_prefill_mode(mode: str) -> str:
     """EngineConfig.gdn_prefill, checked when the model loads (a typo fails there, not mid-request)."""
-    if mode not in ("chunked", "sequential"):
-        raise ValueError(f"gdn_prefill must be 'chunked' or 'sequential', not {mode!r}")
+    if mode not in GDN_PREFILL_MODES:
+        raise ValueError(f"gdn_prefill must be one of {', '.join(GDN_PREFILL_MODES)}, not {mode!r}")
     return mode
 
 
@@ -619,10 +622,99 @@ def gdn_chunk_aligned(qkvn, h: int, hv: int, dk: int, dv: int) -> bool:
     return base % 16 == 0 and dk % 4 == 0 and dv % 4 == 0 and (2 * h * dk + hv * dv) % 4 == 0
 
 
+# Three-kernel chunked pipeline (cuda/gdn_chunk2.cu, route "chunked2"; spec gdn_chunked.gdn_chunked_wy):
+# a parallel pre-pass over (chunk, head) pairs, the state recurrence over chunks per (64 value
+# columns, head), a parallel output pass. Head shapes with a compiled variant: dk = dv in GDN2_D.
+GDN2_D = (64, 128)
+
+
+def gdn2_nchunks(nlanes: int, pos0: int) -> int:
+    """Chunks of a run of nlanes lanes whose first lane sits at absolute position pos0 (chunk_spans)."""
+    first = C.GDN2_C - pos0 % C.GDN2_C
+    return 1 if nlanes <= first else 1 + -(-(nlanes - first) // C.GDN2_C)
+
+
+def gdn2_max_chunks(nlanes: int) -> int:
+    """The most chunks nlanes lanes can span whatever pos0 is (a one-lane ragged first chunk)."""
+    return 1 + -(-(nlanes - 1) // C.GDN2_C)
+
+
+def gdn2_scratch_floats(nchunks: int, hv: int, dk: int, dv: int) -> int:
+    """Scratch of one chunked2 run, floats: W [C x dk], U / V_new [C x dv], the chunk's start state
+    [dv x dk] and the gates (G, e^{G_last - G}) [2 x C], per (value head, chunk). The 27B
+    (48 x 128 x 128) at 4096 lanes (65 chunks at most): 410.5 MB."""
+    c = C.GDN2_C
+    return hv * nchunks * (c * dk + c * dv + dv * dk + 2 * c)
+
+
+def gdn2_smem_floats(dk: int, dv: int, stages: int) -> dict[str, int]:
+    """Shared-memory floats of each kernel's block (PrepSmem / StateSmem / OutSmem in cuda/gdn_chunk2.cu)."""
+    c = C.GDN2_C
+    return {"prep": c * (dk + dv + 8) + c * (c + 4) + c * 20 + 2 * c,
+            "state": stages * (2 * c * dk + c * C.GDN2_BV + 2 * c),
+            "out": 2 * c * dk + c * (c + 8) + c}
+
+
+def gdn2_stages(dk: int, dv: int) -> int:
+    """cp.async stages of the state pass: 2 (next chunk in flight) where two fit (sm_80 / sm_90), else 1;
+    0 when the card cannot run the pipeline for this shape (callers take another route)."""
+    if dk != dv or dk not in GDN2_D:
+        return 0
+    rt = Runtime.get()
+    if rt.cc < (8, 0):  # mma.sync tf32 needs sm_80
+        return 0
+    for stages in (2, 1):
+        if 4 * max(gdn2_smem_floats(dk, dv, stages).values()) <= rt.smem_optin:
+            return stages
+    return 0
+
+
+def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
+                         pos0: int = 0, scratch=None, stages: int | None = None) -> None:
+    """gdn_prefill's contract through the three-kernel pipeline; chunk boundaries at absolute
+    multiples of GDN2_C (pieces split there give the bits of one run). scratch: a float32 device
+    buffer of at least gdn2_scratch_floats(gdn2_nchunks(nlanes, pos0), hv, dk, dv) floats
+    (allocated here when None). Matches the sequential kernel within fp32 rounding (3xTF32)."""
+    import cupy as cp
+
+    if nlanes <= 0:
+        return
+    stages = stages or gdn2_stages(dk, dv)
+    if not stages:
+        raise ValueError(f"no chunked2 GDN kernels for dk={dk}, dv={dv} on this card")
+    if not gdn_chunk_aligned(qkvn, h, hv, dk, dv):
+        raise ValueError("gdn_prefill_chunked2 reads qkvn 16 bytes at a time: its rows must start 16-byte aligned")
+    nc = gdn2_nchunks(nlanes, pos0)
+    c = C.GDN2_C
+    need = gdn2_scratch_floats(nc, hv, dk, dv)
+    if scratch is None:
+        scratch = cp.empty(need, dtype=cp.float32)
+    if scratch.size < need or scratch.dtype != cp.float32:
+        raise ValueError(f"chunked2 scratch holds {scratch.size} floats, the run needs {need}")
+    flat = scratch.reshape(-1)
+    o1 = hv * nc * c * dk
+    o2 = o1 + hv * nc * c * dv
+    o3 = o2 + hv * nc * dv * dk
+    wsc, usc, ssc, gsc = flat[:o1], flat[o1:o2], flat[o2:o3], flat[o3:need]
+    smem = gdn2_smem_floats(dk, dv, stages)
+    rt = Runtime.get()
+    rt.launch("gdn_chunk2", f"gdn2_prep_d{dk}", (nc, hv), 256,
+              (qkvn, gb, wsc, usc, gsc, i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)), shared_mem=4 * smem["prep"])
+    rt.launch("gdn_chunk2", f"gdn2_state_d{dk}_s{stages}", (dv // C.GDN2_BV, hv), 2 * C.GDN2_BV,
+              (state, qkvn, wsc, usc, ssc, gsc, i32(h), i32(hv), i32(dv), i32(nlanes), i32(pos0), i32(nc)),
+              shared_mem=4 * smem["state"])
+    rt.launch("gdn_chunk2", f"gdn2_out_d{dk}", (nc, hv), 2 * dv,
+              (qkvn, usc, ssc, gsc, out, i32(ldo), i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)),
+              shared_mem=4 * smem["out"])
+
+
 def gdn_prefill_run(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
-                    pos0: int = 0) -> None:
-    """A prefill run of lanes by the configured route (GDN_PREFILL), falling back to gdn_prefill."""
-    if GDN_PREFILL == "chunked" and gdn_chunk_size(dk, dv) and gdn_chunk_aligned(qkvn, h, hv, dk, dv):
+                    pos0: int = 0, scratch=None) -> None:
+    """A prefill run of lanes by the configured route (GDN_PREFILL), falling back to gdn_prefill.
+    scratch: the chunked2 route's buffer (gdn2_scratch_floats), allocated per call when None."""
+    if GDN_PREFILL == "chunked2" and gdn2_stages(dk, dv) and gdn_chunk_aligned(qkvn, h, hv, dk, dv):
+        gdn_prefill_chunked2(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes, pos0, scratch=scratch)
+    elif GDN_PREFILL == "chunked" and gdn_chunk_size(dk, dv) and gdn_chunk_aligned(qkvn, h, hv, dk, dv):
         gdn_prefill_chunked(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes, pos0)
     else:
         gdn_prefill(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes)

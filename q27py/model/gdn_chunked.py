@@ -78,3 +78,49 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
         tail = np.exp(gam[:, -1:] - gam)  # e^{G_{n-1} - G_i}
         s = np.exp(gam[:, -1])[:, None, None] * s + (kc * tail[:, :, None]).transpose(0, 2, 1) @ u
     return out.transpose(1, 0, 2), s
+
+
+def gdn_chunked_wy(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
+    """The same map in the three-phase order of cuda/gdn_chunk2.cu (route "chunked2"); same contract
+    as gdn_chunked. With T = (I + A)^-1 (A as above):
+      phase 1, every chunk independently: W = T diag(b e^G) K,  U = T diag(b) V
+      phase 2, chunk after chunk:          V_new = U - W S_c,  S_{c+1} = e^{G_last} S_c + K^T diag(e^{G_last - G}) V_new
+      phase 3, every chunk independently: O = diag(e^G) Q S_c + (M o Q K^T) V_new
+    (U - W S_c = T diag(b) (V - diag(e^G) K S_c) is the U of gdn_chunked: the split moves every
+    state-independent product out of the sequential loop.)"""
+    t_all, h, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    rep = hv // h
+    dt = np.result_type(q.dtype, v.dtype, state.dtype)
+    qh = np.repeat(q, rep, axis=1).astype(dt).transpose(1, 0, 2)
+    kh = np.repeat(k, rep, axis=1).astype(dt).transpose(1, 0, 2)
+    vh = v.astype(dt).transpose(1, 0, 2)
+    gh, bh = g.astype(dt).T, beta.astype(dt).T
+    spans = chunk_spans(pos0, t_all, chunk)
+    pre = []  # phase 1
+    for c0, n in spans:
+        sl = slice(c0, c0 + n)
+        kc, b = kh[:, sl], bh[:, sl]
+        gam = np.cumsum(gh[:, sl], axis=1)
+        low = np.tri(n, dtype=bool)
+        decay = np.exp(np.where(low, gam[:, :, None] - gam[:, None, :], -np.inf)).astype(dt)
+        a = b[:, :, None] * (kc @ kc.transpose(0, 2, 1)) * decay
+        a[:, np.arange(n), np.arange(n)] = 0.0
+        rhs = np.concatenate([(b * np.exp(gam))[:, :, None] * kc, b[:, :, None] * vh[:, sl]], axis=2)
+        y = np.empty_like(rhs)
+        for i in range(n):  # forward substitution of (I + A) Y = RHS
+            y[:, i] = rhs[:, i] - np.einsum("hm,hmv->hv", a[:, i, :i], y[:, :i])
+        pre.append((gam, decay, y[:, :, :dk], y[:, :, dk:]))
+    s = state.astype(dt, copy=True)
+    starts, vnew = [], []  # phase 2
+    for (c0, n), (gam, _, w, u) in zip(spans, pre):
+        starts.append(s)
+        vn = u - w @ s
+        vnew.append(vn)
+        ed = np.exp(gam[:, -1:] - gam)
+        s = np.exp(gam[:, -1])[:, None, None] * s + kh[:, c0 : c0 + n].transpose(0, 2, 1) @ (ed[:, :, None] * vn)
+    out = np.empty((hv, t_all, dv), dtype=dt)  # phase 3
+    for (c0, n), (gam, decay, _, _), s0, vn in zip(spans, pre, starts, vnew):
+        qc, kc = qh[:, c0 : c0 + n], kh[:, c0 : c0 + n]
+        out[:, c0 : c0 + n] = np.exp(gam)[:, :, None] * (qc @ s0) + ((qc @ kc.transpose(0, 2, 1)) * decay) @ vn
+    return out.transpose(1, 0, 2), s

@@ -1,5 +1,6 @@
-"""The chunked GDN prefill kernel (cuda/gdn_chunk.cu) against the numpy spec
-(q27py/model/gdn_chunked.py), the float64 recurrence and the sequential kernel (gdn_prefill).
+"""The chunked GDN prefill kernels -- cuda/gdn_chunk.cu (route "chunked") and the three-kernel
+pipeline cuda/gdn_chunk2.cu (route "chunked2") -- against the numpy specs (q27py/model/gdn_chunked.py),
+the float64 recurrence and the sequential kernel (gdn_prefill).
 
 Tolerance class (3xTF32 products, fp32 state): relative L2 error of outputs and of the final
 state within 2e-5 of the float64 recurrence -- the class of the sequential fp32 kernel itself --
@@ -20,9 +21,10 @@ import numpy as np
 import pytest
 
 from q27py.model import ops
-from q27py.model.gdn_chunked import gdn_chunked
+from q27py.model.gdn_chunked import chunk_spans, gdn_chunked, gdn_chunked_wy
 
-sys.path.insert(0, str(Path(__file__).parent))  # the emulator beside this file (tests/ is no package)
+sys.path.insert(0, str(Path(__file__).parent))  # the emulators beside this file (tests/ is no package)
+import gdn_chunk2_emu as emu2  # noqa: E402
 import gdn_chunk_emu as emu  # noqa: E402
 
 NVCC = shutil.which("nvcc")
@@ -110,10 +112,80 @@ def test_route_switch_maps_from_config_and_env():
 
     assert Q27Config().engine.gdn_prefill == "sequential"  # until the device run holds the chunked route
     assert apply_env(Q27Config(), {"Q27_GDN_PREFILL": "chunked"}).engine.gdn_prefill == "chunked"
-    assert K.gdn_prefill_mode("chunked") == "chunked" and K.gdn_prefill_mode("sequential") == "sequential"
+    assert apply_env(Q27Config(), {"Q27_GDN_PREFILL": "chunked2"}).engine.gdn_prefill == "chunked2"
+    for mode in ("chunked", "chunked2", "sequential"):
+        assert K.gdn_prefill_mode(mode) == mode
     with pytest.raises(ValueError, match="gdn_prefill"):
         K.gdn_prefill_mode("chunky")
     assert K.gdn_chunk_aligned(1 << 20, 16, 48, 128, 128) and not K.gdn_chunk_aligned((1 << 20) + 8, 16, 48, 128, 128)
+
+
+# ---------------------------------------------------------------- CPU: the chunked2 pipeline
+@pytest.mark.parametrize("t,pos0", [(1, 0), (63, 0), (64, 0), (65, 0), (200, 37), (130, 127), (1000, 64)])
+@pytest.mark.parametrize("decay", ["normal", "strong"])
+def test_wy_spec_matches_float64_recurrence(t, pos0, decay):
+    """gdn_chunked_wy (the three-phase order of gdn_chunk2.cu) is the recurrence, exactly in float64."""
+    d = make(np.random.default_rng(t + pos0), t, 2, 6, 32, 16, decay)
+    args = [d[x].astype(np.float64) for x in ("q", "k", "v", "g", "beta", "s0")]
+    o, st = gdn_chunked_wy(*args, pos0=pos0)
+    o64, s64 = ops.gdn_recurrent(*args)
+    assert rel(o, o64) < 1e-12 and rel(st, s64) < 1e-12
+
+
+@pytest.mark.parametrize("dk,t,pos0,decay", [(64, 100, 37, "normal"), (64, 70, 5, "strong"), (64, 3, 63, "normal"),
+                                             (128, 66, 0, "strong")])
+def test_emulated_chunked2_kernels_match_spec(dk, t, pos0, decay):
+    """The lane-level transliteration of the three kernels (permuted-k fragments, swizzles,
+    fragment-native scratch, chunk spans) against float64 on poisoned scratch and output."""
+    h, hv = 1, 2 if dk == 64 else 1
+    dv = dk
+    d = make(np.random.default_rng(dk + t + pos0), t, h, hv, dk, dv, decay)
+    want_o, want_s = ops.gdn_recurrent(*(d[x].astype(np.float64) for x in ("q", "k", "v", "g", "beta", "s0")))
+    state = klast(d["s0"])
+    out = np.full((t, hv * dv), np.nan, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):  # masked exps above the diagonal, as on the GPU
+        emu2.run(state, d["qkvn"], d["gb"], out, hv * dv, h, hv, dk, dv, t, pos0)
+    assert not np.isnan(out).any() and not np.isnan(state).any()
+    assert rel(out, want_o.reshape(t, -1)) < 2e-5
+    assert rel(state, klast(want_s)) < 2e-5
+
+
+def test_chunked2_scratch_geometry():
+    from q27py.gpu import kernels as K
+
+    for t in (1, 2, 63, 64, 65, 127, 1000, 4096):
+        for pos0 in (0, 1, 37, 63, 64, 4095):
+            spans = chunk_spans(pos0, t, 64)
+            assert K.gdn2_nchunks(t, pos0) == len(spans) == emu2.nchunks(t, pos0) <= K.gdn2_max_chunks(t)
+            assert [emu2.chunk_span(ci, t, pos0) for ci in range(len(spans))] == spans
+    assert K.gdn2_scratch_floats(1, 1, 64, 64) == emu2.scratch_floats(1, 1, 64, 64)
+    assert 4 * K.gdn2_scratch_floats(K.gdn2_max_chunks(4096), 48, 128, 128) == 410_542_080  # docs/PERF.md
+
+
+def test_chunked2_shared_memory_budget():
+    from q27py.gpu.kernels import gdn2_smem_floats
+
+    assert 4 * max(gdn2_smem_floats(128, 128, 2).values()) <= 163 * 1024  # sm_80 opt-in: double-buffered
+    assert 4 * max(gdn2_smem_floats(128, 128, 1).values()) <= 99 * 1024  # sm_86 / sm_89 / sm_120: one stage
+    assert 4 * gdn2_smem_floats(128, 128, 1)["prep"] * 2 <= 227 * 1024  # two pre-pass blocks per sm_90 SM
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+def test_chunked2_compiles_without_spills(tmp_path, arch):
+    from q27py.gpu.runtime import compile_options, source_text
+
+    src = tmp_path / "gdn_chunk2.cu"
+    src.write_text(source_text("gdn_chunk2"), encoding="utf-8")
+    r = subprocess.run([NVCC, *compile_options(), f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
+                        str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    entries = re.findall(r"Compiling entry function '(\w+)'", r.stderr)
+    want = [f"gdn2_{k}_d{d}" for d in (64, 128) for k in ("prep", "out")]
+    want += [f"gdn2_state_d{d}_s{st}" for d in (64, 128) for st in (1, 2)]
+    assert sorted(entries) == sorted(want)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    assert len(spills) == 8 and all(a == "0" and b == "0" for a, b in spills), r.stderr
 
 
 # ---------------------------------------------------------------- GPU
@@ -240,3 +312,139 @@ def test_fast_model_prefill_through_the_chunked_route(cp, K):
     assert np.abs(res["chunked"] - res["sequential"]).max() <= 1e-4 * scale
     assert np.abs(split - res["chunked"]).max() <= 1e-4 * scale
     assert np.argmax(res["chunked"][-1]) == np.argmax(res["sequential"][-1])
+
+
+# ---------------------------------------------------------------- GPU: the chunked2 pipeline
+def stages_here(K, dk, dv):
+    """The state-pass variants this card can run (2 = double-buffered, 1 = single stage)."""
+    from q27py.gpu.runtime import Runtime
+
+    best = K.gdn2_stages(dk, dv)
+    return [st for st in (2, 1) if st <= best and 4 * max(K.gdn2_smem_floats(dk, dv, st).values())
+            <= Runtime.get().smem_optin]
+
+
+def run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, stages=None, scratch=None):
+    state = cp.asarray(klast(d["s0"]))
+    out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)  # poison: every row must be written
+    K.gdn_prefill_chunked2(state, cp.asarray(d["qkvn"]), cp.asarray(d["gb"]), out, hv * dv, h, hv, dk, dv, t,
+                           pos0=pos0, stages=stages, scratch=scratch)
+    return out.get(), state.get()
+
+
+SHAPES2 = {"small": dict(h=2, hv=6, dk=64, dv=64), "27b": dict(h=16, hv=48, dk=128, dv=128)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(SHAPES2))
+@pytest.mark.parametrize("t,pos0", [(1, 0), (63, 0), (64, 0), (65, 0), (100, 37), (1000, 5), (1000, 64), (4096, 0),
+                                    (4096, 4095)])
+@pytest.mark.parametrize("decay", ["normal", "strong"])
+def test_chunked2_matches_float64_and_sequential(cp, K, shape, t, pos0, decay):
+    s = SHAPES2[shape]
+    h, hv, dk, dv = s["h"], s["hv"], s["dk"], s["dv"]
+    d = make(np.random.default_rng(t + pos0 + 7), t, h, hv, dk, dv, decay)
+    heads = list(range(hv)) if t <= 1000 or shape == "small" else [0, 1, hv - 1]  # float64 cost at 4096 x 48
+    sub = {x: d[x][:, [hh // (hv // h) for hh in heads]] if x in ("q", "k") else d[x][:, heads]
+           for x in ("q", "k", "v", "g", "beta")}
+    o64, s64 = ops.gdn_recurrent(*(sub[x].astype(np.float64) for x in ("q", "k", "v", "g", "beta")),
+                                 d["s0"][heads].astype(np.float64))
+    so, ss = run_sequential(cp, K, d, h, hv, dk, dv, t)
+    cols = np.concatenate([np.arange(hh * dv, (hh + 1) * dv) for hh in heads])
+    for stages in stages_here(K, dk, dv):
+        o, st = run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, stages)
+        assert not np.isnan(o).any() and not np.isnan(st).any(), stages
+        assert rel(o[:, cols], o64.reshape(t, -1)) < 2e-5, stages
+        assert rel(st[heads], klast(s64)) < 2e-5, stages
+        assert rel(o, so) < 2e-5 and rel(st, ss) < 2e-5, stages
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(SHAPES2))
+def test_chunked2_stages_and_scratch_do_not_change_bits(cp, K, shape):
+    """The single- and double-buffered state passes are the same arithmetic, and a caller's
+    (larger, poisoned) scratch gives the bits of a fresh one."""
+    s = SHAPES2[shape]
+    h, hv, dk, dv = s["h"], s["hv"], s["dk"], s["dv"]
+    t, pos0 = 777, 21
+    d = make(np.random.default_rng(5), t, h, hv, dk, dv, "strong")
+    ref = run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0)
+    for stages in stages_here(K, dk, dv):
+        got = run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, stages)
+        np.testing.assert_array_equal(got[0], ref[0])
+        np.testing.assert_array_equal(got[1], ref[1])
+    scratch = cp.full(K.gdn2_scratch_floats(K.gdn2_max_chunks(t) + 3, hv, dk, dv), np.nan, dtype=cp.float32)
+    got = run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, scratch=scratch)
+    np.testing.assert_array_equal(got[0], ref[0])
+    np.testing.assert_array_equal(got[1], ref[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pos0,cuts", [(0, [128, 4096]), (37, [27, 91]), (64, [64])])
+def test_chunked2_pieces_split_at_chunk_multiples_are_bitwise_one_run(cp, K, pos0, cuts):
+    """Pieces whose boundaries sit at absolute multiples of 64 give one run's bits (prefix snapshots)."""
+    h, hv, dk, dv = 2, 6, 128, 128
+    t = 4500
+    d = make(np.random.default_rng(9), t, h, hv, dk, dv)
+    o_all, s_all = run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0)
+    assert all((pos0 + c) % 64 == 0 for c in cuts)
+    state = cp.asarray(klast(d["s0"]))
+    out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
+    qkvn, gb = cp.asarray(d["qkvn"]), cp.asarray(d["gb"])
+    for a, b in zip([0, *cuts], [*cuts, t]):
+        K.gdn_prefill_chunked2(state, qkvn[a:b], gb[a:b], out[a:b], hv * dv, h, hv, dk, dv, b - a, pos0=pos0 + a)
+    np.testing.assert_array_equal(out.get(), o_all)
+    np.testing.assert_array_equal(state.get(), s_all)
+
+
+@pytest.mark.gpu
+def test_chunked2_long_run_at_27b_shape_stays_in_class(cp, K):
+    """8K lanes, one 27B layer, strong decays: the chunked2 state drifts from float64 no more than
+    the sequential kernel's own fp32 rounding does (a few heads), and tracks the sequential kernel."""
+    h, hv, dk, dv, t = 16, 48, 128, 128, 8192
+    d = make(np.random.default_rng(11), t, h, hv, dk, dv, "strong")
+    so, ss = run_sequential(cp, K, d, h, hv, dk, dv, t)
+    o, st = run_chunked2(cp, K, d, h, hv, dk, dv, t, 0)
+    assert rel(o, so) < 5e-5 and rel(st, ss) < 5e-5
+    heads = [0, 1, 47]
+    sub = {x: d[x][:, [hh // 3 for hh in heads]] if x in ("q", "k") else d[x][:, heads] for x in ("q", "k", "v", "g", "beta")}
+    _, s64 = ops.gdn_recurrent(*(sub[x].astype(np.float64) for x in ("q", "k", "v", "g", "beta")),
+                               d["s0"][heads].astype(np.float64))
+    s64 = klast(s64)
+    err2, err_seq = rel(st[heads], s64), rel(ss[heads], s64)
+    assert err2 < 4 * err_seq + 1e-5, (err2, err_seq)
+
+
+@pytest.mark.gpu
+def test_fast_model_prefill_through_the_chunked2_route(cp, K):
+    """The bundled model (dk = dv = 64), one prompt of 300 tokens: chunked2 logits track the
+    sequential route to 1e-4 of the logit scale with the same greedy token; a prompt split at a
+    non-multiple of the chunk stays in the class; the scratch is allocated once and reused."""
+    from q27py import DEFAULT_MODEL_DIR
+    from q27py.gpu.forward import FastModel
+    from q27py.gpu.weights import from_checkpoint
+    from q27py.model.checkpoint import Checkpoint
+
+    saved = K.GDN_PREFILL
+    try:
+        K.GDN_PREFILL = "chunked2"  # at construction: the scratch is allocated up front
+        model = FastModel(from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), "bf16", progress=False),
+                          max_context=1024, kv_dtype="f32", chunk=512)
+        assert model.gdn2_scratch is not None
+        scratch = model.gdn2_scratch
+        ids = np.random.default_rng(12).integers(0, 16000, 300).tolist()
+        res = {}
+        for mode in ("sequential", "chunked2"):
+            K.GDN_PREFILL = mode
+            st = model.new_state()
+            res[mode] = np.asarray(model.forward(st, ids, logits_rows="last").logits, np.float64)
+        st = model.new_state()
+        model.forward(st, ids[:141])
+        split = np.asarray(model.forward(st, ids[141:], logits_rows="last").logits, np.float64)
+        assert model.gdn2_scratch is scratch
+    finally:
+        K.GDN_PREFILL = saved
+    scale = np.abs(res["sequential"]).max()
+    assert np.abs(res["chunked2"] - res["sequential"]).max() <= 1e-4 * scale
+    assert np.abs(split - res["chunked2"]).max() <= 1e-4 * scale
+    assert np.argmax(res["chunked2"][-1]) == np.argmax(res["sequential"][-1])

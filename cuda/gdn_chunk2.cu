@@ -1,0 +1,539 @@
+// Gated DeltaNet prefill as a three-kernel pipeline (route "chunked2"; the one-kernel form is
+// cuda/gdn_chunk.cu). Same map, same chunk alignment and the same fp32-grade products (3xTF32
+// mma.sync m16n8k8) as gdn_chunk.cu, but only the state recurrence runs chunk after chunk:
+//   1. gdn2_prep  (grid chunks x value heads, all parallel): G = cumsum g, A = strict-lower
+//      b_i e^{G_i-G_m} k_i.k_m, (I+A) [W | U] = [diag(b e^G) K | diag(b) V] by blockwise
+//      substitution (16 x 16 diagonal inverses, then tensor-core block steps), written to scratch
+//      with G and ED_i = e^{G_last - G_i}.
+//   2. gdn2_state (grid dv/64 x value heads, sequential over chunks): per chunk
+//      V_new = U - W S_c, S_{c+1} = e^{G_last} S_c + K^T diag(ED) V_new; S_c and V_new go to
+//      scratch; the next chunk's W, K, U, gates stream in by cp.async (double buffer where the
+//      shared memory holds two stages: sm_80 / sm_90).
+//   3. gdn2_out   (grid chunks x value heads, all parallel): O = diag(e^G) Q S_c + (M o Q K^T) V_new.
+// Spec: q27py/model/gdn_chunked.py (gdn_chunked_wy); lane-level CPU emulation:
+// tests/gpu/gdn_chunk2_emu.py.
+//
+// Why the state is kept transposed in registers: gdn2_state holds S^T (rows = value columns j,
+// cols = key dims) in mma C-fragment registers for the whole run, 16 value rows per warp. A C
+// fragment (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1) is a valid A fragment of the next product
+// once the k index is permuted (logical k = t <-> physical column 2t, t + 4 <-> 2t + 1): the sum
+// over k does not care about its order as long as the B operand uses the same permutation. So
+// S^T feeds V_new^T = U^T - S^T W^T straight from registers, V_new^T (a C fragment too) feeds
+// S^T += V_new^T diag(ED) K, and no state byte touches shared memory inside the loop. The
+// per-chunk scratch (U / V_new, S_c) is stored in that "fragment-native" order
+// ([row block of 16][col block of 8][32 lanes][4]) so every warp reads and writes it with
+// coalesced 16-byte accesses.
+//
+// Precision: every product is 3xTF32 (a_hi b_hi + a_hi b_lo + a_lo b_hi, fp32 accumulate,
+// ~2^-22 per product): the state path (W S_c, K^T V_new, and W / U through the solve) compounds
+// over hundreds of chunks, and the output products are held to the same 2e-5 class as the
+// sequential kernel (single-pass tf32 would be ~5e-4 relative there).
+//
+// Chunk boundaries sit at absolute positions that are multiples of GDN2_C (pos0 = position of the
+// first lane): a prefill split into pieces at multiples of GDN2_C gives the same bits as one run.
+// Scratch is chunk-padded: chunk ci owns rows ci * GDN2_C .. + GDN2_C - 1 of W, U, gates (rows
+// past the chunk's n tokens hold zeros / flat gates and contribute nothing).
+//
+// mma.sync m16n8k8 .tf32 fragments (PTX ISA), g = lane >> 2, t = lane & 3:
+//   A (16x8, row): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)
+//   B (8x8, col):  b0 (k=t, n=g), b1 (k=t+4, n=g)
+//   C/D (16x8):    d0 (g, 2t), d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1)
+#include "common.cuh"
+
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += a b in 3xTF32 from split operands: small terms first, then the big one
+__device__ __forceinline__ void mma3(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], float b0, float b1) {
+    u32 bh0, bl0, bh1, bl1;
+    split_tf32(b0, bh0, bl0);
+    split_tf32(b1, bh1, bl1);
+    mma_tf32(d, al, bh0, bh1);
+    mma_tf32(d, ah, bl0, bl1);
+    mma_tf32(d, ah, bh0, bh1);
+}
+
+// A fragment (split) from four row-fragment values in a0..a3 order
+__device__ __forceinline__ void split_a(float a0, float a1, float a2, float a3, u32 (&h)[4], u32 (&l)[4]) {
+    split_tf32(a0, h[0], l[0]);
+    split_tf32(a1, h[1], l[1]);
+    split_tf32(a2, h[2], l[2]);
+    split_tf32(a3, h[3], l[3]);
+}
+
+// A fragment from a C-fragment tile, k permuted (column 2t -> k t, column 2t + 1 -> k t + 4)
+__device__ __forceinline__ void split_ctile(const float (&c)[4], u32 (&h)[4], u32 (&l)[4]) {
+    split_a(c[0], c[2], c[1], c[3], h, l);
+}
+
+// Standard-layout product for the solve: d[nt] += A[16 x kdim] B[kdim x 8 NT], row strides ars / brs.
+template <int NT>
+__device__ __forceinline__ void warp_mma_std(float (&d)[NT][4], const float* A, int ars, const float* B, int brs,
+                                             int kdim) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int k0 = 0; k0 < kdim; k0 += 8) {
+        const float* a = A + k0 + t;
+        u32 ah[4], al[4];
+        split_a(a[g * ars], a[(g + 8) * ars], a[g * ars + 4], a[(g + 8) * ars + 4], ah, al);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const float* b = B + (k0 + t) * brs + nt * 8 + g;
+            mma3(d[nt], ah, al, b[0], b[4 * brs]);
+        }
+    }
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+}
+// 16 bytes, or 16 zero bytes when !ok (src must still be a valid address)
+__device__ __forceinline__ void cp16z(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Swizzles of dense [C][D] fp32 tiles (D a multiple of 32) that make the fragment reads
+// conflict-free without padding (both keep 4-float groups whole, so cp.async 16-byte copies work):
+//   sw_row: float2 reads of (row base + g, col 8s + 2t): XOR bits 3-4 of the column with row & 3
+//   sw_col: 4-byte reads of (row 8m + 2t (+1), col 8s + g): XOR with (row >> 1) & 3
+__device__ __forceinline__ int sw_row(int row, int col) { return col ^ ((row & 3) << 3); }
+__device__ __forceinline__ int sw_col(int row, int col) { return col ^ (((row >> 1) & 3) << 3); }
+
+// First lane and length of chunk ci of a run of nlanes lanes starting at absolute position pos0.
+__device__ __forceinline__ void chunk_span(int ci, int nlanes, int pos0, int& c0, int& n) {
+    const int first = GDN2_C - pos0 % GDN2_C;  // chunk 0 may be ragged
+    c0 = ci == 0 ? 0 : first + (ci - 1) * GDN2_C;
+    n = min(nlanes, ci == 0 ? first : c0 + GDN2_C) - c0;
+}
+
+// Inclusive prefix sum of sG[0..C) by warp 0 (two halves of 32), the same float order everywhere.
+__device__ __forceinline__ void chunk_cumsum(float* sG) {
+    const int lane = threadIdx.x & 31;
+    float x0 = sG[lane], x1 = sG[lane + 32];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float y0 = __shfl_up_sync(FULL_MASK, x0, o), y1 = __shfl_up_sync(FULL_MASK, x1, o);
+        if (lane >= o) {
+            x0 += y0;
+            x1 += y1;
+        }
+    }
+    const float half = __shfl_sync(FULL_MASK, x0, 31);
+    sG[lane] = x0;
+    sG[lane + 32] = x1 + half;
+}
+
+// ------------------------------------------------------------------------------------------------
+// 1. Pre-pass: one CTA (8 warps) per (chunk, value head).
+template <int DK, int DV>
+struct PrepSmem {
+    static constexpr int C = GDN2_C, LDY = DK + DV + 8, LDA = C + 4, LDT = 16 + 4;
+    static constexpr int Y = 0, A = Y + C * LDY, T = A + C * LDA, G = T + C * LDT, B = G + C, FLOATS = B + C;
+};
+
+template <int DK, int DV>
+__device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const float* __restrict__ gb,
+                                          float* __restrict__ wsc, float* __restrict__ usc, float* __restrict__ gsc,
+                                          int H, int HV, int nlanes, int pos0, int nchunks) {
+    using L = PrepSmem<DK, DV>;
+    constexpr int C = GDN2_C, LDY = L::LDY, LDA = L::LDA, LDT = L::LDT, NW = 8, MT = C / 16;
+    constexpr int NT = (DK + DV) / (8 * NW);  // 8-column tiles of [W | U] per warp in the solve
+    static_assert(C == 64 && NT * 8 * NW == DK + DV && DK % 32 == 0 && DV % 16 == 0, "prep shape");
+    extern __shared__ float smem[];
+    float* sY = smem + L::Y;  // [C][LDY]: K | V, then diag(b e^G) K | diag(b) V, then W | U
+    float* sA = smem + L::A;  // [C][LDA] strictly lower A
+    float* sT = smem + L::T;  // [C][LDT] inverses of A's 16 x 16 diagonal blocks
+    float* sG = smem + L::G;
+    float* sB = smem + L::B;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int ci = blockIdx.x, h = blockIdx.y, kh = h / (HV / H);
+    int c0, n;
+    chunk_span(ci, nlanes, pos0, c0, n);
+    const i64 ldq = 2 * H * DK + HV * DV;
+    const float* kbase = qkvn + H * DK + kh * DK;
+    const float* vbase = qkvn + 2 * H * DK + h * DV;
+    for (int idx = tid; idx < C * (DK + DV) / 4; idx += NW * 32) {
+        const int i = idx / ((DK + DV) / 4), c = (idx - i * ((DK + DV) / 4)) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (i < n) {
+            const i64 row = (i64)(c0 + i) * ldq;
+            v = *reinterpret_cast<const float4*>(c < DK ? kbase + row + c : vbase + row + (c - DK));
+        }
+        *reinterpret_cast<float4*>(sY + i * LDY + c) = v;
+    }
+    if (tid < C) {
+        const bool ok = tid < n;
+        sG[tid] = ok ? __ldg(gb + (i64)(c0 + tid) * 2 * HV + h) : 0.f;  // pad rows: g = 0 (gates stay flat)
+        sB[tid] = ok ? __ldg(gb + (i64)(c0 + tid) * 2 * HV + HV + h) : 0.f;
+    }
+    __syncthreads();
+    if (warp == 0) chunk_cumsum(sG);
+    __syncthreads();
+    // A from K K^T on the 20 16 x 8 tiles touching the lower triangle (k permuted: float2 reads)
+    for (int tile = 0, lower_seen = 0; tile < MT * (C / 8); tile++) {
+        const int tm = tile / (C / 8), tn = tile - tm * (C / 8);
+        const bool lower = tn * 8 <= tm * 16 + 15;
+        const int owner = lower ? lower_seen++ % NW : tile % NW;  // the same count in every warp
+        if (owner != warp) continue;
+        float kk[4] = {0.f, 0.f, 0.f, 0.f};
+        if (lower) {
+#pragma unroll 4
+            for (int s = 0; s < DK / 8; s++) {
+                const float2 a02 = *reinterpret_cast<const float2*>(sY + (tm * 16 + g) * LDY + 8 * s + 2 * t);
+                const float2 a13 = *reinterpret_cast<const float2*>(sY + (tm * 16 + g + 8) * LDY + 8 * s + 2 * t);
+                const float2 b = *reinterpret_cast<const float2*>(sY + (tn * 8 + g) * LDY + 8 * s + 2 * t);
+                u32 ah[4], al[4];
+                split_a(a02.x, a13.x, a02.y, a13.y, ah, al);
+                mma3(kk, ah, al, b.x, b.y);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int i = tm * 16 + g + (e >> 1) * 8, m = tn * 8 + 2 * t + (e & 1);
+            sA[i * LDA + m] = m < i ? sB[i] * expf(sG[i] - sG[m]) * kk[e] : 0.f;
+        }
+    }
+    if (tid < C) {  // gates for the other two kernels: G, and ED = e^{G_last - G} (G_last = G[C-1]: pads are flat)
+        float* gs = gsc + ((i64)h * nchunks + ci) * 2 * C;
+        gs[tid] = sG[tid];
+        gs[C + tid] = expf(sG[C - 1] - sG[tid]);
+    }
+    __syncthreads();
+    if (tid < C) {  // T_b = (I + A_bb)^-1, one thread per column of a block
+        const int b = tid >> 4, jj = tid & 15;
+        const float* a = sA + b * 16 * LDA + b * 16;
+        float tc[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            float acc = i == jj ? 1.f : 0.f;
+#pragma unroll
+            for (int m = 0; m < i; m++) acc = fmaf(-a[i * LDA + m], tc[m], acc);
+            tc[i] = acc;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; i++) sT[(b * 16 + i) * LDT + jj] = tc[i];
+    }
+    for (int idx = tid; idx < C * (DK + DV); idx += NW * 32) {  // right-hand sides, in place
+        const int i = idx / (DK + DV), c = idx - i * (DK + DV);
+        sY[i * LDY + c] *= c < DK ? sB[i] * expf(sG[i]) : sB[i];
+    }
+    __syncthreads();
+    // (I + A) Y = X blockwise: Y_b = T_b (X_b - A_{b,<b} Y_{<b}); warp w owns columns [8 NT w, 8 NT (w+1))
+    {
+        float* yw = sY + warp * NT * 8;
+        for (int b = 0; b < MT; b++) {
+            float z[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) z[nt][0] = z[nt][1] = z[nt][2] = z[nt][3] = 0.f;
+            if (b) warp_mma_std<NT>(z, sA + b * 16 * LDA, LDA, yw, LDY, b * 16);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) yw[(b * 16 + g + (e >> 1) * 8) * LDY + nt * 8 + 2 * t + (e & 1)] -= z[nt][e];
+            __syncwarp();
+            float u[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) u[nt][0] = u[nt][1] = u[nt][2] = u[nt][3] = 0.f;
+            warp_mma_std<NT>(u, sT + b * 16 * LDT, LDT, yw + b * 16 * LDY, LDY, 16);
+            __syncwarp();  // every lane has read Z_b before Y_b overwrites it
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) yw[(b * 16 + g + (e >> 1) * 8) * LDY + nt * 8 + 2 * t + (e & 1)] = u[nt][e];
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    float* w = wsc + ((i64)h * nchunks + ci) * C * DK;  // W rows, dense [C][DK]
+    for (int idx = tid; idx < C * DK / 4; idx += NW * 32) {
+        const int i = idx / (DK / 4), c = (idx - i * (DK / 4)) * 4;
+        *reinterpret_cast<float4*>(w + i * DK + c) = *reinterpret_cast<const float4*>(sY + i * LDY + c);
+    }
+    float* u = usc + ((i64)h * nchunks + ci) * C * DV;  // U^T, fragment-native [DV/16][C/8][32][4]
+    for (int idx = tid; idx < C * DV; idx += NW * 32) {
+        const int e = idx & 3, ln = (idx >> 2) & 31, cb = (idx >> 7) & (C / 8 - 1), rb = idx >> 10;
+        const int j = rb * 16 + (ln >> 2) + (e >> 1) * 8, tok = cb * 8 + 2 * (ln & 3) + (e & 1);
+        u[idx] = sY[tok * LDY + DK + j];
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// 2. State recurrence: one CTA (GDN2_BV / 16 warps) per (64 value columns, value head).
+template <int DK>
+struct StateSmem {
+    static constexpr int C = GDN2_C;
+    static constexpr int W = 0, K = W + C * DK, U = K + C * DK, E = U + C * GDN2_BV, STAGE = E + 2 * C;
+};
+
+template <int DK, int STAGES>
+__device__ __forceinline__ void state_body(float* __restrict__ state, const float* __restrict__ qkvn,
+                                           const float* __restrict__ wsc, float* __restrict__ usc,
+                                           float* __restrict__ ssc, const float* __restrict__ gsc, int H, int HV,
+                                           int dv, int nlanes, int pos0, int nchunks) {
+    using L = StateSmem<DK>;
+    constexpr int C = GDN2_C, BV = GDN2_BV, NW = BV / 16, KT = DK / 8, CT = C / 8;
+    static_assert(C == 64 && BV % 16 == 0 && DK % 32 == 0 && (STAGES == 1 || STAGES == 2), "state shape");
+    extern __shared__ float smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, j0 = blockIdx.x * BV, kh = h / (HV / H);
+    const i64 ldq = 2 * H * DK + HV * dv;
+    const float* kbase = qkvn + H * DK + kh * DK;
+
+    auto issue = [&](int ci, int st) {  // chunk ci's W, K, U^T (this CTA's rows) and gates into stage st
+        float* base = smem + st * L::STAGE;
+        int c0, n;
+        chunk_span(ci, nlanes, pos0, c0, n);
+        const float* w = wsc + ((i64)h * nchunks + ci) * C * DK;
+        for (int idx = tid; idx < C * DK / 4; idx += NW * 32) {
+            const int i = idx / (DK / 4), c = (idx - i * (DK / 4)) * 4;
+            cp16(base + L::W + i * DK + sw_row(i, c), w + i * DK + c);
+            const bool ok = i < n;
+            cp16z(base + L::K + i * DK + sw_col(i, c), kbase + (ok ? (i64)(c0 + i) * ldq + c : 0), ok);
+        }
+        const float* u = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C;
+        for (int idx = tid; idx < C * BV / 4; idx += NW * 32) cp16(base + L::U + idx * 4, u + idx * 4);
+        const float* e = gsc + ((i64)h * nchunks + ci) * 2 * C;
+        for (int idx = tid; idx < 2 * C / 4; idx += NW * 32) cp16(base + L::E + idx * 4, e + idx * 4);
+        cp_commit();
+    };
+
+    // S^T rows j0 + 16 warp + (g, g + 8), key dims 8s + 2t (+1): C fragments, fp32, for the whole run
+    float S[KT][4];
+    {
+        const float* s0 = state + ((i64)h * dv + j0 + warp * 16 + g) * DK + 2 * t;
+#pragma unroll
+        for (int s = 0; s < KT; s++) {
+            const float2 lo = *reinterpret_cast<const float2*>(s0 + 8 * s);
+            const float2 hi = *reinterpret_cast<const float2*>(s0 + 8 * DK + 8 * s);
+            S[s][0] = lo.x, S[s][1] = lo.y, S[s][2] = hi.x, S[s][3] = hi.y;
+        }
+    }
+    issue(0, 0);
+    for (int ci = 0; ci < nchunks; ci++) {
+        const int st = STAGES == 2 ? ci & 1 : 0;
+        if (STAGES == 2 && ci + 1 < nchunks) {
+            issue(ci + 1, st ^ 1);  // its stage was last read in chunk ci - 1 (barrier at that chunk's end)
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        __syncthreads();
+        const float* sW = smem + st * L::STAGE + L::W;
+        const float* sK = smem + st * L::STAGE + L::K;
+        const float* sU = smem + st * L::STAGE + L::U;
+        const float* sE = smem + st * L::STAGE + L::E;
+        // the chunk's start state for the output pass, fragment-native [dv/16][KT][32][4]
+        float* sc = ssc + (((i64)h * nchunks + ci) * (dv / 16) + j0 / 16 + warp) * KT * 128 + lane * 4;
+#pragma unroll
+        for (int s = 0; s < KT; s++) *reinterpret_cast<float4*>(sc + s * 128) = make_float4(S[s][0], S[s][1], S[s][2], S[s][3]);
+        // P = S^T W^T: [16 j x C tokens], k = key dims (permuted: W read as float2 along its row)
+        float p[CT][4];
+#pragma unroll
+        for (int nt = 0; nt < CT; nt++) p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
+#pragma unroll
+        for (int s = 0; s < KT; s++) {
+            u32 ah[4], al[4];
+            split_ctile(S[s], ah, al);
+#pragma unroll
+            for (int nt = 0; nt < CT; nt++) {
+                const int row = nt * 8 + g;
+                const float2 b = *reinterpret_cast<const float2*>(sW + row * DK + sw_row(row, 8 * s + 2 * t));
+                mma3(p[nt], ah, al, b.x, b.y);
+            }
+        }
+        // V_new^T = U^T - P (to scratch over U, for the output pass), then scaled by ED per token
+        float* vn = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C + (warp * CT * 32 + lane) * 4;
+#pragma unroll
+        for (int nt = 0; nt < CT; nt++) {
+            const float4 u = *reinterpret_cast<const float4*>(sU + ((warp * CT + nt) * 32 + lane) * 4);
+            const float4 v = make_float4(u.x - p[nt][0], u.y - p[nt][1], u.z - p[nt][2], u.w - p[nt][3]);
+            *reinterpret_cast<float4*>(vn + nt * 128) = v;
+            const float e0 = sE[C + nt * 8 + 2 * t], e1 = sE[C + nt * 8 + 2 * t + 1];
+            p[nt][0] = v.x * e0, p[nt][1] = v.y * e1, p[nt][2] = v.z * e0, p[nt][3] = v.w * e1;
+        }
+        // S^T = e^{G_last} S^T + (diag(ED) V_new)^T K: k = tokens (permuted: K rows 2t, 2t + 1)
+        const float egl = expf(sE[C - 1]);
+#pragma unroll
+        for (int s = 0; s < KT; s++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) S[s][e] *= egl;
+#pragma unroll
+        for (int m = 0; m < CT; m++) {
+            u32 ah[4], al[4];
+            split_ctile(p[m], ah, al);
+            const int r0 = m * 8 + 2 * t;
+#pragma unroll
+            for (int s = 0; s < KT; s++) {
+                const int col = sw_col(r0, 8 * s + g);  // rows r0 and r0 + 1 share the swizzle
+                mma3(S[s], ah, al, sK[r0 * DK + col], sK[(r0 + 1) * DK + col]);
+            }
+        }
+        __syncthreads();  // every warp is done with this stage
+        if (STAGES == 1 && ci + 1 < nchunks) issue(ci + 1, 0);
+    }
+    float* s1 = state + ((i64)h * dv + j0 + warp * 16 + g) * DK + 2 * t;
+#pragma unroll
+    for (int s = 0; s < KT; s++) {
+        *reinterpret_cast<float2*>(s1 + 8 * s) = make_float2(S[s][0], S[s][1]);
+        *reinterpret_cast<float2*>(s1 + 8 * DK + 8 * s) = make_float2(S[s][2], S[s][3]);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// 3. Output: one CTA (DV / 16 warps) per (chunk, value head).
+template <int DK, int DV>
+struct OutSmem {
+    static constexpr int C = GDN2_C, LDM = C + 8;
+    static constexpr int Q = 0, K = Q + C * DK, M = K + C * DK, G = M + C * LDM, FLOATS = G + C;
+};
+
+template <int DK, int DV>
+__device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const float* __restrict__ usc,
+                                         const float* __restrict__ ssc, const float* __restrict__ gsc,
+                                         float* __restrict__ out, int ldo, int H, int HV, int nlanes, int pos0,
+                                         int nchunks) {
+    using L = OutSmem<DK, DV>;
+    constexpr int C = GDN2_C, LDM = L::LDM, NW = DV / 16, KT = DK / 8, CT = C / 8, MT = C / 16;
+    static_assert(C == 64 && DK % 32 == 0 && DV % 16 == 0, "out shape");
+    extern __shared__ float smem[];
+    float* sQ = smem + L::Q;  // [C][DK] sw_row
+    float* sK = smem + L::K;  // [C][DK] sw_row
+    float* sM = smem + L::M;  // [C][LDM] M o Q K^T (lower, diagonal included)
+    float* sG = smem + L::G;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int ci = blockIdx.x, h = blockIdx.y, kh = h / (HV / H);
+    int c0, n;
+    chunk_span(ci, nlanes, pos0, c0, n);
+    const i64 ldq = 2 * H * DK + HV * DV;
+    const float* qbase = qkvn + kh * DK;
+    const float* kbase = qkvn + H * DK + kh * DK;
+    for (int idx = tid; idx < C * DK / 4; idx += NW * 32) {
+        const int i = idx / (DK / 4), c = (idx - i * (DK / 4)) * 4;
+        float4 qv = make_float4(0.f, 0.f, 0.f, 0.f), kv = qv;
+        if (i < n) {
+            const i64 row = (i64)(c0 + i) * ldq;
+            qv = *reinterpret_cast<const float4*>(qbase + row + c);
+            kv = *reinterpret_cast<const float4*>(kbase + row + c);
+        }
+        *reinterpret_cast<float4*>(sQ + i * DK + sw_row(i, c)) = qv;
+        *reinterpret_cast<float4*>(sK + i * DK + sw_row(i, c)) = kv;
+    }
+    if (tid < C) sG[tid] = gsc[((i64)h * nchunks + ci) * 2 * C + tid];
+    __syncthreads();
+    // M o Q K^T on the 20 lower 16 x 8 tiles (k permuted: Q and K read as float2 along their rows)
+    for (int tile = 0, lower_seen = 0; tile < MT * CT; tile++) {
+        const int tm = tile / CT, tn = tile - tm * CT;
+        if (tn * 8 > tm * 16 + 15) continue;  // never read by the product below
+        if (lower_seen++ % NW != warp) continue;
+        float qk[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int s = 0; s < KT; s++) {
+            const int ra = tm * 16 + g, rb = tn * 8 + g, col = 8 * s + 2 * t;
+            const float2 a02 = *reinterpret_cast<const float2*>(sQ + ra * DK + sw_row(ra, col));
+            const float2 a13 = *reinterpret_cast<const float2*>(sQ + (ra + 8) * DK + sw_row(ra + 8, col));
+            const float2 b = *reinterpret_cast<const float2*>(sK + rb * DK + sw_row(rb, col));
+            u32 ah[4], al[4];
+            split_a(a02.x, a13.x, a02.y, a13.y, ah, al);
+            mma3(qk, ah, al, b.x, b.y);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int i = tm * 16 + g + (e >> 1) * 8, m = tn * 8 + 2 * t + (e & 1);
+            sM[i * LDM + m] = m <= i ? expf(sG[i] - sG[m]) * qk[e] : 0.f;
+        }
+    }
+    __syncthreads();
+    // O^T = S_c^T Q^T diag(e^G) + V_new^T (M o Q K^T)^T on [16 j x C tokens] per warp
+    float o[CT][4];
+#pragma unroll
+    for (int nt = 0; nt < CT; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    const float* sc = ssc + (((i64)h * nchunks + ci) * NW + warp) * KT * 128 + lane * 4;
+#pragma unroll 4
+    for (int s = 0; s < KT; s++) {
+        const float4 f = *reinterpret_cast<const float4*>(sc + s * 128);
+        u32 ah[4], al[4];
+        split_a(f.x, f.z, f.y, f.w, ah, al);  // split_ctile order
+#pragma unroll
+        for (int nt = 0; nt < CT; nt++) {
+            const int row = nt * 8 + g;
+            const float2 b = *reinterpret_cast<const float2*>(sQ + row * DK + sw_row(row, 8 * s + 2 * t));
+            mma3(o[nt], ah, al, b.x, b.y);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < CT; nt++) {
+        const float e0 = expf(sG[nt * 8 + 2 * t]), e1 = expf(sG[nt * 8 + 2 * t + 1]);
+        o[nt][0] *= e0, o[nt][1] *= e1, o[nt][2] *= e0, o[nt][3] *= e1;
+    }
+    const float* vn = usc + ((i64)h * nchunks + ci) * C * DV + (warp * CT * 32 + lane) * 4;
+#pragma unroll
+    for (int mb = 0; mb < CT; mb++) {
+        const float4 f = *reinterpret_cast<const float4*>(vn + mb * 128);
+        u32 ah[4], al[4];
+        split_a(f.x, f.z, f.y, f.w, ah, al);
+#pragma unroll
+        for (int nt = 0; nt < CT; nt++) {
+            if (nt < mb) continue;  // M is lower triangular: token block nt sees blocks mb <= nt
+            const float2 b = *reinterpret_cast<const float2*>(sM + (nt * 8 + g) * LDM + mb * 8 + 2 * t);
+            mma3(o[nt], ah, al, b.x, b.y);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < CT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int i = nt * 8 + 2 * t + (e & 1), j = warp * 16 + g + (e >> 1) * 8;
+            if (i < n) out[(i64)(c0 + i) * ldo + h * DV + j] = o[nt][e];
+        }
+}
+
+// Entry points. Scratch (floats, chunk-padded, nchunks = chunks of this run): W [HV][nchunks][C][DK],
+// U / V_new [HV][nchunks][C * DV] fragment-native, S_c [HV][nchunks][DV * DK] fragment-native,
+// gates [HV][nchunks][2][C] (G, ED). State K-last [HV][dv][dk] as gdn_prefill.
+#define GDN2_KERNELS(D)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                          \
+        gdn2_prep_d##D(const float* qkvn, const float* gb, float* wsc, float* usc, float* gsc, int H, int HV,     \
+                       int nlanes, int pos0, int nchunks) {                                                       \
+        prep_body<D, D>(qkvn, gb, wsc, usc, gsc, H, HV, nlanes, pos0, nchunks);                                   \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
+        gdn2_state_d##D##_s2(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,           \
+                             const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {        \
+        state_body<D, 2>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
+        gdn2_state_d##D##_s1(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,           \
+                             const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {        \
+        state_body<D, 1>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(D * 2, 2)                                                        \
+        gdn2_out_d##D(const float* qkvn, const float* usc, const float* ssc, const float* gsc, float* out,        \
+                      int ldo, int H, int HV, int nlanes, int pos0, int nchunks) {                                \
+        out_body<D, D>(qkvn, usc, ssc, gsc, out, ldo, H, HV, nlanes, pos0, nchunks);                              \
+    }
+
+GDN2_KERNELS(128)
+GDN2_KERNELS(64)
