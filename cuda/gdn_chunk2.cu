@@ -252,7 +252,8 @@ __device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const 
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) yw[(b * 16 + g + (e >> 1) * 8) * LDY + nt * 8 + 2 * t + (e & 1)] -= z[nt][e];
+                for (int e = 0; e < 4; e++)
+                    yw[(b * 16 + g + (e >> 1) * 8) * LDY + nt * 8 + 2 * t + (e & 1)] -= z[nt][e];
             __syncwarp();
             float u[NT][4];
 #pragma unroll
@@ -348,7 +349,8 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
         // the chunk's start state for the output pass, fragment-native [dv/16][KT][32][4]
         float* sc = ssc + (((i64)h * nchunks + ci) * (dv / 16) + j0 / 16 + warp) * KT * 128 + lane * 4;
 #pragma unroll
-        for (int s = 0; s < KT; s++) *reinterpret_cast<float4*>(sc + s * 128) = make_float4(S[s][0], S[s][1], S[s][2], S[s][3]);
+        for (int s = 0; s < KT; s++)
+            *reinterpret_cast<float4*>(sc + s * 128) = make_float4(S[s][0], S[s][1], S[s][2], S[s][3]);
         // P = S^T W^T: [16 j x C tokens], k = key dims (permuted: W read as float2 along its row)
         float p[CT][4];
 #pragma unroll

@@ -1,7 +1,10 @@
 """Device-side GDN prefill study: the sequential kernel (gdn_prefill) against the chunked tensor-core
-kernel (gdn_prefill_chunked) for one 27B GDN layer (H 16, HV 48, dk = dv = 128) at T = 2K / 8K / 32K:
-milliseconds per layer (CUDA events, median of --reps after a warm-up), us per token, and the
-relative L2 gap of outputs and final state between the two. Prints a table; JSON to $OUT/gdn.json.
+kernel (gdn_prefill_chunked) and the three-kernel pipeline (gdn_prefill_chunked2, both state-pass
+variants where they fit: s2 double-buffered, s1 single stage) for one 27B GDN layer (H 16, HV 48,
+dk = dv = 128) at T = 2K / 8K / 32K: milliseconds per layer (CUDA events, median of --reps after a
+warm-up), chunked2's split over its kernels (pre-pass / state / output), the run fed in 4096-lane
+pieces (bitwise equal to one run?), and the relative L2 gap of outputs and final state against the
+sequential kernel. Prints a table; JSON to $OUT/gdn.json.
 
     PYTHONPATH=. python3 tools/device_gdn.py [--lens 2048 8192 32768] [--reps 5] [--piece 4096]
 """
@@ -63,9 +66,14 @@ def main() -> int:
         s0 = rng.standard_normal((hv, dv, dk), dtype=cp.float32) * 0.3
         outs = {}
         row = {"T": t}
-        for name, fn in (("sequential", lambda s, o, a, b, n, p: K.gdn_prefill(s, a, b, o, hv * dv, h, hv, dk, dv, n)),
-                         ("chunked", lambda s, o, a, b, n, p: K.gdn_prefill_chunked(s, a, b, o, hv * dv, h, hv, dk, dv,
-                                                                                   n, pos0=p))):
+        scratch = cp.empty(K.gdn2_scratch_floats(K.gdn2_max_chunks(t), hv, dk, dv), cp.float32)
+        routes = [("sequential", lambda s, o, a, b, n, p: K.gdn_prefill(s, a, b, o, hv * dv, h, hv, dk, dv, n)),
+                  ("chunked", lambda s, o, a, b, n, p: K.gdn_prefill_chunked(s, a, b, o, hv * dv, h, hv, dk, dv,
+                                                                            n, pos0=p))]
+        for st in [x for x in (2, 1) if x <= K.gdn2_stages(dk, dv)]:
+            routes.append((f"chunked2_s{st}", lambda s, o, a, b, n, p, st=st: K.gdn_prefill_chunked2(
+                s, a, b, o, hv * dv, h, hv, dk, dv, n, pos0=p, scratch=scratch, stages=st)))
+        for name, fn in routes:
             state, out = s0.copy(), cp.full((t, hv * dv), cp.nan, cp.float32)
 
             def whole():
@@ -88,20 +96,37 @@ def main() -> int:
                 cp.cuda.Device().synchronize()
                 row[f"{name}_pieces_bitwise_whole"] = bool(np.array_equal(out.get(), outs[name][0])
                                                            and np.array_equal(state.get(), outs[name][1]))
+        # chunked2's split over its three kernels (events around the launches, median of reps)
+        split = {"prep": [], "state": [], "out": []}
+        for _ in range(args.reps):
+            ev = [cp.cuda.Event() for _ in range(4)]
+            state = s0.copy()
+            K.gdn_prefill_chunked2(state, qkvn, gb, out, hv * dv, h, hv, dk, dv, t, scratch=scratch, events=ev)
+            ev[3].synchronize()
+            for i, k in enumerate(split):
+                split[k].append(cp.cuda.get_elapsed_time(ev[i], ev[i + 1]))
+        row["chunked2_split_ms"] = {k: float(np.median(v)) for k, v in split.items()}
         rel = lambda a, b: float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b))  # noqa: E731
-        row["rel_out"] = rel(outs["chunked"][0], outs["sequential"][0])
-        row["rel_state"] = rel(outs["chunked"][1], outs["sequential"][1])
-        row["max_rel_state"] = float(np.abs(outs["chunked"][1] - outs["sequential"][1]).max()
-                                     / np.abs(outs["sequential"][1]).max())
-        row["nan_out"] = bool(np.isnan(outs["chunked"][0]).any())
-        row["speedup"] = row["sequential_ms"] / row["chunked_ms"]
-        row["chunked_us_per_token"] = 1e3 * row["chunked_ms"] / t
+        for name in [n for n, _ in routes if n != "sequential"]:
+            row[f"{name}_rel_out"] = rel(outs[name][0], outs["sequential"][0])
+            row[f"{name}_rel_state"] = rel(outs[name][1], outs["sequential"][1])
+            row[f"{name}_max_rel_state"] = float(np.abs(outs[name][1] - outs["sequential"][1]).max()
+                                                 / np.abs(outs["sequential"][1]).max())
+            row[f"{name}_nan_out"] = bool(np.isnan(outs[name][0]).any())
+            row[f"{name}_speedup"] = row["sequential_ms"] / row[f"{name}_ms"]
+            row[f"{name}_us_per_token"] = 1e3 * row[f"{name}_ms"] / t
+            print(f"T={t:6d}  {name:12s} {row[f'{name}_ms']:8.3f} ms (sequential {row['sequential_ms']:8.3f})  "
+                  f"x{row[f'{name}_speedup']:.1f}  rel out {row[f'{name}_rel_out']:.2e} "
+                  f"state {row[f'{name}_rel_state']:.2e}  "
+                  + (f"pieces {row[f'{name}_pieces_ms']:.3f} ms bitwise={row[f'{name}_pieces_bitwise_whole']}"
+                     if f"{name}_pieces_ms" in row else ""), flush=True)
+        parts = "  ".join(f"{k} {v:.3f}" for k, v in row["chunked2_split_ms"].items())
+        print(f"T={t:6d}  chunked2 split (ms): {parts}", flush=True)
+        if "chunked2_s1" in outs and "chunked2_s2" in outs:
+            row["chunked2_stages_bitwise"] = bool(np.array_equal(outs["chunked2_s1"][0], outs["chunked2_s2"][0])
+                                                  and np.array_equal(outs["chunked2_s1"][1], outs["chunked2_s2"][1]))
         res["rows"].append(row)
-        print(f"T={t:6d}  sequential {row['sequential_ms']:8.3f} ms  chunked {row['chunked_ms']:8.3f} ms  "
-              f"x{row['speedup']:.1f}  rel out {row['rel_out']:.2e} state {row['rel_state']:.2e}  "
-              + (f"pieces {row.get('chunked_pieces_ms', 0):.3f} ms bitwise={row.get('chunked_pieces_bitwise_whole')}"
-                 if "chunked_pieces_ms" in row else ""), flush=True)
-        del qkvn, gb
+        del qkvn, gb, scratch
     out_dir = Path(os.environ.get("OUT", "/tmp/q27-device"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gdn.json").write_text(json.dumps(res, indent=1))

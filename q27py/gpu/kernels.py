@@ -670,11 +670,12 @@ def gdn2_stages(dk: int, dv: int) -> int:
 
 
 def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
-                         pos0: int = 0, scratch=None, stages: int | None = None) -> None:
+                         pos0: int = 0, scratch=None, stages: int | None = None, events=None) -> None:
     """gdn_prefill's contract through the three-kernel pipeline; chunk boundaries at absolute
     multiples of GDN2_C (pieces split there give the bits of one run). scratch: a float32 device
     buffer of at least gdn2_scratch_floats(gdn2_nchunks(nlanes, pos0), hv, dk, dv) floats
-    (allocated here when None). Matches the sequential kernel within fp32 rounding (3xTF32)."""
+    (allocated here when None). Matches the sequential kernel within fp32 rounding (3xTF32).
+    events: four CUDA events recorded around the three launches (the bench's per-kernel split)."""
     import cupy as cp
 
     if nlanes <= 0:
@@ -698,14 +699,19 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
     wsc, usc, ssc, gsc = flat[:o1], flat[o1:o2], flat[o2:o3], flat[o3:need]
     smem = gdn2_smem_floats(dk, dv, stages)
     rt = Runtime.get()
+    mark = (lambda i: events[i].record()) if events else (lambda i: None)  # noqa: E731
+    mark(0)
     rt.launch("gdn_chunk2", f"gdn2_prep_d{dk}", (nc, hv), 256,
               (qkvn, gb, wsc, usc, gsc, i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)), shared_mem=4 * smem["prep"])
+    mark(1)
     rt.launch("gdn_chunk2", f"gdn2_state_d{dk}_s{stages}", (dv // C.GDN2_BV, hv), 2 * C.GDN2_BV,
               (state, qkvn, wsc, usc, ssc, gsc, i32(h), i32(hv), i32(dv), i32(nlanes), i32(pos0), i32(nc)),
               shared_mem=4 * smem["state"])
+    mark(2)
     rt.launch("gdn_chunk2", f"gdn2_out_d{dk}", (nc, hv), 2 * dv,
               (qkvn, usc, ssc, gsc, out, i32(ldo), i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)),
               shared_mem=4 * smem["out"])
+    mark(3)
 
 
 def gdn_prefill_run(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,

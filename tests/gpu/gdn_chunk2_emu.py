@@ -15,8 +15,10 @@ import numpy as np
 
 from gdn_chunk_emu import GQ, TQ, split, tf32  # noqa: F401  (same lane map and tf32 rounding)
 
-C = 64
-BV = 64
+from q27py.gpu import constants
+
+C = constants.GDN2_C  # the kernels' compile-time chunk and state-pass column tile
+BV = constants.GDN2_BV
 
 
 def mma3(d, a, b0, b1):

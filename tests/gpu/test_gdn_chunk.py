@@ -407,7 +407,8 @@ def test_chunked2_long_run_at_27b_shape_stays_in_class(cp, K):
     o, st = run_chunked2(cp, K, d, h, hv, dk, dv, t, 0)
     assert rel(o, so) < 5e-5 and rel(st, ss) < 5e-5
     heads = [0, 1, 47]
-    sub = {x: d[x][:, [hh // 3 for hh in heads]] if x in ("q", "k") else d[x][:, heads] for x in ("q", "k", "v", "g", "beta")}
+    sub = {x: d[x][:, [hh // 3 for hh in heads]] if x in ("q", "k") else d[x][:, heads]
+           for x in ("q", "k", "v", "g", "beta")}
     _, s64 = ops.gdn_recurrent(*(sub[x].astype(np.float64) for x in ("q", "k", "v", "g", "beta")),
                                d["s0"][heads].astype(np.float64))
     s64 = klast(s64)
