@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
+# short tail). Stages: a8 probe fused kvrot gdn2 attn fa bench gates all
+#   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
+set -o pipefail
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
+OUT=${OUT:-/tmp/q27-wave}; mkdir -p "$OUT"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE"
+say() { echo "=== $1 ($(date +%T))"; }
+rc=0
+for stage in "$@"; do
+  say "$stage"
+  case "$stage" in
+    a8) timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or quant_act8" tests/gpu/test_a8_layout.py \
+          tests/gpu/test_gemv_plan.py > "$OUT/a8.txt" 2>&1 || rc=1; tail -6 "$OUT/a8.txt" ;;
+    probe) timeout 240 python3 -m q27py.bench.gemv_probe --shapes 27b --impl v1 a8 --lanes 1 8 16 \
+          --json "$OUT/probe.json" > "$OUT/probe.txt" 2>&1 || rc=1; tail -24 "$OUT/probe.txt" ;;
+    fused) timeout 300 $PYTEST tests/gpu/test_gdn_fused.py "tests/gpu/test_kernels.py::test_gdn_step_verify_and_commit" \
+          > "$OUT/fused.txt" 2>&1 || rc=1; tail -6 "$OUT/fused.txt"
+        Q27_GDN_FUSED=1 timeout 300 $PYTEST tests/gpu/test_forward.py > "$OUT/fused_forward.txt" 2>&1 || rc=1
+        tail -4 "$OUT/fused_forward.txt" ;;
+    kvrot) timeout 400 $PYTEST tests/gpu/test_kv_rotated_fast.py tests/gpu/test_kv_rotated_layout.py \
+          tests/gpu/test_kv_rotated.py tests/gpu/test_kv_fp8.py tests/gpu/test_prefix_gpu.py > "$OUT/kvrot.txt" 2>&1 || rc=1
+        tail -8 "$OUT/kvrot.txt" ;;
+    gdn2) timeout 300 $PYTEST tests/gpu/test_gdn_chunk.py -k "chunked2" > "$OUT/gdn2.txt" 2>&1 || rc=1; tail -6 "$OUT/gdn2.txt"
+        STUDY_ARGS=${STUDY_ARGS:-} timeout 200 python3 tools/device_gdn.py > "$OUT/gdn_study.txt" 2>&1 || rc=1
+        tail -14 "$OUT/gdn_study.txt" ;;
+    attn) timeout 300 $PYTEST tests/gpu/test_attention_decode.py > "$OUT/attn.txt" 2>&1 || rc=1; tail -6 "$OUT/attn.txt" ;;
+    fa) timeout 300 $PYTEST tests/gpu/test_attention_prefill.py > "$OUT/fa.txt" 2>&1 || rc=1; tail -6 "$OUT/fa.txt" ;;
+    bench) timeout 420 python3 -m q27py bench --random-weights 27b --tier q4s --quick --json > "$OUT/bench.json" \
+          2> "$OUT/bench.txt" || rc=1; grep -v "^  gemm " "$OUT/bench.txt" | tail -22 ;;
+    gates) timeout 400 $PYTEST tests/gpu/test_gates.py > "$OUT/gates.txt" 2>&1 || rc=1; tail -4 "$OUT/gates.txt" ;;
+    all) timeout 560 $PYTEST tests/gpu > "$OUT/all.txt" 2>&1 || rc=1; tail -25 "$OUT/all.txt" ;;
+    *) echo "unknown stage $stage"; rc=2 ;;
+  esac
+done
+exit $rc
