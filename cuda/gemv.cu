@@ -445,22 +445,27 @@ __device__ __forceinline__ int a8_cta_of(int i, int ctas, int items) {
 }
 
 // One warp's walk over its items: row group rg (global over the launch's matrices), chunk ch.
+// Segment bounds are precomputed (no division per step); the prefetch cursor also caches the
+// current row group's weight / scale base pointers beside it (A8Bases: one descriptor lookup per
+// row group; the compute cursors carry none, to save registers).
 struct A8Cursor {
-    int rg, ch, rg_last, i0, i1, kch, warp;
+    int rg, ch, rg_first, rg_last, lo_first, hi_last, kch, warp;
     bool done;
-    __device__ __forceinline__ int seg_lo(int r) const { return r == i0 / kch ? i0 - r * kch : 0; }
-    __device__ __forceinline__ int seg_hi(int r) const { return r == (i1 - 1) / kch ? i1 - r * kch : kch; }
+    __device__ __forceinline__ int seg_lo(int r) const { return r == rg_first ? lo_first : 0; }
+    __device__ __forceinline__ int seg_hi(int r) const { return r == rg_last ? hi_last : kch; }
     __device__ __forceinline__ void settle() {  // move past row groups where this warp has no chunk
         while (!done && ch >= seg_hi(rg)) {
             if (++rg > rg_last) { done = true; break; }
-            ch = seg_lo(rg) + warp;
+            ch = warp;  // a later row group starts at chunk 0
         }
     }
-    __device__ __forceinline__ void start(int i0_, int i1_, int kch_, int warp_) {
-        i0 = i0_; i1 = i1_; kch = kch_; warp = warp_;
+    __device__ __forceinline__ void start(int i0, int i1, int kch_, int warp_) {
+        kch = kch_; warp = warp_;
         done = i1 <= i0;
-        rg = i0 / kch; rg_last = done ? rg : (i1 - 1) / kch;
-        ch = seg_lo(rg) + warp;
+        rg_first = i0 / kch; rg_last = done ? rg_first : (i1 - 1) / kch;
+        lo_first = i0 - rg_first * kch; hi_last = i1 - rg_last * kch;
+        rg = rg_first;
+        ch = lo_first + warp;
         settle();
     }
     __device__ __forceinline__ void next() { ch += GEMV_WARPS; settle(); }
@@ -476,18 +481,27 @@ __device__ __forceinline__ const i64* a8_matrix(const i64* desc, int nmat, int r
     return d;
 }
 
+struct A8Bases {
+    int rg;
+    const u8* wb;
+    const u32* sb;
+};
+
+// tstride / sstride: bytes per row tile, scale words per row tile (the same for every matrix of a
+// launch: one format, one K)
 template <int FMT>
-__device__ __forceinline__ void a8_issue(const A8Cursor& cur, const i64* desc, int nmat, u32 wslot, u32 sslot,
-                                         int lane) {
+__device__ __forceinline__ void a8_issue(const A8Cursor& cur, A8Bases& bp, const i64* desc, int nmat, u32 wslot,
+                                         u32 sslot, int lane, int tstride, int sstride) {
     typedef FmtInfo<FMT> F;
     constexpr unsigned GSC = FMT == FMT_Q8 ? GSC_Q8 : GSC_Q4;
-    int local;
-    const i64* d = a8_matrix(desc, nmat, cur.rg, local);
-    const int kch = cur.kch, tstride = kch * F::CB, sstride = (int)d[D_NGROUPS] * 8;
-    const u8* wb = reinterpret_cast<const u8*>(d[D_W]) + (i64)local * GEMV_R * tstride + lane * 16 + (i64)cur.ch * F::CB;
-    const u32* sb = reinterpret_cast<const u32*>(d[D_S]) + (i64)local * GEMV_R * sstride + (lane >> 2) +
-                    (((unsigned)cur.ch / GSC) << 3);
-    issue_stage<FMT>(wslot, sslot, wb, sb, tstride, sstride);
+    if (bp.rg != cur.rg) {
+        int local;
+        const i64* d = a8_matrix(desc, nmat, cur.rg, local);
+        bp.wb = reinterpret_cast<const u8*>(d[D_W]) + (i64)local * GEMV_R * tstride + lane * 16;
+        bp.sb = reinterpret_cast<const u32*>(d[D_S]) + (i64)local * GEMV_R * sstride + (lane >> 2);
+        bp.rg = cur.rg;
+    }
+    issue_stage<FMT>(wslot, sslot, bp.wb + cur.ch * F::CB, bp.sb + (((unsigned)cur.ch / GSC) << 3), tstride, sstride);
 }
 
 template <int NT>
@@ -656,10 +670,13 @@ __device__ __forceinline__ void gemv8_body(const i64* __restrict__ desc, int nma
     A8Cursor pf, cur;
     pf.start(i0, i1, kch, warp);
     cur = pf;
+    const int tstride = kch * F::CB, sstride = (int)desc[D_NGROUPS] * 8;
+    A8Bases bp;
+    bp.rg = -1;
 #pragma unroll
     for (int k = 0; k < S - 1; k++) {
         if (!pf.done) {
-            a8_issue<FMT>(pf, desc, nmat, wring + k * STAGE_BYTES, sring + k * STAGE_BYTES, lane);
+            a8_issue<FMT>(pf, bp, desc, nmat, wring + k * STAGE_BYTES, sring + k * STAGE_BYTES, lane, tstride, sstride);
             pf.next();
         }
         cp_async_commit();
@@ -680,7 +697,7 @@ __device__ __forceinline__ void gemv8_body(const i64* __restrict__ desc, int nma
             Stage<FMT> st;
             read_stage<FMT>(st, wring_rd + rd * STAGE_BYTES, sring_rd + rd * STAGE_BYTES);
             if (!pf.done) {
-                a8_issue<FMT>(pf, desc, nmat, wring + wr * STAGE_BYTES, sring + wr * STAGE_BYTES, lane);
+                a8_issue<FMT>(pf, bp, desc, nmat, wring + wr * STAGE_BYTES, sring + wr * STAGE_BYTES, lane, tstride, sstride);
                 pf.next();
             }
             cp_async_commit();
