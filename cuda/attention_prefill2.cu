@@ -111,6 +111,7 @@ __device__ __forceinline__ void prefill2_body(const float* __restrict__ q, int l
     constexpr int C = HD / 8;    // 16-byte bf16 chunks per row
     constexpr int EB = FP8 ? 1 : 2;  // bytes per streamed K/V element
     constexpr int CR = HD * EB / 16;  // 16-byte chunks per streamed row
+    constexpr int KU = NK >= 64 ? HD / 16 : 4;  // S-loop unroll (see there)
     static_assert(NT % 2 == 0 && DT % 2 == 0 && PF2_SPLIT_KEYS % NK == 0, "tile shape");
     extern __shared__ __align__(128) unsigned char pf2_sm[];
     u16* qs = reinterpret_cast<u16*>(pf2_sm);
@@ -222,7 +223,9 @@ __device__ __forceinline__ void prefill2_body(const float* __restrict__ q, int l
             float s[NT][4];
 #pragma unroll
             for (int n = 0; n < NT; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
+            // 32-key variants (sm_80 / 99 KB parts) unroll the dims by 4: fully unrolled, ptxas for
+            // sm_120 spills at 255 registers; the 64-key variant (sm_90) keeps the full unroll
+#pragma unroll(KU)
             for (int kk = 0; kk < HD / 16; kk++) {
                 u32 a0, a1, a2, a3;
                 ldsm_x4(q_base + 2 * S::off(a_row, 2 * kk + a_hi), a0, a1, a2, a3);

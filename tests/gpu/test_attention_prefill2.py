@@ -14,7 +14,7 @@ so a logic slip that hides under the looser bar still fails the tight one.
 
 CPU tests here: the emulated error class, the swizzled tiles / ldmatrix lane addresses through
 the PTX fragment maps (operands and bank-conflict freedom), the variant / block / piece
-arithmetic of kernels.py, and an nvcc build for sm_80/86/89/90 without spills. GPU tests (marked):
+arithmetic of kernels.py, and an nvcc build for sm_80/86/89/90/120 without spills. GPU tests (marked):
 v2 against float64 and the emulation (bf16 and fp8 KV, T in {17, 64, 600, 2048}, pos0 > 0, rows
 past the first key block), chunking-invariant bits, a warm turn over a 20K-token cache, and
 FastModel prefill with v1 vs v2.
@@ -197,7 +197,7 @@ def _ptxas(text: str) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"])
 def test_builds_without_spills(tmp_path, arch):
     from q27py.gpu.runtime import compile_options, source_text
 
