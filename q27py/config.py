@@ -74,6 +74,11 @@ class EngineConfig:
     # alignment and class, ~410 MB scratch at the 27B's 4096-lane chunk) or the per-token kernel
     # ("sequential": bitwise the decode step). docs/PERF.md "GDN chunked prefill".
     gdn_prefill: str = "sequential"
+    # cuda: prefill attention kernel. "v1" (cuda/attention_prefill.cu: Q and P as bf16 hi + lo,
+    # fp32-grade) or "v2" (cuda/attention_prefill2.cu: single bf16 Q and P, cp.async + ldmatrix,
+    # 128-row tiles, key blocks for long contexts; bf16 / fp8 KV, fp32 KV keeps v1). v1 stays the
+    # default until v2 is measured on the device (docs/PERF.md "attention prefill v2").
+    attn_prefill: str = "v1"
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30
@@ -188,6 +193,7 @@ ENV_VARS = {
     "Q27_GEMV": ("engine", "gemv", str),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),
+    "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

@@ -2,7 +2,7 @@
 bf16 linear ceiling, prefill tok/s at 2K/8K/32K (optionally 128K) and the per-family breakdown,
 27B shapes with seeded random weights. Prints a short table; full JSON to $OUT/prefill.json.
 
-    PYTHONPATH=. python3 tools/device_prefill.py [--tier q4s] [--chunk 4096] [--long]
+    PYTHONPATH=. python3 tools/device_prefill.py [--tier q4s] [--chunk 4096] [--long] [--attn-prefill v2]
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, nargs="+", default=[4096])
     ap.add_argument("--long", action="store_true", help="also 128K")
     ap.add_argument("--no-routes", action="store_true")
+    ap.add_argument("--attn-prefill", default="v1", help="prefill attention kernel (EngineConfig.attn_prefill)")
     args = ap.parse_args()
+    from q27py.gpu import kernels as K
+
+    K.ATTN_PREFILL = K.attn_prefill_mode(args.attn_prefill)
     lens = [2048, 8192, 32768] + ([131072] if args.long else [])
     res = {"copy": copy_bandwidth(1 << 30)}
     b = Bench(tier=args.tier, max_context=max(lens) + 64, chunk=args.chunk[0], log=lambda *a: print(*a, flush=True))
@@ -46,6 +50,7 @@ def main() -> int:
             p["fraction_of_bf16_peak"] = p["weight_TFLOPs"] / BF16_DENSE_PEAK_TFLOPS
             res["prefill"][f"{chunk}/{n}"] = p
             print(f"prefill chunk {chunk} T={n}: {p['tokens_per_s']:.0f} tok/s ({p['seconds']:.3f} s)", flush=True)
+    res["attn_prefill"] = args.attn_prefill
     res["breakdown"] = []
     for n in lens[1:]:
         bd = b.prefill_breakdown(n)

@@ -38,7 +38,8 @@ FAMILIES = {
     "norms": {"rmsnorm", "embed"},
     "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm", "gdn_decode_fused"},
     "attention": {"qk_norm_rope_store", "attention", "attention_prefill", "qk_norm_rope_store_fp8", "attention_fp8",
-                  "attention_prefill_fp8", "qk_norm_rope_store_rot", "attention_rotated", "attention_prefill_rotated"},
+                  "attention_prefill_fp8", "qk_norm_rope_store_rot", "attention_rotated", "attention_prefill_rotated",
+                  "attention_prefill2"},
     "argmax": {"top2"},
 }  # the box's measured cuBLAS-class bf16 GEMM (KINDS.md); spec dense ~990
 

@@ -65,6 +65,14 @@ REPMAX = 8  # q heads per kv head the decode kernel holds
 ATT_WARPS = 8
 PF_ROWS = 64  # (lane, q head) rows per prefill CTA
 PF_THREADS = 128
+# prefill attention v2 (cuda/attention_prefill2.cu): K/V cp.async stages, the absolute key block a
+# CTA covers (rows past it merge per-block partials; a multiple of every NK), and the three tile
+# variants (warps of 16 rows, keys per tile): a 227 KB parts, b 163 KB, c 99 KB
+PF2_STAGES = 2
+PF2_SPLIT_KEYS = 4096
+PF2_WARPS_A, PF2_NK_A = 8, 64
+PF2_WARPS_B, PF2_NK_B = 8, 32
+PF2_WARPS_C, PF2_NK_C = 4, 32
 
 # ---------------------------------------------------------------- tables, norms, sampling
 TAB_F32, TAB_BF16, TAB_Q8 = 0, 1, 2

@@ -283,6 +283,11 @@ class FastModel:
         # prefill attention (then prefill chunks take the per-lane kernel too)
         part_lanes = VERIFY_SPAN if (PREFILL_ATTENTION and K.attention_prefill_fits(hd, self.kv_bf16)) else T
         self.part = cp.zeros(K.attention_partials_floats(part_lanes, nq, hd), dtype=cp.float32)
+        # prefill attention v2: partials of rows past the first key block (allocated now when the
+        # engine runs v2, else on first use: benches and tests switch K.ATTN_PREFILL after loading)
+        self._pf2_part = None
+        if K.ATTN_PREFILL == "v2":
+            self._pf2_scratch()
         rd = cfg.rotary_dim
         inv = 1.0 / (cfg.rope_theta ** (np.arange(0, rd, 2, dtype=np.float64) / rd))
         self.inv_freq = cp.asarray(inv)
@@ -450,7 +455,7 @@ class FastModel:
                 if self.graphs is not None and n <= VERIFY_SPAN:
                     self.graphs.run(state, ("mtp", n, mode), lambda: self.enqueue_mtp(state, n, "all" if mode == "all" else local))
                 else:
-                    self.enqueue_mtp(state, n, "all" if mode == "all" else local)
+                    self.enqueue_mtp(state, n, "all" if mode == "all" else local, pos0=start + s0)
                 if local.size:
                     logits_out.append(self._fetch_logits(local))
                 if want.size:  # "none" is the warm-up: nobody reads its hidden rows, skip the download
@@ -543,7 +548,7 @@ class FastModel:
             K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
             if lw.kind == FULL:
                 self._attention(state, lw, plan, t, state.k[ai], state.v[ai], ptr(state.ctl), max(VERIFY_SPAN, t),
-                                *state.side_rows(ai))
+                                *state.side_rows(ai), pos0=state.position)
                 ai += 1
             else:
                 self._gdn(state, lw, plan, t, commit=not verify)
@@ -565,8 +570,9 @@ class FastModel:
                    cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                    cfg.linear_value_head_dim, VERIFY_SPAN, layers=ng, n_dev=n_dev, emit=False, write_state=True)
 
-    def enqueue_mtp(self, state: FastState, t: int, rows="all") -> None:
-        """MTP layer for t lanes: ids in self.mtp_ids, hidden in self.mtp_hidden_in, pos0 = state.ctl[1]."""
+    def enqueue_mtp(self, state: FastState, t: int, rows="all", pos0: int | None = None) -> None:
+        """MTP layer for t lanes: ids in self.mtp_ids, hidden in self.mtp_hidden_in, pos0 = state.ctl[1]
+        (pos0: its host copy, given by eager prefill-sized calls)."""
         cfg = self.cfg
         m = self.w.mtp
         h, hp = cfg.hidden_size, self.hp
@@ -579,7 +585,7 @@ class FastModel:
         plan = self.mtp_layer_plan
         K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
         self._attention(state, lw, plan, t, state.mtp_k, state.mtp_v, ptr(state.ctl, 4), max(VERIFY_SPAN, t),
-                        *state.side_rows(None))
+                        *state.side_rows(None), pos0=pos0)
         self._mlp(lw, plan, t)
         K.rmsnorm(self.h, hp, m.norm, eps, h, self.mtp_out, hp, t)
         self._logits_rows(self.mtp_out, select_rows(t, rows))
@@ -618,7 +624,26 @@ class FastModel:
                         self.ld_xo)
         plan["out"].run(self.xo, self.ld_xo, t)
 
-    def _attention(self, state, lw: LayerW, plan: dict, t: int, kc, vc, pos0_dev, span: int, kx=None, vx=None) -> None:
+    def _pf2_scratch(self):
+        """The v2 partials buffer (None when no row of this window can pass the first key block)."""
+        if self._pf2_part is None:
+            cfg = self.cfg
+            nq, hd = cfg.num_attention_heads, cfg.head_dim
+            nblk = K.attention_prefill2_blocks(self.max_pos)
+            if nblk > 1:
+                want = K.attention_prefill2_part_floats(self.chunk, nq, hd, nblk)
+                floats = max(min(want, K.PF2_PART_BYTES // 4), K.attention_prefill2_part_floats(1, nq, hd, nblk))
+                self._pf2_part = self.rt.cp.zeros(floats, dtype=self.rt.cp.float32)
+        return self._pf2_part
+
+    def _use_pf2(self, t: int, pos0, fp8: bool) -> bool:
+        """Prefill lanes take attention v2 when selected, the KV is bf16 / fp8 and the card has a variant."""
+        return (PREFILL_ATTENTION and K.ATTN_PREFILL == "v2" and t > VERIFY_SPAN and pos0 is not None
+                and (fp8 or self.kv_bf16) and K.attention_prefill2_variant(self.cfg.head_dim, fp8) is not None)
+
+    def _attention(self, state, lw: LayerW, plan: dict, t: int, kc, vc, pos0_dev, span: int, kx=None, vx=None,
+                   pos0: int | None = None) -> None:
+        """pos0: host copy of *pos0_dev (prefill chunks; sizes the v2 kernel's key blocks)."""
         cfg = self.cfg
         a = lw.attn
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -630,7 +655,10 @@ class FastModel:
             K.qk_norm_rope_store_fp8(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                      cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
                                      nq * hd, kc, vc, kx, vx, self.max_pos, t)
-            if PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, True):
+            if self._use_pf2(t, pos0, True):
+                K.attention_prefill2(self.qbuf, nq * hd, kc, vc, True, self.max_pos, nq, nkv, hd, pos0_dev, pos0,
+                                     self.qg, self.ld_qg, self.xa, self.ld_xa, t, self._pf2_scratch(), kx, vx)
+            elif PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, True):
                 K.attention_prefill_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev,
                                         self.qg, self.ld_qg, self.xa, self.ld_xa, t)
             else:
@@ -641,7 +669,10 @@ class FastModel:
         K.qk_norm_rope_store(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm, cfg.rms_norm_eps, nq,
                              nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf, nq * hd, kc, vc, self.kv_bf16,
                              self.max_pos, t)
-        if PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, self.kv_bf16):
+        if self._use_pf2(t, pos0, False):
+            K.attention_prefill2(self.qbuf, nq * hd, kc, vc, False, self.max_pos, nq, nkv, hd, pos0_dev, pos0, self.qg,
+                                 self.ld_qg, self.xa, self.ld_xa, t, self._pf2_scratch())
+        elif PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, self.kv_bf16):
             K.attention_prefill(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, self.qg,
                                 self.ld_qg, self.xa, self.ld_xa, t)
         else:
@@ -884,6 +915,7 @@ def load_fast_model(cfg) -> FastModel:
     # this many rows per weight pass (docs/PERF.md)
     K.PREFILL_GEMM = e.prefill_gemm
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
+    K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused)
     if not isinstance(e.max_context, int):
         size_context_to_memory(model, e)

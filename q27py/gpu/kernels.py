@@ -862,6 +862,107 @@ def attention_prefill_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int,
                          shared_mem=attention_prefill_shared_bytes(hd, True))
 
 
+# ---------------------------------------------------------------- prefill attention v2 (cuda/attention_prefill2.cu)
+# "v1": the hi + lo kernel above (fp32-grade, ~90 TFLOP/s on the H200); "v2": single-bf16 Q and P,
+# cp.async double buffering, ldmatrix, 128-row tiles, absolute key blocks + combine (its own
+# tolerance class, tests/gpu/test_attention_prefill2.py). Set from EngineConfig.attn_prefill.
+ATTN_PREFILL = "v1"
+ATTN_PREFILL_IMPLS = ("v1", "v2")
+PF2_SPLIT_KEYS = C.PF2_SPLIT_KEYS
+# (name, warps, keys per tile), largest first: the first the card's shared memory grants runs
+PF2_VARIANTS = (("a", C.PF2_WARPS_A, C.PF2_NK_A), ("b", C.PF2_WARPS_B, C.PF2_NK_B), ("c", C.PF2_WARPS_C, C.PF2_NK_C))
+PF2_PART_BYTES = 128 << 20  # split-row partials scratch of FastModel (bounds the lanes per launch piece)
+
+
+def attn_prefill_mode(mode: str) -> str:
+    """EngineConfig.attn_prefill, checked when the model loads (a typo fails there, not mid-request)."""
+    if mode not in ATTN_PREFILL_IMPLS:
+        raise ValueError(f"attn_prefill must be one of {', '.join(ATTN_PREFILL_IMPLS)}, not {mode!r}")
+    return mode
+
+
+def attention_prefill2_bytes(hd: int, fp8: bool, warps: int, nk: int) -> int:
+    """Pf2Layout::BYTES: the bf16 Q tile, PF2_STAGES streamed K + V tiles (bf16, or fp8 codes plus
+    one converted bf16 K + V tile)."""
+    eb = 1 if fp8 else 2
+    return 16 * warps * hd * 2 + C.PF2_STAGES * 2 * nk * hd * eb + (2 * nk * hd * 2 if fp8 else 0)
+
+
+def attention_prefill2_variant(hd: int, fp8: bool, smem_optin: int | None = None) -> tuple[str, int, int] | None:
+    """(variant, warps, keys per tile) this card runs for head dim hd, or None (callers keep v1).
+    Head dims <= 128 are built as variant a only (it fits 99 KB parts); 256 takes the first of
+    a / b / c whose shared memory the card grants (227 KB sm_90: a, 163 KB sm_80: b, 99 KB: c)."""
+    if hd not in (32, 64, 128, 256):
+        return None
+    if smem_optin is None:
+        rt = Runtime.get()
+        if rt.cc < (8, 0):
+            return None
+        smem_optin = rt.smem_optin
+    for v in PF2_VARIANTS if hd == 256 else PF2_VARIANTS[:1]:
+        if attention_prefill2_bytes(hd, fp8, v[1], v[2]) <= smem_optin:
+            return v
+    return None
+
+
+def attention_prefill2_blocks(pos_end: int) -> int:
+    """Key blocks of a launch whose last lane sits at position pos_end - 1."""
+    return -(-int(pos_end) // PF2_SPLIT_KEYS)
+
+
+def attention_prefill2_part_floats(lanes: int, nq: int, hd: int, nblk: int) -> int:
+    """Partials of `lanes` lanes over nblk blocks ({O, m, l} padded to hd + 4 floats per row and block)."""
+    return lanes * nq * nblk * (hd + 4)
+
+
+def attention_prefill2_piece(part_floats: int, nq: int, hd: int, nblk: int) -> int:
+    """Lanes per launch piece that the partials scratch holds (the whole launch when nothing splits)."""
+    if nblk <= 1:
+        return 1 << 30
+    return part_floats // attention_prefill2_part_floats(1, nq, hd, nblk)
+
+
+def attention_prefill2(q, ldq: int, kcache, vcache, fp8: bool, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
+                       pos0: int, qg, ldqg: int, out, ldo: int, nlanes: int, part, kexp=None, vexp=None) -> None:
+    """attention_prefill's contract (causal attention of nlanes lanes at pos0.. + the sigmoid gate)
+    on the v2 kernel; bf16 KV, or fp8 KV (codes + row exponents kexp / vexp).
+
+    pos0 (host) must equal *pos0_dev: it sizes the grid's key blocks (rows at positions >=
+    PF2_SPLIT_KEYS merge one partial per block through `part`, launched in lane pieces that
+    fit it); the kernel reads *pos0_dev. A lane's bits depend on its own position only."""
+    v = attention_prefill2_variant(hd, fp8)
+    if v is None:
+        raise ValueError(f"no prefill attention v2 kernel for head dim {hd} on this card")
+    if nq % nkv:
+        raise ValueError(f"{nq} q heads do not split evenly over {nkv} kv heads")
+    if ldq % 4 or ldqg % 2 or ldo < nq * hd or ldqg < 2 * nq * hd:
+        raise ValueError("q rows must be float4-aligned, qg rows float2-aligned, out / qg rows wide enough")
+    if fp8 and (kexp is None or vexp is None):
+        raise ValueError("fp8 KV needs the row exponents")
+    name, warps, nk = v
+    kernel = f"attn_prefill2_{'fp8' if fp8 else 'bf16'}_d{hd}_{name}"
+    rows_per_cta = 16 * warps
+    rep = nq // nkv
+    nblk = attention_prefill2_blocks(pos0 + nlanes)
+    piece = attention_prefill2_piece(0 if part is None else part.size, nq, hd, nblk)
+    if piece < 1:
+        raise ValueError(f"prefill attention v2 partials scratch too small for {nblk} key blocks")
+    rt = Runtime.get()
+    smem = attention_prefill2_bytes(hd, fp8, warps, nk)
+    scale_log2 = hd ** -0.5 * 1.4426950408889634  # the kernel's softmax runs in log2 units (exp2)
+    for a in range(0, nlanes, piece):
+        n = min(piece, nlanes - a)
+        args = (ptr(q, 4 * a * ldq), i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), i32(n),
+                f32(scale_log2), pos0_dev, i32(a), ptr(qg, 4 * a * ldqg), i32(ldqg), ptr(out, 4 * a * ldo), i32(ldo),
+                part, kexp, vexp)
+        rt.launch("attention_prefill2", kernel, (nkv, -(-(rep * n) // rows_per_cta), nblk), 32 * warps, args,
+                  shared_mem=smem)
+        if nblk > 1:
+            rt.launch("attention_prefill2", "attn_prefill2_combine", (n, nq), hd,
+                      (part, i32(nq), i32(hd), i32(nblk), pos0_dev, i32(a), ptr(qg, 4 * a * ldqg), i32(ldqg),
+                       ptr(out, 4 * a * ldo), i32(ldo)))
+
+
 # ---------------------------------------------------------------- rotated Lloyd-Max KV (k5v3 / k3v3)
 # cuda/kv_rotated.cu, the store in cuda/rope.cu and the prefill tiles in cuda/attention_prefill.cu
 # (FastModel._attention_rotated runs them; docs/KV.md).

@@ -36,7 +36,7 @@ def _find_cuda_dir() -> Path:
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
 KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_decode", "gdn_chunk", "gdn_chunk2", "rope", "attention",
-                "attention_prefill", "sampling", "probe", "kv_rotated")
+                "attention_prefill", "attention_prefill2", "sampling", "probe", "kv_rotated")
 
 
 class GpuUnavailable(Q27Error):
