@@ -103,3 +103,41 @@ extern "C" __global__ void top2_final(const unsigned long long* __restrict__ par
         margin[row] = v1 - key_value(k2);
     }
 }
+
+// The argmax of each row over the ids its output constraint allows (issue 16): mask is one bit per
+// vocabulary id, little-endian within 32-bit words (bit i & 31 of word i >> 5; 1 = allowed), one
+// row of mask_ld words per picked row. A refused id never becomes a candidate, so the pick is
+// numpy.argmax of the row with refused ids at -inf (ties to the lowest allowed id) and the host
+// downloads one id per row instead of the logits row. row_idx[row]: the logits row to read (the
+// compact rows of the last forward), so a verify round picks all its lanes in one launch.
+// grid (rows, NB), block 256; top2_final then merges part as for top2_partial. A row with no
+// allowed id ends with key 0: top2_final's id is then -1 (the host never uploads an empty mask).
+extern "C" __global__ void top2_partial_masked(const float* __restrict__ logits, int ld, int V,
+                                               const int* __restrict__ row_idx, const unsigned* __restrict__ mask,
+                                               int mask_ld, unsigned long long* __restrict__ part) {
+    __shared__ u64 s1[8], s2[8];
+    const int row = blockIdx.x, nb = gridDim.y, b = blockIdx.y;
+    const float* x = logits + (i64)row_idx[row] * ld;
+    const unsigned* m = mask + (i64)row * mask_ld;
+    u64 k1 = 0, k2 = 0;
+    for (int i = b * blockDim.x + threadIdx.x; i < V; i += nb * blockDim.x) {
+        if ((m[i >> 5] >> (i & 31)) & 1u) top2_push(k1, k2, make_key(x[i], i));
+    }
+    warp_top2(k1, k2);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) {
+        s1[warp] = k1;
+        s2[warp] = k2;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        k1 = lane < nw ? s1[lane] : 0;
+        k2 = lane < nw ? s2[lane] : 0;
+        warp_top2(k1, k2);
+        if (lane == 0) {
+            part[((i64)row * nb + b) * 2] = k1;
+            part[((i64)row * nb + b) * 2 + 1] = k2;
+        }
+    }
+}

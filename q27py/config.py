@@ -89,6 +89,10 @@ class EngineConfig:
     # kernel (cuda/gdn_decode.cu, bitwise the kernel chain) instead of four launches. Off until the
     # device run has held it bitwise and measured it (docs/PERF.md).
     gdn_fused: bool = False
+    # cuda: a constrained greedy pick takes the masked device argmax (a packed bitmask uploaded,
+    # one id back: cuda/sampling.cu top2_partial_masked) instead of downloading its logits row.
+    # Off until measured on the device (issue 16); the host path serves the CPU backend always.
+    device_masks: bool = False
 
     def engine_prefill_chunk(self) -> int:
         """Tokens per prefill piece the decoder feeds the model on this device."""
@@ -115,7 +119,7 @@ def fixed_max_context(engine: "EngineConfig") -> int:
 
 
 def parse_switch(value: str) -> bool:
-    """A 0|1 environment switch (Q27_GDN_FUSED)."""
+    """A 0|1 environment switch (Q27_GDN_FUSED, Q27_DEVICE_MASKS)."""
     v = str(value).strip()
     if v not in ("0", "1"):
         raise ValueError(f"expected 0 or 1, not {value!r}")
@@ -194,6 +198,7 @@ ENV_VARS = {
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),
     "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),
+    "Q27_DEVICE_MASKS": ("engine", "device_masks", parse_switch),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     from q27py.engine.engine import LocalEngine
 
     engine = LocalEngine.load(cfg)
+    engine.constraints.prepare()  # the vocabulary index for output constraints, off the first request
     app = build_app(cfg, engine)
     trio.run(serve_app, app, cfg)
     return 0

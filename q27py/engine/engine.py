@@ -65,8 +65,9 @@ class LocalEngine:
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False
         self.prefix = PrefixCache(model, max_sequences=cfg.engine.max_sequences,
                                   checkpoint_every=cfg.engine.checkpoint_every, disk=self._disk_cache(cfg))
-        # Output constraints: the vocabulary index is built on the first constrained request
-        # (about a second for the 248K vocabulary); compiled grammars and their masks are kept.
+        # Output constraints: the vocabulary index (about 1.5 s for the 248K vocabulary) is built
+        # when the server starts (serve calls constraints.prepare()), else on the first constrained
+        # request; compiled grammars and their masks are kept.
         self.constraints = ConstraintCache(
             lambda: VocabIndex.from_tokenizer(tokenizer, self.model_config.vocab_size))
 
@@ -115,7 +116,8 @@ class LocalEngine:
         first_token_at = None
         breaks = self._prefill_breaks(seq, prompt, request.stable_len, request.system_len)
         constraint = self.compile_constraint(request.constraint, request.stop_ids) if request.constraint else None
-        picker = TokenPicker(request.sampling, prompt, constraint, request.logprobs, max_tokens=max_tokens)
+        picker = TokenPicker(request.sampling, prompt, constraint, request.logprobs, max_tokens=max_tokens,
+                             device_masks=self.cfg.engine.device_masks and self.cfg.engine.device == "cuda")
         rounds = self.decoder.run(seq.state, prompt, max_tokens, request.sampling, request.stop_ids, request.cancel,
                                   stats, prefill_breaks=breaks, picker=picker) if max_tokens else iter(())
         healthy = False

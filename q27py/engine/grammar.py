@@ -61,6 +61,60 @@ class Node:
     def can_end(self, local) -> bool:
         return False
 
+    def loop_bytes(self, local) -> frozenset | None:
+        """Bytes b with step(local, b) == [(CONT, local)] exactly while the frame cannot end here:
+        a stack topped by this frame reads any of them back into itself. A structural answer (a
+        subset is enough; None: none known), so the token-mask walk finds string bodies without
+        stepping all 256 bytes of every state (engine/constraint.py, loop states)."""
+        return None
+
+    def first(self, local) -> frozenset:
+        """A superset of the bytes this frame may consume at `local` (its callees' included; not
+        the parent's after it ends: can_end says that). The mask walk steps only these bytes of a
+        state, so refused bytes cost no transition (engine/constraint.py, first_bytes). Leaves
+        (nodes that only CONT / DONE) get the exact set from step(); others say it structurally."""
+        return ALL_BYTES
+
+    def first0(self) -> frozenset:
+        """first() of a fresh frame, as a caller that CALLs / TAILs it sees: every byte when the
+        node may be empty (the caller's own continuation could then read it)."""
+        got = self.__dict__.get("_first0")
+        if got is None:
+            self._first0 = ALL_BYTES  # re-entry (a left-recursive $ref): the safe answer
+            got = ALL_BYTES if _nullable(self) else self.first(self.init)
+            self._first0 = got
+        return got
+
+
+class Leaf(Node):
+    """A node whose actions are only CONT / DONE: first() is read off step() (memoized)."""
+
+    def first(self, local) -> frozenset:
+        memo = self.__dict__.setdefault("_firsts", {})
+        got = memo.get(local)
+        if got is None:
+            got = memo[local] = frozenset(b for b in range(256) if self.step(local, b))
+        return got
+
+
+ALL_BYTES = frozenset(range(256))
+
+
+def stack_first(stack: tuple) -> frozenset:
+    """A superset of the bytes that keep `stack` alive (top frame first, then each parent while
+    the frames above it may end)."""
+    out = frozenset()
+    for node, local in reversed(stack):
+        out |= node.first(local)
+        if not node.can_end(local):
+            break
+    return out
+
+
+def _next_bytes(prefix: bytes, texts) -> frozenset:
+    n = len(prefix)
+    return frozenset(t[n] for t in texts if len(t) > n and t.startswith(prefix))
+
 
 # ---------------------------------------------------------------------------
 # The automaton
@@ -141,7 +195,7 @@ class Grammar:
 # Leaf nodes
 
 
-class Lit(Node):
+class Lit(Leaf):
     """One fixed byte string."""
 
     def __init__(self, text: bytes):
@@ -154,7 +208,7 @@ class Lit(Node):
         return [(DONE,)] if i + 1 == len(self.text) else [(CONT, i + 1)]
 
 
-class LitSet(Node):
+class LitSet(Leaf):
     """One of several fixed byte strings (enum values, property names): a trie walk."""
 
     def __init__(self, texts):
@@ -178,7 +232,7 @@ class LitSet(Node):
         return acts
 
 
-class Ws(Node):
+class Ws(Leaf):
     """Optional whitespace run (at most MAX_WS bytes)."""
 
     def step(self, n, b):
@@ -192,9 +246,11 @@ class Ws(Node):
 
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_STR_BODY = frozenset(b for b in range(256) if (b >= 0x20 and b != 0x7F or b >= 0x80) and b not in (0x22, 0x5C))
+_STR_FIRST = {0: frozenset(b'"'), 1: _STR_BODY | frozenset(b'"\\'), 2: _ESCAPES | frozenset(b"u"), 3: _HEX}
 
 
-class Str(Node):
+class Str(Leaf):
     """A JSON string, quotes included. local: 0 before the quote, 1 in the body, 2 after a
     backslash, 3..6 inside \\uXXXX (6 - local hex digits to go)."""
 
@@ -215,8 +271,14 @@ class Str(Node):
             return [(CONT, s + 1)] if s < 6 else [(CONT, 1)]
         return []
 
+    def loop_bytes(self, s):
+        return _STR_BODY if s == 1 else None
 
-class Num(Node):
+    def first(self, s):
+        return _STR_FIRST[min(s, 3)]
+
+
+class Num(Leaf):
     """A JSON number (integer=True: no fraction or exponent). local: 0 start, 1 after '-',
     2 after a leading 0, 3 integer digits, 4 after '.', 5 fraction digits, 6 after e/E,
     7 after the exponent sign, 8 exponent digits."""
@@ -265,6 +327,9 @@ class Union(Node):
     def step(self, local, b):
         return [(TAIL, br) for br in self.branches]
 
+    def first(self, local):
+        return frozenset().union(*(br.first0() for br in self.branches))
+
 
 class Seq(Node):
     """Nodes one after another. local: index of the part being read."""
@@ -286,6 +351,21 @@ class Seq(Node):
     def can_end(self, i):
         return all(_nullable(p) for p in self.parts[i:])
 
+    def first(self, i):
+        out = frozenset()
+        while i < len(self.parts):  # as step(): a part that may be empty lets the next one read
+            part = self.parts[i]
+            if not _nullable(part):
+                return out | part.first(part.init)
+            out |= part.first(part.init)
+            i += 1
+        return out
+
+
+_OBJ_OPEN = frozenset(b"{")
+_OBJ_COLON = WS | frozenset(b":")
+_OBJ_AFTER = {1: WS | frozenset(b'}"'), 6: WS | frozenset(b",}"), 7: WS | frozenset(b'"')}
+
 
 def _nullable(node) -> bool:
     return node.can_end(node.init)
@@ -299,6 +379,9 @@ class Ref(Node):
 
     def step(self, local, b):
         return [(TAIL, self.target)]
+
+    def first(self, local):
+        return self.target.first0()
 
 
 # ---------------------------------------------------------------------------
@@ -378,6 +461,21 @@ class ObjectNode(Node):
         node = self.values[key] if key >= 0 else self.extra
         return [(CALL, (6, used | (1 << key if key >= 0 else 0), 0), node)]
 
+    def first(self, local):
+        phase, used, x = local
+        if phase == 0:
+            return _OBJ_OPEN
+        if phase in (1, 6, 7):  # (a superset: whitespace past MAX_WS and the bounds are step()'s)
+            return _OBJ_AFTER[phase]
+        if phase == 2:
+            return _next_bytes(x, [n for i, n in self.names if not used >> i & 1])
+        if phase == 3:
+            return self._key.first(x)
+        if phase == 4:
+            return _OBJ_COLON
+        key = x[0]
+        return WS | (self.values[key] if key >= 0 else self.extra).first0()
+
 
 class Arr(Node):
     """A JSON array of `item` with min_items..max_items (None: unbounded).
@@ -414,12 +512,20 @@ class Arr(Node):
             return [(CALL, (2, self._cap(n + 1), 0), self.item)]
         return []
 
+    def first(self, local):
+        phase = local[0]
+        if phase == 0:
+            return frozenset(b"[")
+        if phase == 2:
+            return WS | frozenset(b",]")
+        return WS | frozenset(b"]") | self.item.first0()
+
 
 # ---------------------------------------------------------------------------
 # Raw text (XML parameter values)
 
 
-class RawText(Node):
+class RawText(Leaf):
     """Text up to and including `closer`, never containing any of `forbidden`
     (the closer counts as one of them: its first occurrence ends the text).
     local: the longest tail of the text so far that begins one of the patterns."""
@@ -429,6 +535,15 @@ class RawText(Node):
         self.patterns = (closer,) + tuple(forbidden)
         self.init = b""
         self._prefixes = {p[:i] for p in self.patterns for i in range(1, len(p))}
+        self._loop = frozenset(range(256)) - {p[0] for p in self.patterns}
+
+    def loop_bytes(self, tail):
+        # With no pattern begun, a byte that begins none of them leaves the tail empty.
+        return self._loop if tail == b"" else None
+
+    def first(self, tail):
+        # Every byte is text except the one that would complete a forbidden pattern.
+        return ALL_BYTES - {p[-1] for p in self.patterns[1:] if p[:-1] == tail}
 
     def step(self, tail, b):
         s = tail + bytes((b,))
@@ -707,6 +822,21 @@ class XmlParams(Node):
             return [(CALL, (0, used, b""), self.values[x])]
         return []
 
+    def first(self, local):
+        phase, used, x = local
+        if phase in (0, 1):
+            return _next_bytes(x if phase == 1 else b"", (self.OPEN, self.CLOSE))
+        if phase == 2:
+            return _next_bytes(x, [k for i, k in enumerate(self.keys) if not used >> i & 1])
+        return self.values[x].first0()
+
+
+def common_loop_classes() -> list[bytes]:
+    """The loop classes of the common grammars' string states (a JSON string body; a raw XML
+    parameter value), whose per-tokenizer tables VocabIndex.warm() builds ahead of a request."""
+    raw = RawText(PARAM_CLOSE, (FUNC_CLOSE,))
+    return [bytes(sorted(Str().loop_bytes(1))), bytes(sorted(raw.loop_bytes(b"")))]
+
 
 def _dedup(acts):
     seen, out = set(), []
@@ -760,6 +890,18 @@ class XmlCalls(Node):
             return []
         return []
 
+    def first(self, local):
+        phase, n, x = local
+        if phase == 0:
+            return _next_bytes(x, (self.HEAD,))
+        if phase == 1:
+            return _next_bytes(x, list(self.names))
+        if phase == 4:
+            return self.names[x].first0()
+        if phase == 3:
+            return self._tail.first0()
+        return frozenset(b"\n")
+
     def can_end(self, local):
         return local[0] == 2
 
@@ -781,6 +923,9 @@ class CallList(Node):
 
     def can_end(self, local):
         return local[0] == 1
+
+    def first(self, local):
+        return self.call.first0() if local[0] == 0 else frozenset(b"\n")
 
 
 def _json_dialect_call(name: str, schema: Any) -> Node:

@@ -227,8 +227,13 @@ class TokenPicker:
     """
 
     def __init__(self, params: SamplingParams, prompt_ids=(), constraint=None, logprobs: int | None = None,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, device_masks: bool = False):
         self.sampler = PositionSampler(params)
+        # EngineConfig.device_masks: a constrained greedy pick on the fast path takes the device's
+        # masked argmax (FastOutput.masked_greedy_ids) instead of downloading its logits row.
+        self.device_masks = device_masks
+        self._prefetch_out = None
+        self._prefetched: dict = {}
         self.max_tokens = max_tokens  # with a constraint: the output is finished within this budget
         self.emitted = 0
         self.params = params
@@ -276,14 +281,90 @@ class TokenPicker:
                 return drafts[:i]
         return drafts
 
+    @property
+    def device_maskable(self) -> bool:
+        """A constrained greedy pick with nothing that needs the row on the host (penalties change
+        the row, log probabilities read it): the device's masked argmax makes the same choice."""
+        p = self.params
+        return (self.device_masks and self.constraint is not None and self.greedy and not self.want_logprobs
+                and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+
     def pick_output(self, out, row: int, position: int, ahead=()) -> int:
         """pick() for logits row `row` of a forward output. With nothing besides a greedy sampler
         (`plain`), the fast path's device argmax decides (FastOutput.greedy_ids: numpy.argmax's
         choice, ties to the lowest index, so the same token), and W token ids are downloaded
-        instead of W vocabulary-sized rows with a host argmax each."""
+        instead of W vocabulary-sized rows with a host argmax each. A constrained greedy pick
+        (`device_maskable`) uploads the state's packed mask and takes the device's masked argmax
+        (the choice TokenMask.greedy makes on the host: numpy.argmax over the allowed ids)."""
         if self.plain and self.greedy and hasattr(out, "greedy_ids"):
             return int(out.greedy_ids()[row])
+        if self.device_maskable and hasattr(out, "masked_greedy_ids"):
+            tok = self._decide(position, ahead, lambda mask: self._device_choose(out, row, mask))
+            self._record(len(ahead), None)
+            return tok
         return self.pick(out.logits[row], position, ahead)
+
+    def prefetch(self, out, drafts: list[int]) -> None:
+        """A verify round's masked picks in one launch: lane t's mask is the state's after
+        drafts[:t] (the lanes pick_output will be asked for, in order); lanes past a refused draft
+        are left out (viable() cut such drafts already). No-op unless device_maskable."""
+        self._prefetch_out, self._prefetched = None, {}
+        if not (self.device_maskable and hasattr(out, "masked_greedy_ids")):
+            return
+        state, picks, masks = self.state, [], []
+        for t in range(len(drafts) + 1):
+            mask = self.constraint.allowed(state)
+            if mask is not None:
+                picks.append(t)
+                masks.append(mask)
+            if t == len(drafts):
+                break
+            state = self.constraint.next_state(state, drafts[t])
+            if state is None:
+                break
+        if picks:
+            v = self.constraint.c.vocab.vocab_size
+            ids = out.masked_greedy_ids(picks, np.stack([m.packed(v) for m in masks]))
+            self._prefetch_out = out
+            self._prefetched = {(t, id(m)): int(i) for t, m, i in zip(picks, masks, ids)}
+            self._prefetch_masks = masks  # keeps the masks alive: their ids are the keys
+
+    def _device_choose(self, out, row: int, mask) -> int:
+        if mask is None:  # free (inside a think block): the plain device argmax
+            return int(out.greedy_ids()[row])
+        if out is self._prefetch_out:
+            got = self._prefetched.get((row, id(mask)))
+            if got is not None:
+                return got
+        v = self.constraint.c.vocab.vocab_size
+        return int(out.masked_greedy_ids([row], mask.packed(v)[None, :])[0])
+
+    def _decide(self, position: int, ahead, choose) -> int:
+        """The constrained choice: choose(mask) under the state's mask, then the token-budget rule
+        (choose(closing mask)). choose(None) is the unconstrained choice."""
+        if self.constraint is None:
+            return choose(None)
+        state = self._state_after(ahead)
+        tok = choose(self.constraint.allowed(state))
+        if self.max_tokens is not None and tok not in self.constraint.stop_ids:
+            # Finish within the budget: when the chosen token would leave fewer tokens than
+            # the shortest completion needs (bytes, each at worst one token, plus the end id),
+            # choose among the tokens on a shortest way to the end instead. A function of the
+            # state and the position, so speculative lanes make the same choice.
+            left = self.max_tokens - (self.emitted + len(ahead)) - 1
+            after = self.constraint.next_state(state, tok)
+            need = self.constraint.distance(after)
+            if need is not None and need + 1 > left:
+                closing = self.constraint.closing(state)
+                if len(closing):
+                    tok = choose(closing)
+        return tok
+
+    def _record(self, lane: int, record) -> None:
+        del self._lanes[lane:]
+        while len(self._lanes) < lane:
+            self._lanes.append(None)
+        self._lanes.append(record)
 
     def pick(self, logits: np.ndarray, position: int, ahead=()) -> int:
         """The token at absolute `position`, after the committed tokens and then `ahead`."""
@@ -296,33 +377,13 @@ class TokenPicker:
                 if self.params.repetition_penalty != 1.0:
                     seen.add(t)
         x = penalize(logits, self.params, counts, seen)
-        if self.constraint is None:
-            tok = self.sampler.pick(x, position)
-        else:
-            state = self._state_after(ahead)
-            tok = self._choose(x, position, self.constraint.allowed(state))
-            if self.max_tokens is not None and tok not in self.constraint.stop_ids:
-                # Finish within the budget: when the chosen token would leave fewer tokens than
-                # the shortest completion needs (bytes, each at worst one token, plus the end id),
-                # choose among the tokens on a shortest way to the end instead. A function of the
-                # state and the position, so speculative lanes make the same choice.
-                left = self.max_tokens - (self.emitted + len(ahead)) - 1
-                after = self.constraint.next_state(state, tok)
-                need = self.constraint.distance(after)
-                if need is not None and need + 1 > left:
-                    closing = self.constraint.closing(state)
-                    if len(closing):
-                        tok = self._choose(x, position, closing)
+        tok = self._decide(position, ahead, lambda mask: self._choose(x, position, mask))
         record = None
         if self.want_logprobs:
             lp = log_softmax(x)
             top = top_ranked(lp, self.top_n) if self.top_n > 0 else np.zeros(0, dtype=np.int64)
             record = TokenLogprob(tok, float(lp[tok]), [(int(i), float(lp[i])) for i in top])
-        lane = len(ahead)
-        del self._lanes[lane:]
-        while len(self._lanes) < lane:
-            self._lanes.append(None)
-        self._lanes.append(record)
+        self._record(len(ahead), record)
         return tok
 
     def _choose(self, x, position: int, mask) -> int:

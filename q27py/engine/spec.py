@@ -167,6 +167,7 @@ class SpecDecoder:
         draft.tokens = sampler.viable(draft.tokens)
         lanes = [pending] + draft.tokens
         out = self.model.forward(state, lanes, logits_rows="all", verify=True)
+        sampler.prefetch(out, draft.tokens)  # device-masked picks of every lane in one launch (if on)
         new: list[int] = []
         for t in range(len(lanes)):
             tok = sampler.pick_output(out, t, position + t + 1, draft.tokens[:t])

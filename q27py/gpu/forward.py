@@ -94,6 +94,23 @@ class FastOutput:
         self._check_fresh()
         return self._model._fetch_ids(self.rows)
 
+    def masked_greedy_ids(self, picks: list[int], words: np.ndarray) -> np.ndarray:
+        """For each pick p (an index into the requested rows, like logits[p]): the argmax of that
+        row over the ids allowed by the packed bitmask words[i] (engine.constraint.pack_bits:
+        numpy.argmax of the row with refused ids at -inf), computed on the device: one upload of
+        the masks and W ids back instead of W logits rows."""
+        if self._logits is not None:  # already on the host: the same choice there
+            v = self._logits.shape[1]
+            out = []
+            for p, w in zip(picks, words):
+                keep = np.unpackbits(np.ascontiguousarray(w, dtype="<u4").view(np.uint8), bitorder="little")[:v]
+                out.append(int(np.argmax(np.where(keep.astype(bool), self._logits[p], -np.inf))))
+            return np.asarray(out, dtype=np.int64)
+        self._check_fresh()
+        u = np.unique(self.rows)
+        compact = np.searchsorted(u, self.rows[np.asarray(picks, dtype=np.int64)])
+        return self._model._fetch_masked_ids(compact, words)
+
     @property
     def hidden(self) -> np.ndarray:
         if self._hidden is None:
@@ -731,6 +748,25 @@ class FastModel:
         u = np.unique(rows)
         ids = self.tok[: u.size].get(stream=self.stream).astype(np.int64)
         return ids[np.searchsorted(u, rows)]
+
+    def _fetch_masked_ids(self, compact: np.ndarray, words: np.ndarray) -> np.ndarray:
+        """Masked device argmax of compact logits rows `compact` (words: [n, W] uint32 bitmasks)."""
+        cp = self.rt.cp
+        n = int(compact.shape[0])
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        words = np.ascontiguousarray(words, dtype=np.uint32).reshape(n, -1)
+        if words.shape[1] * 32 < self.vocab:
+            raise ValueError(f"a mask of {words.shape[1] * 32} bits for a vocabulary of {self.vocab}")
+        with self.stream:
+            idx = cp.asarray(compact.astype(np.int32))
+            mask = cp.asarray(words)
+            part = cp.empty((n, K.TOP2_BLOCKS, 2), dtype=cp.uint64)
+            ids = cp.empty(n, dtype=cp.int32)
+            top1 = cp.empty(n, dtype=cp.float32)
+            margin = cp.empty(n, dtype=cp.float32)
+            K.top2_masked(self.logits, self.vocab, self.vocab, n, idx, mask, words.shape[1], part, ids, top1, margin)
+            return ids.get(stream=self.stream).astype(np.int64)
 
     def _fetch_logits(self, rows: np.ndarray) -> np.ndarray:
         if rows.size == 0:

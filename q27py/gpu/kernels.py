@@ -794,6 +794,15 @@ def top2(logits, ld: int, vocab: int, rows: int, part, ids, top1, margin, inv_te
     rt.launch("sampling", "top2_final", rows, 32, (part, i32(TOP2_BLOCKS), ids, top1, margin))
 
 
+def top2_masked(logits, ld: int, vocab: int, rows: int, row_idx, mask, mask_ld: int, part, ids, top1, margin) -> None:
+    """top2 over the allowed ids only (one bit per id, mask_ld uint32 words per row), reading logits
+    row row_idx[r] for pick r: the device side of a constrained greedy pick (issue 16)."""
+    rt = Runtime.get()
+    rt.launch("sampling", "top2_partial_masked", (rows, TOP2_BLOCKS), 256,
+              (logits, i32(ld), i32(vocab), row_idx, mask, i32(mask_ld), part))
+    rt.launch("sampling", "top2_final", rows, 32, (part, i32(TOP2_BLOCKS), ids, top1, margin))
+
+
 # ---------------------------------------------------------------- prefill attention (tensor-core tiles)
 PF_ROWS = C.PF_ROWS  # (lane, q head) rows per CTA
 PF_THREADS = C.PF_THREADS

@@ -40,7 +40,8 @@ class Setup:
         self.stops = frozenset(self.tok.eos_ids)
         self.compiled = {}
 
-    def run(self, grammar, prompt, max_tokens, sampling, spec: bool, logprobs=None, after_think=False):
+    def run(self, grammar, prompt, max_tokens, sampling, spec: bool, logprobs=None, after_think=False,
+            device_masks=False, model=None):
         c = None
         if grammar is not None:
             c = self.compiled.get(grammar.key)
@@ -48,10 +49,11 @@ class Setup:
                 c = self.compiled[grammar.key] = CompiledConstraint(grammar, self.vocab)
         ids = self.tok.encode(prompt)
         run = ConstraintRun(c, self.tok.token_bytes, self.stops, after_think=after_think) if grammar else None
-        picker = TokenPicker(sampling, ids, run, logprobs, max_tokens=max_tokens)
-        dec = SpecDecoder(self.model, SPEC) if spec else Decoder(self.model)
+        picker = TokenPicker(sampling, ids, run, logprobs, max_tokens=max_tokens, device_masks=device_masks)
+        model = model or self.model
+        dec = SpecDecoder(model, SPEC) if spec else Decoder(model)
         out = []
-        for chunk in dec.run(self.model.new_state(), ids, max_tokens, sampling, self.stops, None, DecodeStats(),
+        for chunk in dec.run(model.new_state(), ids, max_tokens, sampling, self.stops, None, DecodeStats(),
                              picker=picker):
             out.extend(chunk)
         return out, picker
@@ -223,3 +225,72 @@ def test_speculation_stays_exact_under_penalties(bundled, sampling):
                                  spec=False)
     assert spec == plain
     assert plain != unpenalized  # the penalties did change the output
+
+
+# -- device-masked picks (EngineConfig.device_masks), with the device emulated in numpy ----------
+
+
+class _DeviceLikeOutput:
+    """A reference forward output with the fast path's device picks, computed by the kernels' numpy
+    spec (engine.constraint.masked_argmax); every read of the logits rows is counted."""
+
+    def __init__(self, out, log):
+        self._out, self._log = out, log
+
+    def __getattr__(self, name):
+        return getattr(self._out, name)
+
+    @property
+    def logits(self):
+        self._log["logits_reads"] += 1
+        return self._out.logits
+
+    def greedy_ids(self):
+        return np.argmax(self._out.logits, axis=1)
+
+    def masked_greedy_ids(self, picks, words):
+        from q27py.engine.constraint import masked_argmax
+
+        self._log["masked_launches"] += 1
+        return np.asarray([masked_argmax(self._out.logits[p], w) for p, w in zip(picks, words)])
+
+
+class _DeviceLikeModel:
+    def __init__(self, model):
+        self._model = model
+        self.log = {"logits_reads": 0, "masked_launches": 0}
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, *args, **kwargs):
+        return _DeviceLikeOutput(self._model.forward(*args, **kwargs), self.log)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_device_masked_picks_equal_host_picks(bundled, spec):
+    """With device_masks on, a constrained greedy decode picks through masked_greedy_ids (one
+    launch per verify round: TokenPicker.prefetch) and reads no forward's logits rows, and its tokens are
+    the host path's, for a JSON schema, a forced tool call and a tight token budget (the closing
+    rule picks through a second mask)."""
+    tools = {"Bash": CORPUS["cc:Bash"], "Read": CORPUS["cc:Read"]}
+    for grammar, budget in ((json_grammar(CORPUS["cc:Bash"]), 40), (tool_call_grammar(tools), 60),
+                            (json_grammar(CORPUS["cc:Title"]), 9)):
+        host, _ = bundled.run(grammar, "Answer:", budget, SamplingParams(), spec=spec)
+        fake = _DeviceLikeModel(bundled.model)
+        dev, _ = bundled.run(grammar, "Answer:", budget, SamplingParams(), spec=spec, device_masks=True, model=fake)
+        assert dev == host
+        assert fake.log["masked_launches"] > 0
+        # (one read: the prefill's last row, which the decoders' first pick takes on the host)
+        assert fake.log["logits_reads"] <= 1, "a device-masked pick read a logits row"
+
+
+def test_device_masks_leave_other_picks_on_the_host(bundled):
+    """Penalties and logprobs need the row: those picks keep the host path (device_maskable False)."""
+    g = json_grammar(CORPUS["cc:Title"])
+    for sampling, logprobs in ((SamplingParams(frequency_penalty=0.5), None), (SamplingParams(), 2),
+                               (SamplingParams(temperature=0.8, seed=1), None)):
+        host, _ = bundled.run(g, "Answer:", 12, sampling, spec=True, logprobs=logprobs)
+        fake = _DeviceLikeModel(bundled.model)
+        dev, _ = bundled.run(g, "Answer:", 12, sampling, spec=True, logprobs=logprobs, device_masks=True, model=fake)
+        assert dev == host and fake.log["masked_launches"] == 0
