@@ -4,7 +4,8 @@
 // The split size depends only on (pos0, span) -- span is the launch's lane capacity (16 for
 // verify graphs), never the live width -- so lane t's bits do not depend on how many lanes
 // run with it. Partials {m, l, acc[hd]} are merged in split order by attn_combine, which also
-// applies the sigmoid output gate.
+// applies the sigmoid output gate. The tensor-core kernel below (attn_mma_*) reads the KV once per
+// round for all lanes (EngineConfig.attn_decode).
 #include "common.cuh"
 
 
@@ -182,14 +183,16 @@ ATT_KERNEL_FP8(attn_split_fp8_d2, 2)
 ATT_KERNEL_FP8(attn_split_fp8_d4, 4)
 ATT_KERNEL_FP8(attn_split_fp8_d8, 8)
 
-// grid (nlanes, nq), block hd. out[t][h*hd + d] = (sum_s acc e^(m_s-M)) / (sum_s l e^(m_s-M)) * sigmoid(gate)
-extern "C" __global__ void attn_combine(const float* __restrict__ part, int nq, int hd, const int* __restrict__ pos0_dev,
-                                        int span, const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
+// Merge of the split partials {m, l, acc[hd]} of (lane t, q head h) in split order, then the sigmoid
+// output gate: out[t][h*hd + d] = (sum_s acc e^(m_s-M)) / (sum_s l e^(m_s-M)) * sigmoid(gate).
+// ssz: the launch's split size; stride: splits per (lane, head) in the partials buffer.
+__device__ __forceinline__ void combine_body(const float* __restrict__ part, int nq, int hd, int pos0, int ssz,
+                                             int stride, const float* __restrict__ qg, int ldq,
+                                             float* __restrict__ out, int ldo) {
     const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-    const int pos0 = *pos0_dev, len = pos0 + t + 1;
-    const int ssz = split_size(pos0, span);
+    const int len = pos0 + t + 1;
     const int ns = (len + ssz - 1) / ssz;
-    const float* base = part + (i64)(t * nq + h) * NSPLIT * (hd + 2);
+    const float* base = part + (i64)(t * nq + h) * stride * (hd + 2);
     float M = -INFINITY;
     for (int s = 0; s < ns; s++) M = fmaxf(M, base[(i64)s * (hd + 2)]);
     float L = 0.f, A = 0.f;
@@ -201,4 +204,354 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, int nq, 
     }
     const float gate = qg[(i64)t * ldq + h * 2 * hd + hd + d];
     out[(i64)t * ldo + h * hd + d] = (A / L) * sigmoid_f(gate);
+}
+
+// grid (nlanes, nq), block hd: the split kernel's partials (NSPLIT per lane and head).
+extern "C" __global__ void attn_combine(const float* __restrict__ part, int nq, int hd, const int* __restrict__ pos0_dev,
+                                        int span, const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
+    const int pos0 = *pos0_dev;
+    combine_body(part, nq, hd, pos0, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
+}
+
+// ================================================================ tensor-core decode / verify (attn_mma_*)
+//
+// The split kernel above gives every lane its own CTAs, so a W-lane verify round reads the KV W
+// times, and each warp walks positions one at a time with scalar dot products. Here one CTA per
+// (kv head, split) takes every (lane, q head) row of that kv head at once -- rows flattened
+// lane-major, row = lane * rep + j, 8 per warp -- so the KV is read once per round whatever W is.
+//
+// Per 16-position step a warp computes S^T = K Q^T (mma.m16n8k16: A = 16 positions x 16 dims of K
+// from shared memory by ldmatrix, B = its 8 rows of Q held in registers, as bf16 hi + lo when
+// QS so the scores keep fp32-grade accuracy), masks each row to its lane's causal limit
+// (lane t sees 0..pos0+t), runs the online softmax in fp32 per row, and adds O^T += V^T P^T
+// (A = V^T by ldmatrix.trans, B = P^T: the S^T accumulators rounded to bf16 and transposed in
+// registers by movmatrix). Positions as the mma's M side and rows as its N = 8 side keep the
+// padding small (W = 1 has 6 rows: one n-tile) and Q out of shared memory.
+// P is rounded to bf16 once; l sums the rounded weights, so O / l is an exact convex combination of
+// the V rows with weights within 2^-9 (relative) of the fp32 softmax.
+//
+// K / V tiles of ATTD_KT positions stream through an ATTD_STAGES-deep cp.async ring (rows XOR-
+// swizzled in 16-byte chunks so ldmatrix is conflict-free). Bytes in flight per CTA at head dim
+// 256: (ATTD_STAGES - 1) x 32 KB bf16 (16 KB fp8); 2 CTAs per SM at W <= 8, 1 at W = 16 (registers).
+// fp8 KV (e4m3 codes + int8 row exponents) is staged as codes, converted once per tile to bf16
+// (code / 256: exact) in a shared tile all warps read, and the row scales 2^(e+8) multiply the
+// score (K) and the softmax weight of the V row (not l), as in the split kernel.
+//
+// Determinism: the split size depends only on (pos0, span, nsplit) -- nsplit comes from the model
+// shape and the SM count, never the live width -- tiles start at fixed offsets in a split, every
+// row's max, sum and accumulators are its own (mma columns are independent; no per-CTA reduction
+// crosses rows), and positions past a row's limit weigh exactly 0, so the extra tiles a wider
+// launch walks leave a row's bits unchanged: lane t's output is the same at any width.
+// Positions past the launch's last lane are zero-filled, never read from memory.
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool ATTD_SM90_BUILD = false;
+#else
+constexpr bool ATTD_SM90_BUILD = true;
+#endif
+
+__device__ __forceinline__ int attd_split_size(int pos0, int span, int nsplit) {
+    const int need = (pos0 + span + nsplit - 1) / nsplit;
+    return max(ATTD_MIN_SPLIT, (need + ATTD_KT - 1) / ATTD_KT * ATTD_KT);
+}
+
+__device__ __forceinline__ u32 attd_saddr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// 16 bytes global -> shared, zero-filled when !ok (src-size 0: nothing is read)
+__device__ __forceinline__ void attd_cp16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void attd_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void attd_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a)
+                 : "memory");
+}
+// transpose of an 8x8 b16 matrix held as mma fragments (thread (g, t) holds row g, cols 2t, 2t+1)
+__device__ __forceinline__ u32 movm_t(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// Byte offset of 16-byte chunk c in a swizzled row addressed by `lane` (row & SWZ == lane & SWZ):
+// (c / G) * G + ((c % G) ^ (lane & SWZ)) chunks, G = SWZ + 1. With c = 2k + (a lane bit) and k an
+// unrolled constant, the compiler keeps G / 2 per-thread values and folds the rest into immediates.
+template <int SWZ>
+__device__ __forceinline__ u32 swz_off(int c, int lane) {
+    return 16u * (u32)((c & ~SWZ) | ((c & SWZ) ^ (lane & SWZ)));
+}
+
+// grid (nkv, nsplit), block 32 x max(ATTD_MIN_WARPS, ceil(nlanes * rep / ATTD_ROWS)) (<= ATTD_MAX_WARPS),
+// dynamic smem kernels.attention_mma_shared_bytes. q [nlanes][ldq] fp32; kc / vc [nkv][max_pos][HD]
+// bf16 bits or e4m3 codes (kx / vx: row exponents [nkv][max_pos]); part as the split kernel's, with
+// nsplit splits per (lane, q head).
+template <int HD, bool FP8, bool QS>
+__device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int ldq, const unsigned char* __restrict__ kc,
+                                              const unsigned char* __restrict__ vc, int max_pos, int nq, int nkv,
+                                              float scale, const int* __restrict__ pos0_dev, int span, int nsplit,
+                                              int nlanes, float* __restrict__ part, const signed char* __restrict__ kx,
+                                              const signed char* __restrict__ vx) {
+    constexpr int KT = ATTD_KT;
+    constexpr int CH = HD / 8;                 // 16-byte chunks of a bf16 row
+    constexpr int SWZ = (CH < 8 ? CH : 8) - 1;  // chunk c of row r sits at chunk c ^ (r & SWZ)
+    constexpr int TILE = KT * HD;              // elements of one K (or V) tile
+    constexpr int KS = HD / 16;                // k-steps of S^T, and 16-dim m-tiles of O^T
+    constexpr int EB = FP8 ? 1 : 2;            // bytes per staged element
+    constexpr int CHS = HD * EB / 16;          // 16-byte chunks per staged row
+    constexpr int STAGE_BYTES = 2 * TILE * EB;
+    extern __shared__ __align__(16) unsigned char attd_sm[];
+
+    const int g = blockIdx.x, sp = blockIdx.y;
+    const int pos0 = *pos0_dev;
+    const int ssz = attd_split_size(pos0, span, nsplit);
+    const int start = sp * ssz;
+    const int len = pos0 + nlanes;  // positions the launch's last lane sees
+    if (start >= len) return;
+    const int end = min(start + ssz, len);
+    const int ntiles = (end - start + KT - 1) / KT;
+    const int rep = nq / nkv, rows = nlanes * rep;
+    const int tid = threadIdx.x, nthr = blockDim.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+    const unsigned char* kb = kc + (i64)g * max_pos * HD * EB;
+    const unsigned char* vb = vc + (i64)g * max_pos * HD * EB;
+    u16* cvt = reinterpret_cast<u16*>(attd_sm + ATTD_STAGES * STAGE_BYTES);  // fp8: the bf16 K, V tiles
+    signed char* exs = reinterpret_cast<signed char*>(cvt + 2 * TILE);       // fp8: K, V exponents [ssz]
+
+    // stage `tile` of the split into its ring slot (one commit group per call, empty past the end)
+    auto issue = [&](int tile) {
+        if (tile < ntiles) {
+            unsigned char* st = attd_sm + (tile % ATTD_STAGES) * STAGE_BYTES;
+            const int p0 = start + tile * KT;
+            for (int u = tid; u < 2 * KT * CHS; u += nthr) {
+                const int which = u / (KT * CHS), rem = u - which * (KT * CHS);
+                const int r = rem / CHS, c = rem - r * CHS;
+                const int p = p0 + r;
+                const bool ok = p < end;
+                const unsigned char* src = (which ? vb : kb) + (i64)(ok ? p : start) * (HD * EB) + c * 16;
+                const int cs = FP8 ? c : (c ^ (r & SWZ));  // fp8 codes are re-laid out by the conversion
+                attd_cp16(attd_saddr(st + which * TILE * EB + r * (HD * EB) + cs * 16), src, ok);
+            }
+        }
+        attd_commit();
+    };
+#pragma unroll 1
+    for (int s = 0; s < ATTD_STAGES - 1; s++) issue(s);
+    if constexpr (FP8) {  // the split's row exponents, once (their latency overlaps the first copies)
+        for (int i = tid; i < ssz; i += nthr) {
+            const int p = start + i;
+            exs[i] = p < end ? kx[(i64)g * max_pos + p] : (signed char)0;
+            exs[ssz + i] = p < end ? vx[(i64)g * max_pos + p] : (signed char)0;
+        }
+    }
+
+    // this thread's B fragments of Q (row warp*8 + gq; zeros past the rows) and the limits of its
+    // two accumulator columns (rows warp*8 + 2tq + i; -1 past the rows: nothing visible)
+    const bool active = warp * ATTD_ROWS < rows;
+    u32 qh[KS][2], ql[KS][2];
+    int lim[2];
+    {
+        const int r = warp * ATTD_ROWS + gq;
+        const bool ok = r < rows;
+        const int ln = ok ? r / rep : 0;
+        const float* qr = q + (i64)ln * ldq + (g * rep + (ok ? r - ln * rep : 0)) * HD + 2 * tq;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float2 v = ok ? *reinterpret_cast<const float2*>(qr + ks * 16 + h * 8) : make_float2(0.f, 0.f);
+                qh[ks][h] = pack_bf16x2(v.x, v.y);
+                ql[ks][h] = QS ? pack_bf16x2(v.x - bf16x2_lo(qh[ks][h]), v.y - bf16x2_hi(qh[ks][h])) : 0u;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int rr = warp * ATTD_ROWS + 2 * tq + i;
+            lim[i] = rr < rows ? pos0 + rr / rep : -1;
+        }
+    }
+
+    float o[KS][4];
+#pragma unroll
+    for (int d = 0; d < KS; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // l: this thread's positions only
+
+#pragma unroll 1
+    for (int tile = 0; tile < ntiles; tile++) {
+        attd_wait<ATTD_STAGES - 2>();
+        __syncthreads();  // tile's copies landed for every thread; every warp is done with tile - 1
+        issue(tile + ATTD_STAGES - 1);
+        const unsigned char* st = attd_sm + (tile % ATTD_STAGES) * STAGE_BYTES;
+        const u16* kt = reinterpret_cast<const u16*>(st);
+        if constexpr (FP8) {  // codes -> bf16 (code / 256, exact), swizzled like a bf16 stage
+            for (int u = tid; u < 2 * KT * CHS; u += nthr) {
+                const int which = u / (KT * CHS), rem = u - which * (KT * CHS);
+                const int r = rem / CHS, c = rem - r * CHS;
+                const uint4 w = *reinterpret_cast<const uint4*>(st + which * TILE + r * HD + c * 16);
+                const u32 wv[4] = {w.x, w.y, w.z, w.w};
+                u32 b[8];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float f0, f1, f2, f3;
+                    e4m3x2_to_float_div256(wv[i] & 0xffffu, f0, f1);
+                    e4m3x2_to_float_div256(wv[i] >> 16, f2, f3);
+                    b[2 * i] = pack_bf16x2(f0, f1);
+                    b[2 * i + 1] = pack_bf16x2(f2, f3);
+                }
+                u16* dst = cvt + which * TILE + r * HD;
+                *reinterpret_cast<uint4*>(dst + (((2 * c) ^ (r & SWZ)) << 3)) = make_uint4(b[0], b[1], b[2], b[3]);
+                *reinterpret_cast<uint4*>(dst + (((2 * c + 1) ^ (r & SWZ)) << 3)) = make_uint4(b[4], b[5], b[6], b[7]);
+            }
+            __syncthreads();
+            kt = cvt;
+        }
+        // ldmatrix addresses: row r's chunk c sits at chunk c ^ (r & SWZ), and r & SWZ = lane & SWZ for
+        // every row this lane addresses, so a k-step's offset is a per-thread pattern over G / 2 steps
+        // plus an immediate (keeps the address math out of the register budget)
+        const u32 k_row = attd_saddr(kt) + 2 * HD * (lane & 15);
+        const u32 v_row = attd_saddr(kt + TILE) + 2 * HD * ((lane & 7) + ((lane >> 4) << 3));
+        if (active) {
+            const int p0 = start + tile * KT;
+#pragma unroll 1  // unrolled, the two steps' live ranges overlap past the 168-register bound
+            for (int mi = 0; mi < KT / 16; mi++) {
+                // S^T (16 positions x 8 rows): hi and lo chains apart (twice the mma in flight)
+                float sh[4] = {0.f, 0.f, 0.f, 0.f}, sl[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++) {
+                    u32 a0, a1, a2, a3;
+                    ldsm_x4(k_row + mi * 32 * HD + swz_off<SWZ>(2 * ks + (lane >> 4), lane), a0, a1, a2, a3);
+                    mma_bf16_16816(sh[0], sh[1], sh[2], sh[3], a0, a1, a2, a3, qh[ks][0], qh[ks][1]);
+                    if (QS) mma_bf16_16816(sl[0], sl[1], sl[2], sl[3], a0, a1, a2, a3, ql[ks][0], ql[ks][1]);
+                }
+                // c0, c1: position gq, rows 2tq, 2tq+1; c2, c3: position gq + 8
+                const int pa = p0 + mi * 16 + gq, pb = pa + 8;
+                float kscale[2] = {scale, scale}, vscale[2] = {1.f, 1.f};
+                if constexpr (FP8) {
+                    kscale[0] = scale * exp2_int((int)exs[pa - start] + 8);
+                    kscale[1] = scale * exp2_int((int)exs[pb - start] + 8);
+                    vscale[0] = exp2_int((int)exs[ssz + pa - start] + 8);
+                    vscale[1] = exp2_int((int)exs[ssz + pb - start] + 8);
+                }
+                float x[4], mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int p = c < 2 ? pa : pb;
+                    x[c] = p <= lim[c & 1] ? (sh[c] + sl[c]) * kscale[c >> 1] : -INFINITY;
+                    mx[c & 1] = fmaxf(mx[c & 1], x[c]);
+                }
+                float corr[2], mu[2];
+#pragma unroll
+                for (int i = 0; i < 2; i++) {  // a row's 16 positions sit on the 8 threads of one tq
+                    mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 4));
+                    mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 8));
+                    mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 16));
+                    const float mn = fmaxf(m[i], mx[i]);
+                    mu[i] = mn == -INFINITY ? 0.f : mn;  // nothing visible yet: weights 0, no NaN
+                    corr[i] = expf(m[i] - mu[i]);        // exp(-inf) = 0 on the first visible step
+                    m[i] = mn;
+                    l[i] *= corr[i];
+                }
+                u32 pk[2];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const u32 w = pack_bf16x2(expf(x[2 * h] - mu[0]), expf(x[2 * h + 1] - mu[1]));
+                    l[0] += bf16x2_lo(w);
+                    l[1] += bf16x2_hi(w);
+                    pk[h] = FP8 ? pack_bf16x2(bf16x2_lo(w) * vscale[h], bf16x2_hi(w) * vscale[h]) : w;
+                }
+                const u32 b0 = movm_t(pk[0]), b1 = movm_t(pk[1]);  // P^T B fragment: positions 2tq.. of row gq
+#pragma unroll
+                for (int dt = 0; dt < KS; dt++) {
+                    o[dt][0] *= corr[0];
+                    o[dt][1] *= corr[1];
+                    o[dt][2] *= corr[0];
+                    o[dt][3] *= corr[1];
+                    u32 a0, a1, a2, a3;
+                    ldsm_x4_t(v_row + mi * 32 * HD + swz_off<SWZ>(2 * dt + ((lane >> 3) & 1), lane), a0, a1, a2, a3);
+                    mma_bf16_16816(o[dt][0], o[dt][1], o[dt][2], o[dt][3], a0, a1, a2, a3, b0, b1);
+                }
+            }
+        }
+    }
+    attd_wait<0>();  // the trailing groups are empty; nothing is in flight when the CTA exits
+
+    if (!active) return;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {  // the row's sum over its 8 position threads (same bits in each)
+        l[i] += __shfl_xor_sync(FULL_MASK, l[i], 4);
+        l[i] += __shfl_xor_sync(FULL_MASK, l[i], 8);
+        l[i] += __shfl_xor_sync(FULL_MASK, l[i], 16);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int r = warp * ATTD_ROWS + 2 * tq + i;
+        if (r >= rows) continue;
+        const int ln = r / rep, h = g * rep + (r - ln * rep);
+        float* dst = part + ((i64)(ln * nq + h) * nsplit + sp) * (HD + 2);
+        if (gq == 0) {
+            dst[0] = m[i];
+            dst[1] = l[i];
+        }
+#pragma unroll
+        for (int dt = 0; dt < KS; dt++) {
+            dst[2 + dt * 16 + gq] = o[dt][i];
+            dst[2 + dt * 16 + gq + 8] = o[dt][2 + i];
+        }
+    }
+}
+
+#define ATTD_KERNEL(NAME, HD, FP8, QS)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * ATTD_MAX_WARPS)                                          \
+        NAME(const float* q, int ldq, const unsigned char* kc, const unsigned char* vc, int max_pos, int nq,   \
+             int nkv, float scale, const int* pos0_dev, int span, int nsplit, int nlanes, float* part,          \
+             const signed char* kx, const signed char* vx) {                                                    \
+        attn_mma_body<HD, FP8, QS>(q, ldq, kc, vc, max_pos, nq, nkv, scale, pos0_dev, span, nsplit, nlanes, part,   \
+                               kx, vx);                                                                         \
+    }
+
+// QS: Q as bf16 hi + lo (fp32-grade scores); the "_bq" variants take Q rounded to bf16 once (one
+// mma per product: what sm_80-89 run at head dim 256, where hi + lo does not fit 168 registers)
+ATTD_KERNEL(attn_mma_bf16_d32, 32, false, true)
+ATTD_KERNEL(attn_mma_bf16_d64, 64, false, true)
+ATTD_KERNEL(attn_mma_bf16_d128, 128, false, true)
+ATTD_KERNEL(attn_mma_fp8_d32, 32, true, true)
+ATTD_KERNEL(attn_mma_fp8_d64, 64, true, true)
+ATTD_KERNEL(attn_mma_fp8_d128, 128, true, true)
+ATTD_KERNEL(attn_mma_bf16_d256_bq, 256, false, false)
+ATTD_KERNEL(attn_mma_fp8_d256_bq, 256, true, false)
+
+// hi + lo at head dim 256 needs ~186 registers: sm_90+ only (kernels.attention_mma picks _bq below)
+#define ATTD_KERNEL_SM90(NAME, HD, FP8)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * ATTD_MAX_WARPS)                                          \
+        NAME(const float* q, int ldq, const unsigned char* kc, const unsigned char* vc, int max_pos, int nq,   \
+             int nkv, float scale, const int* pos0_dev, int span, int nsplit, int nlanes, float* part,          \
+             const signed char* kx, const signed char* vx) {                                                    \
+        if constexpr (ATTD_SM90_BUILD)                                                                          \
+            attn_mma_body<HD, FP8, true>(q, ldq, kc, vc, max_pos, nq, nkv, scale, pos0_dev, span, nsplit,       \
+                                         nlanes, part, kx, vx);                                                 \
+        else                                                                                                    \
+            __trap();                                                                                           \
+    }
+ATTD_KERNEL_SM90(attn_mma_bf16_d256, 256, false)
+ATTD_KERNEL_SM90(attn_mma_fp8_d256, 256, true)
+
+// grid (nlanes, nq), block hd: the tensor-core kernel's partials (nsplit per lane and head).
+extern "C" __global__ void attn_mma_combine(const float* __restrict__ part, int nq, int hd,
+                                            const int* __restrict__ pos0_dev, int span, int nsplit,
+                                            const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
+    const int pos0 = *pos0_dev;
+    combine_body(part, nq, hd, pos0, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo);
 }

@@ -64,6 +64,19 @@ NSPLIT = 64  # position splits of the decode / verify kernel
 REPMAX = 8  # q heads per kv head the decode kernel holds
 ATT_WARPS = 8
 PF_ROWS = 64  # (lane, q head) rows per prefill CTA
+# tensor-core decode / verify kernel (attention.cu attn_mma_*, EngineConfig.attn_decode "mma"): one CTA
+# per (kv head, split) takes every lane and q head of that kv head, so the KV is read once per round
+ATTD_KT = 32  # positions per K / V tile staged through shared memory (two 16-position mma steps)
+ATTD_STAGES = 3  # cp.async ring depth: 2 tiles in flight while one is computed
+ATTD_ROWS = 8  # (lane, q head) rows per warp: the n = 8 side of mma.m16n8k16 (S^T = K Q^T)
+ATTD_MIN_WARPS = 4  # warps per CTA at least (the ones past the rows only stage / convert tiles)
+ATTD_MAX_WARPS = 12  # launch bound: 96 rows (16 lanes x 6 q heads); more rows keep the split kernel
+ATTD_MIN_SPLIT = 64  # positions per split at least (a multiple of ATTD_KT)
+ATTD_NSPLIT_MAX = 128  # splits per kv head at most (partials buffer)
+ATTD_WAVES = 2  # splits are sized for this many CTAs per SM over the kv heads
+# 1: Q enters as bf16 hi + lo (fp32-grade scores, 2 mma per product) wherever it fits the registers
+# (every head dim; 256 on sm_90+ only, sm_80-89 take bf16 Q there); 0: bf16 Q everywhere (1 mma)
+ATTD_QSPLIT = 1
 PF_THREADS = 128
 # prefill attention v2 (cuda/attention_prefill2.cu): K/V cp.async stages, the absolute key block a
 # CTA covers (rows past it merge per-block partials; a multiple of every NK), and the three tile
