@@ -227,8 +227,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, int nq, 
 // (A = V^T by ldmatrix.trans, B = P^T: the S^T accumulators rounded to bf16 and transposed in
 // registers by movmatrix). Positions as the mma's M side and rows as its N = 8 side keep the
 // padding small (W = 1 has 6 rows: one n-tile) and Q out of shared memory.
-// P is rounded to bf16 once; l sums the rounded weights, so O / l is an exact convex combination of
-// the V rows with weights within 2^-9 (relative) of the fp32 softmax.
+// With QS the softmax weights P enter as bf16 hi + lo too (two mma per product on both sides, like
+// the prefill kernel): fp32-grade results. Without (the "_bq" variants) Q and P are rounded to bf16
+// once and l sums the rounded weights: ~1e-3 relative, half the tensor work.
 //
 // K / V tiles of ATTD_KT positions stream through an ATTD_STAGES-deep cp.async ring (rows XOR-
 // swizzled in 16-byte chunks so ldmatrix is conflict-free). Bytes in flight per CTA at head dim
@@ -464,15 +465,25 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
                     m[i] = mn;
                     l[i] *= corr[i];
                 }
-                u32 pk[2];
+                // P: bf16 hi + lo (QS), or bf16 once with l summing the rounded weights (so O / l stays a
+                // convex combination of V rows, weights within 2^-9 relative of the fp32 softmax)
+                u32 pk[2], pl[2];
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const u32 w = pack_bf16x2(expf(x[2 * h] - mu[0]), expf(x[2 * h + 1] - mu[1]));
-                    l[0] += bf16x2_lo(w);
-                    l[1] += bf16x2_hi(w);
-                    pk[h] = FP8 ? pack_bf16x2(bf16x2_lo(w) * vscale[h], bf16x2_hi(w) * vscale[h]) : w;
+                    float e0 = expf(x[2 * h] - mu[0]), e1 = expf(x[2 * h + 1] - mu[1]);
+                    if (!QS) {
+                        const u32 w = pack_bf16x2(e0, e1);
+                        e0 = bf16x2_lo(w);
+                        e1 = bf16x2_hi(w);
+                    }
+                    l[0] += e0;
+                    l[1] += e1;
+                    const float f0 = FP8 ? e0 * vscale[h] : e0, f1 = FP8 ? e1 * vscale[h] : e1;
+                    pk[h] = pack_bf16x2(f0, f1);  // exact when !QS (a power-of-two multiple of a bf16)
+                    pl[h] = QS ? pack_bf16x2(f0 - bf16x2_lo(pk[h]), f1 - bf16x2_hi(pk[h])) : 0u;
                 }
                 const u32 b0 = movm_t(pk[0]), b1 = movm_t(pk[1]);  // P^T B fragment: positions 2tq.. of row gq
+                const u32 c0 = QS ? movm_t(pl[0]) : 0u, c1 = QS ? movm_t(pl[1]) : 0u;
 #pragma unroll
                 for (int dt = 0; dt < KS; dt++) {
                     o[dt][0] *= corr[0];
@@ -481,6 +492,7 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
                     o[dt][3] *= corr[1];
                     u32 a0, a1, a2, a3;
                     ldsm_x4_t(v_row + mi * 32 * HD + swz_off<SWZ>(2 * dt + ((lane >> 3) & 1), lane), a0, a1, a2, a3);
+                    if (QS) mma_bf16_16816(o[dt][0], o[dt][1], o[dt][2], o[dt][3], a0, a1, a2, a3, c0, c1);
                     mma_bf16_16816(o[dt][0], o[dt][1], o[dt][2], o[dt][3], a0, a1, a2, a3, b0, b1);
                 }
             }
@@ -522,15 +534,22 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
                                kx, vx);                                                                         \
     }
 
-// QS: Q as bf16 hi + lo (fp32-grade scores); the "_bq" variants take Q rounded to bf16 once (one
-// mma per product: what sm_80-89 run at head dim 256, where hi + lo does not fit 168 registers)
+// QS: Q and P as bf16 hi + lo (fp32-grade); the "_bq" variants round Q and P to bf16 once (one mma
+// per product: what sm_80-89 run at head dim 256, where hi + lo does not fit 168 registers, and
+// every card with ATTD_QSPLIT = 0)
 ATTD_KERNEL(attn_mma_bf16_d32, 32, false, true)
 ATTD_KERNEL(attn_mma_bf16_d64, 64, false, true)
 ATTD_KERNEL(attn_mma_bf16_d128, 128, false, true)
 ATTD_KERNEL(attn_mma_fp8_d32, 32, true, true)
 ATTD_KERNEL(attn_mma_fp8_d64, 64, true, true)
 ATTD_KERNEL(attn_mma_fp8_d128, 128, true, true)
+ATTD_KERNEL(attn_mma_bf16_d32_bq, 32, false, false)
+ATTD_KERNEL(attn_mma_bf16_d64_bq, 64, false, false)
+ATTD_KERNEL(attn_mma_bf16_d128_bq, 128, false, false)
 ATTD_KERNEL(attn_mma_bf16_d256_bq, 256, false, false)
+ATTD_KERNEL(attn_mma_fp8_d32_bq, 32, true, false)
+ATTD_KERNEL(attn_mma_fp8_d64_bq, 64, true, false)
+ATTD_KERNEL(attn_mma_fp8_d128_bq, 128, true, false)
 ATTD_KERNEL(attn_mma_fp8_d256_bq, 256, true, false)
 
 // hi + lo at head dim 256 needs ~186 registers: sm_90+ only (kernels.attention_mma picks _bq below)

@@ -93,6 +93,11 @@ class EngineConfig:
     # one id back: cuda/sampling.cu top2_partial_masked) instead of downloading its logits row.
     # Off until measured on the device (issue 16); the host path serves the CPU backend always.
     device_masks: bool = False
+    # cuda fast path decode / verify attention: "split" (the per-lane split-K kernel, cuda/attention.cu
+    # attn_split_*) or "mma" (attn_mma_*: tensor cores, one CTA per kv head and split for every lane, the
+    # KV read once per round). split stays the default until mma has run the GPU tests and gates on
+    # the device (mma sums in another order, Q and P as bf16 hi + lo: tolerance-equal, not bitwise)
+    attn_decode: str = "split"
 
     def engine_prefill_chunk(self) -> int:
         """Tokens per prefill piece the decoder feeds the model on this device."""
@@ -199,6 +204,7 @@ ENV_VARS = {
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),
     "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),
     "Q27_DEVICE_MASKS": ("engine", "device_masks", parse_switch),
+    "Q27_ATTN_DECODE": ("engine", "attn_decode", str),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

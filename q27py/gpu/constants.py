@@ -74,8 +74,8 @@ ATTD_MAX_WARPS = 12  # launch bound: 96 rows (16 lanes x 6 q heads); more rows k
 ATTD_MIN_SPLIT = 64  # positions per split at least (a multiple of ATTD_KT)
 ATTD_NSPLIT_MAX = 128  # splits per kv head at most (partials buffer)
 ATTD_WAVES = 2  # splits are sized for this many CTAs per SM over the kv heads
-# 1: Q enters as bf16 hi + lo (fp32-grade scores, 2 mma per product) wherever it fits the registers
-# (every head dim; 256 on sm_90+ only, sm_80-89 take bf16 Q there); 0: bf16 Q everywhere (1 mma)
+# 1: Q and the softmax weights enter as bf16 hi + lo (fp32-grade, 2 mma per product) wherever that fits
+# the registers (every head dim; 256 on sm_90+ only, sm_80-89 round to bf16 there); 0: bf16 once (1 mma)
 ATTD_QSPLIT = 1
 PF_THREADS = 128
 # prefill attention v2 (cuda/attention_prefill2.cu): K/V cp.async stages, the absolute key block a

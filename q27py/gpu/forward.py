@@ -231,7 +231,8 @@ class FastState:
 
 class FastModel:
     def __init__(self, weights: ModelWeights, max_context: int = 4096, kv_dtype: str = "bf16", chunk: int = 64,
-                 device_snapshot_bytes: int | None = None, gdn_fused: bool | None = None):
+                 device_snapshot_bytes: int | None = None, gdn_fused: bool | None = None,
+                 attn_decode: str | None = None):
         rt = Runtime.get()
         cp = rt.cp
         self.rt = rt
@@ -299,7 +300,13 @@ class FastModel:
         # split-K partials: decode / verify lanes only, unless this card cannot run the tiled
         # prefill attention (then prefill chunks take the per-lane kernel too)
         part_lanes = VERIFY_SPAN if (PREFILL_ATTENTION and K.attention_prefill_fits(hd, self.kv_bf16)) else T
-        self.part = cp.zeros(K.attention_partials_floats(part_lanes, nq, hd), dtype=cp.float32)
+        # decode / verify attention kernel (EngineConfig.attn_decode): "mma" where the shape fits at the
+        # verify capacity -- decided once here from the shape, so every width takes the same kernel
+        self.attn_decode = K.attn_decode_mode(K.ATTN_DECODE if attn_decode is None else attn_decode)
+        self.attn_mma = (self.attn_decode == "mma" and kv_dtype in ("bf16", "fp8")
+                         and K.attention_mma_supported(hd, nq, nkv, VERIFY_SPAN, kv_dtype == "fp8", self.max_pos))
+        nsplit = max(K.ATT_NSPLIT, K.attention_mma_splits(nkv, rt.sm_count)) if self.attn_mma else K.ATT_NSPLIT
+        self.part = cp.zeros(K.attention_partials_floats(part_lanes, nq, hd, nsplit), dtype=cp.float32)
         # prefill attention v2: partials of rows past the first key block (allocated now when the
         # engine runs v2, else on first use: benches and tests switch K.ATTN_PREFILL after loading)
         self._pf2_part = None
@@ -678,6 +685,9 @@ class FastModel:
             elif PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, True):
                 K.attention_prefill_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev,
                                         self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+            elif self.attn_mma and span == VERIFY_SPAN:
+                K.attention_mma(self.qbuf, nq * hd, kc, vc, kx, vx, True, self.max_pos, nq, nkv, hd, pos0_dev, span,
+                                self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
             else:
                 K.attention_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev, span,
                                 self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
@@ -692,6 +702,9 @@ class FastModel:
         elif PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, self.kv_bf16):
             K.attention_prefill(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, self.qg,
                                 self.ld_qg, self.xa, self.ld_xa, t)
+        elif self.attn_mma and span == VERIFY_SPAN:  # bf16 KV (attn_mma is False for fp32 rows)
+            K.attention_mma(self.qbuf, nq * hd, kc, vc, None, None, False, self.max_pos, nq, nkv, hd, pos0_dev, span,
+                            self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
         else:
             K.attention(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, span, self.part,
                         self.qg, self.ld_qg, self.xa, self.ld_xa, t)
@@ -952,6 +965,7 @@ def load_fast_model(cfg) -> FastModel:
     K.PREFILL_GEMM = e.prefill_gemm
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
+    K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused)
     if not isinstance(e.max_context, int):
         size_context_to_memory(model, e)

@@ -781,8 +781,99 @@ def attention_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int, nq: int
               (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo)))
 
 
-def attention_partials_floats(max_lanes: int, nq: int, hd: int) -> int:
-    return max_lanes * nq * ATT_NSPLIT * (hd + 2)
+def attention_partials_floats(max_lanes: int, nq: int, hd: int, nsplit: int = ATT_NSPLIT) -> int:
+    """Floats of the split partials buffer (nsplit: ATT_NSPLIT for attention(), attention_mma_splits for
+    attention_mma())."""
+    return max_lanes * nq * nsplit * (hd + 2)
+
+
+# ---------------------------------------------------------------- tensor-core decode / verify attention
+# attention_mma (cuda/attention.cu attn_mma_*): one CTA per (kv head, split) for every lane, so the KV is
+# read once per round. "split": attention() / attention_fp8() (the per-lane kernel, default until the
+# device run); "mma": attention_mma where the shape fits. Set from EngineConfig.attn_decode.
+ATTN_DECODE_MODES = ("split", "mma")
+ATTN_DECODE = "split"
+ATTD_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def attn_decode_mode(mode: str) -> str:
+    """EngineConfig.attn_decode, checked when the model loads (a typo fails there, not mid-request)."""
+    if mode not in ATTN_DECODE_MODES:
+        raise ValueError(f"attn_decode must be one of {', '.join(ATTN_DECODE_MODES)}, not {mode!r}")
+    return mode
+
+
+def attention_mma_splits(nkv: int, sm_count: int) -> int:
+    """Splits per kv head: ATTD_WAVES CTAs per SM over the kv heads. A function of the model shape and
+    the card only -- never the live width -- so it is fixed for a model on a device (graphs, bits)."""
+    return int(max(1, min(C.ATTD_NSPLIT_MAX, -(-C.ATTD_WAVES * sm_count // max(nkv, 1)))))
+
+
+def attention_mma_split_size(pos0: int, span: int, nsplit: int) -> int:
+    """Positions per split (cuda/attention.cu attd_split_size; tests/gpu checks the two agree)."""
+    need = -(-(pos0 + span) // nsplit)
+    return max(C.ATTD_MIN_SPLIT, -(-need // C.ATTD_KT) * C.ATTD_KT)
+
+
+def attention_mma_warps(nlanes: int, rep: int) -> int:
+    """Warps of a CTA: one per ATTD_ROWS (lane, q head) rows, at least ATTD_MIN_WARPS (the extra ones
+    only stage tiles). Depends on the live width, which only changes who copies, never any row's math."""
+    return max(C.ATTD_MIN_WARPS, -(-nlanes * rep // C.ATTD_ROWS))
+
+
+def attention_mma_shared_bytes(hd: int, fp8: bool, max_pos: int, span: int, nsplit: int) -> int:
+    """The cp.async ring (K + V tiles per stage); fp8 adds the converted bf16 K / V tile and the split's
+    row exponents (a split is at most attention_mma_split_size(max_pos, span, nsplit) positions)."""
+    eb = 1 if fp8 else 2
+    n = C.ATTD_STAGES * 2 * C.ATTD_KT * hd * eb
+    if fp8:
+        n += 2 * C.ATTD_KT * hd * 2 + 2 * attention_mma_split_size(max_pos, span, nsplit)
+    return n
+
+
+def attention_mma_qsplit(hd: int, cc: tuple[int, int]) -> bool:
+    """Q as bf16 hi + lo (fp32-grade scores) where the registers allow it: every head dim on sm_90+,
+    below 256 elsewhere (cuda/attention.cu builds the d256 hi + lo kernels for sm_90+ only)."""
+    return bool(C.ATTD_QSPLIT) and (hd < 256 or tuple(cc) >= (9, 0))
+
+
+def attention_mma_supported(hd: int, nq: int, nkv: int, span: int, fp8: bool, max_pos: int) -> bool:
+    """Whether attention_mma runs this launch shape on this card. Decided from the capacity `span`
+    (never the live width), so every width of one graph family takes the same kernel."""
+    if hd not in ATTD_HEAD_DIMS or nkv < 1 or nq % nkv:
+        return False
+    if span * (nq // nkv) > C.ATTD_MAX_WARPS * C.ATTD_ROWS:
+        return False
+    rt = Runtime.get()
+    nsplit = attention_mma_splits(nkv, rt.sm_count)
+    return attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit) <= rt.smem_optin
+
+
+def attention_mma(q, ldq: int, kcache, vcache, kexp, vexp, fp8: bool, max_pos: int, nq: int, nkv: int, hd: int,
+                  pos0_dev, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int,
+                  qsplit: bool | None = None) -> None:
+    """attention() / attention_fp8() on tensor cores: the same contract (out[t][h*hd + d], gated), the
+    KV read once for all lanes. kcache / vcache: bf16 bits (fp8=False) or e4m3 codes with row
+    exponents kexp / vexp. part: attention_partials_floats(lanes, nq, hd, attention_mma_splits(...)).
+    qsplit: None = attention_mma_qsplit (tests force either variant)."""
+    if not attention_mma_supported(hd, nq, nkv, span, fp8, max_pos):
+        raise ValueError(f"attention_mma: head dim {hd}, {nq}/{nkv} heads at span {span} not supported here")
+    if nlanes > span or ldq % 2:
+        raise ValueError("attention_mma: nlanes must be <= span and q rows 8-byte aligned (ldq even)")
+    rt = Runtime.get()
+    if qsplit is None:
+        qsplit = attention_mma_qsplit(hd, rt.cc)
+    elif qsplit and hd == 256 and tuple(rt.cc) < (9, 0):
+        raise ValueError("attention_mma: Q hi + lo at head dim 256 needs sm_90+")
+    nsplit = attention_mma_splits(nkv, rt.sm_count)
+    kernel = f"attn_mma_{'fp8' if fp8 else 'bf16'}_d{hd}{'' if qsplit else '_bq'}"
+    rep = nq // nkv
+    rt.launch("attention", kernel, (nkv, nsplit), 32 * attention_mma_warps(nlanes, rep),
+              (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5), pos0_dev, i32(span),
+               i32(nsplit), i32(nlanes), part, kexp if fp8 else None, vexp if fp8 else None),
+              shared_mem=attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit))
+    rt.launch("attention", "attn_mma_combine", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), pos0_dev, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo)))
 
 
 # ---------------------------------------------------------------- argmax / sampling
