@@ -85,6 +85,20 @@ def test_gdn_decode_builds_without_spills(tmp_path, arch):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_mma_kernels_build_without_spills(tmp_path, arch):
+    """The tensor-core decode attention keeps its O^T and Q fragments in registers under the
+    168-register bound of a 12-warp CTA on every arch (the d256 hi + lo pair is built for sm_90+
+    only: below it the entry traps and kernels.attention_mma picks the _bq variant)."""
+    rc, err = _nvcc(tmp_path, "attention", arch)
+    assert rc == 0, err[-2000:]
+    rep = {k: v for k, v in _ptxas_report(err).items() if k.startswith("attn_mma")}
+    assert len(rep) == 17, sorted(rep)
+    assert all(spill == 0 for _, spill in rep.values()), rep
+    assert all(regs <= 168 for regs, _ in rep.values()), rep
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sources_need_the_constants_table(tmp_path):
     """A kernel built without the table's -D defines must fail: the numbers are not hidden in the
     sources (guards against a re-added #ifndef default)."""

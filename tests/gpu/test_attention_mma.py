@@ -1,0 +1,305 @@
+"""The tensor-core decode / verify attention (cuda/attention.cu attn_mma_*, kernels.attention_mma).
+
+CPU (no GPU needed): the numpy transliteration of the kernel (attn_mma_emu.py: staging swizzle,
+ldmatrix / movmatrix / mma fragment maps, online softmax, partials, combine) against float64
+attention, and the split / shared-memory arithmetic.
+GPU: the kernel against float64 attention over the cache as stored (bf16 rows; fp8 rows
+dequantized by kvformat) and against the split kernel; bitwise lane-width invariance; the
+partials it writes agree with kernels.attention_mma_split_size; FastModel with
+attn_decode="mma" against "split".
+
+Tolerances: hi + lo kernels (Q and P as bf16 pairs): 2e-5 relative, the split kernel's class;
+the "_bq" kernels (Q, P rounded to bf16 once: sm_80-89 at head dim 256): 5e-3.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from q27py import DEFAULT_MODEL_DIR
+from q27py.gpu import constants as C
+from q27py.gpu import kernels as K
+from q27py.gpu import layout as L
+from q27py.model import kvformat as F
+from q27py.model import ops
+
+sys.path.insert(0, str(Path(__file__).parent))  # the emulator beside this file (tests/ is no package)
+import attn_mma_emu as E  # noqa: E402
+
+TOL, TOL_BQ = 2e-5, 5e-3
+SPAN = 16
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make_case(seed, nlanes, nq, nkv, hd, pos0, fp8, pad=5):
+    """q, gate, the cache as stored (bf16 values / e4m3 codes + exponents) and as attention sees it."""
+    rng = np.random.default_rng(seed)
+    max_pos = pos0 + SPAN + pad
+    q = rng.standard_normal((nlanes, nq, hd)).astype(np.float32)
+    kf = rng.standard_normal((nkv, max_pos, hd)).astype(np.float32) * 1.5
+    vf = rng.standard_normal((nkv, max_pos, hd)).astype(np.float32)
+    gate = rng.standard_normal((nlanes, nq, hd)).astype(np.float32)
+    if fp8:
+        kc, kx = F.fp8_quantize(kf)
+        vc, vx = F.fp8_quantize(vf)
+        kd, vd = F.fp8_dequantize(kc, kx), F.fp8_dequantize(vc, vx)
+        return dict(q=q, gate=gate, kc=kc, vc=vc, kx=kx, vx=vx, kd=kd, vd=vd, max_pos=max_pos)
+    kd, vd = F.bf16_round(kf), F.bf16_round(vf)
+    return dict(q=q, gate=gate, kc=kd, vc=vd, kx=None, vx=None, kd=kd, vd=vd, max_pos=max_pos)
+
+
+def reference(case, pos0):
+    q, gate = case["q"], case["gate"]
+    n = pos0 + q.shape[0]
+    keys = case["kd"][:, :n].transpose(1, 0, 2).astype(np.float64)
+    vals = case["vd"][:, :n].transpose(1, 0, 2).astype(np.float64)
+    return ops.attention(q.astype(np.float64), keys, vals, np.arange(pos0, n), q.shape[2] ** -0.5) * ops.sigmoid(
+        gate.astype(np.float64))
+
+
+# ---------------------------------------------------------------- CPU: the transliteration
+@pytest.mark.parametrize("hd,nq,nkv,nlanes,pos0,fp8,qsplit", [
+    (64, 4, 2, 3, 63, False, True),      # the tiny models' heads; pos0 + span straddles a split
+    (32, 4, 1, 5, 40, True, True),
+    (64, 4, 2, 16, 0, False, True),      # first positions: partial first tile, splits past the end
+    (64, 4, 2, 2, 97, True, False),      # the _bq variant: Q, P rounded once
+    (256, 12, 2, 16, 30, False, True),   # 27B heads (rep 6) at full verify width: 12 warps of 8 rows
+])
+def test_emulated_kernel_matches_attention(hd, nq, nkv, nlanes, pos0, fp8, qsplit):
+    case = make_case(hd + pos0, nlanes, nq, nkv, hd, pos0, fp8)
+    nsplit = 2
+    kx = None if case["kx"] is None else case["kx"].astype(np.int32)
+    vx = None if case["vx"] is None else case["vx"].astype(np.int32)
+    part = E.attn_mma(case["q"], case["kc"], case["vc"], pos0, SPAN, nsplit, nq, nkv, qsplit, kx, vx)
+    got = E.combine(part, pos0, SPAN, nsplit, case["gate"])
+    assert rel(got, reference(case, pos0)) < (TOL if qsplit else TOL_BQ)
+
+
+def test_emulated_lane_bits_do_not_depend_on_width():
+    """Lane t's partials are the same bits at W = t + 1 and W = 16 (the extra tiles and rows a wider
+    launch walks leave a row's accumulators untouched), in the transliteration's arithmetic."""
+    hd, nq, nkv, pos0 = 64, 4, 2, 60
+    case = make_case(3, 16, nq, nkv, hd, pos0, False)
+    full = E.attn_mma(case["q"], case["kc"], case["vc"], pos0, SPAN, 2, nq, nkv)
+    ssz = K.attention_mma_split_size(pos0, SPAN, 2)
+    for w in (1, 5, 9):
+        part = E.attn_mma(case["q"][:w], case["kc"], case["vc"], pos0, SPAN, 2, nq, nkv)
+        for t in range(w):  # the splits the combine reads for lane t (a wider launch also writes later ones)
+            ns = -(-(pos0 + t + 1) // ssz)
+            np.testing.assert_array_equal(part[t, :, :ns], full[t, :, :ns])
+
+
+def test_split_sizes_cover_the_positions_in_fixed_tiles():
+    for nkv, sms in ((4, 132), (4, 82), (2, 128), (1, 108), (8, 132)):
+        ns = K.attention_mma_splits(nkv, sms)
+        assert 1 <= ns <= C.ATTD_NSPLIT_MAX
+        for pos0 in (0, 1, 63, 64, 2047, 2048, 32767, 131071, 262143):
+            ssz = K.attention_mma_split_size(pos0, SPAN, ns)
+            assert ssz % C.ATTD_KT == 0 and ssz >= C.ATTD_MIN_SPLIT
+            assert ssz * ns >= pos0 + SPAN  # every position of the last lane has a split
+    assert C.ATTD_MIN_SPLIT % C.ATTD_KT == 0
+    # all SMs stream at 2K / 32K / 128K on the H200 (4 kv heads): >= 1 CTA per SM
+    ns = K.attention_mma_splits(4, 132)
+    for ctx in (2048, 32768, 131072):
+        ssz = K.attention_mma_split_size(ctx, SPAN, ns)
+        assert 4 * -(-(ctx + SPAN) // ssz) >= 132
+
+
+def test_shared_memory_fits_99kb_cards():
+    """sm_86 / sm_89 grant 99 KB per block: the bf16 ring and the fp8 tiles + exponents at 262K fit."""
+    optin = 101376
+    assert K.attention_mma_shared_bytes(256, False, 262144, SPAN, K.attention_mma_splits(4, 82)) <= optin
+    assert K.attention_mma_shared_bytes(256, True, 262144, SPAN, K.attention_mma_splits(4, 82)) <= optin
+    assert C.ATTD_MAX_WARPS * C.ATTD_ROWS >= SPAN * 6  # the 27B's verify rows fit one CTA
+
+
+def test_env_selects_the_kernel():
+    from q27py.config import Q27Config, apply_env
+
+    assert Q27Config().engine.attn_decode == "split"
+    assert apply_env(Q27Config(), {"Q27_ATTN_DECODE": "mma"}).engine.attn_decode == "mma"
+    assert K.attn_decode_mode("mma") == "mma"
+    with pytest.raises(ValueError):
+        K.attn_decode_mode("flash")
+
+
+# ---------------------------------------------------------------- GPU: the kernel
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    from q27py.gpu.runtime import Runtime
+
+    Runtime.get().module("attention")
+    return cupy
+
+
+def run_mma(cp, case, pos0, nlanes=None, qsplit=None, poison=False):
+    """attention_mma on the case's first nlanes lanes -> (out [nlanes, nq, hd], partials)."""
+    from q27py.gpu.runtime import Runtime
+
+    q, gate = case["q"], case["gate"]
+    nlanes = q.shape[0] if nlanes is None else nlanes
+    _, nq, hd = q.shape
+    nkv, max_pos = case["kc"].shape[0], case["max_pos"]
+    fp8 = case["kx"] is not None
+    if fp8:
+        kd, vd = cp.asarray(case["kc"]), cp.asarray(case["vc"])
+        kx, vx = cp.asarray(case["kx"]), cp.asarray(case["vx"])
+    else:
+        kd, vd = cp.asarray(L.bf16_bits(case["kc"])), cp.asarray(L.bf16_bits(case["vc"]))
+        kx = vx = None
+    qg = np.zeros((nlanes, nq, 2 * hd), np.float32)
+    qg[..., hd:] = gate[:nlanes]
+    out = cp.full((nlanes, nq * hd), np.nan, cp.float32)
+    nsplit = K.attention_mma_splits(nkv, Runtime.get().sm_count)
+    part = cp.full(K.attention_partials_floats(nlanes, nq, hd, nsplit), np.nan if poison else 0, dtype=cp.float32)
+    K.attention_mma(cp.asarray(q[:nlanes].reshape(nlanes, -1)), nq * hd, kd, vd, kx, vx, fp8, max_pos, nq, nkv, hd,
+                    cp.asarray(np.array([pos0], np.int32)), SPAN, part, cp.asarray(qg.reshape(nlanes, -1)),
+                    2 * nq * hd, out, nq * hd, nlanes, qsplit=qsplit)
+    return out.get().reshape(nlanes, nq, hd), part.get().reshape(nlanes, nq, nsplit, hd + 2)
+
+
+def boundary_pos0(nkv):
+    """pos0 values just below / at / past a split boundary of this card (and the first positions)."""
+    from q27py.gpu.runtime import Runtime
+
+    ns = K.attention_mma_splits(nkv, Runtime.get().sm_count)
+    ssz = K.attention_mma_split_size(4096, SPAN, ns)
+    return [0, 5, ssz - 1, ssz, 4096 - 3]
+
+
+HEADS = [(32, 4, 1), (64, 4, 2), (128, 8, 2), (256, 24, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,nq,nkv", HEADS)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("nlanes", [1, 3, 16])
+def test_mma_matches_float64_attention(cp, hd, nq, nkv, fp8, nlanes):
+    for pos0 in boundary_pos0(nkv):
+        case = make_case(pos0 * 7 + hd + nlanes, nlanes, nq, nkv, hd, pos0, fp8)
+        got, _ = run_mma(cp, case, pos0)
+        tol = TOL if K.attention_mma_qsplit(hd, _cc()) else TOL_BQ
+        assert rel(got, reference(case, pos0)) < tol, (pos0, rel(got, reference(case, pos0)))
+
+
+def _cc():
+    from q27py.gpu.runtime import Runtime
+
+    return Runtime.get().cc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_bf16_q_variant_matches_float64_attention(cp, fp8):
+    """The _bq kernels (what sm_80-89 run at head dim 256), run here on purpose."""
+    pos0 = 700
+    case = make_case(11, 16, 24, 4, 256, pos0, fp8)
+    got, _ = run_mma(cp, case, pos0, qsplit=False)
+    assert rel(got, reference(case, pos0)) < TOL_BQ
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mma_matches_split_kernel(cp, fp8):
+    hd, nq, nkv, pos0, t = 256, 24, 4, 3000, 9
+    case = make_case(5, t, nq, nkv, hd, pos0, fp8)
+    got, _ = run_mma(cp, case, pos0)
+    qg = np.zeros((t, nq, 2 * hd), np.float32)
+    qg[..., hd:] = case["gate"]
+    out = cp.full((t, nq * hd), np.nan, cp.float32)
+    part = cp.zeros(K.attention_partials_floats(t, nq, hd), dtype=cp.float32)
+    args = (cp.asarray(np.array([pos0], np.int32)), SPAN, part, cp.asarray(qg.reshape(t, -1)), 2 * nq * hd, out,
+            nq * hd, t)
+    q = cp.asarray(case["q"].reshape(t, -1))
+    if fp8:
+        K.attention_fp8(q, nq * hd, cp.asarray(case["kc"]), cp.asarray(case["vc"]), cp.asarray(case["kx"]),
+                        cp.asarray(case["vx"]), case["max_pos"], nq, nkv, hd, *args)
+    else:
+        K.attention(q, nq * hd, cp.asarray(L.bf16_bits(case["kc"])), cp.asarray(L.bf16_bits(case["vc"])), True,
+                    case["max_pos"], nq, nkv, hd, *args)
+    old = out.get().reshape(t, nq, hd)
+    tol = TOL if K.attention_mma_qsplit(hd, _cc()) else TOL_BQ
+    assert rel(got, old) < 2 * tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,nq,nkv", [(64, 4, 2), (256, 24, 4)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mma_lanes_are_width_invariant_bitwise(cp, hd, nq, nkv, fp8):
+    """Lane t's output is the same bits at every width W > t (1..16), pos0 at split boundaries."""
+    for pos0 in boundary_pos0(nkv)[1:4]:
+        case = make_case(pos0 + 1, SPAN, nq, nkv, hd, pos0, fp8)
+        full, _ = run_mma(cp, case, pos0)
+        for w in range(1, SPAN):
+            got, _ = run_mma(cp, case, pos0, nlanes=w)
+            np.testing.assert_array_equal(got, full[:w], err_msg=f"W={w} pos0={pos0}")
+
+
+@pytest.mark.gpu
+def test_partials_follow_the_python_split_size(cp):
+    """The kernel writes exactly the splits attention_mma_split_size says each lane needs (NaN-poisoned
+    buffer): the device formula (attd_split_size) and the Python one agree."""
+    from q27py.gpu.runtime import Runtime
+
+    hd, nq, nkv = 64, 4, 2
+    ns = K.attention_mma_splits(nkv, Runtime.get().sm_count)
+    for pos0 in boundary_pos0(nkv):
+        case = make_case(2, SPAN, nq, nkv, hd, pos0, False)
+        _, part = run_mma(cp, case, pos0, poison=True)
+        ssz = K.attention_mma_split_size(pos0, SPAN, ns)
+        need_last = -(-(pos0 + SPAN) // ssz)
+        assert np.isfinite(part[:, :, :need_last - 1]).all()
+        if need_last < ns:
+            assert np.isnan(part[:, :, need_last:]).all()
+        for t in range(SPAN):  # the split holding lane t's last position is written for lane t
+            assert np.isfinite(part[t, :, (pos0 + t) // ssz]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_fast_model_mma_tracks_split(kv):
+    """FastModel decode + verify with attn_decode="mma" against "split" (tolerance), and its verify
+    lanes width-invariant bitwise. The MTP layer's attention goes through the same path."""
+    from q27py.gpu.forward import FastModel
+    from q27py.gpu.weights import from_checkpoint
+    from q27py.model.checkpoint import Checkpoint
+
+    w = from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), "bf16", progress=False)
+    models = {m: FastModel(w, max_context=512, kv_dtype=kv, chunk=16, attn_decode=m) for m in ("split", "mma")}
+    assert models["mma"].attn_mma and not models["split"].attn_mma
+    ids = [int(x) for x in np.random.default_rng(0).integers(0, 16000, 37)]
+    lanes = [21, 22, 23, 24, 25, 26, 27, 28, 29]
+    got = {}
+    for name, m in models.items():
+        st = m.new_state()
+        out = m.forward(st, ids, logits_rows="last")
+        res = []
+        if m.has_mtp:  # the MTP layer's attention: one row per prompt position, then a 1-lane step
+            nxt = np.concatenate([ids[1:], [int(out.greedy_ids()[0])]])
+            lg, hm = m.mtp_forward(st.mtp_kv, out.hidden, nxt, 0)
+            lg2, _ = m.mtp_forward(st.mtp_kv, hm[-1:], [int(np.argmax(lg[-1]))], len(ids))
+            res += [lg[-1:], lg2]
+        res.append(np.stack([m.forward(st, [t]).logits[0] for t in (40, 41, 42)]))
+        res.append(m.forward(st, lanes, verify=True).logits)
+        got[name] = res
+    for a, b in zip(got["mma"], got["split"]):
+        scale = float(np.abs(b).max())
+        assert float(np.abs(a - b).max()) <= 2e-3 * scale
+    m = models["mma"]
+    res = {}
+    for wdt in (1, 4, 9):
+        st = m.new_state()
+        m.forward(st, ids, logits_rows="last")
+        res[wdt] = m.forward(st, lanes[:wdt], verify=True).logits
+    for wdt, lg in res.items():
+        np.testing.assert_array_equal(lg, res[9][:wdt])
