@@ -39,7 +39,7 @@ FAMILIES = {
     "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm", "gdn_decode_fused"},
     "attention": {"qk_norm_rope_store", "attention", "attention_prefill", "qk_norm_rope_store_fp8", "attention_fp8",
                   "attention_prefill_fp8", "qk_norm_rope_store_rot", "attention_rotated", "attention_prefill_rotated",
-                  "attention_prefill2"},
+                  "attention_prefill2", "attention_mma"},
     "argmax": {"top2"},
 }  # the box's measured cuBLAS-class bf16 GEMM (KINDS.md); spec dense ~990
 
@@ -148,11 +148,17 @@ class Bench:
         t0 = time.perf_counter()
         self.weights = random_weights(self.cfg, tier, seed)
         self.build_s = time.perf_counter() - t0
-        self.model = FastModel(self.weights, max_context=max_context, kv_dtype="bf16", chunk=chunk)
+        from q27py.config import Q27Config, apply_env
+
+        # Q27_ATTN_DECODE=mma times the tensor-core decode / verify attention (q27py/bench/attn_probe.py
+        # times that family alone at 2K / 32K / 128K, bf16 and fp8)
+        self.attn_decode = apply_env(Q27Config()).engine.attn_decode
+        self.model = FastModel(self.weights, max_context=max_context, kv_dtype="bf16", chunk=chunk,
+                               attn_decode=self.attn_decode)
         self.stream = self.model.stream
         self.state = self.model.new_state()
         self._randomize_state(self.state, seed)
-        self.result: dict = {"tier": tier, "device": self.rt.describe(), "weights_build_s": self.build_s,
+        self.result: dict = {"tier": tier, "device": self.rt.describe(), "attn_decode": self.attn_decode, "weights_build_s": self.build_s,
                              "stream_bytes": self.weights.stream_bytes(), "mtp_step_weight_bytes": self.weights.mtp_step_bytes(),
                              "total_weight_bytes": self.weights.total_bytes()}
 

@@ -1,0 +1,132 @@
+"""Decode / verify attention micro-benchmark at the Qwen3.6-27B attention shapes (24 q heads, 4 kv
+heads, head_dim 256, 16 attention layers): one round = the 16 layers' attention launches (split +
+combine) for W lanes at context ctx, captured in a CUDA graph, every layer its own K/V buffers (at
+2K the 16 layers' 134 MB of bf16 KV already exceed the H200's 60 MB L2). Reported per (kv format,
+kernel, ctx, W): ms per round, GB/s of KV read (the unique bytes: K + V rows, fp8 exponents
+included) and that as a fraction of the streaming-read probe measured in the same run.
+
+    python3 -m q27py.bench.attn_probe                       # 2K / 32K / 128K, W 1 8 16, bf16 fp8, split mma
+    python3 -m q27py.bench.attn_probe --ctx 32768 --lanes 1 16 --kv fp8 --impl mma --json out.json
+
+"split" is kernels.attention / attention_fp8 (one CTA per lane: a W-lane round reads the KV W
+times, the L2 catching some of it); "mma" is kernels.attention_mma (the KV read once per round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from q27py.bench.gemv_probe import read_probe
+from q27py.bench.random_weights import _time_graph
+from q27py.gpu import kernels as K
+from q27py.gpu.graphs import capture
+from q27py.gpu.runtime import Runtime
+
+SHAPE_27B = dict(layers=16, nq=24, nkv=4, hd=256)
+SPAN = 16  # the verify graphs' lane capacity (forward.VERIFY_SPAN)
+
+
+def kv_bytes(ctx: int, kv: str, layers: int, nkv: int, hd: int) -> int:
+    """Unique KV bytes one round reads: K and V rows of ctx positions (+ the fp8 row exponents)."""
+    per_row = hd * (1 if kv == "fp8" else 2) + (1 if kv == "fp8" else 0)
+    return 2 * layers * nkv * ctx * per_row
+
+
+def measure(ctx: int, lanes: int, kv: str, impl: str, layers: int, nq: int, nkv: int, hd: int,
+            reps: int = 20) -> float:
+    """Milliseconds per round (median of graph replays)."""
+    rt = Runtime.get()
+    cp = rt.cp
+    max_pos = ctx + SPAN
+    fp8 = kv == "fp8"
+    rs = cp.random.RandomState(ctx + lanes)
+    caches = []
+    for _ in range(layers):
+        if fp8:
+            kc = rs.randint(0, 0x6F, (nkv, max_pos, hd), dtype=cp.uint8) | (
+                rs.randint(0, 2, (nkv, max_pos, hd), dtype=cp.uint8) << 7)
+            vc = rs.randint(0, 0x6F, (nkv, max_pos, hd), dtype=cp.uint8)
+            kx = rs.randint(-12, -4, (nkv, max_pos), dtype=cp.int8)
+            vx = rs.randint(-12, -4, (nkv, max_pos), dtype=cp.int8)
+        else:
+            kc = cp.empty((nkv, max_pos, hd), dtype=cp.uint16)
+            vc = cp.empty_like(kc)
+            for a in (kc, vc):
+                rt.launch("quant", "fill_random_bf16", min(-(-a.size // 256), 65535), 256,
+                          (a, np.int64(a.size), np.uint64(ctx + 17), np.float32(-1.0), np.float32(1.0)))
+            kx = vx = None
+        caches.append((kc, vc, kx, vx))
+    q = cp.asarray(rs.standard_normal((SPAN, nq * hd), dtype=cp.float32))
+    qg = cp.asarray(rs.standard_normal((SPAN, 2 * nq * hd), dtype=cp.float32))
+    out = cp.zeros((SPAN, nq * hd), cp.float32)
+    nsplit = max(K.ATT_NSPLIT, K.attention_mma_splits(nkv, rt.sm_count))
+    part = cp.zeros(K.attention_partials_floats(SPAN, nq, hd, nsplit), cp.float32)
+    pos0 = cp.asarray(np.array([ctx - lanes], np.int32))  # the last lane sees ctx positions
+    args = (pos0, SPAN, part, qg, 2 * nq * hd, out, nq * hd, lanes)
+
+    def round_():
+        for kc, vc, kx, vx in caches:
+            if impl == "mma":
+                K.attention_mma(q, nq * hd, kc, vc, kx, vx, fp8, max_pos, nq, nkv, hd, *args)
+            elif fp8:
+                K.attention_fp8(q, nq * hd, kc, vc, kx, vx, max_pos, nq, nkv, hd, *args)
+            else:
+                K.attention(q, nq * hd, kc, vc, True, max_pos, nq, nkv, hd, *args)
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        round_()  # compile + set shared-memory limits outside the capture
+        stream.synchronize()
+        g = capture(round_, stream)
+        ms = _time_graph(g, stream, reps)
+    del caches, g
+    cp.get_default_memory_pool().free_all_blocks()
+    return ms
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 32768, 131072])
+    ap.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--kv", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    ap.add_argument("--impl", nargs="+", choices=list(K.ATTN_DECODE_MODES), default=list(K.ATTN_DECODE_MODES))
+    ap.add_argument("--json", default=None, help="also write the numbers here")
+    args = ap.parse_args(argv)
+    rt = Runtime.get()
+    sh = SHAPE_27B
+    probe = read_probe()
+    ns = K.attention_mma_splits(sh["nkv"], rt.sm_count)
+    print(f"{rt.name}: streaming-read probe {probe:.0f} GB/s; 27B attention x{sh['layers']} layers; "
+          f"mma: {ns} splits per kv head ({sh['nkv'] * ns} CTAs at most)")
+    print(f"{'kv':5s} {'impl':5s} {'ctx':>7s} {'W':>3s} {'ms':>8s} {'KV GB/s':>8s} {'%read':>6s} {'vs W1':>6s} "
+          f"{'splits':>6s}")
+    rows = []
+    for kv in args.kv:
+        for impl in args.impl:
+            for ctx in args.ctx:
+                w1 = None
+                for w in args.lanes:
+                    if impl == "mma" and not K.attention_mma_supported(sh["hd"], sh["nq"], sh["nkv"], SPAN,
+                                                                       kv == "fp8", ctx + SPAN):
+                        print(f"{kv:5s} {impl:5s} {ctx:7d} {w:3d}  not supported on this card")
+                        continue
+                    ms = measure(ctx, w, kv, impl, **sh)
+                    nb = kv_bytes(ctx, kv, sh["layers"], sh["nkv"], sh["hd"])
+                    gbps = nb / ms / 1e6
+                    w1 = ms if w1 is None else w1
+                    used = -(-ctx // K.attention_mma_split_size(ctx - w, SPAN, ns)) if impl == "mma" else K.ATT_NSPLIT
+                    rows.append({"kv": kv, "impl": impl, "ctx": ctx, "lanes": w, "ms": ms, "kv_bytes": nb,
+                                 "GBps": gbps, "fraction_of_read": gbps / probe, "vs_w1": ms / w1, "splits": used})
+                    print(f"{kv:5s} {impl:5s} {ctx:7d} {w:3d} {ms:8.3f} {gbps:8.0f} {gbps / probe:6.1%} "
+                          f"{ms / w1:6.2f} {used:6d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": rt.describe(), "read_probe_GBps": probe, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
