@@ -148,11 +148,9 @@ class Bench:
         t0 = time.perf_counter()
         self.weights = random_weights(self.cfg, tier, seed)
         self.build_s = time.perf_counter() - t0
-        from q27py.config import Q27Config, apply_env
-
         # Q27_ATTN_DECODE=mma times the tensor-core decode / verify attention (q27py/bench/attn_probe.py
         # times that family alone at 2K / 32K / 128K, bf16 and fp8)
-        self.attn_decode = apply_env(Q27Config()).engine.attn_decode
+        self.attn_decode = K.attn_decode_default()
         self.model = FastModel(self.weights, max_context=max_context, kv_dtype="bf16", chunk=chunk,
                                attn_decode=self.attn_decode)
         self.stream = self.model.stream

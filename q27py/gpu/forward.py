@@ -302,7 +302,7 @@ class FastModel:
         part_lanes = VERIFY_SPAN if (PREFILL_ATTENTION and K.attention_prefill_fits(hd, self.kv_bf16)) else T
         # decode / verify attention kernel (EngineConfig.attn_decode): "mma" where the shape fits at the
         # verify capacity -- decided once here from the shape, so every width takes the same kernel
-        self.attn_decode = K.attn_decode_mode(K.ATTN_DECODE if attn_decode is None else attn_decode)
+        self.attn_decode = K.attn_decode_mode(K.attn_decode_default() if attn_decode is None else attn_decode)
         self.attn_mma = (self.attn_decode == "mma" and kv_dtype in ("bf16", "fp8")
                          and K.attention_mma_supported(hd, nq, nkv, VERIFY_SPAN, kv_dtype == "fp8", self.max_pos))
         nsplit = max(K.ATT_NSPLIT, K.attention_mma_splits(nkv, rt.sm_count)) if self.attn_mma else K.ATT_NSPLIT

@@ -792,7 +792,18 @@ def attention_partials_floats(max_lanes: int, nq: int, hd: int, nsplit: int = AT
 # read once per round. "split": attention() / attention_fp8() (the per-lane kernel, default until the
 # device run); "mma": attention_mma where the shape fits. Set from EngineConfig.attn_decode.
 ATTN_DECODE_MODES = ("split", "mma")
-ATTN_DECODE = "split"
+ATTN_DECODE: str | None = None  # None: EngineConfig's default overlaid with the environment, read once
+
+
+def attn_decode_default() -> str:
+    """The decode attention models use when not told: EngineConfig.attn_decode (env Q27_ATTN_DECODE),
+    so `Q27_ATTN_DECODE=mma pytest tests/gpu` runs every FastModel test on the tensor-core kernel."""
+    global ATTN_DECODE
+    if ATTN_DECODE is None:
+        from q27py.config import Q27Config, apply_env
+
+        ATTN_DECODE = attn_decode_mode(apply_env(Q27Config()).engine.attn_decode)
+    return ATTN_DECODE
 ATTD_HEAD_DIMS = (32, 64, 128, 256)
 
 

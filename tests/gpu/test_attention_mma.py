@@ -121,8 +121,15 @@ def test_shared_memory_fits_99kb_cards():
     assert C.ATTD_MAX_WARPS * C.ATTD_ROWS >= SPAN * 6  # the 27B's verify rows fit one CTA
 
 
-def test_env_selects_the_kernel():
+def test_env_selects_the_kernel(monkeypatch):
     from q27py.config import Q27Config, apply_env
+
+    monkeypatch.setattr(K, "ATTN_DECODE", None)
+    monkeypatch.setenv("Q27_ATTN_DECODE", "mma")
+    assert K.attn_decode_default() == "mma"  # what FastModel takes when not told (tests/gpu under the env)
+    monkeypatch.setattr(K, "ATTN_DECODE", None)
+    monkeypatch.delenv("Q27_ATTN_DECODE")
+    assert K.attn_decode_default() == "split"
 
     assert Q27Config().engine.attn_decode == "split"
     assert apply_env(Q27Config(), {"Q27_ATTN_DECODE": "mma"}).engine.attn_decode == "mma"
