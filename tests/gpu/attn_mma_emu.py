@@ -126,7 +126,8 @@ def attn_mma(q, kc, vc, pos0: int, span: int, nsplit: int, nq: int, nkv: int, qs
                 ql = np.zeros_like(qh)
                 for ks in range(ks_n):
                     for h in range(2):
-                        v = np.stack([qrow[LANE, ks * 16 + h * 8 + 2 * TQ], qrow[LANE, ks * 16 + h * 8 + 2 * TQ + 1]], 1)
+                        col = ks * 16 + h * 8 + 2 * TQ
+                        v = np.stack([qrow[LANE, col], qrow[LANE, col + 1]], 1)
                         qh[ks, :, h] = bf16(v)
                         ql[ks, :, h] = bf16(v - qh[ks, :, h]) if qsplit else 0
                 rr = warp * nrow + 2 * TQ[:, None] + np.arange(2)[None]
@@ -170,7 +171,8 @@ def attn_mma(q, kc, vc, pos0: int, span: int, nsplit: int, nq: int, nkv: int, qs
                         pk = np.zeros((32, 2, 2), np.float32)
                         pl = np.zeros((32, 2, 2), np.float32)
                         for h in range(2):
-                            w = np.exp(np.stack([x[:, 2 * h] - mu[:, 0], x[:, 2 * h + 1] - mu[:, 1]], 1)).astype(np.float32)
+                            w = np.exp(np.stack([x[:, 2 * h] - mu[:, 0], x[:, 2 * h + 1] - mu[:, 1]], 1))
+                            w = w.astype(np.float32)
                             if not qsplit:
                                 w = bf16(w)
                             l_ = l_ + w
