@@ -149,11 +149,13 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
                 raise PrefillCancelled(f"cancelled after {done - start} of {len(ids)} prefill tokens")
         piece = ids[done - start : cut - start]
         out = model.forward(state, piece, logits_rows="last")
-        hidden = np.asarray(out.hidden)
+        # both rows read before on_chunk's MTP calls: on the fast path any later model call may
+        # reuse the scratch an output lives in
+        hidden, last = np.asarray(out.hidden), out.logits[-1]
         if on_chunk is not None:
             on_chunk(done, piece, hidden)
         state.extra["hidden_last"] = hidden[-1:].copy()
-        last, done = out.logits[-1], cut
+        done = cut
         if breaks and cut in breaks:
             breaks[cut](state)
     return last
