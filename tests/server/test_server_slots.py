@@ -63,7 +63,7 @@ def test_a_short_request_finishes_while_a_long_stream_runs(make_server):
 
 
 def test_the_third_request_queues_and_a_disconnect_frees_its_slot(make_server):
-    live = make_server(lambda p: "tok " * 400, token_delay_s=0.005, tokens_per_chunk=1, max_slots=2)
+    live = make_server(lambda p: "tok " * 250, token_delay_s=0.005, tokens_per_chunk=1, max_slots=2)
     done = {}
     first = threading.Thread(target=timed_post, args=(live, chat("one"), done, "one"))
     first.start()
@@ -101,7 +101,8 @@ def real():
 def test_real_engine_serves_two_requests_at_once(real):
     assert real.app.service.bridge.max_slots == 4
     done = {}
-    a = threading.Thread(target=timed_post, args=(real, chat("Tell me a long story.", max_tokens=600), done, "long"))
+    long = chat("Write a numbered list of 100 programming languages.", max_tokens=300)  # runs to its limit
+    a = threading.Thread(target=timed_post, args=(real, long, done, "long"))
     a.start()
     wait_for(lambda: gauge(real.port, "vllm:num_requests_running") == 1, timeout=30)
     timed_post(real, chat("Hi", max_tokens=4), done, "short")
