@@ -61,7 +61,12 @@ class EngineConfig:
     kv: str = "auto"
     # bytes the context auto-sizing leaves free on the card (graph instantiation, allocator slack)
     kv_safety_margin_bytes: int = 1536 << 20
-    max_sequences: int = 4  # live sequences (slots) kept for prefix reuse
+    max_sequences: int = 4  # live sequences kept for prefix reuse (at least max_slots: live_sequences())
+    # Requests generating at once (continuous batching, engine/scheduler.py); the rest queue FIFO.
+    # "auto": 1 on cuda until the interleaved path has run on the device (each slot is one of the
+    # live sequences the KV window is sized for, so memory is already right; the batched weight sweep
+    # is still to come), CPU_MAX_SLOTS on the CPU.
+    max_slots: int | str = "auto"
     prefill_chunk: int = 2048  # tokens per prefill chunk (CPU paths)
     # cuda: tokens per fast-path forward launch. Large, because the cuBLAS prefill route expands
     # each packed matrix to bf16 once per launch (~20 ms for the 27B), amortized over the chunk.
@@ -99,12 +104,29 @@ class EngineConfig:
     # the device (mma sums in another order, Q and P as bf16 hi + lo: tolerance-equal, not bitwise)
     attn_decode: str = "split"
 
+    def slots(self) -> int:
+        """Requests generating at once: max_slots, or the device's default for "auto"."""
+        if not isinstance(self.max_slots, int):
+            return CPU_MAX_SLOTS if self.device == "cpu" else GPU_MAX_SLOTS
+        return max(1, self.max_slots)
+
+    def live_sequences(self) -> int:
+        """Sequence states the engine keeps (prefix cache; the CUDA window is sized for this many):
+        every slot needs its own, so never fewer than slots()."""
+        return max(1, self.max_sequences, self.slots())
+
     def engine_prefill_chunk(self) -> int:
         """Tokens per prefill piece the decoder feeds the model on this device."""
         return self.gpu_prefill_chunk if self.device == "cuda" else self.prefill_chunk
 
 
 CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto" off CUDA)
+# Slots on the CPU path: each slot runs its own forward in turn (no shared weight sweep there), so
+# slots divide one core's tokens/s between streams rather than add to it. 4 covers what agent
+# clients run at once (a session, a sub-agent, title generation, one more) with each stream kept at
+# >= 1/4 speed, and equals the default max_sequences: no state beyond those the prefix cache keeps.
+CPU_MAX_SLOTS = 4
+GPU_MAX_SLOTS = 1  # until interleaved slots have run on the device (the lead flips it after measuring)
 KV_CHOICES = ("auto", "bf16", "fp8", "k5v3", "k3v3")
 
 
@@ -129,6 +151,16 @@ def parse_switch(value: str) -> bool:
     if v not in ("0", "1"):
         raise ValueError(f"expected 0 or 1, not {value!r}")
     return v == "1"
+
+
+def parse_max_slots(value) -> int | str:
+    """A --max-slots / Q27_MAX_SLOTS value: a positive count, or "auto" (the device's default)."""
+    if not isinstance(value, int) and str(value).strip().lower() == "auto":
+        return "auto"
+    n = int(value)
+    if n < 1:
+        raise ValueError(f"max slots must be >= 1 or 'auto', not {value!r}")
+    return n
 
 
 def parse_kv(value: str) -> str:
@@ -198,6 +230,7 @@ ENV_VARS = {
     "Q27_BACKEND": ("engine", "backend", str),
     "Q27_MAX_CONTEXT": ("engine", "max_context", parse_max_context),
     "Q27_KV": ("engine", "kv", parse_kv),
+    "Q27_MAX_SLOTS": ("engine", "max_slots", parse_max_slots),
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
     "Q27_GEMV": ("engine", "gemv", str),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),

@@ -38,7 +38,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, serving: bool = False) -
         pre.add_argument("--checkpoint-every", type=int, metavar="N", default=None,
                          help="save GDN state every N prefill tokens so edited history rewinds there (0 = off)")
         pre.add_argument("--max-sequences", type=int, metavar="N", default=None,
-                         help="live sequences kept for reuse")
+                         help="live sequences kept for reuse (at least --max-slots)")
+        p.add_argument("--max-slots", type=_max_slots, metavar="N|auto", default=None,
+                       help="requests generating at once, interleaved round by round; the rest queue "
+                            "(auto: 4 on cpu, 1 on cuda)")
 
 
 def _max_context(value: str):
@@ -46,6 +49,15 @@ def _max_context(value: str):
 
     try:
         return parse_max_context(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _max_slots(value: str):
+    from q27py.config import parse_max_slots
+
+    try:
+        return parse_max_slots(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -68,5 +80,6 @@ def apply_engine_arguments(cfg, args) -> None:
         "max_context": get("max_context"), "kv": get("kv"), "prefix_cache_dir": get("prefix_cache"),
         "prefix_cache_max_bytes": int(get("prefix_cache_gb") * (1 << 30)) if get("prefix_cache_gb") else None,
         "checkpoint_every": get("checkpoint_every"), "max_sequences": get("max_sequences"),
+        "max_slots": get("max_slots"),
     })
     apply_overrides(cfg.spec, {"enabled": get("spec"), "max_depth": get("max_depth"), "suffix": get("suffix")})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator, TypeVar
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from q27py.engine.sampling import TokenPicker, validate
 from q27py.model.state import SequenceState
 
 SOURCES = ("none", "mtp", "suffix")
+T = TypeVar("T")
 
 
 @dataclass
@@ -121,6 +122,19 @@ def prefill(model, state: SequenceState, ids: list[int], chunk: int,
     chunks, so a disconnect during a long prefill frees the engine after one chunk
     (PrefillCancelled; the caller drops the partly filled state).
     """
+    return drive(prefill_steps(model, state, ids, chunk, breaks, on_chunk, cancel))
+
+
+def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
+                  breaks: PrefillBreaks | None = None, on_chunk=None,
+                  cancel: threading.Event | None = None) -> Generator[None, None, np.ndarray]:
+    """prefill(), pausing (a bare `yield`) between chunks; its return value is the last logits row.
+
+    The scheduler (engine/scheduler.py) interleaves other slots' decode rounds at these
+    pauses, so a long prompt delays running streams by one chunk at a time. A pause sits
+    after a chunk's callbacks and before the cancel check of the next one: a paused
+    prefill holds no pending model work.
+    """
     assert ids, "prefill needs at least one token"
     # A model that splits long forwards itself returns hidden rows of its last split
     # only (the fast path's `chunk`); feeding it no more than that keeps every row.
@@ -129,18 +143,44 @@ def prefill(model, state: SequenceState, ids: list[int], chunk: int,
     cuts = sorted({p for p in (breaks or {}) if start < p < end} | set(range(start + chunk, end, chunk)) | {end})
     last, done = None, start
     for cut in cuts:
-        if cancel is not None and cancel.is_set() and done > start:
-            raise PrefillCancelled(f"cancelled after {done - start} of {len(ids)} prefill tokens")
+        if done > start:
+            yield
+            if cancel is not None and cancel.is_set():
+                raise PrefillCancelled(f"cancelled after {done - start} of {len(ids)} prefill tokens")
         piece = ids[done - start : cut - start]
         out = model.forward(state, piece, logits_rows="last")
-        hidden = np.asarray(out.hidden)
+        # both rows read before on_chunk's MTP calls: on the fast path any later model call may
+        # reuse the scratch an output lives in
+        hidden, last = np.asarray(out.hidden), out.logits[-1]
         if on_chunk is not None:
             on_chunk(done, piece, hidden)
         state.extra["hidden_last"] = hidden[-1:].copy()
-        last, done = out.logits[-1], cut
+        done = cut
         if breaks and cut in breaks:
             breaks[cut](state)
     return last
+
+
+def drive(steps: Generator[None, None, T]) -> T:
+    """Run a stepping generator (prefill_steps) to its end without pausing; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def paused(steps: Generator[None, None, T], pause: bool) -> Generator[list[int], None, T]:
+    """Relay a stepping generator inside a decoder's run: each pause becomes an empty round
+    (no tokens) when `pause`, else the steps run straight through. Returns its value."""
+    if not pause:
+        return drive(steps)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        yield []
 
 
 def begin_run(sampling: SamplingParams, stats: DecodeStats | None, trace: bool,
@@ -183,17 +223,23 @@ class Decoder:
         stats: DecodeStats | None = None,
         prefill_breaks: PrefillBreaks | None = None,
         picker: TokenPicker | None = None,
+        pause_prefill: bool = False,
     ) -> Iterator[list[int]]:
-        """Yield the tokens committed by each round until a stop id, max_tokens or cancel."""
+        """Yield the tokens committed by each round until a stop id, max_tokens or cancel.
+
+        pause_prefill: also yield an empty round between prefill chunks (the scheduler's
+        bounded unit of work). Every yield comes after the round's token is picked and
+        committed: a paused run holds no pending work, so other sequences' rounds may run
+        on the same model between any two of them.
+        """
         sampler, stats = begin_run(sampling, stats, self.trace, picker, prompt_ids)
         if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
             return
-        logits = prefill(self.model, state, prompt_suffix(state, prompt_ids), self.prefill_chunk, prefill_breaks,
-                         cancel=cancel)
+        logits = yield from paused(prefill_steps(self.model, state, prompt_suffix(state, prompt_ids),
+                                                 self.prefill_chunk, prefill_breaks, cancel=cancel), pause_prefill)
+        tok = sampler.pick(logits, state.position)
         produced = 0
-        out = None
         while True:
-            tok = sampler.pick(logits, state.position) if out is None else sampler.pick_output(out, 0, state.position)
             sampler.commit([tok])
             produced += 1
             stats.record_round("none", [], 0, 1, lanes=1 if produced > 1 else 0)
@@ -202,3 +248,5 @@ class Decoder:
                 return
             out = self.model.forward(state, [tok])
             state.extra["hidden_last"] = out.hidden[-1:].copy()
+            # picked here, before the next yield: the output rows are read before any other model call
+            tok = sampler.pick_output(out, 0, state.position)

@@ -2,9 +2,14 @@
 
 It owns the model (numpy reference on the CPU, the CUDA fast path on a GPU), the
 tokenizer (its callers read it; the engine itself works in token ids only), the
-live sequence state and the prefix cache, and turns a GenerationRequest into a
+live sequence states and the prefix cache, and turns a GenerationRequest into a
 stream of GenerationChunks of token ids. Text (detokenizing, stop strings, the
 think / tool-call split) is the caller's text stage: q27py/chat/textstage.py.
+
+Several requests may be in flight at once (up to max_slots, the scheduler's slots:
+engine/scheduler.py): each `steps()` generator holds its own live sequence (acquired
+from the prefix cache, which never hands a busy one out twice) and advances by one
+bounded unit per resume, so the scheduler interleaves them on the one model.
 """
 
 from __future__ import annotations
@@ -63,7 +68,9 @@ class LocalEngine:
         self.max_context = min(int(window), self.model_config.max_position_embeddings)
         self.has_mtp = bool(getattr(model, "has_mtp", False))
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False
-        self.prefix = PrefixCache(model, max_sequences=cfg.engine.max_sequences,
+        self.max_slots = cfg.engine.slots()  # requests the scheduler may interleave (engine/scheduler.py)
+        # every slot holds its own live sequence, so the cache keeps at least that many
+        self.prefix = PrefixCache(model, max_sequences=cfg.engine.live_sequences(),
                                   checkpoint_every=cfg.engine.checkpoint_every, disk=self._disk_cache(cfg))
         # Output constraints: the vocabulary index (about 1.5 s for the 248K vocabulary) is built
         # when the server starts (serve calls constraints.prepare()), else on the first constrained
@@ -105,6 +112,21 @@ class LocalEngine:
         check_prompt(prompt_tokens, self.max_context)
 
     def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """Run one request to its end: steps() without the empty progress chunks."""
+        for chunk in self.steps(request):
+            if chunk.token_ids or chunk.finish_reason is not None:
+                yield chunk
+
+    def steps(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """generate(), resumable one bounded unit at a time: each resume runs one prefill chunk
+        (an empty progress chunk comes back) or one decode round (its tokens come back).
+
+        Between two chunks the request holds its live sequence and nothing else: no model
+        scratch, no pending forward. So the scheduler may run other requests' steps on the
+        same model in between; their states are separate and each forward is whole, so a
+        sequence's bits do not depend on what ran beside it (tests/engine/test_scheduler.py).
+        Closing the generator early releases the sequence (not kept for reuse).
+        """
         t0 = time.perf_counter()
         prompt = list(request.prompt_ids)
         self.check_context(len(prompt))
@@ -119,10 +141,14 @@ class LocalEngine:
         picker = TokenPicker(request.sampling, prompt, constraint, request.logprobs, max_tokens=max_tokens,
                              device_masks=self.cfg.engine.device_masks and self.cfg.engine.device == "cuda")
         rounds = self.decoder.run(seq.state, prompt, max_tokens, request.sampling, request.stop_ids, request.cancel,
-                                  stats, prefill_breaks=breaks, picker=picker) if max_tokens else iter(())
+                                  stats, prefill_breaks=breaks, picker=picker,
+                                  pause_prefill=True) if max_tokens else iter(())
         healthy = False
         try:
             for tokens in rounds:
+                if not tokens:  # a prefill chunk ran: a point where other slots may run
+                    yield GenerationChunk([])
+                    continue
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
                 generated.extend(tokens)
@@ -174,4 +200,8 @@ class LocalEngine:
         return self.prefix.usage()
 
     def kv_cache_usage(self) -> float | None:
-        return None  # one sequence at a time: the bridge's running-length estimate is exact enough
+        """Positions held by the sequences in use over what the slots can hold (vLLM's
+        kv_cache_usage_perc: idle sequences kept for prefix reuse count as free, as vLLM's
+        cached blocks do). Read from the metrics thread: a snapshot, not locked."""
+        held = sum(int(seq.state.position) for seq in list(self.prefix.slots) if seq.busy)
+        return min(1.0, held / max(1, self.max_slots * self.max_context))

@@ -39,7 +39,7 @@ import numpy as np
 
 from q27py.config import SpecConfig
 from q27py.engine.api import SamplingParams
-from q27py.engine.decoder import DecodeStats, Decoder, PrefillBreaks, begin_run, prefill, prompt_suffix
+from q27py.engine.decoder import DecodeStats, Decoder, PrefillBreaks, begin_run, paused, prefill_steps, prompt_suffix
 from q27py.engine.drafters import DraftPlanner, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
@@ -114,8 +114,13 @@ class SpecDecoder:
         stats: DecodeStats | None = None,
         prefill_breaks: PrefillBreaks | None = None,
         picker=None,
+        pause_prefill: bool = False,
     ) -> Iterator[list[int]]:
-        """Yield the tokens committed by each round until a stop id, max_tokens or cancel."""
+        """Yield the tokens committed by each round until a stop id, max_tokens or cancel.
+
+        pause_prefill: also yield an empty round between prefill chunks (Decoder.run). Each
+        yield follows a whole round (verify forward, commit, hidden rows read): a paused run
+        holds nothing of the model's shared scratch, so other sequences may run in between."""
         sampler, stats = begin_run(sampling, stats, self.cfg.trace, picker, prompt_ids)
         if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
             return
@@ -132,8 +137,9 @@ class SpecDecoder:
             ladder.defer(hidden[:known], prompt_ids[start + 1 : start + 1 + known])
             ladder.flush()
 
-        logits = prefill(self.model, state, todo, self.prefill_chunk, prefill_breaks,
-                         on_chunk=warm if ladder is not None else None, cancel=cancel)
+        logits = yield from paused(prefill_steps(self.model, state, todo, self.prefill_chunk, prefill_breaks,
+                                                 on_chunk=warm if ladder is not None else None, cancel=cancel),
+                                   pause_prefill)
         pending = sampler.pick(logits, state.position)
         sampler.commit([pending])
         if ladder is not None:

@@ -1007,7 +1007,7 @@ def size_context_to_memory(model: FastModel, e) -> None:
     free, _total = cp.cuda.runtime.memGetInfo()
     fixed = model.memory_per_sequence(0)
     budget = context_window(free, model.memory_per_sequence(1) - fixed, kv_format=model.kv_name,
-                            sequences=max(1, e.max_sequences), fixed_per_sequence=fixed,
+                            sequences=e.live_sequences(), fixed_per_sequence=fixed,
                             margin_bytes=e.kv_safety_margin_bytes, max_positions=model.max_pos)
     model.max_pos = budget.window  # states are allocated later, at this size
     model.context_budget = budget

@@ -7,8 +7,9 @@ The fast path measures free device memory after the weights are resident and ask
              / (sequences * KV bytes per token)
 
 rounded down to WINDOW_ALIGN and capped at the model's max_position_embeddings. `sequences`
-is how many sequences the engine may hold at once (EngineConfig.max_sequences): every live
-sequence owns a full window of KV rows, so the budget is split between them. The safety margin
+is how many sequences the engine may hold at once (EngineConfig.live_sequences(): max_sequences,
+at least max_slots): every live sequence owns a full window of KV rows, so the budget is split
+between them. The safety margin
 (EngineConfig.kv_safety_margin_bytes) is what CUDA graph instantiation and the allocator's slack
 need on top of the measured scratch; its default is to be confirmed on the device (docs/KV.md).
 """

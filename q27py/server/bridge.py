@@ -1,18 +1,19 @@
 """The engine runs in its own thread; trio tasks submit requests and await chunks.
 
-The engine is synchronous and single-threaded, so one thread pulls requests
-from a FIFO and runs them one at a time. Chunks travel back to the event loop
-with `TrioToken.run_sync_soon` (never blocking the engine thread) into an
-unbounded per-request channel. A consumer that leaves for any reason (client
-disconnect, error, shutdown) sets `request.cancel`: a queued request is then
-skipped, a running one stops at the engine's next check.
+The engine is synchronous and single-threaded, so one thread drives the
+scheduler (engine/scheduler.py): requests queue FIFO, up to the engine's
+max_slots of them run at once, interleaved round by round. Chunks travel back to
+the event loop with `TrioToken.run_sync_soon` (never blocking the engine thread)
+into an unbounded per-request channel. A consumer that leaves for any reason
+(client disconnect, error, shutdown) sets `request.cancel`: a queued request is
+then answered without running, a running one ends at the start of the next round
+and its slot takes the next queued request.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import trio
 
 from q27py.engine.api import Engine, GenerationChunk, GenerationRequest
+from q27py.engine.scheduler import Scheduler
 from q27py.server.metrics import EngineLoad
 
 log = logging.getLogger("q27py.server")
@@ -47,9 +49,6 @@ class _Job:
             self.token.run_sync_soon(put)
         except trio.RunFinishedError:
             self.request.cancel.set()
-
-
-_STOP = object()
 
 
 class Generation:
@@ -80,21 +79,21 @@ class Generation:
 
 
 class EngineBridge:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, max_slots: int | None = None):
         self.engine = engine
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._waiting = 0
-        self._running: GenerationRequest | None = None
-        self._running_tokens = 0
-        self._thread = threading.Thread(target=self._loop, name="q27py-engine", daemon=True)
-        self._started = False
         # Set by the App to its Metrics: timing taps per generation and load samples (server/metrics.py).
         self.observer = None
+        self._sched = Scheduler(engine, max_slots, open_tap=self._open_tap, on_change=self._sample)
+        self._thread = threading.Thread(target=self._loop, name="q27py-engine", daemon=True)
+        self._started = False
 
     @property
     def max_context(self) -> int:
         return int(self.engine.max_context)
+
+    @property
+    def max_slots(self) -> int:
+        return self._sched.max_slots
 
     def start(self) -> None:
         if not self._started:
@@ -103,87 +102,37 @@ class EngineBridge:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel everything queued or running and end the thread."""
-        with self._lock:
-            if self._running is not None:
-                self._running.cancel.set()
-        self._jobs.put(_STOP)
+        self._sched.stop()
         if self._started:
             self._thread.join(timeout)
 
     def submit(self, request: GenerationRequest) -> Generation:
         """Queue a request; must be called from inside trio."""
         send, receive = trio.open_memory_channel(math.inf)
-        job = _Job(request, trio.lowlevel.current_trio_token(), send)
-        with self._lock:
-            self._waiting += 1
-        self._jobs.put(job)
+        self._sched.submit(_Job(request, trio.lowlevel.current_trio_token(), send))
         self._sample()
         return Generation(request, receive)
 
     def load(self) -> EngineLoad:
-        with self._lock:
-            running = 1 if self._running is not None else 0
-            tokens = self._running_tokens
-            waiting = self._waiting
+        running, waiting, tokens = self._sched.counts()
         fraction = self.engine.kv_cache_usage()
-        if fraction is None:  # one sequence at a time: its length over the context window
-            fraction = min(1.0, tokens / max(1, self.max_context))
+        if fraction is None:  # the running sequences' lengths over what the slots can hold
+            fraction = min(1.0, tokens / max(1, self.max_slots * self.max_context))
         prefix = self.engine.prefix_stats()
         prefix = dict(prefix) if prefix is not None else None
         slots = (prefix or {}).get("max_sequences")
         return EngineLoad(running=running, waiting=waiting, kv_cache_usage=float(fraction), prefix=prefix,
-                          slots_total=int(slots) if slots is not None else None)
+                          slots_total=int(slots) if slots is not None else None, max_running=self.max_slots)
 
     def _sample(self) -> None:
         if self.observer is not None:
             self.observer.sample_load(self.load())
 
+    def _open_tap(self, job: _Job):
+        return self.observer.tap(job.submitted, len(job.request.prompt_ids)) if self.observer else None
+
     # ---- the engine thread ---------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            request = job.request
-            with self._lock:
-                self._waiting -= 1
-                if request.cancel.is_set():
-                    skipped = True
-                else:
-                    skipped = False
-                    self._running = request
-                    self._running_tokens = len(request.prompt_ids)
-            if skipped:
-                job.deliver(GenerationChunk(token_ids=[], finish_reason="cancelled"))
-                continue
-            tap = self.observer.tap(job.submitted, len(request.prompt_ids)) if self.observer else None
-            self._sample()
-            try:
-                finished = False
-                for chunk in self.engine.generate(request):
-                    with self._lock:
-                        self._running_tokens += len(chunk.token_ids)
-                    if tap is not None:
-                        tap.chunk(chunk)
-                        if chunk.finish_reason is not None:
-                            tap.close()  # recorded before the client can see the end and read /metrics
-                    job.deliver(chunk)
-                    if chunk.finish_reason is not None:
-                        finished = True
-                        break
-                if not finished:  # an engine that just stops iterating: tell the consumer why
-                    reason = "cancelled" if request.cancel.is_set() else "stop"
-                    if tap is not None:
-                        tap.close(reason)
-                    job.deliver(GenerationChunk(token_ids=[], finish_reason=reason))
-            except Exception as exc:
-                log.exception("engine failed on a request")
-                job.deliver(exc)
-            finally:
-                with self._lock:
-                    self._running = None
-                    self._running_tokens = 0
-                if tap is not None:
-                    tap.close("error")  # no-op unless the engine raised
-                self._sample()
+        while self._sched.wait():
+            self._sched.round()

@@ -93,7 +93,8 @@ class EngineLoad:
     waiting: int
     kv_cache_usage: float  # 0..1
     prefix: dict | None = None  # the engine's prefix-cache counters (hits, misses, reused_tokens, live_sequences..)
-    slots_total: int | None = None  # live sequences the engine can keep (EngineConfig.max_sequences)
+    slots_total: int | None = None  # live sequences the engine can keep (EngineConfig.live_sequences())
+    max_running: int | None = None  # requests the engine generates at once (the scheduler's slots, --max-slots)
 
 
 @dataclass
@@ -343,7 +344,7 @@ class Metrics:
                 },
                 "gauges": {"running": load.running, "waiting": load.waiting,
                            "slots_in_use": prefix.get("live_sequences", 0), "slots_total": load.slots_total,
-                           "kv_cache_usage": round(load.kv_cache_usage, 6)},
+                           "kv_cache_usage": round(load.kv_cache_usage, 6), "max_running": load.max_running},
                 "series": self.timeline.series(self._clock(), TIMELINE_SUMS, TIMELINE_GAUGES),
             }
 
@@ -429,6 +430,10 @@ class Metrics:
             if load.slots_total is not None:
                 metric("q27py_slots_total", "gauge", "Live sequences (slots) the engine can hold.",
                        [(model, load.slots_total)])
+            if load.max_running is not None:
+                metric("q27py_max_running_requests", "gauge",
+                       "Requests the engine generates at once (--max-slots); more wait in the queue.",
+                       [(model, load.max_running)])
             metric("q27py_reasoning_tokens_total", "counter", "Generated tokens inside think blocks.",
                    [(model, self.reasoning_tokens)])
             metric("q27py_http_requests_total", "counter", "HTTP requests by API and status.",

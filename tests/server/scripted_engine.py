@@ -34,6 +34,7 @@ class ScriptedEngine:
     requests: list[GenerationRequest] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    max_slots: int = 1  # requests the bridge's scheduler interleaves (engine/scheduler.py)
     model_name: str = "scripted-tiny"
     model_dir: Path = Path("/nonexistent")  # no template files: the default template
 

@@ -185,7 +185,7 @@ class ServerFactory:
         from q27py.server.service import ChatService
 
         engine_opts = {k: overrides.pop(k) for k in list(overrides)
-                       if k in ("tokens_per_chunk", "prefill_delay_s", "token_delay_s", "cached_tokens")}
+                       if k in ("tokens_per_chunk", "prefill_delay_s", "token_delay_s", "cached_tokens", "max_slots")}
         config = ServerConfig(**overrides)
         engine = ScriptedEngine(self.tokenizer, script, frozenset(self.tokenizer.eos_ids),
                                 max_context=max_context, **engine_opts)
