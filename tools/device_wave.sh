@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe fused kvrot gdn2 attn fa bench gates all
+# short tail). Stages: a8 probe fused kvrot gdn2 attn fa masks slots bench gates all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -25,8 +25,15 @@ for stage in "$@"; do
     gdn2) timeout 300 $PYTEST tests/gpu/test_gdn_chunk.py -k "chunked2" > "$OUT/gdn2.txt" 2>&1 || rc=1; tail -6 "$OUT/gdn2.txt"
         STUDY_ARGS=${STUDY_ARGS:-} timeout 200 python3 tools/device_gdn.py > "$OUT/gdn_study.txt" 2>&1 || rc=1
         tail -14 "$OUT/gdn_study.txt" ;;
-    attn) timeout 300 $PYTEST tests/gpu/test_attention_decode.py > "$OUT/attn.txt" 2>&1 || rc=1; tail -6 "$OUT/attn.txt" ;;
-    fa) timeout 300 $PYTEST tests/gpu/test_attention_prefill.py > "$OUT/fa.txt" 2>&1 || rc=1; tail -6 "$OUT/fa.txt" ;;
+    attn) timeout 300 $PYTEST tests/gpu/test_attention_mma.py > "$OUT/attn.txt" 2>&1 || rc=1; tail -6 "$OUT/attn.txt"
+        timeout 200 python3 -m q27py.bench.attn_probe --json "$OUT/attn_probe.json" > "$OUT/attn_probe.txt" 2>&1 || rc=1
+        tail -16 "$OUT/attn_probe.txt" ;;
+    fa) timeout 300 $PYTEST tests/gpu/test_attention_prefill2.py tests/gpu/test_attention_prefill.py > "$OUT/fa.txt" 2>&1 || rc=1
+        tail -6 "$OUT/fa.txt"
+        timeout 200 python3 tools/bench_attn_prefill.py > "$OUT/fa_bench.txt" 2>&1 || rc=1; tail -12 "$OUT/fa_bench.txt" ;;
+    masks) timeout 300 $PYTEST tests/gpu/test_device_masks.py tests/gpu/test_output_control_gpu.py > "$OUT/masks.txt" 2>&1 || rc=1
+        tail -5 "$OUT/masks.txt" ;;
+    slots) timeout 300 $PYTEST tests/gpu/test_slots_gpu.py > "$OUT/slots.txt" 2>&1 || rc=1; tail -5 "$OUT/slots.txt" ;;
     bench) timeout 420 python3 -m q27py bench --random-weights 27b --tier q4s --quick --json > "$OUT/bench.json" \
           2> "$OUT/bench.txt" || rc=1; grep -v "^  gemm " "$OUT/bench.txt" | tail -22 ;;
     gates) timeout 400 $PYTEST tests/gpu/test_gates.py > "$OUT/gates.txt" 2>&1 || rc=1; tail -4 "$OUT/gates.txt" ;;
