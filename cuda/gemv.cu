@@ -248,10 +248,66 @@ struct Act {
     u32 sgn;              // a8: 0x80808080 (see q4_lo8)
 };
 
+// a8: one chunk = two k32 steps. Weights per tile: q4 one uint4 (words s = 0..3), q8 two
+// (steps 2j, 2j+1 as words A, B each). Scales: the weight's fp16 pair (rows g, g + 8) times the
+// activation chunk scales of columns 2t, 2t + 1, applied to the chunk's exact int32 sums.
+template <int FMT, int NT>
+__device__ __forceinline__ void compute_stage8(float (&acc)[GEMV_R][NT][4], const Stage<FMT>& st, int c,
+                                               const Act<NT>& xa) {
+    uint4 xb[NT];
+    float2 xs[NT];
+    // q4 codes carry a factor 16 (nibble in the high half of the byte): folded into the chunk's
+    // activation scales once, not into every tile's weight scales
+    const float wmul = FMT == FMT_Q4 ? 0.0625f : 1.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        xb[nt] = __ldg(xa.xq[nt] + c * 4);  // 64 bytes per chunk = 4 uint4
+        xs[nt] = __ldg(reinterpret_cast<const float2*>(xa.xs + c * GEMV_MAX_LANES + nt * 8));
+        xs[nt].x *= wmul;
+        xs[nt].y *= wmul;
+    }
+    const u32 sgn = xa.sgn;
+#pragma unroll
+    for (int i = 0; i < GEMV_R; i++) {
+        int ia[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) ia[nt][0] = ia[nt][1] = ia[nt][2] = ia[nt][3] = 0;
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            u32 a0, a1, a2, a3;
+            if (FMT == FMT_Q4) {
+                const uint4 v = st.wv[i][0];
+                const u32 w0 = b ? v.z : v.x, w1 = b ? v.w : v.y;  // steps 2b, 2b + 1
+                a0 = q4_lo8(w0, sgn); a1 = q4_hi8(w0, sgn); a2 = q4_lo8(w1, sgn); a3 = q4_hi8(w1, sgn);
+            } else {
+                const uint4 v = st.wv[i][b];
+                const u32 A0 = v.x ^ sgn, B0 = v.y ^ sgn;  // step 2b: bytes code + 128
+                const u32 A1 = v.z ^ sgn, B1 = v.w ^ sgn;  // step 2b + 1
+                a0 = prmt_b32(A0, B0, 0x6240u); a1 = prmt_b32(A0, B0, 0x7351u);
+                a2 = prmt_b32(A1, B1, 0x6240u); a3 = prmt_b32(A1, B1, 0x7351u);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const u32 b0 = b ? xb[nt].z : xb[nt].x, b1 = b ? xb[nt].w : xb[nt].y;
+                mma_s8_16832(ia[nt][0], ia[nt][1], ia[nt][2], ia[nt][3], a0, a1, a2, a3, b0, b1);
+            }
+        }
+        const float s_lo = half_to_float((u16)(st.sv[i] & 0xffffu));  // row g
+        const float s_hi = half_to_float((u16)(st.sv[i] >> 16));      // row g + 8
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            acc[i][nt][0] = fmaf(s_lo * xs[nt].x, (float)ia[nt][0], acc[i][nt][0]);
+            acc[i][nt][1] = fmaf(s_lo * xs[nt].y, (float)ia[nt][1], acc[i][nt][1]);
+            acc[i][nt][2] = fmaf(s_hi * xs[nt].x, (float)ia[nt][2], acc[i][nt][2]);
+            acc[i][nt][3] = fmaf(s_hi * xs[nt].y, (float)ia[nt][3], acc[i][nt][3]);
+        }
+    }
+}
+
 // A warp walks its n chunks cstart, cstart+cstep, ... through the ring. Iteration k waits for
 // chunk k, copies it to registers, refills the slot read in iteration k-1 (its values are
 // consumed, so the overwrite is safe) with chunk k+STAGES-1, then computes chunk k.
-template <int FMT, int NT>
+template <int FMT, int NT, bool A8>
 __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_ptr, const u8* __restrict__ w,
                                           const u32* __restrict__ sc, int kch, int ngroups, int rg, int cstart,
                                           int cstep, int n, const Act<NT>& xa, int lane) {
@@ -288,7 +344,10 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
         cp_async_commit();
         rd = rd + 1 == S ? 0 : rd + 1;
         wr = wr + 1 == S ? 0 : wr + 1;
-        compute_stage<FMT, NT>(acc, st, c, xa.xr);
+        if constexpr (A8)
+            compute_stage8<FMT, NT>(acc, st, c, xa);
+        else
+            compute_stage<FMT, NT>(acc, st, c, xa.xr);
     }
     cp_async_wait<0>();
 }
@@ -298,17 +357,27 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
 // through shared memory in fixed warp order. A unit with splits > 1 writes its partial tile;
 // the CTA that arrives last for the row group (integer ticket) sums the partials in split
 // order and runs the epilogue.
-template <int FMT, int NT>
+template <int FMT, int NT, bool A8>
 __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x,
-                                          int ldx, int nlanes, int lane0) {
+                                          int ldx, const u8* __restrict__ xq, int ldq, const float* __restrict__ xs,
+                                          u32 sgn, int nlanes, int lane0) {
     extern __shared__ __align__(16) u8 dyn_smem[];
     constexpr int COLS = NT * 8, E = GEMV_R * 16 * COLS;
     __shared__ int s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, tid = threadIdx.x;
     Act<NT> xa;
-    x += (i64)lane0 * ldx;
+    if constexpr (A8) {
+        // the codes' rows are this launch's lanes (lane 0 = lane0); rows past nlanes repeat the last
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) xa.xr[nt] = x + (i64)min(nt * 8 + g, nlanes - 1) * ldx + 2 * t;
+        for (int nt = 0; nt < NT; nt++)
+            xa.xq[nt] = reinterpret_cast<const uint4*>(xq + (i64)min(nt * 8 + g, nlanes - 1) * ldq + t * 16);
+        xa.xs = xs + 2 * t;
+        xa.sgn = sgn;
+    } else {
+        x += (i64)lane0 * ldx;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) xa.xr[nt] = x + (i64)min(nt * 8 + g, nlanes - 1) * ldx + 2 * t;
+    }
 
     const int u = blockIdx.x;
     int m = 0;
@@ -332,7 +401,7 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
     for (int i = 0; i < GEMV_R; i++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
-    gemv_loop<FMT, NT>(acc, dyn_smem, w, sc, kch, ngroups, rg, cs, GEMV_WARPS, n, xa, lane);
+    gemv_loop<FMT, NT, A8>(acc, dyn_smem, w, sc, kch, ngroups, rg, cs, GEMV_WARPS, n, xa, lane);
     __syncthreads();  // every warp is done with its ring before it becomes the reduction buffer
 
     float(*red)[E] = reinterpret_cast<float(*)[E]>(dyn_smem);
@@ -399,7 +468,16 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                                \
         NAME(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x, int ldx,       \
              int nlanes, int lane0) {                                                                      \
-        gemv_body<FMT, NT>(desc, nmat, units, x, ldx, nlanes, lane0);                                      \
+        gemv_body<FMT, NT, false>(desc, nmat, units, x, ldx, nullptr, 0, nullptr, 0u, nlanes, lane0);      \
+    }
+
+// a8: xq int8 codes [nlanes][ldq bytes] in fragment order, xs chunk scales [kch][GEMV_MAX_LANES],
+// sgn = 0x80808080 (q4_lo8)
+#define GEMV8_KERNEL(NAME, FMT, NT, MINB)                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,          \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                 \
+        gemv_body<FMT, NT, true>(desc, nmat, units, nullptr, 0, xq, ldq, xs, sgn, nlanes, lane0);            \
     }
 
 GEMV_KERNEL(gemv_q4_nt1, FMT_Q4, 1, V1_CTAS_NT1)
@@ -408,327 +486,6 @@ GEMV_KERNEL(gemv_q8_nt1, FMT_Q8, 1, V1_CTAS_NT1)
 GEMV_KERNEL(gemv_q8_nt2, FMT_Q8, 2, V1_CTAS_NT2)
 GEMV_KERNEL(gemv_bf16_nt1, FMT_BF16, 1, V1_CTAS_BF16)
 GEMV_KERNEL(gemv_bf16_nt2, FMT_BF16, 2, V1_CTAS_BF16)
-
-// ---------------------------------------------------------------- a8: persistent, evenly split schedule
-// Why: with one CTA per (row group, split) unit, the big matrices run ~2.06 waves of CTAs (gate_up:
-// 544 units on 264 resident slots: the third wave is nearly empty, ~69% of the SM time streams)
-// and every unit pays its own ring fill. Here the launch's work -- items (row group, 64-k chunk),
-// row groups of all its matrices in sequence -- is cut into gridDim.x equal contiguous ranges,
-// one per resident CTA (Stream-K style). A CTA walks its range row group by row group; its 8
-// warps interleave each row group's chunks and keep one cp.async stream running across row
-// groups (the next row group's weights are in flight while this one is reduced). A row group
-// cut between CTAs gets one partial per CTA (slot 0: the CTA's first row group, 1: its last),
-// summed in CTA order by the last-arriving CTA (integer ticket): the bits depend on the matrix
-// shapes and the grid only, never on timing or the lane count.
-// Shared memory: the ring (RING8 stages), then red[4][64 x NT*8] floats (two-round warp reduction).
-template <int FMT>
-struct Ring8;
-template <>
-struct Ring8<FMT_Q8> { enum { STAGES = RING8_Q8 }; };
-template <>
-struct Ring8<FMT_Q4> { enum { STAGES = RING8_Q4 }; };
-
-template <int FMT>
-__host__ __device__ constexpr int ring8_bytes() {
-    return Ring8<FMT>::STAGES * GEMV_R * (FmtInfo<FMT>::WPC * 16 + 4) * GEMV_WARPS * 32;
-}
-
-__device__ __forceinline__ int a8_range_start(int cta, int ctas, int items) {
-    return (int)((i64)cta * items / ctas);
-}
-// the CTA whose range holds item i
-__device__ __forceinline__ int a8_cta_of(int i, int ctas, int items) {
-    int c = (int)(((i64)i * ctas) / items);
-    while (c + 1 < ctas && a8_range_start(c + 1, ctas, items) <= i) c++;
-    while (c > 0 && a8_range_start(c, ctas, items) > i) c--;
-    return c;
-}
-
-// One warp's walk over its items: row group rg (global over the launch's matrices), chunk ch.
-// Segment bounds are precomputed (no division per step); the prefetch cursor also caches the
-// current row group's weight / scale base pointers beside it (A8Bases: one descriptor lookup per
-// row group; the compute cursors carry none, to save registers).
-struct A8Cursor {
-    int rg, ch, rg_first, rg_last, lo_first, hi_last, kch, warp;
-    bool done;
-    __device__ __forceinline__ int seg_lo(int r) const { return r == rg_first ? lo_first : 0; }
-    __device__ __forceinline__ int seg_hi(int r) const { return r == rg_last ? hi_last : kch; }
-    __device__ __forceinline__ void settle() {  // move past row groups where this warp has no chunk
-        while (!done && ch >= seg_hi(rg)) {
-            if (++rg > rg_last) { done = true; break; }
-            ch = warp;  // a later row group starts at chunk 0
-        }
-    }
-    __device__ __forceinline__ void start(int i0, int i1, int kch_, int warp_) {
-        kch = kch_; warp = warp_;
-        done = i1 <= i0;
-        rg_first = i0 / kch; rg_last = done ? rg_first : (i1 - 1) / kch;
-        lo_first = i0 - rg_first * kch; hi_last = i1 - rg_last * kch;
-        rg = rg_first;
-        ch = lo_first + warp;
-        settle();
-    }
-    __device__ __forceinline__ void next() { ch += GEMV_WARPS; settle(); }
-};
-
-// Matrix lookup for a global row group: descriptor row m, local row group.
-__device__ __forceinline__ const i64* a8_matrix(const i64* desc, int nmat, int rg, int& local) {
-    int m = 0;
-    for (int i = 1; i < nmat; i++)
-        if (rg >= (int)desc[i * D_NFIELDS + D_RG0]) m = i;
-    const i64* d = desc + m * D_NFIELDS;
-    local = rg - (int)d[D_RG0];
-    return d;
-}
-
-struct A8Bases {
-    int rg;
-    const u8* wb;
-    const u32* sb;
-};
-
-// tstride / sstride: bytes per row tile, scale words per row tile (the same for every matrix of a
-// launch: one format, one K)
-template <int FMT>
-__device__ __forceinline__ void a8_issue(const A8Cursor& cur, A8Bases& bp, const i64* desc, int nmat, u32 wslot,
-                                         u32 sslot, int lane, int tstride, int sstride) {
-    typedef FmtInfo<FMT> F;
-    constexpr unsigned GSC = FMT == FMT_Q8 ? GSC_Q8 : GSC_Q4;
-    if (bp.rg != cur.rg) {
-        int local;
-        const i64* d = a8_matrix(desc, nmat, cur.rg, local);
-        bp.wb = reinterpret_cast<const u8*>(d[D_W]) + (i64)local * GEMV_R * tstride + lane * 16;
-        bp.sb = reinterpret_cast<const u32*>(d[D_S]) + (i64)local * GEMV_R * sstride + (lane >> 2);
-        bp.rg = cur.rg;
-    }
-    issue_stage<FMT>(wslot, sslot, bp.wb + cur.ch * F::CB, bp.sb + (((unsigned)cur.ch / GSC) << 3), tstride, sstride);
-}
-
-template <int NT>
-__device__ __forceinline__ void a8_load_act(const Act<NT>& xa, int c, uint4 (&xb)[NT], float2 (&xs)[NT]) {
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        xb[nt] = __ldg(xa.xq[nt] + c * 4);
-        xs[nt] = __ldg(reinterpret_cast<const float2*>(xa.xs + c * GEMV_MAX_LANES + nt * 8));
-    }
-}
-
-// compute_stage8 with the chunk's activations already in registers (loaded one item ahead)
-template <int FMT, int NT>
-__device__ __forceinline__ void compute_stage8r(float (&acc)[GEMV_R][NT][4], const Stage<FMT>& st,
-                                                const uint4 (&xb)[NT], const float2 (&xs0)[NT], u32 sgn) {
-    const float wmul = FMT == FMT_Q4 ? 0.0625f : 1.0f;
-    float2 xs[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) xs[nt] = make_float2(xs0[nt].x * wmul, xs0[nt].y * wmul);
-#pragma unroll
-    for (int i = 0; i < GEMV_R; i++) {
-        int ia[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) ia[nt][0] = ia[nt][1] = ia[nt][2] = ia[nt][3] = 0;
-#pragma unroll
-        for (int b = 0; b < 2; b++) {
-            u32 a0, a1, a2, a3;
-            if (FMT == FMT_Q4) {
-                const uint4 v = st.wv[i][0];
-                const u32 w0 = b ? v.z : v.x, w1 = b ? v.w : v.y;
-                a0 = q4_lo8(w0, sgn); a1 = q4_hi8(w0, sgn); a2 = q4_lo8(w1, sgn); a3 = q4_hi8(w1, sgn);
-            } else {
-                const uint4 v = st.wv[i][b];
-                const u32 A0 = v.x ^ sgn, B0 = v.y ^ sgn, A1 = v.z ^ sgn, B1 = v.w ^ sgn;
-                a0 = prmt_b32(A0, B0, 0x6240u); a1 = prmt_b32(A0, B0, 0x7351u);
-                a2 = prmt_b32(A1, B1, 0x6240u); a3 = prmt_b32(A1, B1, 0x7351u);
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const u32 b0 = b ? xb[nt].z : xb[nt].x, b1 = b ? xb[nt].w : xb[nt].y;
-                mma_s8_16832(ia[nt][0], ia[nt][1], ia[nt][2], ia[nt][3], a0, a1, a2, a3, b0, b1);
-            }
-        }
-        const float s_lo = half_to_float((u16)(st.sv[i] & 0xffffu));
-        const float s_hi = half_to_float((u16)(st.sv[i] >> 16));
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            acc[i][nt][0] = fmaf(s_lo * xs[nt].x, (float)ia[nt][0], acc[i][nt][0]);
-            acc[i][nt][1] = fmaf(s_lo * xs[nt].y, (float)ia[nt][1], acc[i][nt][1]);
-            acc[i][nt][2] = fmaf(s_hi * xs[nt].x, (float)ia[nt][2], acc[i][nt][2]);
-            acc[i][nt][3] = fmaf(s_hi * xs[nt].y, (float)ia[nt][3], acc[i][nt][3]);
-        }
-    }
-}
-
-// Reduce the 8 warps' accumulators of row group rg, then write it (whole in this CTA) or its
-// partial (the last CTA to arrive sums all partials in CTA order and writes). red: [4][E] floats.
-template <int NT>
-__device__ __forceinline__ void a8_finish(float (&acc)[GEMV_R][NT][4], float* red, const i64* desc, int nmat, int rg,
-                                          int i0, int items, int kch, float* ws, int* cnt, int nlanes, int lane0) {
-    constexpr int COLS = NT * 8, E = GEMV_R * 16 * COLS;
-    __shared__ int s_last;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, tid = threadIdx.x;
-    const int ctas = gridDim.x, cta = blockIdx.x;
-    float* r4 = red + (warp & 3) * E;
-    if (warp >= 4) {
-#pragma unroll
-        for (int i = 0; i < GEMV_R; i++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) r4[(i * 16 + g + 8 * (q >> 1)) * COLS + nt * 8 + 2 * t + (q & 1)] = acc[i][nt][q];
-    }
-    __syncthreads();
-    if (warp < 4) {
-#pragma unroll
-        for (int i = 0; i < GEMV_R; i++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const int e = (i * 16 + g + 8 * (q >> 1)) * COLS + nt * 8 + 2 * t + (q & 1);
-                    r4[e] = acc[i][nt][q] + r4[e];  // warp w + warp w + 4
-                }
-    }
-    __syncthreads();
-    // the row group's CTAs: first and last holders of its items
-    const int c_first = a8_cta_of(rg * kch, ctas, items), c_last = a8_cta_of(rg * kch + kch - 1, ctas, items);
-    for (int e = tid; e < E; e += blockDim.x) red[e] = (red[e] + red[E + e]) + (red[2 * E + e] + red[3 * E + e]);
-    bool write = true;  // uniform in the CTA
-    if (c_first != c_last) {
-        const int slot = rg == i0 / kch ? 0 : 1;
-        float* mine = ws + ((i64)cta * 2 + slot) * E;
-        for (int e = tid; e < E; e += blockDim.x) mine[e] = red[e];
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) s_last = (atomicAdd(cnt + rg, 1) == c_last - c_first);
-        __syncthreads();
-        write = s_last;  // not the last: this CTA goes on with its next row group
-        if (write) {
-            __threadfence();
-            for (int e = tid; e < E; e += blockDim.x) {
-                float v = 0.f;
-                for (int cc = c_first; cc <= c_last; cc++) {
-                    const int sl = rg == a8_range_start(cc, ctas, items) / kch ? 0 : 1;
-                    v += __ldcg(ws + ((i64)cc * 2 + sl) * E + e);
-                }
-                red[e] = v;
-            }
-            if (tid == 0) cnt[rg] = 0;  // every other CTA of this row group has counted in
-        }
-    }
-    __syncthreads();
-    if (!write) return;
-    int local;
-    const i64* d = a8_matrix(desc, nmat, rg, local);
-    float* y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * (int)d[D_LDY];
-    const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], mode = (int)d[D_MODE];
-    for (int e = tid; e < E; e += blockDim.x) {
-        const int rl = e / COLS, ln = e - rl * COLS;
-        if (ln >= nlanes) continue;
-        if (mode == MODE_SWIGLU) {
-            if ((rl & 15) >= 8) continue;
-            const int o = (local * GEMV_R + (rl >> 4)) * 8 + (rl & 7);
-            if (o >= nout) continue;
-            const float gt = red[e], up = red[e + 8 * COLS];
-            y[(i64)ln * ldy + o] = gt * sigmoid_f(gt) * up;
-        } else {
-            const int row = local * GEMV_R * 16 + rl;
-            if (row >= nout) continue;
-            float* dst = y + (i64)ln * ldy + row;
-            if (mode == MODE_ADD)
-                *dst += red[e];
-            else
-                *dst = red[e];
-        }
-    }
-}
-
-// a8 kernels: grid = the plan's CTA count (shape-only), block GEMV_WARPS x 32.
-// xq int8 codes [nlanes][ldq bytes] in fragment order, xs chunk scales [kch][GEMV_MAX_LANES],
-// sgn = 0x80808080 (q4_lo8); ws: 2 partial tiles per CTA; cnt: one ticket per row group.
-template <int FMT, int NT>
-__device__ __forceinline__ void gemv8_body(const i64* __restrict__ desc, int nmat, int kch, int items,
-                                           const u8* __restrict__ xq, int ldq, const float* __restrict__ xs, u32 sgn,
-                                           float* __restrict__ ws, int* __restrict__ cnt, int nlanes, int lane0) {
-    extern __shared__ __align__(16) u8 dyn_smem[];
-    typedef FmtInfo<FMT> F;
-    constexpr int S = Ring8<FMT>::STAGES;
-    constexpr int T = GEMV_WARPS * 32;
-    constexpr int STAGE_BYTES = GEMV_R * (F::WPC * 16 + 4) * T;
-    constexpr int SCALE_OFF = GEMV_R * F::WPC * T * 16;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, tid = threadIdx.x;
-    float* red = reinterpret_cast<float*>(dyn_smem + ring8_bytes<FMT>());
-    Act<NT> xa;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-        xa.xq[nt] = reinterpret_cast<const uint4*>(xq + (i64)min(nt * 8 + g, nlanes - 1) * ldq + t * 16);
-    xa.xs = xs + 2 * t;
-    const int i0 = a8_range_start(blockIdx.x, gridDim.x, items), i1 = a8_range_start(blockIdx.x + 1, gridDim.x, items);
-    if (i1 <= i0) return;  // (uniform in the CTA)
-    const u32 wring = smem_addr(dyn_smem) + tid * 16, sring = smem_addr(dyn_smem) + SCALE_OFF + tid * 4;
-    const u8* wring_rd = dyn_smem + tid * 16;
-    const u8* sring_rd = dyn_smem + SCALE_OFF + tid * 4;
-
-    A8Cursor pf, cur;
-    pf.start(i0, i1, kch, warp);
-    cur = pf;
-    const int tstride = kch * F::CB, sstride = (int)desc[D_NGROUPS] * 8;
-    A8Bases bp;
-    bp.rg = -1;
-#pragma unroll
-    for (int k = 0; k < S - 1; k++) {
-        if (!pf.done) {
-            a8_issue<FMT>(pf, bp, desc, nmat, wring + k * STAGE_BYTES, sring + k * STAGE_BYTES, lane, tstride, sstride);
-            pf.next();
-        }
-        cp_async_commit();
-    }
-    uint4 xb[NT];
-    float2 xsv[NT];
-    if (!cur.done) a8_load_act<NT>(xa, cur.ch, xb, xsv);
-    int rd = 0, wr = S - 1;
-    const int rg_first = i0 / kch, rg_last = (i1 - 1) / kch;
-    for (int rg = rg_first; rg <= rg_last; rg++) {
-        float acc[GEMV_R][NT][4];
-#pragma unroll
-        for (int i = 0; i < GEMV_R; i++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
-        while (!cur.done && cur.rg == rg) {
-            cp_async_wait<S - 2>();
-            Stage<FMT> st;
-            read_stage<FMT>(st, wring_rd + rd * STAGE_BYTES, sring_rd + rd * STAGE_BYTES);
-            if (!pf.done) {
-                a8_issue<FMT>(pf, bp, desc, nmat, wring + wr * STAGE_BYTES, sring + wr * STAGE_BYTES, lane, tstride, sstride);
-                pf.next();
-            }
-            cp_async_commit();
-            rd = rd + 1 == S ? 0 : rd + 1;
-            wr = wr + 1 == S ? 0 : wr + 1;
-            A8Cursor nx = cur;
-            nx.next();
-            uint4 xbn[NT];
-            float2 xsn[NT];
-            if (!nx.done) a8_load_act<NT>(xa, nx.ch, xbn, xsn);  // the next item's activations, a chunk ahead
-            compute_stage8r<FMT, NT>(acc, st, xb, xsv, sgn);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                xb[nt] = xbn[nt];
-                xsv[nt] = xsn[nt];
-            }
-            cur = nx;
-        }
-        a8_finish<NT>(acc, red, desc, nmat, rg, i0, items, kch, ws, cnt, nlanes, lane0);
-        __syncthreads();  // red is reused by the next row group
-    }
-    cp_async_wait<0>();
-}
-
-#define GEMV8_KERNEL(NAME, FMT, NT, MINB)                                                                    \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
-        NAME(const i64* __restrict__ desc, int nmat, int kch, int items, const u8* __restrict__ xq, int ldq,  \
-             const float* __restrict__ xs, u32 sgn, float* __restrict__ ws, int* __restrict__ cnt, int nlanes, \
-             int lane0) {                                                                                     \
-        gemv8_body<FMT, NT>(desc, nmat, kch, items, xq, ldq, xs, sgn, ws, cnt, nlanes, lane0);              \
-    }
 
 GEMV8_KERNEL(gemv8_q4_nt1, FMT_Q4, 1, A8_CTAS_NT1)
 GEMV8_KERNEL(gemv8_q4_nt2, FMT_Q4, 2, A8_CTAS_NT2)

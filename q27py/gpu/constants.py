@@ -35,9 +35,6 @@ V1_CTAS_NT1, V1_CTAS_NT2, V1_CTAS_BF16 = 2, 1, 1
 # a8 kernels (int8 activations, mma.m16n8k32 s8): their 16-lane loop holds no hi/lo activation
 # pairs, so it fits two CTAs per SM as well
 A8_CTAS_NT1, A8_CTAS_NT2 = 2, 2
-# a8 cp.async ring stages (the ring and a [4][64 x lanes] reduction buffer share 2 CTAs' shared memory)
-RING8_Q4, RING8_Q8 = 4, 2
-A8_MIN_ITEMS = 16  # (row group, chunk) items per CTA at least: 2 chunks per warp
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
 G2_WARPS = 4
@@ -50,8 +47,7 @@ PIPE2_BF16, PIPE2_Q8, PIPE2_Q4 = 3, 4, 2  # 16-lane kernels (168 registers, q8 2
 D_W, D_S, D_Y, D_WS, D_CNT, D_LDY, D_NOUT, D_KCH = 0, 1, 2, 3, 4, 5, 6, 7
 D_RT, D_FMT, D_MODE, D_SPLITS, D_RG, D_CTA0, D_GSC, D_NGROUPS = 8, 9, 10, 11, 12, 13, 14, 15
 D_RGB = 16  # v2: row groups per CTA (its warps split as D_RGB x G2_WARPS / D_RGB over K)
-D_RG0 = 17  # a8: the matrix's first row group in the launch's global row-group order
-D_NFIELDS = 18
+D_NFIELDS = 17
 
 # ---------------------------------------------------------------- prefill GEMM (cuda/gemm.cu)
 GM_WARPS = 8

@@ -184,18 +184,6 @@ def gemv_shared_bytes(fmt: int, nt: int) -> int:
     return max(ring, C.GEMV_WARPS * GEMV_ROWS_PER_CTA * nt * 8 * 4)
 
 
-def a8_ctas(items: int, sm_count: int) -> int:
-    """a8 grid: every resident CTA slot (A8_CTAS_NT1 per SM), fewer when a CTA would get under
-    A8_MIN_ITEMS (row group, chunk) items. Shape-only (never the lane count)."""
-    return int(max(1, min(C.A8_CTAS_NT1 * sm_count, items // C.A8_MIN_ITEMS)))
-
-
-def gemv8_shared_bytes(fmt: int, nt: int) -> int:
-    """a8 CTA: the cp.async ring (RING8_* stages) + the [4][64 x lanes] reduction buffer."""
-    stages = {L.FMT_Q4: C.RING8_Q4, L.FMT_Q8: C.RING8_Q8}[fmt]
-    return stages * GEMV_R * (GEMV_WPC[fmt] * 16 + 4) * 32 * C.GEMV_WARPS + 4 * GEMV_ROWS_PER_CTA * nt * 8 * 4
-
-
 class GemvPlan:
     """One logical GEMV: up to 4 matrices reading the same activations x (one launch per format).
 
@@ -250,41 +238,14 @@ class GemvPlan:
                     ws_need += blocks[j] * s * rgb * e
                     cnt_need += blocks[j]
             rows.append((fmt, desc, cta))
+        workspace.reserve(ws_need, cnt_need)
         self.a8 = self.impl == "a8" and any(m.shape.fmt != L.FMT_BF16 for m in mats)
-        a8_rows = []
         if self.a8:
-            # q4 / q8 matrices go to the persistent a8 kernels (one launch per format); the v1
-            # launch rows of those formats are dropped. Their partials and tickets start at offset
-            # 0 of the shared workspace: launches of a plan run one after another on one stream.
-            kept = []
-            for fmt, desc, cta in rows:
-                if fmt == L.FMT_BF16:
-                    kept.append((fmt, desc, cta))
-                    continue
-                idx = [j for j, m in enumerate(mats) if m.shape.fmt == fmt]
-                d8 = np.zeros((len(idx), D_NFIELDS), dtype=np.int64)
-                rg0 = 0
-                for r, j in enumerate(idx):
-                    m, (y, ldy) = mats[j], outputs[j]
-                    f = d8[r]
-                    f[C.D_W], f[C.D_S], f[C.D_Y] = int(ptr(m.codes)), int(ptr(m.scales)), int(ptr(y))
-                    f[C.D_LDY], f[C.D_NOUT], f[C.D_KCH], f[C.D_MODE] = ldy, m.nout, m.shape.kchunks, m.mode
-                    f[C.D_NGROUPS], f[C.D_GSC], f[C.D_RG0] = m.shape.groups, m.shape.group_chunks, rg0
-                    rg0 += m.row_groups
-                items = rg0 * self.kpad // L.CHUNK_K
-                ctas = a8_ctas(items, rt.sm_count)
-                ws_need = max(ws_need, 2 * ctas * e)
-                cnt_need = max(cnt_need, rg0)
-                a8_rows.append((fmt, d8, ctas, items))
-            rows = kept
             workspace.reserve_act8(self.kpad)
             # the buffers as of now (a later, larger reserve allocates new ones and keeps these alive,
             # so graphs captured with this plan stay valid)
             self.xq, self.xs = workspace.xq, workspace.xs
-        workspace.reserve(ws_need, cnt_need)
         ws_base, cnt_base = int(ptr(workspace.ws)), int(ptr(workspace.cnt))
-        self.ws_ptr, self.cnt_ptr = workspace.ws, workspace.cnt
-        self.launches8 = [(fmt, rt.cp.asarray(d8), len(d8), ctas, items) for fmt, d8, ctas, items in a8_rows]
         self.launches = []
         for fmt, desc, units in rows:
             desc[:, C.D_WS] = ws_base + desc[:, C.D_WS] * 4
@@ -309,16 +270,14 @@ class GemvPlan:
                 rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
                            i32(self.xq.shape[1]), self.xs))
-            if not use_gemm:
-                for fmt, desc, nmat, ctas, items in self.launches8:
-                    rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", ctas, 32 * C.GEMV_WARPS,
-                              (desc, i32(nmat), i32(self.kpad // L.CHUNK_K), i32(items), self.xq,
-                               i32(self.xq.shape[1]), self.xs, np.uint32(0x80808080), self.ws_ptr, self.cnt_ptr,
-                               i32(n), i32(lane0 + done)), shared_mem=gemv8_shared_bytes(fmt, nt))
             for fmt, desc, nmat, units in self.launches:
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
-                if self.impl == "v2":
+                if self.a8 and fmt != L.FMT_BF16:
+                    rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
+                              (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
+                               np.uint32(0x80808080), i32(n), i32(lane0 + done)), shared_mem=gemv_shared_bytes(fmt, nt))
+                elif self.impl == "v2":
                     rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
                               (desc, i32(nmat), x, i32(ldx), i32(n), i32(lane0 + done)))
                 else:
