@@ -299,7 +299,11 @@ class FastModel:
         self.xa = z(T, self.ld_xa)
         # split-K partials: decode / verify lanes only, unless this card cannot run the tiled
         # prefill attention (then prefill chunks take the per-lane kernel too)
-        part_lanes = VERIFY_SPAN if (PREFILL_ATTENTION and K.attention_prefill_fits(hd, self.kv_bf16)) else T
+        # The tiled-prefill switch is read once here: the partials buffer below is sized by it, so a
+        # model built with it on must never route a prefill chunk to the per-lane kernel later (that
+        # kernel would write T lanes of partials into a VERIFY_SPAN-lane buffer).
+        self.prefill_attention = PREFILL_ATTENTION
+        part_lanes = VERIFY_SPAN if (self.prefill_attention and K.attention_prefill_fits(hd, self.kv_bf16)) else T
         # decode / verify attention kernel (EngineConfig.attn_decode): "mma" where the shape fits at the
         # verify capacity -- decided once here from the shape, so every width takes the same kernel
         self.attn_decode = K.attn_decode_mode(K.attn_decode_default() if attn_decode is None else attn_decode)
@@ -662,7 +666,7 @@ class FastModel:
 
     def _use_pf2(self, t: int, pos0, fp8: bool) -> bool:
         """Prefill lanes take attention v2 when selected, the KV is bf16 / fp8 and the card has a variant."""
-        return (PREFILL_ATTENTION and K.ATTN_PREFILL == "v2" and t > VERIFY_SPAN and pos0 is not None
+        return (self.prefill_attention and K.ATTN_PREFILL == "v2" and t > VERIFY_SPAN and pos0 is not None
                 and (fp8 or self.kv_bf16) and K.attention_prefill2_variant(self.cfg.head_dim, fp8) is not None)
 
     def _attention(self, state, lw: LayerW, plan: dict, t: int, kc, vc, pos0_dev, span: int, kx=None, vx=None,
@@ -682,7 +686,7 @@ class FastModel:
             if self._use_pf2(t, pos0, True):
                 K.attention_prefill2(self.qbuf, nq * hd, kc, vc, True, self.max_pos, nq, nkv, hd, pos0_dev, pos0,
                                      self.qg, self.ld_qg, self.xa, self.ld_xa, t, self._pf2_scratch(), kx, vx)
-            elif PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, True):
+            elif self.prefill_attention and t > VERIFY_SPAN and K.attention_prefill_fits(hd, True):
                 K.attention_prefill_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev,
                                         self.qg, self.ld_qg, self.xa, self.ld_xa, t)
             elif self.attn_mma and span == VERIFY_SPAN:
@@ -699,7 +703,7 @@ class FastModel:
         if self._use_pf2(t, pos0, False):
             K.attention_prefill2(self.qbuf, nq * hd, kc, vc, False, self.max_pos, nq, nkv, hd, pos0_dev, pos0, self.qg,
                                  self.ld_qg, self.xa, self.ld_xa, t, self._pf2_scratch())
-        elif PREFILL_ATTENTION and t > VERIFY_SPAN and K.attention_prefill_fits(hd, self.kv_bf16):
+        elif self.prefill_attention and t > VERIFY_SPAN and K.attention_prefill_fits(hd, self.kv_bf16):
             K.attention_prefill(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, self.qg,
                                 self.ld_qg, self.xa, self.ld_xa, t)
         elif self.attn_mma and span == VERIFY_SPAN:  # bf16 KV (attn_mma is False for fp32 rows)
@@ -725,7 +729,7 @@ class FastModel:
         K.qk_norm_rope_store_rot(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                  cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
                                  nq * hd, kc, vc, kn, vn, kbits, vbits, kt, vt, self.max_pos, t)
-        if PREFILL_ATTENTION and t > VERIFY_SPAN and K.rotated_prefill_fits(hd):
+        if self.prefill_attention and t > VERIFY_SPAN and K.rotated_prefill_fits(hd):
             K.attention_prefill_rotated(self.qbuf, nq * hd, kc, vc, kn, vn, kbits, vbits, kt[0], vt[0], self.max_pos,
                                         nq, nkv, hd, pos0_dev, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
         else:

@@ -282,7 +282,7 @@ def test_fast_model_mma_tracks_split(kv):
     from q27py.model.checkpoint import Checkpoint
 
     w = from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), "bf16", progress=False)
-    models = {m: FastModel(w, max_context=512, kv_dtype=kv, chunk=16, attn_decode=m) for m in ("split", "mma")}
+    models = {m: FastModel(w, max_context=512, kv_dtype=kv, chunk=64, attn_decode=m) for m in ("split", "mma")}
     assert models["mma"].attn_mma and not models["split"].attn_mma
     ids = [int(x) for x in np.random.default_rng(0).integers(0, 16000, 37)]
     lanes = [21, 22, 23, 24, 25, 26, 27, 28, 29]

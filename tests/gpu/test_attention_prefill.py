@@ -232,6 +232,11 @@ def test_switch_off_restores_the_per_lane_kernel(cp, reference_logits, monkeypat
     model = build(100, kv)
     on = model.forward(model.new_state(), ids, logits_rows="last").logits
     monkeypatch.setattr(forward, "PREFILL_ATTENTION", False)
+    # the switch is read when a model is built (it sizes the attention partials): flipping it under a
+    # built model must not reroute it -- that wrote 100 lanes of partials into a 16-lane buffer
+    again = model.forward(model.new_state(), ids, logits_rows="last").logits
+    np.testing.assert_array_equal(again, on)
+    model = build(100, kv)
     off = model.forward(model.new_state(), ids, logits_rows="last").logits
     close(on, off, 1e-4 if kv == "f32" else 1e-3)
     assert not np.array_equal(on, off)  # the switch really changed the kernel (different summation order)
