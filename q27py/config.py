@@ -81,9 +81,9 @@ class EngineConfig:
     gdn_prefill: str = "sequential"
     # cuda: prefill attention kernel. "v1" (cuda/attention_prefill.cu: Q and P as bf16 hi + lo,
     # fp32-grade) or "v2" (cuda/attention_prefill2.cu: single bf16 Q and P, cp.async + ldmatrix,
-    # 128-row tiles, key blocks for long contexts; bf16 / fp8 KV, fp32 KV keeps v1). v1 stays the
-    # default until v2 is measured on the device (docs/PERF.md "attention prefill v2").
-    attn_prefill: str = "v1"
+    # 128-row tiles, key blocks for long contexts; bf16 / fp8 KV, fp32 KV keeps v1). v2 is the
+    # default since device run 3 (2.3-3x v1: docs/PERF.md "attention prefill v2"); v1 stays selectable.
+    attn_prefill: str = "v2"
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30
@@ -100,9 +100,10 @@ class EngineConfig:
     device_masks: bool = False
     # cuda fast path decode / verify attention: "split" (the per-lane split-K kernel, cuda/attention.cu
     # attn_split_*) or "mma" (attn_mma_*: tensor cores, one CTA per kv head and split for every lane, the
-    # KV read once per round). split stays the default until mma has run the GPU tests and gates on
-    # the device (mma sums in another order, Q and P as bf16 hi + lo: tolerance-equal, not bitwise)
-    attn_decode: str = "split"
+    # KV read once per round). mma is the default since device run 3 (3x at 32K, 18x at W=16; docs/PERF.md)
+    # for bf16 KV; fp8 KV stays on split (its mma variant hit an illegal address in the 27B probe).
+    # mma sums in another order (Q and P as bf16 hi + lo): tolerance-equal to split, not bitwise.
+    attn_decode: str = "mma"
 
     def slots(self) -> int:
         """Requests generating at once: max_slots, or the device's default for "auto"."""

@@ -936,8 +936,18 @@ def attention_prefill_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int,
 # "v1": the hi + lo kernel above (fp32-grade, ~90 TFLOP/s on the H200); "v2": single-bf16 Q and P,
 # cp.async double buffering, ldmatrix, 128-row tiles, absolute key blocks + combine (its own
 # tolerance class, tests/gpu/test_attention_prefill2.py). Set from EngineConfig.attn_prefill.
-ATTN_PREFILL = "v1"
 ATTN_PREFILL_IMPLS = ("v1", "v2")
+
+
+def _attn_prefill_default() -> str:
+    """EngineConfig.attn_prefill with Q27_ATTN_PREFILL applied: the module default, so models built
+    directly (gates, benches, tests) follow the env switch as engines do."""
+    from q27py.config import Q27Config, apply_env
+
+    return apply_env(Q27Config()).engine.attn_prefill
+
+
+ATTN_PREFILL = _attn_prefill_default()
 PF2_SPLIT_KEYS = C.PF2_SPLIT_KEYS
 # (name, warps, keys per tile), largest first: the first the card's shared memory grants runs
 PF2_VARIANTS = (("a", C.PF2_WARPS_A, C.PF2_NK_A), ("b", C.PF2_WARPS_B, C.PF2_NK_B), ("c", C.PF2_WARPS_C, C.PF2_NK_C))

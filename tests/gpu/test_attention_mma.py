@@ -125,14 +125,14 @@ def test_env_selects_the_kernel(monkeypatch):
     from q27py.config import Q27Config, apply_env
 
     monkeypatch.setattr(K, "ATTN_DECODE", None)
-    monkeypatch.setenv("Q27_ATTN_DECODE", "mma")
-    assert K.attn_decode_default() == "mma"  # what FastModel takes when not told (tests/gpu under the env)
+    monkeypatch.setenv("Q27_ATTN_DECODE", "split")
+    assert K.attn_decode_default() == "split"  # what FastModel takes when not told (tests/gpu under the env)
     monkeypatch.setattr(K, "ATTN_DECODE", None)
     monkeypatch.delenv("Q27_ATTN_DECODE")
-    assert K.attn_decode_default() == "split"
+    assert K.attn_decode_default() == "mma"
 
-    assert Q27Config().engine.attn_decode == "split"
-    assert apply_env(Q27Config(), {"Q27_ATTN_DECODE": "mma"}).engine.attn_decode == "mma"
+    assert Q27Config().engine.attn_decode == "mma"  # the default since device run 3 (docs/PERF.md)
+    assert apply_env(Q27Config(), {"Q27_ATTN_DECODE": "split"}).engine.attn_decode == "split"
     assert K.attn_decode_mode("mma") == "mma"
     with pytest.raises(ValueError):
         K.attn_decode_mode("flash")
@@ -274,10 +274,14 @@ def test_partials_follow_the_python_split_size(cp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_fast_model_mma_tracks_split(kv):
+def test_fast_model_mma_tracks_split(kv, monkeypatch):
     """FastModel decode + verify with attn_decode="mma" against "split" (tolerance), and its verify
-    lanes width-invariant bitwise. The MTP layer's attention goes through the same path."""
+    lanes width-invariant bitwise. The MTP layer's attention goes through the same path. (fp8 KV
+    keeps split in the engine -- forward.FP8_ATTN_MMA -- and is exercised here with the switch on.)"""
+    from q27py.gpu import forward
     from q27py.gpu.forward import FastModel
+
+    monkeypatch.setattr(forward, "FP8_ATTN_MMA", True)
     from q27py.gpu.weights import from_checkpoint
     from q27py.model.checkpoint import Checkpoint
 

@@ -173,8 +173,8 @@ def test_engine_switch_and_env():
     from q27py.config import Q27Config, apply_env
     from q27py.gpu import kernels as K
 
-    assert Q27Config().engine.attn_prefill == "v1"  # until the device run measures v2
-    assert apply_env(Q27Config(), {"Q27_ATTN_PREFILL": "v2"}).engine.attn_prefill == "v2"
+    assert Q27Config().engine.attn_prefill == "v2"  # the default since device run 3 (docs/PERF.md)
+    assert apply_env(Q27Config(), {"Q27_ATTN_PREFILL": "v1"}).engine.attn_prefill == "v1"
     assert K.attn_prefill_mode("v2") == "v2"
     with pytest.raises(ValueError, match="attn_prefill"):
         K.attn_prefill_mode("v3")
