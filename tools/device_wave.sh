@@ -37,6 +37,20 @@ for stage in "$@"; do
     bench) timeout 420 python3 -m q27py bench --random-weights 27b --tier q4s --quick --json > "$OUT/bench.json" \
           2> "$OUT/bench.txt" || rc=1; grep -v "^  gemm " "$OUT/bench.txt" | tail -22 ;;
     gates) timeout 400 $PYTEST tests/gpu/test_gates.py > "$OUT/gates.txt" 2>&1 || rc=1; tail -4 "$OUT/gates.txt" ;;
+    gates_old)  # the previous kernels (env back to split / v1): the canonicals must still hold bitwise
+        Q27_ATTN_DECODE=split Q27_ATTN_PREFILL=v1 timeout 300 python3 gates/run.py 2>&1 | tail -6 || rc=1 ;;
+    gates_new)  # re-record this arch's canonicals under the current defaults (old ones kept in $OUT)
+        cp gates/canonical.json "$OUT/canonical_before.json"
+        timeout 300 python3 gates/run.py 2>&1 | tail -6
+        python3 -c "import json,sys; p='gates/canonical.json'; d=json.load(open(p)); [d.pop(k) for k in list(d) if k.endswith('@sm_90')]; json.dump(d, open(p,'w'), indent=1)"
+        timeout 300 python3 gates/run.py --update 2>&1 | tail -6 || rc=1
+        cp gates/canonical.json "$OUT/canonical.json" ;;
+    suite) timeout 420 $PYTEST tests/gpu/test_forward.py tests/gpu/test_gates.py tests/gpu/test_prefix_gpu.py \
+          tests/gpu/test_output_control_gpu.py tests/gpu/test_device_masks.py tests/gpu/test_slots_gpu.py \
+          tests/gpu/test_attention_mma.py tests/gpu/test_attention_prefill.py tests/gpu/test_kv_fp8.py \
+          tests/gpu/test_q27file.py tests/gpu/test_device_chain.py tests/gpu/test_prefill_blas.py \
+          tests/gpu/test_gdn_fused.py tests/gpu/test_kernels.py -k "not gemv" > "$OUT/suite.txt" 2>&1 || rc=1
+        tail -12 "$OUT/suite.txt" ;;
     all) timeout 560 $PYTEST tests/gpu > "$OUT/all.txt" 2>&1 || rc=1; tail -25 "$OUT/all.txt" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
