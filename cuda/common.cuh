@@ -277,3 +277,23 @@ __device__ __forceinline__ void lm_quantize_block(float x, int d, int bits, cons
         *norm = float_to_half(fminf(s, 65504.f));
     }
 }
+
+// ---- a8 activations (cuda/gemv.cu gemv8_*): one 64-k chunk c of a fp32 row -> int8 codes in
+// fragment order + the chunk's scale, by one warp (2 values per lane). scale = amax / 127,
+// code = rint(x * (127 / amax)) (IEEE divisions, no contraction: q27py/gpu/layout.py
+// quantize_act8 gives the same bits); an all-zero chunk has scale 0. Shared by quant_act8 and the
+// fused producers (norm.cu rmsnorm_rows_a8), so both give the a8 GEMV the same bytes.
+// dst_row: the row's code bytes; xs_col: &xs[0][row] of the [chunk][GEMV_MAX_LANES] scales.
+__device__ __forceinline__ void act8_quantize_chunk(const float* row, int c, u8* dst_row, float* xs_col, int lane) {
+    const float2 v = *reinterpret_cast<const float2*>(row + c * 64 + 2 * lane);
+    const float amax = warp_max(fmaxf(fabsf(v.x), fabsf(v.y)));
+    const float inv = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
+    const int q0 = max(-127, min(127, __float2int_rn(__fmul_rn(v.x, inv))));
+    const int q1 = max(-127, min(127, __float2int_rn(__fmul_rn(v.y, inv))));
+    // k = 2 lane, 2 lane + 1 -> s = k / 16, t = (k % 8) / 2, h = (k % 16) / 8; j = h (even k), 2 + h (odd)
+    const int k = 2 * lane, s = k >> 4, t = (k & 7) >> 1, h = (k >> 3) & 1;
+    u8* dst = dst_row + c * 64 + t * 16 + s * 4;
+    dst[h] = (u8)(signed char)q0;
+    dst[2 + h] = (u8)(signed char)q1;
+    if (lane == 0) xs_col[c * GEMV_MAX_LANES] = __fdiv_rn(amax, 127.f);
+}

@@ -251,22 +251,26 @@ struct Act {
 // a8: one chunk = two k32 steps. Weights per tile: q4 one uint4 (words s = 0..3), q8 two
 // (steps 2j, 2j+1 as words A, B each). Scales: the weight's fp16 pair (rows g, g + 8) times the
 // activation chunk scales of columns 2t, 2t + 1, applied to the chunk's exact int32 sums.
-template <int FMT, int NT>
-__device__ __forceinline__ void compute_stage8(float (&acc)[GEMV_R][NT][4], const Stage<FMT>& st, int c,
-                                               const Act<NT>& xa) {
-    uint4 xb[NT];
-    float2 xs[NT];
-    // q4 codes carry a factor 16 (nibble in the high half of the byte): folded into the chunk's
-    // activation scales once, not into every tile's weight scales
-    const float wmul = FMT == FMT_Q4 ? 0.0625f : 1.0f;
+// The chunk's activation B fragments and scales (loaded one chunk ahead by gemv_loop: the L1/L2
+// latency of these loads was the top stall of the a8 loop under ncu, device run 1)
+template <int NT>
+__device__ __forceinline__ void a8_load_act(const Act<NT>& xa, int c, uint4 (&xb)[NT], float2 (&xs)[NT]) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
         xb[nt] = __ldg(xa.xq[nt] + c * 4);  // 64 bytes per chunk = 4 uint4
         xs[nt] = __ldg(reinterpret_cast<const float2*>(xa.xs + c * GEMV_MAX_LANES + nt * 8));
-        xs[nt].x *= wmul;
-        xs[nt].y *= wmul;
     }
-    const u32 sgn = xa.sgn;
+}
+
+template <int FMT, int NT>
+__device__ __forceinline__ void compute_stage8(float (&acc)[GEMV_R][NT][4], const Stage<FMT>& st,
+                                               const uint4 (&xb)[NT], const float2 (&xs0)[NT], u32 sgn) {
+    // q4 codes carry a factor 16 (nibble in the high half of the byte): folded into the chunk's
+    // activation scales once, not into every tile's weight scales
+    const float wmul = FMT == FMT_Q4 ? 0.0625f : 1.0f;
+    float2 xs[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xs[nt] = make_float2(xs0[nt].x * wmul, xs0[nt].y * wmul);
 #pragma unroll
     for (int i = 0; i < GEMV_R; i++) {
         int ia[NT][4];
@@ -333,6 +337,12 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
         cp_async_commit();
     }
     int rd = 0, wr = S - 1;  // ring slots to read and to refill
+    uint4 xb[A8 ? NT : 1];
+    float2 xsv[A8 ? NT : 1];
+    // q8 at 16 lanes holds two weight words per tile: the look-ahead registers would spill there
+    constexpr bool AHEAD = A8 && !(FMT == FMT_Q8 && NT == 2);
+    if constexpr (AHEAD)
+        if (n > 0) a8_load_act<NT>(xa, cstart, xb, xsv);
     for (int k = 0; k < n; k++) {
         cp_async_wait<S - 2>();
         Stage<FMT> st;
@@ -344,9 +354,20 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
         cp_async_commit();
         rd = rd + 1 == S ? 0 : rd + 1;
         wr = wr + 1 == S ? 0 : wr + 1;
-        if constexpr (A8)
-            compute_stage8<FMT, NT>(acc, st, c, xa);
-        else
+        if constexpr (AHEAD) {
+            uint4 xbn[NT];
+            float2 xsn[NT];
+            if (k + 1 < n) a8_load_act<NT>(xa, c + cstep, xbn, xsn);
+            compute_stage8<FMT, NT>(acc, st, xb, xsv, xa.sgn);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                xb[nt] = xbn[nt];
+                xsv[nt] = xsn[nt];
+            }
+        } else if constexpr (A8) {
+            a8_load_act<NT>(xa, c, xb, xsv);
+            compute_stage8<FMT, NT>(acc, st, xb, xsv, xa.sgn);
+        } else
             compute_stage<FMT, NT>(acc, st, c, xa.xr);
     }
     cp_async_wait<0>();
@@ -502,15 +523,5 @@ extern "C" __global__ void quant_act8(const float* __restrict__ x, int ldx, int 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * 8 + warp, row = blockIdx.y;
     if (c >= kch) return;
-    const float2 v = *reinterpret_cast<const float2*>(x + (i64)row * ldx + c * 64 + 2 * lane);
-    const float amax = warp_max(fmaxf(fabsf(v.x), fabsf(v.y)));
-    const float inv = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
-    const int q0 = max(-127, min(127, __float2int_rn(__fmul_rn(v.x, inv))));
-    const int q1 = max(-127, min(127, __float2int_rn(__fmul_rn(v.y, inv))));
-    // k = 2 lane, 2 lane + 1 -> s = k / 16, t = (k % 8) / 2, h = (k % 16) / 8; j = h (even k), 2 + h (odd)
-    const int k = 2 * lane, s = k >> 4, t = (k & 7) >> 1, h = (k >> 3) & 1;
-    u8* dst = xq + (i64)row * ldq + c * 64 + t * 16 + s * 4;
-    dst[h] = (u8)(signed char)q0;
-    dst[2 + h] = (u8)(signed char)q1;
-    if (lane == 0) xs[c * GEMV_MAX_LANES + row] = __fdiv_rn(amax, 127.f);
+    act8_quantize_chunk(x + (i64)row * ldx, c, xq + (i64)row * ldq, xs + row, lane);
 }

@@ -5,9 +5,9 @@
 // Qwen norms (input/post-attention/final/MTP), 0 for a plain weight.
 // grid (rows), block 256..1024. A thread keeps its (up to 8) elements in registers between
 // the two passes, so the row is read once and every load is issued before the first use.
-extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, const float* __restrict__ w, float add_one,
-                                        float eps, int H, float* __restrict__ y, int ldy) {
-    __shared__ float red[32];
+__device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x, int ldx, const float* __restrict__ w,
+                                            float add_one, float eps, int H, float* __restrict__ y, int ldy,
+                                            float* red) {
     const float* xr = x + (i64)blockIdx.x * ldx;
     float v[NORM_PER_THREAD];
     float ss = 0.f;
@@ -28,6 +28,26 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, co
         if (k < H) yr[k] = (v[i] / den) * (w[k] + add_one);
     }
     for (int k = threadIdx.x + NORM_PER_THREAD * blockDim.x; k < H; k += blockDim.x) yr[k] = (xr[k] / den) * (w[k] + add_one);
+}
+
+extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, const float* __restrict__ w, float add_one,
+                                        float eps, int H, float* __restrict__ y, int ldy) {
+    __shared__ float red[32];
+    rmsnorm_row(x, ldx, w, add_one, eps, H, y, ldy, red);
+}
+
+// rmsnorm_rows, then the row's a8 GEMV input (act8_quantize_chunk over its kch chunks, from the
+// fp32 row just written: the same bytes quant_act8 would make). Why: one launch instead of two
+// before each a8 GEMV that reads a normed row (the layers' input and MLP norms).
+extern "C" __global__ void rmsnorm_rows_a8(const float* __restrict__ x, int ldx, const float* __restrict__ w,
+                                           float add_one, float eps, int H, float* __restrict__ y, int ldy, int kch,
+                                           u8* __restrict__ xq, int ldq, float* __restrict__ xs) {
+    __shared__ float red[32];
+    rmsnorm_row(x, ldx, w, add_one, eps, H, y, ldy, red);
+    __syncthreads();  // the block's row writes are visible to the block after the barrier
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.x;
+    for (int c = warp; c < kch; c += blockDim.x >> 5)
+        act8_quantize_chunk(y + (i64)row * ldy, c, xq + (i64)row * ldq, xs + row, lane);
 }
 
 // The GDN output norm, per (lane, v-head): y = o / sqrt(mean(o^2) + eps) * w * silu(z).

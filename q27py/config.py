@@ -87,9 +87,11 @@ class EngineConfig:
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30
-    # cuda fast path GEMV: "v1" (cuda/gemv.cu) or "v2" (cuda/gemv2.cu, register-streamed). v1 stays the
-    # default until v2 has passed the GPU tests and gates on the device (v2 sums in another order)
-    gemv: str = "v1"
+    # cuda fast path GEMV: "a8" (cuda/gemv.cu gemv8_*: int8 activations per 64-k chunk on q4/q8 weights,
+    # mma.m16n8k32; bf16 weights keep v1), "v1" (bf16 activations, the fp32-grade path) or "v2"
+    # (cuda/gemv2.cu). a8 is its own tolerance class, the default since its quality gate held on the
+    # trained model (tools/a8_quality.py: greedy equal, NLL within 0.001, KL 2.5e-4; docs/QUANT.md)
+    gemv: str = "a8"
     # cuda: the GDN decode / verify step (conv, gates, delta rule, gated norm, window commit) as one
     # kernel (cuda/gdn_decode.cu, bitwise the kernel chain) instead of four launches. Off until the
     # device run has held it bitwise and measured it (docs/PERF.md).

@@ -576,7 +576,7 @@ class FastModel:
         ai = 0
         for li, lw in enumerate(self.w.layers):
             plan = self.layer_plans[li]
-            K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
+            self._input_norm(plan, lw, t)
             if lw.kind == FULL:
                 self._attention(state, lw, plan, t, state.k[ai], state.v[ai], ptr(state.ctl), max(VERIFY_SPAN, t),
                                 *state.side_rows(ai), pos0=state.position)
@@ -614,7 +614,7 @@ class FastModel:
         self.mtp_fc_plan.run(self.cat, self.ld_cat, t)
         lw = m.layer
         plan = self.mtp_layer_plan
-        K.rmsnorm(self.h, hp, lw.input_ln, eps, h, self.x, hp, t)
+        self._input_norm(plan, lw, t)
         self._attention(state, lw, plan, t, state.mtp_k, state.mtp_v, ptr(state.ctl, 4), max(VERIFY_SPAN, t),
                         *state.side_rows(None), pos0=pos0)
         self._mlp(lw, plan, t)
@@ -632,7 +632,10 @@ class FastModel:
             raw, qkvn, gb = self.proj_big, self.qkvn_big, self.gb_big
         else:  # decode / verify: this layer's records
             raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
-        plan["in_big" if t > VERIFY_SPAN else "in"].run(self.x, self.hp, t)
+        if t > VERIFY_SPAN:
+            plan["in_big"].run(self.x, self.hp, t)
+        else:  # _input_norm wrote an a8 plan's int8 activations
+            plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t))
         if self.gdn_fused and t <= VERIFY_SPAN and K.gdn_fused_supported(hk, hv, dk, dv, kw, t, self.gdn_fused_warps):
             # one launch, bitwise the chain below (same records, o, normed rows, state and window)
             K.gdn_decode_fused(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
@@ -681,7 +684,7 @@ class FastModel:
         if self.kv_bits is not None:  # k5v3 / k3v3: its own store and kernels
             self._attention_rotated(lw, plan, t, kc, vc, pos0_dev, span, kx, vx)
             return
-        plan["in"].run(self.x, self.hp, t)
+        plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t))
         if kx is not None:  # fp8 KV (codes + row exponents): quantize on store, dequantize in attention
             K.qk_norm_rope_store_fp8(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                      cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
@@ -728,7 +731,7 @@ class FastModel:
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         kbits, vbits = self.kv_bits
         kt, vt = self.kv_tables[kbits], self.kv_tables[vbits]
-        plan["in"].run(self.x, self.hp, t)
+        plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t))
         K.qk_norm_rope_store_rot(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                  cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
                                  nq * hd, kc, vc, kn, vn, kbits, vbits, kt, vt, self.max_pos, t)
@@ -740,10 +743,20 @@ class FastModel:
                                 hd, pos0_dev, span, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
         plan["out"].run(self.xa, self.ld_xa, t)
 
+    def _input_norm(self, plan: dict, lw: LayerW, t: int) -> None:
+        """The layer's input norm into self.x; for an a8 "in" plan at GEMV widths it also writes the
+        plan's int8 activations (the plan then runs prequantized: see _gdn / _attention)."""
+        cfg = self.cfg
+        pin = plan["in"]
+        K.rmsnorm(self.h, self.hp, lw.input_ln, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp, t,
+                  a8=pin if pin.fuses_quant(t) else None)
+
     def _mlp(self, lw: LayerW, plan: dict, t: int) -> None:
         cfg = self.cfg
-        K.rmsnorm(self.h, self.hp, lw.post_ln, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp, t)
-        plan["up"].run(self.x, self.hp, t)
+        up = plan["up"]
+        K.rmsnorm(self.h, self.hp, lw.post_ln, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp, t,
+                  a8=up if up.fuses_quant(t) else None)
+        up.run(self.x, self.hp, t, prequantized=up.fuses_quant(t))
         plan["down"].run(self.act, self.ld_act, t)
 
     def _logits_rows(self, src, rows: np.ndarray) -> None:

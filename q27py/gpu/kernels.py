@@ -252,9 +252,16 @@ class GemvPlan:
             desc[:, C.D_CNT] = cnt_base + desc[:, C.D_CNT] * 4
             self.launches.append((fmt, rt.cp.asarray(desc), len(desc), units))
 
-    def run(self, x, ldx: int, nlanes: int, lane0: int = 0, allow_gemm: bool = True) -> None:
+    def fuses_quant(self, nlanes: int) -> bool:
+        """Whether x's producer may write this plan's int8 activations (then run(prequantized=True))."""
+        return self.a8 and nlanes <= GEMV_MAX_LANES
+
+    def run(self, x, ldx: int, nlanes: int, lane0: int = 0, allow_gemm: bool = True,
+            prequantized: bool = False) -> None:
         """y[lane0 + t] for t < nlanes: the prefill GEMM for many tokens (q4/q8 matrices), else
-        the GEMV in blocks of at most 16 lanes."""
+        the GEMV in blocks of at most 16 lanes. prequantized: x's producer already wrote this plan's
+        a8 activations (kernels.rmsnorm(a8=plan)), so no quant_act8 launch."""
+        assert not prequantized or (self.fuses_quant(nlanes) and lane0 == 0)
         rt = Runtime.get()
         use_gemm = allow_gemm and nlanes >= GEMM_MIN_TOKENS
         if use_gemm:
@@ -265,7 +272,7 @@ class GemvPlan:
         while done < nlanes:
             n = min(GEMV_MAX_LANES, nlanes - done)
             nt = 1 if n <= 8 else 2
-            if self.a8 and not use_gemm:
+            if self.a8 and not use_gemm and not prequantized:
                 kch = self.kpad // L.CHUNK_K
                 rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
@@ -419,9 +426,18 @@ def embed(ids, nlanes: int, table: GpuTable, hidden: int, out, ldo: int) -> None
 
 
 # ---------------------------------------------------------------- norms
-def rmsnorm(x, ldx: int, w, eps: float, hidden: int, y, ldy: int, nlanes: int, add_one: bool = True) -> None:
-    Runtime.get().launch("norm", "rmsnorm_rows", nlanes, 1024 if hidden >= 2048 else 256,
-                         (x, i32(ldx), w, f32(1.0 if add_one else 0.0), f32(eps), i32(hidden), y, i32(ldy)))
+def rmsnorm(x, ldx: int, w, eps: float, hidden: int, y, ldy: int, nlanes: int, add_one: bool = True,
+            a8: "GemvPlan | None" = None) -> None:
+    """y = rmsnorm(x); with a8 (a plan whose run() will get prequantized=True) the same launch also
+    writes that plan's int8 activations of y (norm.cu rmsnorm_rows_a8: the bytes quant_act8 makes)."""
+    args = (x, i32(ldx), w, f32(1.0 if add_one else 0.0), f32(eps), i32(hidden), y, i32(ldy))
+    block = 1024 if hidden >= 2048 else 256
+    if a8 is None:
+        Runtime.get().launch("norm", "rmsnorm_rows", nlanes, block, args)
+        return
+    assert a8.a8 and nlanes <= GEMV_MAX_LANES and a8.kpad <= ldy
+    Runtime.get().launch("norm", "rmsnorm_rows_a8", nlanes, block,
+                         args + (i32(a8.kpad // L.CHUNK_K), a8.xq, i32(a8.xq.shape[1]), a8.xs))
 
 
 def gated_rmsnorm(o, ldo: int, z, ldz: int, w, eps: float, nlanes: int, hv: int, dv: int, y, ldy: int) -> None:

@@ -207,6 +207,29 @@ def test_quant_act8_matches_numpy_spec_bitwise(cp, K):
     np.testing.assert_array_equal(xs.get()[:, :n], scales.T)
 
 
+def test_rmsnorm_a8_fuses_quant_bitwise(cp, K):
+    """rmsnorm_rows_a8 writes rmsnorm_rows's fp32 row and, from it, the a8 plan's int8 activations:
+    a prequantized plan run gives the bits of the unfused pair (rmsnorm, then run with quant_act8)."""
+    rng = np.random.default_rng(41)
+    h, rows, n = 5120, 300, 7
+    pm = L.pack_matrix(rng.standard_normal((rows, h)).astype(np.float32) * 0.05, L.FMT_Q4)
+    m = K.upload_packed(pm)
+    x = cp.asarray(rng.standard_normal((n, h)).astype(np.float32) * 3)
+    w = cp.asarray(rng.standard_normal(h).astype(np.float32) * 0.1)
+    ws = K.Workspace()
+    y1, y2 = poisoned(cp, (n, rows)), poisoned(cp, (n, rows))
+    p1, p2 = K.GemvPlan([m], [(y1, rows)], ws, impl="a8"), K.GemvPlan([m], [(y2, rows)], ws, impl="a8")
+    xa, xb = cp.zeros((n, h), cp.float32), cp.zeros((n, h), cp.float32)
+    K.rmsnorm(x, h, w, 1e-6, h, xa, h, n)
+    p1.run(xa, h, n)
+    K.rmsnorm(x, h, w, 1e-6, h, xb, h, n, a8=p2)
+    p2.run(xb, h, n, prequantized=True)
+    np.testing.assert_array_equal(xa.get(), xb.get())
+    np.testing.assert_array_equal(y1.get(), y2.get())
+    codes, scales = L.quantize_act8(xa.get())
+    np.testing.assert_array_equal(p2.xq.get()[:n, :h], L.act8_fragment_bytes(codes))
+
+
 @pytest.mark.parametrize("part", V2_PARTITIONS)
 def test_gemv_v2_partitions_agree(cp, K, part):
     """Every v2 partition (row groups per CTA x splits, incl. a partial last block) computes the
