@@ -11,7 +11,7 @@ rc=0
 for stage in "$@"; do
   say "$stage"
   case "$stage" in
-    a8) timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or quant_act8" tests/gpu/test_a8_layout.py \
+    a8) timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or quant_act8 or rmsnorm" tests/gpu/test_a8_layout.py \
           tests/gpu/test_gemv_plan.py > "$OUT/a8.txt" 2>&1 || rc=1; tail -6 "$OUT/a8.txt" ;;
     probe) timeout 240 python3 -m q27py.bench.gemv_probe --shapes 27b --impl v1 a8 --lanes 1 8 16 \
           --json "$OUT/probe.json" > "$OUT/probe.txt" 2>&1 || rc=1; tail -24 "$OUT/probe.txt" ;;
