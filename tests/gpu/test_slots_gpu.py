@@ -100,3 +100,21 @@ def test_fast_path_cancel_mid_prefill_then_serve(model, tok):
     drain(sched)
     cold = list(_engine(model, tok, 1, True).generate(ask(tok.encode(TEXTS[0]), 40)))
     assert running.tokens == [t for c in cold for t in c.token_ids]
+
+
+def test_load_bench_on_the_fast_path(model, tok):
+    """`q27py bench load` on cuda with the bundled model (the 27B run is the lead's): the streams
+    interleave, the short request beats the long prefill, and the graphs' bytes per state are measured."""
+    from q27py.bench.load import run_load
+
+    e = _engine(model, tok, 3, True)
+    r = run_load(e, tok, streams=(1, 3), prompt_tokens=32, gen_tokens=8, long_tokens=512, log=lambda *a: None)
+    assert r["device"] == "cuda" and r["slots"] == 3
+    for row in r["concurrency"]:
+        assert row["tokens"] == 8 * row["streams"] and row["max_running"] == row["streams"]
+    m = r["mixed"]
+    assert m["prefill_chunk"] == 64 and m["running_deliveries_during_prefill"] >= 4
+    assert m["short_first_before_long"] and m["running_finish"] == "cancelled"
+    mem = r["memory"]
+    assert mem["state_bytes"] == model.new_state().nbytes()  # the whole window, allocated up front
+    assert mem["graph_bytes_per_state"] is not None and mem["graph_bytes_per_state_assumed"] > 0
