@@ -57,19 +57,10 @@ __device__ __forceinline__ float gumbel_noise(u64 seed, long long pos, int i) {
 
 // grid (rows, NB), block 256. part: [rows][NB][2] keys. inv_temp <= 0: plain argmax;
 // else keys are logits * inv_temp + Gumbel noise at position pos0_dev[0] + row.
-extern "C" __global__ void top2_partial(const float* __restrict__ logits, int ld, int V, float inv_temp,
-                                        unsigned long long seed, const int* __restrict__ pos0_dev,
-                                        unsigned long long* __restrict__ part) {
+// The block's top-2 keys (each thread's pair in k1 >= k2) -> dst[0], dst[1]: warps first, then warp 0
+// over the warp winners (block <= 256 threads). Shared by the plain and the masked partial passes.
+__device__ __forceinline__ void block_top2_store(u64 k1, u64 k2, unsigned long long* dst) {
     __shared__ u64 s1[8], s2[8];
-    const int row = blockIdx.x, nb = gridDim.y, b = blockIdx.y;
-    const float* x = logits + (i64)row * ld;
-    const long long pos = inv_temp > 0.f ? (long long)(*pos0_dev) + row : 0;
-    u64 k1 = 0, k2 = 0;
-    for (int i = b * blockDim.x + threadIdx.x; i < V; i += nb * blockDim.x) {
-        float v = x[i];
-        if (inv_temp > 0.f) v = v * inv_temp + gumbel_noise(seed, pos, i);
-        top2_push(k1, k2, make_key(v, i));
-    }
     warp_top2(k1, k2);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (lane == 0) {
@@ -83,10 +74,25 @@ extern "C" __global__ void top2_partial(const float* __restrict__ logits, int ld
         k2 = lane < nw ? s2[lane] : 0;
         warp_top2(k1, k2);
         if (lane == 0) {
-            part[((i64)row * nb + b) * 2] = k1;
-            part[((i64)row * nb + b) * 2 + 1] = k2;
+            dst[0] = k1;
+            dst[1] = k2;
         }
     }
+}
+
+extern "C" __global__ void top2_partial(const float* __restrict__ logits, int ld, int V, float inv_temp,
+                                        unsigned long long seed, const int* __restrict__ pos0_dev,
+                                        unsigned long long* __restrict__ part) {
+    const int row = blockIdx.x, nb = gridDim.y, b = blockIdx.y;
+    const float* x = logits + (i64)row * ld;
+    const long long pos = inv_temp > 0.f ? (long long)(*pos0_dev) + row : 0;
+    u64 k1 = 0, k2 = 0;
+    for (int i = b * blockDim.x + threadIdx.x; i < V; i += nb * blockDim.x) {
+        float v = x[i];
+        if (inv_temp > 0.f) v = v * inv_temp + gumbel_noise(seed, pos, i);
+        top2_push(k1, k2, make_key(v, i));
+    }
+    block_top2_store(k1, k2, part + ((i64)row * nb + b) * 2);
 }
 
 // grid (rows), block 32 (NB <= 32). ids[row], top1[row] (the key's value), margin[row] = top1 - top2.
@@ -115,7 +121,6 @@ extern "C" __global__ void top2_final(const unsigned long long* __restrict__ par
 extern "C" __global__ void top2_partial_masked(const float* __restrict__ logits, int ld, int V,
                                                const int* __restrict__ row_idx, const unsigned* __restrict__ mask,
                                                int mask_ld, unsigned long long* __restrict__ part) {
-    __shared__ u64 s1[8], s2[8];
     const int row = blockIdx.x, nb = gridDim.y, b = blockIdx.y;
     const float* x = logits + (i64)row_idx[row] * ld;
     const unsigned* m = mask + (i64)row * mask_ld;
@@ -123,21 +128,5 @@ extern "C" __global__ void top2_partial_masked(const float* __restrict__ logits,
     for (int i = b * blockDim.x + threadIdx.x; i < V; i += nb * blockDim.x) {
         if ((m[i >> 5] >> (i & 31)) & 1u) top2_push(k1, k2, make_key(x[i], i));
     }
-    warp_top2(k1, k2);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) {
-        s1[warp] = k1;
-        s2[warp] = k2;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const int nw = blockDim.x >> 5;
-        k1 = lane < nw ? s1[lane] : 0;
-        k2 = lane < nw ? s2[lane] : 0;
-        warp_top2(k1, k2);
-        if (lane == 0) {
-            part[((i64)row * nb + b) * 2] = k1;
-            part[((i64)row * nb + b) * 2 + 1] = k2;
-        }
-    }
+    block_top2_store(k1, k2, part + ((i64)row * nb + b) * 2);
 }
