@@ -63,10 +63,15 @@ class EngineConfig:
     kv_safety_margin_bytes: int = 1536 << 20
     max_sequences: int = 4  # live sequences kept for prefix reuse (at least max_slots: live_sequences())
     # Requests generating at once (continuous batching, engine/scheduler.py); the rest queue FIFO.
-    # "auto": 1 on cuda until the interleaved path has run on the device (each slot is one of the
-    # live sequences the KV window is sized for, so memory is already right; the batched weight sweep
-    # is still to come), CPU_MAX_SLOTS on the CPU.
+    # "auto": on cuda sized from free memory at load (kvbudget.plan_slots: at most GPU_AUTO_MAX_SLOTS,
+    # at least GPU_AUTO_MIN_SLOTS when memory allows; each slot owns one sequence state and its
+    # graphs), GPU_MAX_SLOTS where nothing measured memory; CPU_MAX_SLOTS on the CPU.
     max_slots: int | str = "auto"
+    # cuda: device memory one sequence state's CUDA graphs take (decode, each verify width, prefill
+    # tails, commit, MTP passes and chains: GraphCache keys them by state). An assumption until the
+    # load bench's measurement (graph_bytes_per_state in `q27py bench load` on cuda) replaces it:
+    # ~60 main-model graphs of ~1,000 kernel nodes at ~2 KB of instantiated node each, doubled.
+    graph_bytes_per_state: int = 256 << 20
     prefill_chunk: int = 2048  # tokens per prefill chunk (CPU paths)
     # cuda: tokens per fast-path forward launch. Large, because the cuBLAS prefill route expands
     # each packed matrix to bf16 once per launch (~20 ms for the 27B), amortized over the chunk.
@@ -107,16 +112,19 @@ class EngineConfig:
     # mma sums in another order (Q and P as bf16 hi + lo): tolerance-equal to split, not bitwise.
     attn_decode: str = "mma"
 
-    def slots(self) -> int:
-        """Requests generating at once: max_slots, or the device's default for "auto"."""
+    def slots(self, sized: int | None = None) -> int:
+        """Requests generating at once: max_slots, or for "auto" the count the model sized from
+        memory at load (`sized`: FastModel.sized_slots), else the device's default."""
         if not isinstance(self.max_slots, int):
-            return CPU_MAX_SLOTS if self.device == "cpu" else GPU_MAX_SLOTS
+            if self.device == "cpu":
+                return CPU_MAX_SLOTS
+            return max(1, int(sized)) if sized else GPU_MAX_SLOTS
         return max(1, self.max_slots)
 
-    def live_sequences(self) -> int:
+    def live_sequences(self, sized: int | None = None) -> int:
         """Sequence states the engine keeps (prefix cache; the CUDA window is sized for this many):
         every slot needs its own, so never fewer than slots()."""
-        return max(1, self.max_sequences, self.slots())
+        return max(1, self.max_sequences, self.slots(sized))
 
     def engine_prefill_chunk(self) -> int:
         """Tokens per prefill piece the decoder feeds the model on this device."""
@@ -129,7 +137,15 @@ CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto"
 # clients run at once (a session, a sub-agent, title generation, one more) with each stream kept at
 # >= 1/4 speed, and equals the default max_sequences: no state beyond those the prefix cache keeps.
 CPU_MAX_SLOTS = 4
-GPU_MAX_SLOTS = 1  # until interleaved slots have run on the device (the lead flips it after measuring)
+# cuda, where max_slots is "auto" but nothing measured memory (a model built without
+# size_to_memory: scripted engines, benches that build FastModel themselves): one slot, the old FIFO.
+GPU_MAX_SLOTS = 1
+# cuda "auto" bounds (kvbudget.plan_slots). At most 8: each slot runs its own forward per round
+# until the shared weight sweep lands (issue 15.2), so beyond a few slots streams split one decode
+# speed; 8 covers an operator's parallel sessions and keeps per-slot graphs and states bounded. At
+# least 2 when memory allows, so a short request is not stuck behind a long generation.
+GPU_AUTO_MAX_SLOTS = 8
+GPU_AUTO_MIN_SLOTS = 2
 KV_CHOICES = ("auto", "bf16", "fp8", "k5v3", "k3v3")
 
 

@@ -41,7 +41,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, serving: bool = False) -
                          help="live sequences kept for reuse (at least --max-slots)")
         p.add_argument("--max-slots", type=_max_slots, metavar="N|auto", default=None,
                        help="requests generating at once, interleaved round by round; the rest queue "
-                            "(auto: 4 on cpu, 1 on cuda)")
+                            "(auto: 4 on cpu; on cuda sized from free memory, 2..8; 1 = one at a time, FIFO)")
 
 
 def _max_context(value: str):

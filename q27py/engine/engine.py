@@ -68,9 +68,12 @@ class LocalEngine:
         self.max_context = min(int(window), self.model_config.max_position_embeddings)
         self.has_mtp = bool(getattr(model, "has_mtp", False))
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False
-        self.max_slots = cfg.engine.slots()  # requests the scheduler may interleave (engine/scheduler.py)
+        # requests the scheduler may interleave (engine/scheduler.py); "auto" on cuda: the count the
+        # model sized from free memory at load (gpu/forward.py size_context_to_memory)
+        sized = getattr(model, "sized_slots", None)
+        self.max_slots = cfg.engine.slots(sized)
         # every slot holds its own live sequence, so the cache keeps at least that many
-        self.prefix = PrefixCache(model, max_sequences=cfg.engine.live_sequences(),
+        self.prefix = PrefixCache(model, max_sequences=cfg.engine.live_sequences(sized),
                                   checkpoint_every=cfg.engine.checkpoint_every, disk=self._disk_cache(cfg))
         # Output constraints: the vocabulary index (about 1.5 s for the 248K vocabulary) is built
         # when the server starts (serve calls constraints.prepare()), else on the first constrained

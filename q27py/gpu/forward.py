@@ -250,6 +250,9 @@ class FastModel:
         self.kv_bits = K.ROTATED_KV_BITS.get(kv_dtype)
         self.kv_tables = {b: K.rotated_kv_tables(b) for b in set(self.kv_bits)} if self.kv_bits else None
         self.context_budget = None  # set by size_context_to_memory (--max-context auto)
+        # slots sized from memory (--max-slots auto; size_context_to_memory): EngineConfig.slots(sized)
+        self.sized_slots: int | None = None
+        self.slot_plan = None  # kvbudget.SlotPlan of that sizing
         self.max_pos = int(max_context)
         self.chunk = max(VERIFY_SPAN, int(chunk))  # lanes per forward launch (prefill chunk)
         T = self.chunk
@@ -987,7 +990,7 @@ def load_fast_model(cfg) -> FastModel:
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused)
-    if not isinstance(e.max_context, int):
+    if not isinstance(e.max_context, int) or not isinstance(e.max_slots, int):
         size_context_to_memory(model, e)
     model.enable_graphs()
     return model
@@ -1016,19 +1019,26 @@ def resolve_fast_kv(kv: str, tier: str, cc: tuple[int, int]) -> str:
 
 
 def size_context_to_memory(model: FastModel, e) -> None:
-    """--max-context auto: the window the free memory holds once weights and scratch are resident
-    (q27py/model/kvbudget.py); graphs are captured later and live in the safety margin."""
+    """--max-context auto and --max-slots auto: the window and the slot count the free memory holds
+    once weights and scratch are resident (q27py/model/kvbudget.py plan_slots: every slot owns one
+    sequence state, KV window + GDN state + the graphs captured for it). A fixed --max-context keeps
+    its window (only the slots are sized); a fixed --max-slots keeps its count."""
     import sys
 
-    from q27py.model.kvbudget import context_window
+    from q27py.config import GPU_AUTO_MAX_SLOTS, GPU_AUTO_MIN_SLOTS
+    from q27py.model.kvbudget import plan_slots
 
     cp = model.rt.cp
     cp.get_default_memory_pool().free_all_blocks()
     free, _total = cp.cuda.runtime.memGetInfo()
     fixed = model.memory_per_sequence(0)
-    budget = context_window(free, model.memory_per_sequence(1) - fixed, kv_format=model.kv_name,
-                            sequences=e.live_sequences(), fixed_per_sequence=fixed,
-                            margin_bytes=e.kv_safety_margin_bytes, max_positions=model.max_pos)
-    model.max_pos = budget.window  # states are allocated later, at this size
-    model.context_budget = budget
-    print(f"q27py: {budget.describe()}", file=sys.stderr, flush=True)
+    plan = plan_slots(free, model.memory_per_sequence(1) - fixed, kv_format=model.kv_name,
+                      max_slots=e.max_slots, max_context=e.max_context if isinstance(e.max_context, int) else "auto",
+                      max_sequences=e.max_sequences, fixed_per_sequence=fixed,
+                      graph_bytes_per_state=e.graph_bytes_per_state, margin_bytes=e.kv_safety_margin_bytes,
+                      max_positions=model.max_pos, cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
+    model.max_pos = plan.budget.window  # states are allocated later, at this size
+    model.context_budget = plan.budget
+    model.slot_plan = plan
+    model.sized_slots = plan.slots if not isinstance(e.max_slots, int) else None
+    print(f"q27py: {plan.describe()}", file=sys.stderr, flush=True)

@@ -20,6 +20,9 @@ class GraphCache:
         self.seen: dict = {}
         self.captures = 0
         self.replays = 0
+        # device bytes each state's captures took (cudaMemGetInfo before and after instantiate +
+        # upload): what EngineConfig.graph_bytes_per_state assumes, measured (the load bench reports it)
+        self.bytes_by_state: dict[int, int] = {}
 
     def run(self, state, key, enqueue) -> None:
         """Run `enqueue` (which only launches kernels on model.stream) through a graph when possible."""
@@ -31,7 +34,9 @@ class GraphCache:
             if n < self.capture_after:
                 enqueue()
                 return
+            free0 = _free_bytes()
             g = self._capture(enqueue)
+            self.bytes_by_state[state.id] = self.bytes_by_state.get(state.id, 0) + max(0, free0 - _free_bytes())
             self.graphs[full] = g
             self.captures += 1
         g.launch(self.model.stream)
@@ -57,6 +62,20 @@ class GraphCache:
             del self.graphs[k]
         for k in [k for k in self.seen if k[0] == state_id]:
             del self.seen[k]
+        self.bytes_by_state.pop(state_id, None)
+
+    def graphs_per_state(self) -> dict[int, int]:
+        """Captured graphs held per state id."""
+        out: dict[int, int] = {}
+        for k in self.graphs:
+            out[k[0]] = out.get(k[0], 0) + 1
+        return out
+
+
+def _free_bytes() -> int:
+    """Free device memory (captures are rare: one driver call each side costs nothing per replay).
+    The driver counts in pages (2 MiB), so one small graph may read 0; a state's sum is what counts."""
+    return int(Runtime.get().cp.cuda.runtime.memGetInfo()[0])
 
 
 def capture(fn, stream=None):

@@ -9,9 +9,13 @@ The fast path measures free device memory after the weights are resident and ask
 rounded down to WINDOW_ALIGN and capped at the model's max_position_embeddings. `sequences`
 is how many sequences the engine may hold at once (EngineConfig.live_sequences(): max_sequences,
 at least max_slots): every live sequence owns a full window of KV rows, so the budget is split
-between them. The safety margin
-(EngineConfig.kv_safety_margin_bytes) is what CUDA graph instantiation and the allocator's slack
-need on top of the measured scratch; its default is to be confirmed on the device (docs/KV.md).
+between them. Each state's fixed part is its GDN + conv state plus the CUDA graphs captured for
+it (EngineConfig.graph_bytes_per_state). The safety margin (EngineConfig.kv_safety_margin_bytes)
+is what the allocator's slack and the CUDA context need on top of the measured scratch; its
+default is to be confirmed on the device (docs/KV.md).
+
+`plan_slots` decides `--max-slots auto` and `--max-context auto` together: every slot owns one
+of those states, so the slot count and the window share one budget (its docstring has the rules).
 """
 
 from __future__ import annotations
@@ -88,3 +92,97 @@ def card_capacity(card_bytes: int, weight_bytes: int, fmt: str, n_kv_layers: int
                        kv_format=fmt, sequences=sequences, fixed_per_sequence=fixed_per_sequence,
                        margin_bytes=overhead_bytes, max_positions=max_positions)
     return b.window
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """`--max-slots` and `--max-context` decided together (plan_slots)."""
+
+    slots: int  # requests generating at once
+    budget: ContextBudget  # the window and the live sequences it is sized for (>= slots)
+    state_bytes: int  # one sequence state at the window: KV rows + GDN/conv state + its graphs
+    fit: int  # states of state_bytes the free memory holds after the margin
+    limited_by: str  # what set the slot count: "cap" | "memory" | "flag"
+
+    def describe(self) -> str:
+        return (f"{self.slots} slot(s) (limited by {self.limited_by}; {self.fit} state(s) of "
+                f"{self.state_bytes / GIB:.2f} GiB fit); {self.budget.describe()}")
+
+
+def states_fit(free_bytes: int, window: int, kv_bytes_per_token: int, *, fixed_per_sequence: int = 0,
+               graph_bytes_per_state: int = 0, scratch_bytes: int = 0, margin_bytes: int = 0) -> int:
+    """Sequence states of `window` positions (KV rows, fixed GDN state, the state's graphs) that fit."""
+    per = window * kv_bytes_per_token + fixed_per_sequence + graph_bytes_per_state
+    return max(0, int(free_bytes) - int(scratch_bytes + margin_bytes)) // max(1, per)
+
+
+def plan_slots(free_bytes: int, kv_bytes_per_token: int, *, max_slots, max_context, max_sequences: int,
+               kv_format: str = "?", fixed_per_sequence: int = 0, graph_bytes_per_state: int = 0,
+               scratch_bytes: int = 0, margin_bytes: int = 0, max_positions: int | None = None,
+               cap: int = 8, floor: int = 2, align: int = WINDOW_ALIGN) -> SlotPlan:
+    """The slot count and the window, consistent with each other (issue 15; EngineConfig.max_slots).
+
+    Every slot owns one live sequence state (a full window of KV rows, the GDN + conv state, and
+    the CUDA graphs captured for that state), and the prefix cache keeps max_sequences states even
+    when fewer slots run, so the card holds max(max_sequences, slots) states at the window.
+
+    - max_slots N, max_context "auto": the window is sized for max(max_sequences, N) states
+      (context_window), as before slots were sized.
+    - max_slots "auto", max_context "auto": the window comes first, sized for
+      max(max_sequences, floor) states (the window a user gets does not shrink below today's for
+      the default max_sequences); then the slots are every state that fits at that window, at
+      most `cap`. So a memory-limited window gives max(max_sequences, floor) slots, and a window
+      capped by the model (big cards) leaves room for more, up to `cap`. Where not even `floor`
+      states fit a window of `align` positions, fewer are tried down to max_sequences (whose
+      states the prefix cache allocates anyway; no room for those is context_window's error).
+    - max_slots "auto", max_context N: the states of N positions that fit, between 1 and `cap`
+      (1 when not even one fits: the old single-slot behaviour, and its allocation error).
+    """
+    positions = max_positions
+    graph_per = int(graph_bytes_per_state)
+
+    def window_for(sequences: int) -> ContextBudget:
+        return context_window(free_bytes, kv_bytes_per_token, kv_format=kv_format, sequences=sequences,
+                              fixed_per_sequence=fixed_per_sequence + graph_per, scratch_bytes=scratch_bytes,
+                              margin_bytes=margin_bytes, max_positions=positions, align=align)
+
+    def with_sequences(budget: ContextBudget, sequences: int) -> ContextBudget:
+        reserved = int(scratch_bytes + margin_bytes + sequences * (fixed_per_sequence + graph_per))
+        return ContextBudget(budget.window, budget.kv_format, budget.bytes_per_token, sequences,
+                             budget.free_bytes, reserved, budget.limited_by)
+
+    def fixed_budget(window: int, sequences: int) -> ContextBudget:
+        limited = "model" if positions is not None and window >= positions else "flag"
+        window = min(window, positions) if positions is not None else window
+        return with_sequences(ContextBudget(window, kv_format, kv_bytes_per_token, sequences, int(free_bytes), 0,
+                                            limited), sequences)
+
+    def fit_at(window: int) -> int:
+        return states_fit(free_bytes, window, kv_bytes_per_token, fixed_per_sequence=fixed_per_sequence,
+                          graph_bytes_per_state=graph_per, scratch_bytes=scratch_bytes, margin_bytes=margin_bytes)
+
+    auto_window = not isinstance(max_context, int)
+    state = lambda w: w * kv_bytes_per_token + fixed_per_sequence + graph_per  # noqa: E731
+    if isinstance(max_slots, int):
+        slots = max(1, max_slots)
+        sequences = max(1, max_sequences, slots)
+        budget = window_for(sequences) if auto_window else fixed_budget(int(max_context), sequences)
+        return SlotPlan(slots, budget, state(budget.window), fit_at(budget.window), "flag")
+    if auto_window:
+        base = max(1, max_sequences, floor)
+        budget = None
+        least = max(1, max_sequences)  # the prefix cache's states must fit, as before slots were sized
+        for sequences in range(base, least - 1, -1):  # the floor gives way before the window does
+            try:
+                budget = window_for(sequences)
+                break
+            except ValueError:
+                if sequences == least:
+                    raise
+        fit = max(budget.sequences, fit_at(budget.window))
+    else:
+        budget = fixed_budget(int(max_context), max(1, max_sequences))
+        fit = fit_at(budget.window)
+    slots = max(1, min(cap, fit))
+    limited = "cap" if fit > cap else "memory"
+    return SlotPlan(slots, with_sequences(budget, max(1, max_sequences, slots)), state(budget.window), fit, limited)

@@ -378,7 +378,12 @@ def test_max_slots_flag_env_and_device_defaults():
     assert build([], {"Q27_MAX_SLOTS": "3"}).slots() == 3
     assert build(["--max-slots", "2"], {"Q27_MAX_SLOTS": "3"}).slots() == 2  # the flag wins
     assert build(["--max-slots", "auto"], {"Q27_MAX_SLOTS": "3"}).slots() == CPU_MAX_SLOTS
-    assert EngineConfig(device="cuda").slots() == 1  # the GPU keeps one slot until measured there
+    # cuda "auto": the count the model sized from memory (FastModel.sized_slots), 1 where none did;
+    # a number given keeps its value whatever was sized
+    assert EngineConfig(device="cuda").slots() == 1
+    assert EngineConfig(device="cuda").slots(6) == 6 and EngineConfig(device="cuda").live_sequences(6) == 6
+    assert EngineConfig(device="cuda", max_slots=1).slots(6) == 1
+    assert EngineConfig(device="cpu").slots(6) == CPU_MAX_SLOTS  # nothing sizes slots on the CPU
     # every slot needs its own live sequence: the cache (and the CUDA window sizing) counts them
     assert EngineConfig(max_slots=8, max_sequences=4).live_sequences() == 8
     assert EngineConfig(max_slots=2, max_sequences=4).live_sequences() == 4

@@ -2,7 +2,7 @@
 FastModel, whose scratch buffers, pending verify trace and CUDA graphs are shared between states.
 Each step ends whole (forward, commit, rows read), so a sequence's greedy tokens and logprobs must be
 bitwise those it gets alone, and a cancel mid-prefill must leave the model fit for the next request.
-Until this passes on the device `--max-slots` stays 1 on cuda (EngineConfig.slots())."""
+Passed on the H200; `--max-slots auto` now sizes the slots from memory on cuda (kvbudget.plan_slots)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,40 @@ def test_load_bench_on_the_fast_path(model, tok):
     mem = r["memory"]
     assert mem["state_bytes"] == model.new_state().nbytes()  # the whole window, allocated up front
     assert mem["graph_bytes_per_state"] is not None and mem["graph_bytes_per_state_assumed"] > 0
+
+
+def test_auto_slots_are_sized_from_memory_and_reach_the_engine(tok):
+    """--max-slots auto on cuda: load_fast_model sizes the slots (kvbudget.plan_slots); the bundled
+    model's states are tiny, so the card holds more than the cap at a 4,096 window."""
+    from q27py.config import GPU_AUTO_MAX_SLOTS
+    from q27py.engine.engine import LocalEngine
+    from q27py.gpu.forward import load_fast_model
+
+    cfg = _cfg(slots=1, spec=True)
+    cfg.engine.max_slots = "auto"
+    m = load_fast_model(cfg)
+    assert m.max_pos == 4096 and m.slot_plan.budget.window == 4096  # a fixed window stays as given
+    assert m.slot_plan.fit > GPU_AUTO_MAX_SLOTS and m.sized_slots == GPU_AUTO_MAX_SLOTS
+    engine = LocalEngine(cfg, m, tok)
+    assert engine.max_slots == GPU_AUTO_MAX_SLOTS and engine.prefix.max_sequences == GPU_AUTO_MAX_SLOTS
+    # a number given keeps its value on the same model
+    cfg1 = _cfg(slots=1, spec=True)
+    assert LocalEngine(cfg1, m, tok).max_slots == 1
+
+
+def test_graph_cache_counts_bytes_per_state(model, tok):
+    """GraphCache.bytes_by_state: what each state's captures took, dropped with the state's graphs
+    (the load bench reports it against EngineConfig.graph_bytes_per_state)."""
+    from test_scheduler import ask
+
+    engine = _engine(model, tok, 1, True)
+    for _ in range(2):  # graphs are captured on a key's second run
+        list(engine.generate(ask(tok.encode(TEXTS[2]), 24)))
+    g = model.graphs
+    per = g.graphs_per_state()
+    assert per and set(g.bytes_by_state) == set(per)  # a state's bytes exist while its graphs do
+    sid = max(per, key=per.get)
+    assert sid in g.bytes_by_state and g.bytes_by_state[sid] >= 0
+    assert sum(g.bytes_by_state.values()) < model.memory_per_sequence(4096) * 64  # sane: not the whole card
+    g.drop_id(sid)
+    assert sid not in g.bytes_by_state and sid not in g.graphs_per_state()

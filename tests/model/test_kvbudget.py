@@ -111,3 +111,110 @@ def test_fast_path_kv_resolution():
     assert set(FAST_KV_FORMATS) == {"bf16", "fp8", "k5v3", "k3v3"}  # every kvformat format but none other
     with pytest.raises(ConfigError, match="k4v4"):
         resolve_fast_kv("k4v4", "q4s", (9, 0))  # an unknown name: a clear error
+
+
+# ---- --max-slots auto on cuda (kvbudget.plan_slots): slots and window from one budget
+
+from q27py.config import GPU_AUTO_MAX_SLOTS, GPU_AUTO_MIN_SLOTS, EngineConfig  # noqa: E402
+from q27py.model.kvbudget import plan_slots, states_fit  # noqa: E402
+
+# the 27B at q4s with bf16 KV: 69,632 B/token, 157 MB of GDN state per sequence (docs/KV.md)
+BF16_27B = F.bytes_per_token("bf16", F.Q27B_KV_LAYERS, F.Q27B_KV_HEADS, F.Q27B_HEAD_DIM)
+GDN_27B = 48 * (48 * 128 * 128 + 3 * 10240) * 4
+MPE = 262144
+
+
+def _plan(free, slots="auto", context="auto", sequences=4, graphs=256 << 20, kv=BF16_27B, mpe=MPE):
+    return plan_slots(free, kv, max_slots=slots, max_context=context, max_sequences=sequences, kv_format="bf16",
+                      fixed_per_sequence=GDN_27B, graph_bytes_per_state=graphs, margin_bytes=int(1.5 * GIB),
+                      max_positions=mpe, cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
+
+
+def _fits(plan, free):
+    """Every live sequence's state at the window plus the margin stays within the free memory."""
+    per = plan.budget.window * plan.budget.bytes_per_token + GDN_27B + (256 << 20)
+    return plan.budget.sequences * per + int(1.5 * GIB) <= free
+
+
+def test_auto_slots_on_a_big_card_fill_it_up_to_the_cap():
+    # an H200 after q4s weights (~124 GiB free): 4 states at the model's 262,144 window leave room
+    # for more; 7 bf16 states of 17.4 GiB fit, so 7 slots at the full window
+    free = 124 * GIB
+    plan = _plan(free)
+    assert plan.budget.window == MPE and plan.budget.limited_by == "model"
+    per = MPE * BF16_27B + GDN_27B + (256 << 20)
+    assert plan.state_bytes == per and plan.fit == (free - int(1.5 * GIB)) // per == 7
+    assert plan.slots == 7 and plan.limited_by == "memory"
+    assert plan.budget.sequences == 7 and _fits(plan, free)  # the window is sized for every slot's state
+    # fp8 rows are half the bytes: more fit than the cap allows
+    fp8 = F.bytes_per_token("fp8", F.Q27B_KV_LAYERS, F.Q27B_KV_HEADS, F.Q27B_HEAD_DIM)
+    p8 = _plan(free, kv=fp8)
+    assert p8.fit > GPU_AUTO_MAX_SLOTS and p8.slots == GPU_AUTO_MAX_SLOTS and p8.limited_by == "cap"
+    assert p8.budget.window == MPE and p8.budget.sequences == GPU_AUTO_MAX_SLOTS
+
+
+def test_auto_slots_on_a_small_card_keep_the_window_and_share_it():
+    # 24 GB card: the window is memory-limited for max_sequences states, and exactly those are the slots
+    free = 24 * GIB - int(15.5 * GB)
+    plan = _plan(free)
+    w = plan.budget.window
+    assert plan.budget.limited_by == "memory" and w % 1024 == 0 and 16384 <= w < MPE
+    assert plan.slots == 4 and plan.budget.sequences == 4 and _fits(plan, free)
+    # the window is today's for 4 sequences (context_window), less the graphs each state now reserves
+    alone = context_window(free, BF16_27B, sequences=4, fixed_per_sequence=GDN_27B + (256 << 20),
+                           margin_bytes=int(1.5 * GIB), max_positions=MPE)
+    assert w == alone.window
+
+
+def test_auto_slots_floor_of_two_and_where_it_gives_way():
+    # --max-sequences 1: the floor still sizes the window for 2 states, so a short request is not stuck
+    free = 24 * GIB - int(15.5 * GB)
+    plan = _plan(free, sequences=1)
+    assert plan.slots == 2 and plan.budget.sequences == 2 and _fits(plan, free)
+    # a card where two states of even 1,024 positions do not fit: one slot, one state, no error
+    tight = int(1.5 * GIB) + GDN_27B + (256 << 20) + 1100 * BF16_27B
+    one = _plan(tight, sequences=1)
+    assert one.slots == 1 and one.budget.sequences == 1 and one.budget.window == 1024
+    # ... but the prefix cache's own states must fit, as before: no room for 4 is an error
+    with pytest.raises(ValueError, match="no room"):
+        _plan(tight, sequences=4)
+
+
+def test_fixed_slots_size_the_window_as_before():
+    free = 60 * GIB
+    plan = _plan(free, slots=1)
+    assert plan.slots == 1 and plan.limited_by == "flag" and plan.budget.sequences == 4  # max_sequences
+    plan6 = _plan(free, slots=6)
+    assert plan6.slots == 6 and plan6.budget.sequences == 6 and _fits(plan6, free)
+    assert plan6.budget.window < plan.budget.window  # six windows share what four did
+
+
+def test_fixed_context_sizes_only_the_slots():
+    free = 40 * GIB
+    plan = _plan(free, context=32768)
+    per = 32768 * BF16_27B + GDN_27B + (256 << 20)
+    assert plan.budget.window == 32768 and plan.state_bytes == per
+    assert plan.fit == states_fit(free, 32768, BF16_27B, fixed_per_sequence=GDN_27B, graph_bytes_per_state=256 << 20,
+                                  margin_bytes=int(1.5 * GIB))
+    assert plan.fit > GPU_AUTO_MAX_SLOTS and plan.slots == GPU_AUTO_MAX_SLOTS and plan.budget.sequences == 8
+    # a window the card holds only three of: three slots
+    mid = 3 * (131072 * BF16_27B + GDN_27B + (256 << 20)) + int(1.5 * GIB) + 1
+    p3 = _plan(mid, context=131072)
+    assert p3.slots == 3 and p3.fit == 3 and p3.budget.sequences == 4  # max_sequences kept, as before
+    # not even one: one slot (the allocation error comes where it came before)
+    p0 = _plan(GIB, context=131072)
+    assert p0.slots == 1 and p0.fit == 0
+    # a window past the model's is capped there
+    assert _plan(free, context=10 ** 7).budget.window == MPE
+
+
+def test_graph_memory_per_state_is_reserved_per_state():
+    free = 124 * GIB
+    lean, fat = _plan(free, graphs=0), _plan(free, graphs=8 * GIB)
+    assert lean.fit >= fat.fit and fat.state_bytes - lean.state_bytes == 8 * GIB
+    assert lean.fit == 7 and fat.fit == 4 and fat.slots == 4  # graphs the size of half a window cost slots
+    # reserved: the margin plus each live state's GDN state and graphs
+    assert fat.budget.reserved_bytes == int(1.5 * GIB) + fat.budget.sequences * (GDN_27B + 8 * GIB)
+    assert lean.budget.reserved_bytes == int(1.5 * GIB) + lean.budget.sequences * GDN_27B
+    assert "slot(s)" in fat.describe() and "limited by" in fat.describe()
+    assert EngineConfig().graph_bytes_per_state > 0
