@@ -8,6 +8,9 @@
   q27py bench grammar [--tokenizer FILE] [--json]         output-constraint cost per decode step (CPU)
   q27py bench spec-replay [--traces FILE ...] [--tier q4s] [--json]
                                                            recorded speculative rounds replayed on the 27B shapes
+  q27py bench load [--model DIR | --random-weights 27b] [--device cpu|cuda] [--streams 1 2 4 8 16] [--json]
+                                                           C concurrent streams through the slot scheduler:
+                                                           aggregate / per-stream t/s, TTFT, gaps, a long prefill
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from pathlib import Path
 def add_arguments(p) -> None:
     from q27py.gpu.weights import TIERS
 
-    p.add_argument("suite", nargs="?", choices=["shortbench", "replay", "grammar", "spec-replay"],
-                   help="shortbench, replay, grammar or spec-replay (default: the --random-weights kernel bench)")
+    p.add_argument("suite", nargs="?", choices=["shortbench", "replay", "grammar", "spec-replay", "load"],
+                   help="shortbench, replay, grammar, spec-replay or load (default: the --random-weights kernel bench)")
     p.add_argument("--random-weights", choices=["27b"],
                    help="full Qwen3.6-27B shapes with seeded random weights (the default bench; 27b is the only size)")
     p.add_argument("--tier", choices=sorted(TIERS), default=None,
@@ -29,7 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="fewer points: decode at 2K, widths 1/8/16, prefill 2K")
     p.add_argument("--model", type=Path, default=None, help="model directory for shortbench")
-    p.add_argument("--tokens", type=int, default=128, help="tokens per shortbench prompt")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens generated per shortbench prompt (128) / per load stream (64 on cpu, 128 on cuda)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="shortbench / replay: engine device (default cuda)")
@@ -37,6 +41,16 @@ def add_arguments(p) -> None:
     p.add_argument("--turns", type=int, default=30, help="replay: turns in the session")
     p.add_argument("--traces", type=Path, nargs="+", default=None,
                    help="spec-replay: round traces (default: q27py/bench/data/spec_traces.json, tools/record_traces.py)")
+    p.add_argument("--streams", type=int, nargs="+", default=None, metavar="C",
+                   help="load: concurrent streams per run (default 1 2 4 8 16)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="load: prompt tokens per stream")
+    p.add_argument("--long-tokens", type=int, default=None,
+                   help="load: the mixed case's long prompt (default 32768 on cuda, 2048 on cpu)")
+    p.add_argument("--max-slots", default=None, metavar="N|auto",
+                   help="load: the engine's slots (default auto: 4 on cpu, sized from memory on cuda)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="load: tokens per prefill step (cuda gpu_prefill_chunk / cpu_prefill_chunk)")
+    p.add_argument("--no-mixed", action="store_true", help="load: skip the long-prefill case")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="grammar: tokenizer.json(.gz) (default: the bundled full Qwen3.6 vocabulary)")
 
@@ -58,9 +72,11 @@ def run(args) -> int:
 
         cfg = apply_env(Q27Config())
         apply_overrides(cfg.engine, {"model_dir": args.model, "device": args.device or "cuda", "tier": args.tier})
-        result = run_shortbench(LocalEngine.load(cfg), args.tokens, log)
+        result = run_shortbench(LocalEngine.load(cfg), args.tokens or 128, log)
     elif which == "replay":
         result = _replay(args, log)
+    elif which == "load":
+        result = _load(args, log)
     elif args.suite == "grammar":
         from q27py.bench.grammar import run_grammar_bench
 
@@ -115,6 +131,47 @@ def _replay(args, log) -> dict:
         f"turn of {result['turn_at_target']['prompt_tokens']} tokens: warm {result['turn_at_target']['ttft_s'] * 1000:.0f} ms, "
         f"cold {result['turn_at_target']['cold_ttft_s'] * 1000:.0f} ms")
     return result
+
+
+def _load(args, log) -> dict:
+    """`bench load`: the engine from a model dir (cpu or cuda), or the 27B shapes with random weights
+    on cuda (built as `bench replay` builds them); slots as the server sizes them unless --max-slots."""
+    from q27py.bench.load import LONG_CPU, LONG_GPU, STREAMS, run_load
+    from q27py.config import Q27Config, apply_env, apply_overrides, parse_max_slots
+    from q27py.engine.engine import LocalEngine
+    from q27py.tokenizer import Tokenizer
+
+    cfg = apply_env(Q27Config())
+    device = "cuda" if args.random_weights else (args.device or "cuda")
+    streams = tuple(args.streams or STREAMS)
+    tokens = args.tokens or (128 if device == "cuda" else 64)
+    long_tokens = 0 if args.no_mixed else (args.long_tokens or (LONG_GPU if device == "cuda" else LONG_CPU))
+    window = max(long_tokens, args.prompt_tokens) + tokens + 1024
+    window += -window % 1024
+    over = {"model_dir": args.model, "device": device, "tier": args.tier, "max_context": window,
+            "checkpoint_every": 0}  # every prompt is new: no snapshots to take
+    if args.max_slots is not None:
+        over["max_slots"] = parse_max_slots(args.max_slots)
+    if args.prefill_chunk:
+        over["gpu_prefill_chunk" if device == "cuda" else "cpu_prefill_chunk"] = args.prefill_chunk
+    apply_overrides(cfg.engine, over)
+    if args.random_weights:
+        from q27py.gpu.forward import FastModel, size_context_to_memory
+        from q27py.gpu.weights import random_weights
+        from q27py.model.config import qwen36_27b_config
+        from q27py.model.tiny import FULL_TOKENIZER
+
+        cfg.spec.enabled = False  # random weights accept no drafts: plain greedy rounds, the honest cost
+        model = FastModel(random_weights(qwen36_27b_config(), args.tier or "q4s", args.seed),
+                          max_context=window, kv_dtype="bf16", chunk=cfg.engine.gpu_prefill_chunk)
+        if not isinstance(cfg.engine.max_slots, int):
+            size_context_to_memory(model, cfg.engine)  # the server's --max-slots auto at this window
+        model.enable_graphs()
+        engine = LocalEngine(cfg, model, Tokenizer.from_file(FULL_TOKENIZER))
+    else:
+        engine = LocalEngine.load(cfg)
+    return run_load(engine, engine.tokenizer, streams, args.prompt_tokens, tokens, long_tokens or None,
+                    mixed=not args.no_mixed, seed=args.seed, log=log)
 
 
 def _narrow(verify):

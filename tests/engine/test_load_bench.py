@@ -1,0 +1,119 @@
+"""`q27py bench load` (q27py/bench/load.py) on the CPU path with the bundled model, CI-sized: the
+report's structure and that the scheduler interleaves (streams overlap, a short request arriving
+during a long prefill gets its first token before the long one). Not speed: no timing bars here."""
+
+import argparse
+import json
+
+import pytest
+
+from q27py import DEFAULT_MODEL_DIR
+from q27py.bench.load import Prompts, Stream, concurrency_run, pct, run_load
+from q27py.config import Q27Config
+from q27py.engine.engine import LocalEngine
+from q27py.model.fastcpu import FastCPUModel
+from q27py.tokenizer import Tokenizer
+
+ROW_KEYS = {"streams", "slots", "prompt_tokens", "gen_tokens", "tokens", "wall_s", "aggregate_tokens_per_s",
+            "per_stream_decode_tokens_per_s_mean", "per_stream_decode_tokens_per_s_min", "per_stream_tokens_per_s_mean",
+            "ttft_p50_s", "ttft_p99_s", "ttft_max_s", "itl_p50_s", "itl_p99_s", "overlapping_stream_pairs", "finish",
+            "rounds", "max_running"}
+MIXED_KEYS = {"slots", "prefill_chunk", "running_prompt_tokens", "long_prompt_tokens", "short_prompt_tokens",
+              "short_gen_tokens", "running_itl_before_p50_s", "running_itl_during_prefill_p50_s",
+              "running_itl_during_prefill_p99_s", "running_itl_during_prefill_max_s",
+              "running_deliveries_during_prefill", "long_ttft_s", "short_ttft_s", "short_done_s",
+              "short_first_before_long", "running_finish", "rounds", "max_running"}
+TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "prompt_tokens", "gen_tokens",
+            "concurrency", "aggregate_over_c1", "mixed", "memory"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_model_dir(DEFAULT_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def fast():
+    return FastCPUModel.load(DEFAULT_MODEL_DIR)
+
+
+def engine(model, tok, slots, chunk=64):
+    cfg = Q27Config()
+    cfg.engine.max_slots = slots
+    cfg.engine.max_context = 4096
+    cfg.engine.checkpoint_every = 0
+    cfg.engine.cpu_prefill_chunk = chunk  # the long prompt takes several rounds
+    return LocalEngine(cfg, model, tok)
+
+
+def test_report_structure_and_interleaving(fast, tok):
+    e = engine(fast, tok, slots=4)
+    r = run_load(e, tok, streams=(1, 2, 3), prompt_tokens=24, gen_tokens=6, long_tokens=640, log=lambda *a: None)
+    assert set(r) == TOP_KEYS and r["bench"] == "load" and r["device"] == "cpu" and r["slots"] == 4
+    assert [row["streams"] for row in r["concurrency"]] == [1, 2, 3]
+    for row in r["concurrency"]:
+        c = row["streams"]
+        assert set(row) == ROW_KEYS
+        assert row["tokens"] == 6 * c and row["finish"] == ["length"]  # every stream got all its tokens
+        assert row["max_running"] == c  # all of them ran in one round: they interleaved
+        assert row["overlapping_stream_pairs"] == c - 1  # each later stream began before the one before it ended
+        assert row["aggregate_tokens_per_s"] > 0 and row["ttft_p50_s"] <= row["ttft_p99_s"] <= row["ttft_max_s"]
+    assert set(r["aggregate_over_c1"]) == {"1", "2", "3"} and r["aggregate_over_c1"]["1"] == 1.0
+    m = r["mixed"]
+    assert set(m) == MIXED_KEYS and m["prefill_chunk"] == 64 and m["long_prompt_tokens"] == 640
+    # the running stream kept receiving tokens while the 10-chunk prompt prefilled ...
+    assert m["running_deliveries_during_prefill"] >= 5
+    # ... and the short request, arriving mid-prefill, was served beside it, not after it
+    assert m["short_first_before_long"] and m["short_ttft_s"] < m["long_ttft_s"]
+    assert m["running_finish"] == "cancelled" and m["max_running"] == 3
+    mem = r["memory"]
+    assert mem["state_bytes"] > 0 and mem["memory_per_slot_bytes"] == mem["state_bytes"]
+    assert mem["graph_bytes_per_state"] is None and mem["live_sequences"] >= 3
+    json.dumps(r)  # the report is plain JSON
+
+
+def test_one_slot_is_fifo_and_skips_the_mixed_case(fast, tok):
+    e = engine(fast, tok, slots=1)
+    r = run_load(e, tok, streams=(2,), prompt_tokens=16, gen_tokens=4, long_tokens=256, log=lambda *a: None)
+    row = r["concurrency"][0]
+    assert row["max_running"] == 1 and row["overlapping_stream_pairs"] == 0  # one after the other
+    assert row["tokens"] == 8 and row["ttft_max_s"] > row["ttft_p50_s"]  # the second waited for the first
+    assert "skipped" in r["mixed"]
+
+
+def test_streams_beyond_the_slots_queue(fast, tok):
+    e = engine(fast, tok, slots=2)
+    row = concurrency_run(e, Prompts(tok, 1), 4, 16, 4)
+    assert row["max_running"] == 2 and row["tokens"] == 16 and row["slots"] == 2
+
+
+def test_prompts_are_distinct_and_exact(tok):
+    p = Prompts(tok, 0)
+    a, b, long = p.make(40), p.make(40), p.make(3000)
+    assert len(a) == len(b) == 40 and len(long) == 3000 and a[:8] != b[:8]
+
+
+def test_stream_timing_helpers():
+    from q27py.engine.api import GenerationChunk, GenerationRequest
+
+    s = Stream("x", GenerationRequest(prompt_ids=[1], max_tokens=3))
+    s.t_submit = 0.0
+    s.arrivals = [(1.0, 1), (1.5, 2), (3.5, 1)]
+    assert s.tokens == 4 and s.ttft == 1.0
+    assert s.gaps() == [0.5, 2.0] and s.gaps(start=2.0) == [2.0] and s.gaps(end=2.0) == [0.5]
+    s.deliver(GenerationChunk([], finish_reason="length"))
+    assert s.finish == "length" and s.tokens == 4  # an empty final chunk adds no arrival
+    assert pct([1.0, 2.0, 3.0], 50) == 2.0 and pct([], 50) is None
+
+
+def test_cli_wires_the_load_suite(capsys):
+    from q27py.commands import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["load", "--device", "cpu", "--streams", "1", "2", "--tokens", "3", "--prompt-tokens", "16",
+                         "--long-tokens", "300", "--prefill-chunk", "64", "--max-slots", "3", "--json"])
+    assert bench.suite(args) == "load" and bench.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == TOP_KEYS and out["slots"] == 3 and out["mixed"]["prefill_chunk"] == 64
+    assert [r["tokens"] for r in out["concurrency"]] == [3, 6]
