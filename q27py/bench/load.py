@@ -255,6 +255,11 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
     warm = min(engine.max_slots, max(streams))
     for _ in range(2):
         concurrency_run(engine, prompts, warm, prompt_tokens, min(gen_tokens, 16))
+    chunk = getattr(engine.decoder, "prefill_chunk", None)
+    if mixed and chunk and engine.max_slots >= 2:
+        # and one full prefill chunk, so the long prompt's first chunk pays no first-launch costs
+        # (cuBLAS workspaces, the bf16 expansion path) that a server warmed by traffic would not
+        concurrency_run(engine, prompts, 1, min(chunk, long_tokens) + 1, 1)
     rows = []
     for c in streams:
         r = concurrency_run(engine, prompts, c, prompt_tokens, gen_tokens)
