@@ -67,11 +67,13 @@ class EngineConfig:
     # at least GPU_AUTO_MIN_SLOTS when memory allows; each slot owns one sequence state and its
     # graphs), GPU_MAX_SLOTS where nothing measured memory; CPU_MAX_SLOTS on the CPU.
     max_slots: int | str = "auto"
-    # cuda: device memory one sequence state's CUDA graphs take (decode, each verify width, prefill
-    # tails, commit, MTP passes and chains: GraphCache keys them by state). An assumption until the
-    # load bench's measurement (graph_bytes_per_state in `q27py bench load` on cuda) replaces it:
-    # ~60 main-model graphs of ~1,000 kernel nodes at ~2 KB of instantiated node each, doubled.
-    graph_bytes_per_state: int = 256 << 20
+    # cuda: device memory one sequence state's CUDA graphs take, per model layer (the MTP layer
+    # counts as one): GraphCache keys graphs by state (decode, each verify width, prefill tails,
+    # commit, MTP passes and chains), and a graph's size follows its kernel nodes, ~16 per layer.
+    # An assumption until the load bench's measurement replaces it (`q27py bench load` on cuda:
+    # memory.graph_bytes_per_state): ~60 main-model graphs x 16 nodes x ~2 KB per instantiated node
+    # = ~2 MiB per layer, doubled. The 27B (64 layers + MTP): 260 MiB per state.
+    graph_bytes_per_layer: int = 4 << 20
     prefill_chunk: int = 2048  # tokens per prefill chunk (CPU paths)
     # cuda: tokens per fast-path forward launch. Large, because the cuBLAS prefill route expands
     # each packed matrix to bf16 once per launch (~20 ms for the 27B), amortized over the chunk.

@@ -21,7 +21,7 @@ would hand it to a client. Two parts:
 Memory per slot: the largest live sequence state (FastState.nbytes on cuda: the whole window is
 allocated up front; the reference state's rows as held on the CPU) plus, on cuda, the CUDA graph
 bytes measured per state (GraphCache.bytes_by_state) next to the assumption the slot sizing uses
-(EngineConfig.graph_bytes_per_state).
+(EngineConfig.graph_bytes_per_layer x layers: gpu/forward.py graph_bytes_per_state).
 
 Timings are wall-clock with host time included (time.perf_counter); on the CPU the numbers are
 the reference fast path's, where slots split one core's speed between streams.
@@ -227,6 +227,14 @@ def _state_bytes(state) -> int:
     return int(n)
 
 
+def _assumed_graph_bytes(engine) -> int | None:
+    if engine.cfg.engine.device != "cuda" or not hasattr(engine.model, "graphs"):
+        return None
+    from q27py.gpu.forward import graph_bytes_per_state
+
+    return graph_bytes_per_state(engine.model, engine.cfg.engine)
+
+
 def memory(engine) -> dict:
     seqs = list(getattr(engine.prefix, "slots", []))
     state = max((_state_bytes(s.state) for s in seqs), default=0)
@@ -236,8 +244,7 @@ def memory(engine) -> dict:
     plan = getattr(engine.model, "slot_plan", None)
     return {
         "state_bytes": state, "graph_bytes_per_state": measured,
-        "graph_bytes_per_state_assumed": engine.cfg.engine.graph_bytes_per_state
-        if engine.cfg.engine.device == "cuda" else None,
+        "graph_bytes_per_state_assumed": _assumed_graph_bytes(engine),
         "memory_per_slot_bytes": state + (measured or 0), "live_sequences": len(seqs),
         "slot_plan": plan.describe() if plan is not None else None,
     }

@@ -1018,6 +1018,11 @@ def resolve_fast_kv(kv: str, tier: str, cc: tuple[int, int]) -> str:
     return kv
 
 
+def graph_bytes_per_state(model: FastModel, e) -> int:
+    """What one state's CUDA graphs are assumed to take (EngineConfig.graph_bytes_per_layer x layers)."""
+    return int(e.graph_bytes_per_layer) * (model.cfg.num_hidden_layers + (1 if model.has_mtp else 0))
+
+
 def size_context_to_memory(model: FastModel, e) -> None:
     """--max-context auto and --max-slots auto: the window and the slot count the free memory holds
     once weights and scratch are resident (q27py/model/kvbudget.py plan_slots: every slot owns one
@@ -1035,7 +1040,7 @@ def size_context_to_memory(model: FastModel, e) -> None:
     plan = plan_slots(free, model.memory_per_sequence(1) - fixed, kv_format=model.kv_name,
                       max_slots=e.max_slots, max_context=e.max_context if isinstance(e.max_context, int) else "auto",
                       max_sequences=e.max_sequences, fixed_per_sequence=fixed,
-                      graph_bytes_per_state=e.graph_bytes_per_state, margin_bytes=e.kv_safety_margin_bytes,
+                      graph_bytes_per_state=graph_bytes_per_state(model, e), margin_bytes=e.kv_safety_margin_bytes,
                       max_positions=model.max_pos, cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
     model.max_pos = plan.budget.window  # states are allocated later, at this size
     model.context_budget = plan.budget

@@ -10,7 +10,7 @@ rounded down to WINDOW_ALIGN and capped at the model's max_position_embeddings. 
 is how many sequences the engine may hold at once (EngineConfig.live_sequences(): max_sequences,
 at least max_slots): every live sequence owns a full window of KV rows, so the budget is split
 between them. Each state's fixed part is its GDN + conv state plus the CUDA graphs captured for
-it (EngineConfig.graph_bytes_per_state). The safety margin (EngineConfig.kv_safety_margin_bytes)
+it (EngineConfig.graph_bytes_per_layer x layers). The safety margin (EngineConfig.kv_safety_margin_bytes)
 is what the allocator's slack and the CUDA context need on top of the measured scratch; its
 default is to be confirmed on the device (docs/KV.md).
 

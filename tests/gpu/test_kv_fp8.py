@@ -175,13 +175,18 @@ def test_max_context_auto_sizes_and_reports_the_window(cp, monkeypatch, capsys):
     eng = LocalEngine(cfg, model, Tokenizer.from_model_dir(DEFAULT_MODEL_DIR))
     assert eng.max_context == min(b.window, model.cfg.max_position_embeddings)
     # a card that is nearly full: the window shrinks to what fits, and every sequence's state fits it
+    # (beside each state's reserved graph bytes; --max-slots auto then gives one slot per state)
+    from q27py.gpu.forward import graph_bytes_per_state
+
+    graphs = graph_bytes_per_state(model, cfg.engine) * cfg.engine.max_sequences
     real = cp.cuda.runtime.memGetInfo
     monkeypatch.setattr(cp.cuda.runtime, "memGetInfo",
-                        lambda: (cfg.engine.kv_safety_margin_bytes + (64 << 20), real()[1]))
+                        lambda: (cfg.engine.kv_safety_margin_bytes + graphs + (64 << 20), real()[1]))
     small = load_model(cfg)
     assert small.context_budget.limited_by == "memory" and small.max_pos < model.max_pos
     per_seq = small.memory_per_sequence(small.max_pos)
     assert per_seq * cfg.engine.max_sequences <= 64 << 20
+    assert small.sized_slots == cfg.engine.max_sequences == small.context_budget.sequences
 
 
 @pytest.mark.parametrize("t,pos0,hd,nq,nkv", [(17, 0, 64, 4, 2), (100, 37, 128, 8, 2), (333, 4097, 256, 6, 1),

@@ -141,7 +141,7 @@ def test_auto_slots_are_sized_from_memory_and_reach_the_engine(tok):
 
 def test_graph_cache_counts_bytes_per_state(model, tok):
     """GraphCache.bytes_by_state: what each state's captures took, dropped with the state's graphs
-    (the load bench reports it against EngineConfig.graph_bytes_per_state)."""
+    (the load bench reports it against the assumed EngineConfig.graph_bytes_per_layer x layers)."""
     from test_scheduler import ask
 
     engine = _engine(model, tok, 1, True)

@@ -124,7 +124,7 @@ GDN_27B = 48 * (48 * 128 * 128 + 3 * 10240) * 4
 MPE = 262144
 
 
-def _plan(free, slots="auto", context="auto", sequences=4, graphs=256 << 20, kv=BF16_27B, mpe=MPE):
+def _plan(free, slots="auto", context="auto", sequences=4, graphs=260 << 20, kv=BF16_27B, mpe=MPE):
     return plan_slots(free, kv, max_slots=slots, max_context=context, max_sequences=sequences, kv_format="bf16",
                       fixed_per_sequence=GDN_27B, graph_bytes_per_state=graphs, margin_bytes=int(1.5 * GIB),
                       max_positions=mpe, cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
@@ -132,7 +132,7 @@ def _plan(free, slots="auto", context="auto", sequences=4, graphs=256 << 20, kv=
 
 def _fits(plan, free):
     """Every live sequence's state at the window plus the margin stays within the free memory."""
-    per = plan.budget.window * plan.budget.bytes_per_token + GDN_27B + (256 << 20)
+    per = plan.budget.window * plan.budget.bytes_per_token + GDN_27B + (260 << 20)
     return plan.budget.sequences * per + int(1.5 * GIB) <= free
 
 
@@ -142,7 +142,7 @@ def test_auto_slots_on_a_big_card_fill_it_up_to_the_cap():
     free = 124 * GIB
     plan = _plan(free)
     assert plan.budget.window == MPE and plan.budget.limited_by == "model"
-    per = MPE * BF16_27B + GDN_27B + (256 << 20)
+    per = MPE * BF16_27B + GDN_27B + (260 << 20)
     assert plan.state_bytes == per and plan.fit == (free - int(1.5 * GIB)) // per == 7
     assert plan.slots == 7 and plan.limited_by == "memory"
     assert plan.budget.sequences == 7 and _fits(plan, free)  # the window is sized for every slot's state
@@ -161,7 +161,7 @@ def test_auto_slots_on_a_small_card_keep_the_window_and_share_it():
     assert plan.budget.limited_by == "memory" and w % 1024 == 0 and 16384 <= w < MPE
     assert plan.slots == 4 and plan.budget.sequences == 4 and _fits(plan, free)
     # the window is today's for 4 sequences (context_window), less the graphs each state now reserves
-    alone = context_window(free, BF16_27B, sequences=4, fixed_per_sequence=GDN_27B + (256 << 20),
+    alone = context_window(free, BF16_27B, sequences=4, fixed_per_sequence=GDN_27B + (260 << 20),
                            margin_bytes=int(1.5 * GIB), max_positions=MPE)
     assert w == alone.window
 
@@ -172,7 +172,7 @@ def test_auto_slots_floor_of_two_and_where_it_gives_way():
     plan = _plan(free, sequences=1)
     assert plan.slots == 2 and plan.budget.sequences == 2 and _fits(plan, free)
     # a card where two states of even 1,024 positions do not fit: one slot, one state, no error
-    tight = int(1.5 * GIB) + GDN_27B + (256 << 20) + 1100 * BF16_27B
+    tight = int(1.5 * GIB) + GDN_27B + (260 << 20) + 1100 * BF16_27B
     one = _plan(tight, sequences=1)
     assert one.slots == 1 and one.budget.sequences == 1 and one.budget.window == 1024
     # ... but the prefix cache's own states must fit, as before: no room for 4 is an error
@@ -192,13 +192,13 @@ def test_fixed_slots_size_the_window_as_before():
 def test_fixed_context_sizes_only_the_slots():
     free = 40 * GIB
     plan = _plan(free, context=32768)
-    per = 32768 * BF16_27B + GDN_27B + (256 << 20)
+    per = 32768 * BF16_27B + GDN_27B + (260 << 20)
     assert plan.budget.window == 32768 and plan.state_bytes == per
-    assert plan.fit == states_fit(free, 32768, BF16_27B, fixed_per_sequence=GDN_27B, graph_bytes_per_state=256 << 20,
+    assert plan.fit == states_fit(free, 32768, BF16_27B, fixed_per_sequence=GDN_27B, graph_bytes_per_state=260 << 20,
                                   margin_bytes=int(1.5 * GIB))
     assert plan.fit > GPU_AUTO_MAX_SLOTS and plan.slots == GPU_AUTO_MAX_SLOTS and plan.budget.sequences == 8
     # a window the card holds only three of: three slots
-    mid = 3 * (131072 * BF16_27B + GDN_27B + (256 << 20)) + int(1.5 * GIB) + 1
+    mid = 3 * (131072 * BF16_27B + GDN_27B + (260 << 20)) + int(1.5 * GIB) + 1
     p3 = _plan(mid, context=131072)
     assert p3.slots == 3 and p3.fit == 3 and p3.budget.sequences == 4  # max_sequences kept, as before
     # not even one: one slot (the allocation error comes where it came before)
@@ -217,4 +217,4 @@ def test_graph_memory_per_state_is_reserved_per_state():
     assert fat.budget.reserved_bytes == int(1.5 * GIB) + fat.budget.sequences * (GDN_27B + 8 * GIB)
     assert lean.budget.reserved_bytes == int(1.5 * GIB) + lean.budget.sequences * GDN_27B
     assert "slot(s)" in fat.describe() and "limited by" in fat.describe()
-    assert EngineConfig().graph_bytes_per_state > 0
+    assert EngineConfig().graph_bytes_per_layer * 65 == 260 << 20  # the 27B's assumed graphs per state
