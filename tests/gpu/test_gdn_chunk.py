@@ -86,12 +86,13 @@ def test_tf32_rounding_emulation():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
 def test_compiles_without_spills(tmp_path, arch):
-    from q27py.gpu.runtime import source_text
+    from q27py.gpu.runtime import compile_options, source_text
 
     src = tmp_path / "gdn_chunk.cu"
     src.write_text(source_text("gdn_chunk"), encoding="utf-8")
-    r = subprocess.run([NVCC, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                        str(src)], capture_output=True, text=True)
+    # with the constants table, as the runtime compiles it (common.cuh's helpers use table names)
+    r = subprocess.run([NVCC, *compile_options(), f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
+                        str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     entries = re.findall(r"Compiling entry function '(\w+)'", r.stderr)
     assert sorted(entries) == sorted(f"gdn_chunk_d{dk}_c{c}" for dk in (64, 128) for c in (32, 64))
