@@ -34,7 +34,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from q27py.engine.grammar import MAX_WS, WS as WS_BYTES, Grammar, common_loop_classes, stack_first
+from q27py.engine.grammar import (ANYTHING, CALL, MAX_WS, TAIL, WS as WS_BYTES, Grammar, GrammarError, Lit, advance,
+                                   common_leaves, common_loop_classes, grammar_leaves, leaf_locals, stack_first)
 
 DEAD = -1
 TRIE_DEPTH = 32  # bytes of each token kept in the column matrix; longer tokens finish by simulation
@@ -42,6 +43,10 @@ LOOP_MIN_RANGE = 48  # ranges smaller than this are walked, not checked for a lo
 LOOP_MIN_BYTES = 32  # a loop class must hold this many bytes to be worth the vectorized path
 SHORT_SIDE = 32768  # id lists up to this long are sorted directly (else one dense pass)
 ROOT_LOOPS_KEPT = 64  # whole-vocabulary masks of loop states kept per constraint (248 KB each)
+FRAMES_KEPT = 4096  # frame masks kept per vocabulary (shared by every grammar)
+PARTS_KEPT = 8192  # per-stack and per-state mask parts kept per constraint
+FRAME_EXITS_MAX = 32768  # a frame that more tokens leave mid-token is walked per stack instead
+_NO_POS = np.zeros(0, dtype=np.int64)
 
 
 class TokenMask:
@@ -214,6 +219,7 @@ class VocabIndex(TrieIndex):
         self.pos_of[self.order] = np.arange(len(ids), dtype=np.int64)
         self.outside = np.flatnonzero(self.pos_of < 0)  # ids outside the trie (specials, padding rows)
         self._tables: dict[bytes, LoopTable] = {}
+        self.frames: OrderedDict[tuple, object] = OrderedDict()  # (leaf signature, local) -> FrameMask
         self._lock = threading.Lock()
 
     @classmethod
@@ -233,6 +239,15 @@ class VocabIndex(TrieIndex):
             self.loop_table(loop)
             self.lastbad(loop)
         self.warm_whitespace(MAX_WS + 2)
+        self.warm_frames(common_leaves())
+
+    def warm_frames(self, leaves) -> None:
+        """Build the frame masks of `leaves` at every local state they reach (shared by every
+        grammar on this vocabulary: a JSON string body, a raw XML value, its closer...)."""
+        scratch = CompiledConstraint(Grammar(Lit(b"\0"), "warm"), self)
+        for node in leaves:
+            for local in leaf_locals(node):
+                scratch._frame(node, node.signature(), local)
 
     def mask_from_sorted(self, acc: np.ndarray, extra) -> TokenMask:
         """A TokenMask from kept sorted positions plus kept ids (`extra`), without a scatter over the
@@ -277,13 +292,118 @@ class VocabIndex(TrieIndex):
         return got
 
 
+class PosSet:
+    """A set of sorted vocabulary positions (tokens of a VocabIndex) as its shorter side: the
+    kept positions (`allow`) or the refused ones. `n` kept in all. The token-id list (what a
+    TokenMask holds) is made once per set and kept: a frame's set is shared by many states."""
+
+    __slots__ = ("allow", "pos", "n", "_bool", "_ids")
+
+    def __init__(self, allow: bool, pos: np.ndarray, n: int, keep: np.ndarray | None = None):
+        self.allow, self.pos, self.n = allow, pos, n
+        self._bool = keep
+        self._ids = None
+
+    @classmethod
+    def from_bool(cls, acc: np.ndarray, keep_bool: bool = False) -> "PosSet":
+        n = int(np.count_nonzero(acc))
+        if n <= acc.shape[0] // 2:
+            out = cls(True, np.flatnonzero(acc), n)
+        else:
+            out = cls(False, np.flatnonzero(~acc), n)
+        if keep_bool:
+            out._bool = acc
+        return out
+
+    def bool(self, size: int) -> np.ndarray:
+        """The set as a bool per sorted position (shared when kept: do not modify)."""
+        if self._bool is not None:
+            return self._bool
+        out = np.full(size, not self.allow, dtype=bool)
+        out[self.pos] = self.allow
+        return out
+
+    def ids(self, vocab: "VocabIndex") -> np.ndarray:
+        """The TokenMask id list of this set alone (sorted int32): the kept token ids, or the
+        refused ones with the ids outside the trie (specials, padding rows) among them."""
+        got = self._ids
+        if got is None:
+            ids = vocab.order[self.pos]
+            if not self.allow:
+                ids = np.concatenate([ids, vocab.outside])
+            got = self._ids = np.sort(ids).astype(np.int32)
+        return got
+
+
+class Parts:
+    """A whole-vocabulary mask as the union of shared sets (frame masks, walked masks) and a few
+    extra kept positions (tokens that leave a frame and are checked against the stack below)."""
+
+    __slots__ = ("bases", "extra")
+
+    def __init__(self, bases: tuple, extra: np.ndarray):
+        self.bases, self.extra = bases, extra
+
+    @staticmethod
+    def union(items) -> "Parts":
+        items = list(items)
+        if len(items) == 1:
+            return items[0]
+        bases, seen, extras = [], set(), []
+        for it in items:
+            for b in it.bases:
+                if id(b) not in seen and b.n:
+                    seen.add(id(b))
+                    bases.append(b)
+            if it.extra.shape[0]:
+                extras.append(it.extra)
+        extra = np.unique(np.concatenate(extras)) if extras else _NO_POS
+        return Parts(tuple(bases), extra)
+
+    def empty(self) -> bool:
+        return not self.extra.shape[0] and not any(b.n for b in self.bases)
+
+    def bool(self, size: int) -> np.ndarray:
+        acc = np.zeros(size, dtype=bool)
+        for b in self.bases:
+            if b.n:
+                acc |= b.bool(size)
+        acc[self.extra] = True
+        return acc
+
+
+class FrameMask:
+    """The tokens of one lone frame (node, local), whatever stack it tops (engine docs: frame
+    masks). `inside`: tokens whose bytes keep the frame (or frames it calls) alive, or finish it
+    exactly at their last byte -- allowed under any stack. Tokens that finish the frame before
+    their last byte leave it: each such (token, exit point) is kept as the remaining bytes
+    (`rems`, a TrieIndex of the distinct remainders; `ex_pos` / `ex_rem` pair a token's sorted
+    position with a remainder), which the stack below must read. Tokens allowed in the lone
+    frame are not listed as leaving (they are allowed anyway). Whether the frame may end before
+    reading anything (can_end) is the caller's: the stack below then reads the whole token."""
+
+    __slots__ = ("inside", "rems", "ex_pos", "ex_rem")
+
+    def __init__(self, inside: PosSet | None, rems, ex_pos: np.ndarray, ex_rem: np.ndarray):
+        # inside None: too many tokens leave this frame for the remainder check to pay (a
+        # whitespace run: " word"); stacks topped by it walk the trie.
+        self.inside, self.rems, self.ex_pos, self.ex_rem = inside, rems, ex_pos, ex_rem
+
+
 class CompiledConstraint:
     """One grammar over one vocabulary: interned states, transitions, cached masks. Shared by
     every request with the same grammar key; calls are serialized by the engine thread."""
 
-    def __init__(self, grammar: Grammar, vocab: VocabIndex, max_mask_bytes: int = 256 << 20):
+    def __init__(self, grammar: Grammar, vocab: VocabIndex, max_mask_bytes: int = 256 << 20,
+                 frames: bool = True):
         self.grammar = grammar
         self.vocab = vocab
+        # frames: masks composed from per-frame masks shared across stacks and grammars (the
+        # default); False: every state walks the whole trie (the earlier path, kept as the check).
+        self.frames = frames
+        self._anything: list[bool] = []
+        self._stack_parts: OrderedDict[tuple, Parts] = OrderedDict()
+        self._sid_parts: OrderedDict[int, Parts] = OrderedDict()
         self._ids: dict[frozenset, int] = {}
         self._sets: list[frozenset] = []
         self._next: list[dict[int, int]] = []
@@ -299,7 +419,21 @@ class CompiledConstraint:
         self._dist: dict[int, int] = {}
         self._closing: dict = {}
         self.start = self._intern(grammar.start())
+        self.compile_s = 0.0
         self.stats = {"mask_misses": 0, "mask_hits": 0}
+
+    def precompute(self) -> None:
+        """Work done when a request's constraint is compiled, before its decoding starts: the
+        frame masks of the grammar's leaves (enum values, literals; the common ones are built with
+        the vocabulary index) and the start state's mask, which every output visits."""
+        t0 = time.perf_counter()
+        if self.frames:
+            leaves = grammar_leaves(self.grammar.root)
+            for node in leaves:
+                for local in leaf_locals(node):
+                    self._frame(node, node.signature(), local)
+            self._state_parts(self.start)
+        self.compile_s += time.perf_counter() - t0
 
     def _intern(self, states: frozenset) -> int:
         if not states:
@@ -311,6 +445,7 @@ class CompiledConstraint:
             self._sets.append(states)
             self._next.append({})
             self._accepts.append(self.grammar.accepts(states))
+            self._anything.append(((ANYTHING, 0),) in states)
         return sid
 
     def step(self, sid: int, b: int) -> int:
@@ -368,11 +503,18 @@ class CompiledConstraint:
             self.stats["mask_hits"] += 1
             return mask
         self.stats["mask_misses"] += 1
-        acc, extra = self._compute(sid)
         ends = [t for t in key[1] if 0 <= t < self.vocab.vocab_size]
-        if ends and (self.accepts(sid) or not (extra or acc.any())):
-            extra = extra + ends
-        mask = self.vocab.mask_from_sorted(acc, extra)
+        if self.frames:
+            parts = self._state_parts(sid) if sid != DEAD else Parts((), _NO_POS)
+            extra = self._special_extra(sid)
+            if ends and (self.accepts(sid) or not (extra or not parts.empty())):
+                extra = extra + ends
+            mask = self._parts_mask(parts, extra)
+        else:
+            acc, extra = self._compute(sid)
+            if ends and (self.accepts(sid) or not (extra or acc.any())):
+                extra = extra + ends
+            mask = self.vocab.mask_from_sorted(acc, extra)
         self._masks[key] = mask
         self._mask_bytes += mask.ids.nbytes
         while self._mask_bytes > self.max_mask_bytes and len(self._masks) > 1:
@@ -394,8 +536,214 @@ class CompiledConstraint:
         self._walk(v, sid, 0, 0, len(v), acc, single)
         if single:
             acc[np.asarray(single, dtype=np.int64)] = True
-        extra = [tid for text, tid in self._special_ids.items() if self.step_bytes(sid, text.encode()) != DEAD]
-        return acc, extra
+        return acc, self._special_extra(sid)
+
+    def _special_extra(self, sid: int) -> list[int]:
+        if sid == DEAD:
+            return []
+        return [tid for text, tid in self._special_ids.items() if self.step_bytes(sid, text.encode()) != DEAD]
+
+    # -- masks composed from frame masks ---------------------------------------------------
+    # A state's mask is the union of its stacks' masks. A stack's tokens either stay in its top
+    # frame (or what that frame calls) or finish it mid-token and go on in the stack below, which
+    # does not change while the top frame reads. So a stack topped by a leaf frame takes that
+    # frame's mask (FrameMask: computed once per vocabulary for every node of the same signature
+    # and local state, whatever stack it tops), plus the few tokens that leave the frame whose
+    # remaining bytes the stack below reads (a walk over the frame's distinct remainders), plus,
+    # when the frame may end at once, the stack below's own mask. Frames whose next read is the
+    # same call for every byte (a Seq, a value about to start) are pushed first (Node.expand), so
+    # `<parameter=K>\n` of every parameter lands on the one shared raw-text frame mask.
+
+    def _expand(self, stack: tuple, out: set, depth: int = 0) -> None:
+        """The stacks that read the next byte as `stack` would (grammar.advance, with the frames
+        whose actions do not depend on the byte applied ahead of it)."""
+        if not stack:
+            return  # a finished run reads nothing more
+        if depth > 64:
+            raise GrammarError("grammar recursion without progress")
+        node, local = stack[-1]
+        acts = node.expand(local)
+        if acts is None:
+            out.add(stack)
+            return
+        rest = stack[:-1]
+        for act in acts:
+            if act[0] == CALL:
+                child = act[2]
+                self._expand(rest + ((node, act[1]), (child, child.init)), out, depth + 1)
+            elif act[0] == TAIL:
+                child = act[1]
+                self._expand(rest + ((child, child.init),), out, depth + 1)
+            else:  # pragma: no cover - Node.expand promises CALL / TAIL only
+                raise AssertionError(f"{type(node).__name__}.expand gave {act!r}")
+        if node.can_end(local):
+            self._expand(rest, out, depth + 1)
+
+    def _state_parts(self, sid: int) -> Parts:
+        got = self._sid_parts.get(sid)
+        if got is not None:
+            self._sid_parts.move_to_end(sid)
+            return got
+        stacks: set = set()
+        for st in self._sets[sid]:
+            self._expand(st, stacks)
+        got = Parts.union([self._stack_mask(st) for st in stacks]) if stacks else Parts((), _NO_POS)
+        self._sid_parts[sid] = got
+        while len(self._sid_parts) > PARTS_KEPT:
+            self._sid_parts.popitem(last=False)
+        return got
+
+    def _stack_mask(self, stack: tuple) -> Parts:
+        got = self._stack_parts.get(stack)
+        if got is not None:
+            self._stack_parts.move_to_end(stack)
+            return got
+        node, local = stack[-1]
+        sig = node.signature()
+        v = self.vocab
+        fm = None if sig is None else self._frame(node, sig, local)
+        if sig is None or fm.inside is None:  # a container frame (or one many tokens leave): walk
+            sid = self._intern(frozenset([stack]))
+            loop = self._loop_class(sid)
+            if loop is not None:  # (the root walk of a loop state would ask for this very mask)
+                acc = self._loop_walk(sid, loop)
+            else:
+                acc = np.zeros(len(v), dtype=bool)
+                single: list[int] = []
+                self._walk(v, sid, 0, 0, len(v), acc, single)
+                if single:
+                    acc[np.asarray(single, dtype=np.int64)] = True
+            got = Parts((PosSet.from_bool(acc),), _NO_POS)
+        else:
+            rest = stack[:-1]
+            got = Parts((fm.inside,), _NO_POS)
+            if rest:
+                rsid = self._intern(frozenset([rest]))
+                got = Parts((fm.inside,), self._crossing(fm, rsid))
+                if node.can_end(local):
+                    got = Parts.union([got, self._state_parts(rsid)])
+        self._stack_parts[stack] = got
+        while len(self._stack_parts) > PARTS_KEPT:
+            self._stack_parts.popitem(last=False)
+        return got
+
+    def _crossing(self, fm: FrameMask, rsid: int) -> np.ndarray:
+        """Sorted positions of the tokens that leave frame mask fm and whose remainder the
+        stack below (state rsid) reads."""
+        if fm.rems is None or rsid == DEAD:
+            return _NO_POS
+        rems = fm.rems
+        sacc = np.zeros(len(rems), dtype=bool)
+        single: list[int] = []
+        self._walk(rems, rsid, 0, 0, len(rems), sacc, single)
+        if single:
+            sacc[np.asarray(single, dtype=np.int64)] = True
+        return np.unique(fm.ex_pos[sacc[fm.ex_rem]])
+
+    def _frame(self, node, sig, local) -> FrameMask:
+        frames = self.vocab.frames
+        key = (sig, local)
+        got = frames.get(key)
+        if got is not None:
+            frames.move_to_end(key)
+            return got
+        got = self._build_frame(node, local)
+        frames[key] = got
+        while len(frames) > FRAMES_KEPT:
+            frames.popitem(last=False)
+        return got
+
+    def _build_frame(self, node, local) -> FrameMask:
+        """A leaf frame's mask: `inside` from a walk of the lone frame; the tokens that leave it
+        from a second walk with a parent that reads anything (ANYTHING) under the frame -- the
+        tokens it keeps and `inside` does not -- each simulated for its exit points."""
+        v = self.vocab
+        n = len(v)
+        lone = ((node, local),)
+        sid = self._intern(frozenset([lone]))
+        loop = self._loop_class(sid)
+        if loop is not None:  # a string body: the per-class table and a walk over its suffixes
+            inside = self._loop_walk(sid, loop)
+            under = self._loop_walk(self._intern(frozenset([((ANYTHING, 0),) + lone])), loop)
+        else:
+            inside = np.zeros(n, dtype=bool)
+            single: list[int] = []
+            self._walk(v, sid, 0, 0, n, inside, single)
+            if single:
+                inside[np.asarray(single, dtype=np.int64)] = True
+            # The parent's walk starts after the frame's first byte: a frame that may end at once
+            # hands the whole token to the stack below, which the caller adds (not an exit here).
+            under = np.zeros(n, dtype=bool)
+            single = []
+            for b, lo, hi in self._kids(v, sid, 0, 0, n):
+                out: list = []
+                advance(lone, b, out)
+                if out:
+                    s1 = self._intern(frozenset(((ANYTHING, 0),) + st for st in out))
+                    self._walk(v, s1, 1, lo, hi, under, single)
+            if single:
+                under[np.asarray(single, dtype=np.int64)] = True
+        leaving = np.flatnonzero(under & ~inside)
+        if leaving.shape[0] > FRAME_EXITS_MAX:
+            return FrameMask(None, None, _NO_POS, _NO_POS)
+        rem_of: dict[bytes, int] = {}
+        ex_pos: list[int] = []
+        ex_rem: list[int] = []
+        toks = v.toks
+        for p in leaving.tolist():
+            t = toks[p]
+            s = sid
+            for j in range(len(t) - 1):
+                s = self.step(s, t[j])
+                if s == DEAD:
+                    break
+                if self._accepts[s]:  # the frame may be finished after t[:j + 1]
+                    ex_pos.append(p)
+                    ex_rem.append(rem_of.setdefault(t[j + 1:], len(rem_of)))
+        rems = None
+        if rem_of:
+            uniq = sorted(rem_of)
+            remap = np.empty(len(uniq), dtype=np.int64)
+            for i, u in enumerate(uniq):
+                remap[rem_of[u]] = i
+            rems = TrieIndex(uniq, np.arange(len(uniq), dtype=np.int64))
+            ex = remap[np.asarray(ex_rem, dtype=np.int64)]
+        else:
+            ex = _NO_POS
+        return FrameMask(PosSet.from_bool(inside, keep_bool=loop is not None), rems,
+                         np.asarray(ex_pos, dtype=np.int64), ex)
+
+    def _parts_mask(self, parts: Parts, extra_ids: list[int]) -> TokenMask:
+        """The TokenMask of parts plus kept ids (specials, end ids). One shared set adjusted by
+        a few ids (the common case) costs a short merge, not a pass over the vocabulary."""
+        v = self.vocab
+        add_pos = [parts.extra]
+        add_ids = []
+        for t in extra_ids:
+            p = int(v.pos_of[t])
+            if p >= 0:
+                add_pos.append(np.asarray([p], dtype=np.int64))
+            else:
+                add_ids.append(t)
+        bases = [b for b in parts.bases if b.n]
+        if len(bases) > 1:
+            acc = parts.bool(len(v))
+            return v.mask_from_sorted(acc, extra_ids)
+        add = np.concatenate([v.order[np.concatenate(add_pos)], np.asarray(add_ids, dtype=np.int64)])
+        add = np.unique(add).astype(np.int32)
+        if not bases:
+            return TokenMask(True, add, int(add.shape[0]))
+        base = bases[0]
+        ids = base.ids(v)
+        if base.allow:
+            if add.shape[0]:
+                add = add[~np.isin(add, ids, assume_unique=True)]
+                if add.shape[0]:
+                    ids = np.sort(np.concatenate([ids, add]))
+            return TokenMask(True, ids, int(ids.shape[0]))
+        if add.shape[0]:
+            ids = ids[~np.isin(ids, add, assume_unique=True)]
+        return TokenMask(False, ids, v.vocab_size - int(ids.shape[0]))
 
     def _walk(self, ix: TrieIndex, sid: int, d: int, lo: int, hi: int, acc: np.ndarray, single: list) -> None:
         """Strings in sorted [lo, hi) of ix share their first d bytes, after which the grammar is in
@@ -405,6 +753,9 @@ class CompiledConstraint:
             single.append(lo)
             lo += 1
         if lo >= hi:
+            return
+        if self._anything[sid]:  # the stand-in parent reads every byte string
+            acc[lo:hi] = True
             return
         main = ix is self.vocab
         # (Suffix tables: every string starts outside the class, so not at their root; below it the
@@ -438,12 +789,21 @@ class CompiledConstraint:
                 self._walk(ix, nsid, d + 1, lo2, hi2, acc, single)
 
     def _root_loop(self, sid: int, loop: bytes) -> np.ndarray:
-        """Per sorted vocabulary position: the loop state sid keeps the token (VocabIndex.loop_table:
-        the class-only tokens, plus a walk over the distinct suffixes from the first outside byte)."""
+        """Per sorted vocabulary position: the loop state sid keeps the token (with frames: its
+        composed mask; else _loop_walk)."""
         got = self._root_loops.get(sid)
         if got is not None:
             self._root_loops.move_to_end(sid)
             return got
+        got = self._state_parts(sid).bool(len(self.vocab)) if self.frames else self._loop_walk(sid, loop)
+        self._root_loops[sid] = got
+        while len(self._root_loops) > ROOT_LOOPS_KEPT:
+            self._root_loops.popitem(last=False)
+        return got
+
+    def _loop_walk(self, sid: int, loop: bytes) -> np.ndarray:
+        """The loop state sid's whole-vocabulary keep (VocabIndex.loop_table: the class-only
+        tokens, plus a walk over the distinct suffixes from the first outside byte)."""
         tab = self.vocab.loop_table(loop)
         got = tab.good.copy()
         sub = tab.suffixes
@@ -453,9 +813,6 @@ class CompiledConstraint:
         if single:
             sacc[np.asarray(single, dtype=np.int64)] = True
         got[tab.bad_pos[sacc[tab.bad_suffix]]] = True
-        self._root_loops[sid] = got
-        while len(self._root_loops) > ROOT_LOOPS_KEPT:
-            self._root_loops.popitem(last=False)
         return got
 
     def _kids(self, ix: TrieIndex, sid: int, d: int, lo: int, hi: int):
@@ -553,6 +910,8 @@ def loop_class(states: frozenset) -> bytes | None:
     all 256 bytes of every state to find this cost 70% of a cold mask walk.)"""
     common = None
     for stack in states:
+        if not stack:  # a finished run (a lone frame done, in a frame mask walk) reads no byte
+            return None
         node, local = stack[-1]
         got = node.loop_bytes(local)
         if not got:
@@ -596,6 +955,7 @@ class ConstraintCache:
         got = self._items.get(grammar.key)
         if got is None:
             got = CompiledConstraint(grammar, self.vocab)
+            got.precompute()
             self._items[grammar.key] = got
             while len(self._items) > self.size:
                 self._items.popitem(last=False)

@@ -15,6 +15,11 @@ Node protocol:
                          (CALL, local', child)   the frame resumes at local' after child; child consumes b
                          (TAIL, child)           the frame becomes child, which consumes b
   node.can_end(local)  the frame may finish here without consuming (its parent then reads b)
+  node.expand(local)   step(local, b) when it is the same CALL / TAIL actions for every byte b
+                       (a Seq, a Union, a value about to start), else None: the mask code pushes
+                       such frames ahead of time so states share their top frame's mask
+  node.signature()     (leaves) a hashable key equal for nodes that act the same, so a frame's
+                       token mask is computed once per vocabulary for all of them; None: by identity
 
 Every live state can be completed (no node enters a local it cannot finish from),
 so "a token is allowed" only needs its bytes to keep some stack alive.
@@ -60,6 +65,12 @@ class Node:
 
     def can_end(self, local) -> bool:
         return False
+
+    def expand(self, local) -> list | None:
+        return None
+
+    def signature(self):
+        return None
 
     def loop_bytes(self, local) -> frozenset | None:
         """Bytes b with step(local, b) == [(CONT, local)] exactly while the frame cannot end here:
@@ -202,6 +213,9 @@ class Lit(Leaf):
         assert text
         self.text = text
 
+    def signature(self):
+        return ("Lit", self.text)
+
     def step(self, i, b):
         if self.text[i] != b:
             return []
@@ -220,6 +234,9 @@ class LitSet(Leaf):
         self._prefixes = {t[:i] for t in texts for i in range(len(t) + 1)}
         self._full = set(texts)
 
+    def signature(self):
+        return ("LitSet", self.texts)
+
     def step(self, prefix, b):
         nxt = prefix + bytes((b,))
         if nxt not in self._prefixes:
@@ -233,7 +250,9 @@ class LitSet(Leaf):
 
 
 class Ws(Leaf):
-    """Optional whitespace run (at most MAX_WS bytes)."""
+    """Optional whitespace run (at most MAX_WS bytes). No signature: almost every token leaves a
+    whitespace run mid-token (" word"), so a frame mask would list the vocabulary as exits; a
+    stack topped by it walks the trie (its first bytes are few)."""
 
     def step(self, n, b):
         if b in WS and n < MAX_WS:
@@ -242,6 +261,23 @@ class Ws(Leaf):
 
     def can_end(self, n):
         return True
+
+
+class Anything(Leaf):
+    """Every byte string: the stand-in parent under a lone frame when the mask code asks which
+    tokens leave that frame mid-token (engine/constraint.py, FrameMask). Not a grammar node."""
+
+    def step(self, local, b):
+        return [(CONT, 0)]
+
+    def can_end(self, local):
+        return True
+
+    def loop_bytes(self, local):
+        return ALL_BYTES
+
+
+ANYTHING = Anything()
 
 
 _ESCAPES = frozenset(b'"\\/bfnrt')
@@ -253,6 +289,9 @@ _STR_FIRST = {0: frozenset(b'"'), 1: _STR_BODY | frozenset(b'"\\'), 2: _ESCAPES 
 class Str(Leaf):
     """A JSON string, quotes included. local: 0 before the quote, 1 in the body, 2 after a
     backslash, 3..6 inside \\uXXXX (6 - local hex digits to go)."""
+
+    def signature(self):
+        return ("Str",)
 
     def step(self, s, b):
         if s == 0:
@@ -285,6 +324,9 @@ class Num(Leaf):
 
     def __init__(self, integer: bool):
         self.integer = integer
+
+    def signature(self):
+        return ("Num", self.integer)
 
     def step(self, s, b):
         d = b in DIGITS
@@ -327,6 +369,9 @@ class Union(Node):
     def step(self, local, b):
         return [(TAIL, br) for br in self.branches]
 
+    def expand(self, local):
+        return self.step(local, 0)
+
     def first(self, local):
         return frozenset().union(*(br.first0() for br in self.branches))
 
@@ -350,6 +395,9 @@ class Seq(Node):
 
     def can_end(self, i):
         return all(_nullable(p) for p in self.parts[i:])
+
+    def expand(self, i):
+        return self.step(i, 0)  # the part at i (and any after nullable ones) reads whatever comes
 
     def first(self, i):
         out = frozenset()
@@ -379,6 +427,9 @@ class Ref(Node):
 
     def step(self, local, b):
         return [(TAIL, self.target)]
+
+    def expand(self, local):
+        return self.step(local, 0)
 
     def first(self, local):
         return self.target.first0()
@@ -536,6 +587,9 @@ class RawText(Leaf):
         self.init = b""
         self._prefixes = {p[:i] for p in self.patterns for i in range(1, len(p))}
         self._loop = frozenset(range(256)) - {p[0] for p in self.patterns}
+
+    def signature(self):
+        return ("RawText", self.patterns)
 
     def loop_bytes(self, tail):
         # With no pattern begun, a byte that begins none of them leaves the tail empty.
@@ -822,6 +876,9 @@ class XmlParams(Node):
             return [(CALL, (0, used, b""), self.values[x])]
         return []
 
+    def expand(self, local):
+        return self.step(local, 0) if local[0] == 3 else None
+
     def first(self, local):
         phase, used, x = local
         if phase in (0, 1):
@@ -836,6 +893,53 @@ def common_loop_classes() -> list[bytes]:
     parameter value), whose per-tokenizer tables VocabIndex.warm() builds ahead of a request."""
     raw = RawText(PARAM_CLOSE, (FUNC_CLOSE,))
     return [bytes(sorted(Str().loop_bytes(1))), bytes(sorted(raw.loop_bytes(b"")))]
+
+
+def common_leaves() -> list[Node]:
+    """Leaves every common grammar uses (JSON strings and numbers, raw XML values and their
+    closer): VocabIndex.warm() builds their frame masks, all local states, at server start."""
+    return [Str(), Num(integer=True), Num(integer=False), RawText(PARAM_CLOSE, (FUNC_CLOSE,)),
+            Lit(PARAM_CLOSE + b"\n"), Lit(b"\n"), LitSet([b"true", b"false"]), LitSet([b"true", b"false", b"null"])]
+
+
+def grammar_leaves(root: Node) -> list[Node]:
+    """The leaf nodes with a signature reachable from root (one per signature), found through
+    the nodes' attributes (every container keeps its children in attributes, lists or dicts)."""
+    seen: set[int] = set()
+    out: dict = {}
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        sig = node.signature()
+        if sig is not None:
+            out.setdefault(sig, node)
+        for value in vars(node).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            for it in items:
+                if isinstance(it, tuple) and len(it) == 2 and isinstance(it[1], Node):
+                    it = it[1]  # (name, node) pairs
+                if isinstance(it, Node) and id(it) not in seen:
+                    todo.append(it)
+    return list(out.values())
+
+
+def leaf_locals(node: Node, limit: int = 256) -> list:
+    """The local states a leaf reaches from init (CONT closure over all bytes), init first."""
+    order = [node.init]
+    seen = {node.init}
+    i = 0
+    while i < len(order) and len(order) < limit:
+        local = order[i]
+        i += 1
+        for b in node.first(local):
+            for act in node.step(local, b):
+                if act[0] == CONT and act[1] not in seen:
+                    seen.add(act[1])
+                    order.append(act[1])
+    return order
 
 
 def _dedup(acts):
@@ -890,6 +994,9 @@ class XmlCalls(Node):
             return []
         return []
 
+    def expand(self, local):
+        return self.step(local, 0) if local[0] in (3, 4) else None
+
     def first(self, local):
         phase, n, x = local
         if phase == 0:
@@ -923,6 +1030,9 @@ class CallList(Node):
 
     def can_end(self, local):
         return local[0] == 1
+
+    def expand(self, local):
+        return self.step(local, 0) if local[0] == 0 else None
 
     def first(self, local):
         return self.call.first0() if local[0] == 0 else frozenset(b"\n")

@@ -217,3 +217,155 @@ def test_masked_argmax_is_the_host_masked_pick(tok, vocab):
         for _ in range(3):
             x = rng.integers(-3, 3, vocab.vocab_size).astype(np.float32)  # many ties
             assert masked_argmax(x, m.packed(vocab.vocab_size)) == m.greedy(x)
+
+
+# -- masks composed from frame masks (issue 16: cold masks under 0.3 ms per step) --------------
+# A stack topped by a leaf frame takes that frame's mask (shared by every stack it tops, and by
+# every grammar on the vocabulary) plus the tokens that leave it mid-token and that the stack
+# below reads. Each piece must give exactly the brute-force mask, and the old whole-trie walk
+# (frames=False) stays as a second, independent check.
+
+def _many_string_params():
+    # Several string parameters in several tools: every value is the same raw-text frame under a
+    # different stack (other parameters used, another call count, another tool).
+    S = {"type": "string"}
+    return {"A": {"type": "object", "properties": {"x": S, "yy": S, "n": {"type": "integer"}}, "required": ["x"]},
+            "B": {"type": "object", "properties": {"p": S, "q": S, "flag": {"type": "boolean"}}, "required": []}}
+
+
+def test_shared_frame_masks_equal_brute_force(tok, vocab):
+    tools = _many_string_params()
+    c = CompiledConstraint(tool_call_grammar(tools), vocab)
+    c.precompute()
+    stops = frozenset(tok.eos_ids)
+    text = "\n".join([render_call("A", {"x": "a </b> c", "yy": 'say "hi"\\n', "n": 42}),
+                      render_call("B", {"q": "</parameter", "p": "x<", "flag": False}),
+                      render_call("A", {"x": "</function", "n": -3})])
+    sids = states_along(c, tok, text)
+    # The same top frame under different stacks: the raw-text body of five values, one mask.
+    raw_tops = {c._sets[s] for s in sids if all(type(st[-1][0]).__name__ == "RawText" and st[-1][1] == b""
+                                                  for st in c._sets[s])}
+    assert len(raw_tops) >= 5
+    raw_keys = [k for k in vocab.frames if k[0][0] == "RawText" and k[1] == b""]
+    assert len(raw_keys) == 1
+    for sid in sorted(set(sids)):
+        got = np.flatnonzero(c.allowed(sid, stops).dense(vocab.vocab_size)).tolist()
+        assert got == brute_force(c, tok, sid, stops), sid
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_frame_masks_equal_the_plain_walk(tok, vocab, case):
+    """frames=True (composed) and frames=False (a whole-trie walk per state) give the same mask in
+    every state along the outputs of every case (cheaper than brute force, so all states)."""
+    rng = random.Random(100 + case)
+    name, grammar, texts = list(_cases(rng))[case]
+    stops = frozenset(tok.eos_ids)
+    fast = CompiledConstraint(grammar, vocab)
+    plain = CompiledConstraint(grammar, vocab, frames=False)
+    for text in texts:
+        for a, b in zip(states_along(fast, tok, text), states_along(plain, tok, text)):
+            assert np.array_equal(fast.allowed(a, stops).dense(vocab.vocab_size),
+                                  plain.allowed(b, stops).dense(vocab.vocab_size)), name
+
+
+def test_frame_mask_exits_are_exact(tok, vocab):
+    """A leaf frame's mask: `inside` is the lone frame's brute-force mask; the listed exits are
+    exactly the (token, remainder) pairs where the lone frame may be finished before the token's
+    last byte, for tokens the lone frame does not keep."""
+    from q27py.engine.grammar import PARAM_CLOSE, FUNC_CLOSE, Num, RawText, Str
+
+    c = CompiledConstraint(json_grammar(None), vocab)
+    for node, local in ((Str(), 1), (Str(), 2), (RawText(PARAM_CLOSE, (FUNC_CLOSE,)), b"</parameter"),
+                        (Num(False), 3), (Num(True), 0)):
+        fm = c._frame(node, node.signature(), local)
+        lone = c._intern(frozenset([((node, local),)]))
+        inside = fm.inside.bool(len(vocab))
+        want_exits = set()
+        for p, t in enumerate(vocab.toks):
+            kept = c.step_bytes(lone, t) != DEAD
+            assert bool(inside[p]) == kept, (node.signature(), local, t)
+            if kept:
+                continue
+            s = lone
+            for j in range(len(t) - 1):
+                s = c.step(s, t[j])
+                if s == DEAD:
+                    break
+                if c.accepts(s):
+                    want_exits.add((p, t[j + 1:]))
+        got = set() if fm.rems is None else {(int(p), fm.rems.toks[int(r)]) for p, r in zip(fm.ex_pos, fm.ex_rem)}
+        assert got == want_exits, (node.signature(), local)
+    assert any(c._frame(n, n.signature(), 1).rems is not None for n in (Str(),))  # string closers do leave
+
+
+def test_expand_is_the_byte_independent_step():
+    """Node.expand(local) must equal step(local, b) for every byte b where it is not None (the
+    mask code pushes those frames ahead of the byte)."""
+    rng = random.Random(3)
+    grammars = [g for _, g, _ in _cases(rng)] + [tool_call_grammar(_many_string_params())]
+    checked = 0
+    for g in grammars:
+        seen, todo = set(), [g.root]
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            locals_ = {node.init}  # and the locals one byte away
+            for b in range(256):
+                for act in node.step(node.init, b):
+                    if act[0] == 0:  # CONT
+                        locals_.add(act[1])
+            for lo in locals_:
+                exp = node.expand(lo)
+                if exp is not None:
+                    checked += 1
+                    for b in range(256):
+                        assert node.step(lo, b) == exp, (type(node).__name__, lo, b)
+            for value in vars(node).values():
+                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+                for it in items:
+                    if isinstance(it, tuple) and len(it) == 2:
+                        it = it[1]
+                    if hasattr(it, "step") and hasattr(it, "init"):
+                        todo.append(it)
+    assert checked >= 10
+    # XmlParams / XmlCalls expand only their byte-independent phases (a value or a call about to start).
+    from q27py.engine.grammar import XmlParams
+
+    xp = XmlParams(["k"], [json_grammar(None).root], [])
+    assert xp.expand((0, 0, b"")) is None and xp.expand((3, 1, 0)) == xp.step((3, 1, 0), 65)
+
+
+def test_frames_many_exits_fall_back_to_the_walk(tok, monkeypatch):
+    """A frame that too many tokens leave is walked per stack (FRAME_EXITS_MAX): with the bound at
+    0 every leaf frame takes that path, loop frames included, and masks stay exact."""
+    from q27py.engine import constraint as C
+
+    monkeypatch.setattr(C, "FRAME_EXITS_MAX", 0)
+    fresh = VocabIndex.from_tokenizer(tok, tok.vocab_size, warm=False)
+    c = CompiledConstraint(json_grammar(CORPUS["cc:Bash"]), fresh)
+    stops = frozenset(tok.eos_ids)
+    sids = states_along(c, tok, '{"command": "ls \\"a b\\"", "timeout": 5, "run_in_background": true}')
+    for sid in sorted(set(sids)):
+        got = np.flatnonzero(c.allowed(sid, stops).dense(fresh.vocab_size)).tolist()
+        assert got == brute_force(c, tok, sid, stops), sid
+    assert any(fm.inside is None for fm in fresh.frames.values())
+
+
+def test_compile_precomputes_the_start_and_the_grammar_leaves(tok, vocab):
+    """ConstraintCache.get compiles a new grammar before decoding: its leaves' frame masks (an
+    enum's values here) and the start state's mask parts are ready before the first step."""
+    from q27py.engine.constraint import ConstraintCache
+
+    cache = ConstraintCache(lambda: vocab)
+    schema = {"type": "object", "properties": {"mode": {"enum": ["alpha-mode", "beta-mode"]}}, "required": ["mode"]}
+    c = cache.get(json_grammar(schema))
+    assert c.start in c._sid_parts
+    assert any(k[0][0] == "LitSet" and b'"alpha-mode"' in k[0][1] for k in vocab.frames)
+    assert c.compile_s > 0
+    assert cache.get(json_grammar(schema)) is c  # compiled once per grammar
+    stops = frozenset(tok.eos_ids)
+    for sid in states_along(c, tok, '{"mode": "beta-mode"}'):
+        got = np.flatnonzero(c.allowed(sid, stops).dense(vocab.vocab_size)).tolist()
+        assert got == brute_force(c, tok, sid, stops)
