@@ -219,6 +219,7 @@ class VocabIndex(TrieIndex):
         self.pos_of[self.order] = np.arange(len(ids), dtype=np.int64)
         self.outside = np.flatnonzero(self.pos_of < 0)  # ids outside the trie (specials, padding rows)
         self._tables: dict[bytes, LoopTable] = {}
+        self._ws_table = None
         self.frames: OrderedDict[tuple, object] = OrderedDict()  # (leaf signature, local) -> FrameMask
         self._lock = threading.Lock()
 
@@ -239,6 +240,7 @@ class VocabIndex(TrieIndex):
             self.loop_table(loop)
             self.lastbad(loop)
         self.warm_whitespace(MAX_WS + 2)
+        self.ws_table()
         self.warm_frames(common_leaves())
 
     def warm_frames(self, leaves) -> None:
@@ -284,6 +286,37 @@ class VocabIndex(TrieIndex):
             for b, (lo2, hi2) in self.child_map(d, lo, hi).items():
                 if b in WS_BYTES and d + 1 < depth:
                     stack.append((d + 1, lo2, hi2))
+
+    def ws_table(self):
+        """The vocabulary's whitespace-prefix trie nodes, flattened (built once): `pure_pos` /
+        `pure_len`, the tokens made only of whitespace (at most MAX_WS bytes) and their lengths;
+        `by_byte[b]`: the ranges (k, lo, hi) of tokens that are k >= 1 whitespace bytes then b,
+        by k. A state in a whitespace run reads each such range as it reads b (Node.ws_run), so
+        its walk visits these ranges instead of the ~500 whitespace nodes one by one."""
+        got = self._ws_table
+        if got is None:
+            pure_pos: list[int] = []
+            pure_len: list[int] = []
+            by_byte: dict[int, list] = {}
+            todo = [(0, 0, len(self))]
+            while todo:
+                d, lo, hi = todo.pop()
+                for b, lo2, hi2 in self.children(d, lo, hi):
+                    if b in WS_BYTES:
+                        if d + 1 <= MAX_WS:
+                            k = lo2
+                            while k < hi2 and self.lens[k] == d + 1:
+                                pure_pos.append(k)
+                                pure_len.append(d + 1)
+                                k += 1
+                            todo.append((d + 1, lo2, hi2))
+                    elif d > 0:
+                        by_byte.setdefault(b, []).append((d, lo2, hi2))
+            for entries in by_byte.values():
+                entries.sort()
+            got = self._ws_table = (np.asarray(pure_pos, dtype=np.int64), np.asarray(pure_len, dtype=np.int64),
+                                    by_byte)
+        return got
 
     def loop_table(self, loop: bytes) -> LoopTable:
         got = self._tables.get(loop)
@@ -402,6 +435,7 @@ class CompiledConstraint:
         # default); False: every state walks the whole trie (the earlier path, kept as the check).
         self.frames = frames
         self._anything: list[bool] = []
+        self._ws_runs: dict[int, tuple | None] = {}
         self._stack_parts: OrderedDict[tuple, Parts] = OrderedDict()
         self._sid_parts: OrderedDict[int, Parts] = OrderedDict()
         self._ids: dict[frozenset, int] = {}
@@ -758,6 +792,11 @@ class CompiledConstraint:
             acc[lo:hi] = True
             return
         main = ix is self.vocab
+        if d == 0 and main and self.frames:
+            run = self._ws_run(sid)
+            if run is not None:
+                self._walk_ws_run(sid, run, acc, single)
+                return
         # (Suffix tables: every string starts outside the class, so not at their root; below it the
         # ranges are small but the check is cheap and spares a byte-by-byte walk of each.)
         loop = (self._loop_class(sid) if (hi - lo >= LOOP_MIN_RANGE or sid in self._root_loops if main
@@ -787,6 +826,52 @@ class CompiledConstraint:
             nsid = self.step(sid, b)
             if nsid != DEAD:
                 self._walk(ix, nsid, d + 1, lo2, hi2, acc, single)
+
+    def _ws_run(self, sid: int):
+        """(count, bound) when state sid is one stack whose top frame is in a whitespace run
+        (Node.ws_run) and whitespace reaches no frame below it; else None."""
+        got = self._ws_runs.get(sid, 0)
+        if got == 0:
+            got = None
+            states = self._sets[sid]
+            if len(states) == 1:
+                (stack,) = states
+                if stack:
+                    node, local = stack[-1]
+                    run = node.ws_run(local)
+                    if run is not None and run[1] <= MAX_WS and (
+                            not node.can_end(local) or not (stack_first(stack[:-1]) & WS_BYTES)):
+                        got = run[:2]
+            self._ws_runs[sid] = got
+        return got
+
+    def _walk_ws_run(self, sid: int, run: tuple, acc: np.ndarray, single: list) -> None:
+        """_walk from the root for a state in a whitespace run: the tokens that start with a
+        non-whitespace byte as usual; whitespace-only tokens by length; `k` whitespace bytes then
+        b (k within the run's room) by the one state after b, the same for every k (ws_run)."""
+        v = self.vocab
+        count, bound = run
+        room = bound - count
+        for b, lo, hi in self._kids(v, sid, 0, 0, len(v)):
+            if b not in WS_BYTES:
+                nsid = self.step(sid, b)
+                if nsid != DEAD:
+                    self._walk(v, nsid, 1, lo, hi, acc, single)
+        if room <= 0:
+            return
+        pure_pos, pure_len, by_byte = v.ws_table()
+        acc[pure_pos[pure_len <= room]] = True
+        for b in self.first_bytes(sid):
+            entries = by_byte.get(b)
+            if not entries or b in WS_BYTES:
+                continue
+            nsid = self.step(sid, b)
+            if nsid == DEAD:
+                continue
+            for k, lo, hi in entries:
+                if k > room:
+                    break
+                self._walk(v, nsid, k + 1, lo, hi, acc, single)
 
     def _root_loop(self, sid: int, loop: bytes) -> np.ndarray:
         """Per sorted vocabulary position: the loop state sid keeps the token (with frames: its

@@ -18,6 +18,10 @@ Node protocol:
   node.expand(local)   step(local, b) when it is the same CALL / TAIL actions for every byte b
                        (a Seq, a Union, a value about to start), else None: the mask code pushes
                        such frames ahead of time so states share their top frame's mask
+  node.ws_run(local)   (count, bound, local0) when the frame is in a bounded whitespace run:
+                       a whitespace byte goes to the same local with count + 1 (refused at
+                       bound), any other byte acts as at local0 (count 0); else None. The mask
+                       walk then skips the vocabulary's whitespace-prefix nodes one by one
   node.signature()     (leaves) a hashable key equal for nodes that act the same, so a frame's
                        token mask is computed once per vocabulary for all of them; None: by identity
 
@@ -70,6 +74,9 @@ class Node:
         return None
 
     def signature(self):
+        return None
+
+    def ws_run(self, local):
         return None
 
     def loop_bytes(self, local) -> frozenset | None:
@@ -216,6 +223,9 @@ class Lit(Leaf):
     def signature(self):
         return ("Lit", self.text)
 
+    def first(self, i):  # (Leaf.first would step all 256 bytes once per instance and local)
+        return frozenset((self.text[i],))
+
     def step(self, i, b):
         if self.text[i] != b:
             return []
@@ -261,6 +271,12 @@ class Ws(Leaf):
 
     def can_end(self, n):
         return True
+
+    def ws_run(self, n):
+        return (n, MAX_WS, 0)
+
+    def first(self, n):  # (every Seq has its own Ws: no per-instance memo of 256 steps per local)
+        return WS if n < MAX_WS else frozenset()
 
 
 class Anything(Leaf):
@@ -327,6 +343,15 @@ class Num(Leaf):
 
     def signature(self):
         return ("Num", self.integer)
+
+    _FIRSTS: dict = {}
+
+    def first(self, s):  # memoized per (integer, local) for all instances, not per instance
+        key = (self.integer, s)
+        got = Num._FIRSTS.get(key)
+        if got is None:
+            got = Num._FIRSTS[key] = frozenset(b for b in range(256) if self.step(s, b))
+        return got
 
     def step(self, s, b):
         d = b in DIGITS
@@ -512,6 +537,14 @@ class ObjectNode(Node):
         node = self.values[key] if key >= 0 else self.extra
         return [(CALL, (6, used | (1 << key if key >= 0 else 0), 0), node)]
 
+    def ws_run(self, local):
+        phase, used, x = local
+        if phase in (1, 6, 7):
+            return (x, MAX_WS, (phase, used, 0))
+        if phase in (4, 5):
+            return (x[1], MAX_WS, (phase, used, (x[0], 0)))
+        return None
+
     def first(self, local):
         phase, used, x = local
         if phase == 0:
@@ -539,6 +572,10 @@ class Arr(Node):
         if self.max is not None and self.max < self.min:
             raise GrammarError("maxItems < minItems")
         self.init = (0, 0, 0)
+
+    def ws_run(self, local):
+        phase, n, w = local
+        return (w, MAX_WS, (phase, n, 0)) if phase in (1, 2, 3) else None
 
     def _cap(self, n):
         # Counts past what the bounds can tell apart are one state (keeps states recurring).

@@ -369,3 +369,59 @@ def test_compile_precomputes_the_start_and_the_grammar_leaves(tok, vocab):
     for sid in states_along(c, tok, '{"mode": "beta-mode"}'):
         got = np.flatnonzero(c.allowed(sid, stops).dense(vocab.vocab_size)).tolist()
         assert got == brute_force(c, tok, sid, stops)
+
+
+def test_ws_run_contract():
+    """Node.ws_run: a whitespace byte takes the frame to count + 1 (refused at the bound), every
+    other byte acts as at count 0, and can_end does not depend on the count."""
+    from q27py.engine.grammar import MAX_WS, WS, Arr, ObjectNode, Ws, any_value
+
+    obj = ObjectNode([("a", any_value(1)), ("b", Arr(any_value(1)))], ["a"], None)
+    arr = Arr(any_value(1), 1, 3)
+    checked = 0
+    for node, locals_ in ((obj, [(1, 0, n) for n in range(MAX_WS + 1)] + [(6, 1, n) for n in (0, 5, MAX_WS)]
+                           + [(7, 1, 3), (4, 2, (1, 4)), (5, 0, (0, MAX_WS)), (5, 1, (1, 2))]),
+                          (arr, [(p, c, w) for p in (1, 2, 3) for c in (0, 1, 3) for w in (0, 7, MAX_WS)]),
+                          (Ws(), list(range(MAX_WS + 1)))):
+        for local in locals_:
+            run = node.ws_run(local)
+            assert run is not None, (type(node).__name__, local)
+            count, bound, local0 = run
+            assert node.can_end(local) == node.can_end(local0)
+            for b in range(256):
+                got = node.step(local, b)
+                if b in WS:
+                    if count < bound:
+                        assert len(got) == 1 and got[0][0] == 0 and node.ws_run(got[0][1])[::2] == (count + 1, local0)
+                    else:
+                        assert got == []
+                else:
+                    assert got == node.step(local0, b), (type(node).__name__, local, b)
+                checked += 1
+    assert checked > 10000
+    assert obj.ws_run((0, 0, 0)) is None and obj.ws_run((2, 0, b"")) is None and arr.ws_run((0, 0, 0)) is None
+
+
+def test_whitespace_runs_equal_brute_force(tok, vocab):
+    """States inside whitespace runs (indentation up to the bound, blanks before a closer, a
+    typed XML value's trailing blanks) take the flattened whitespace walk: exact masks."""
+    from q27py.engine.grammar import MAX_WS
+
+    stops = frozenset(tok.eos_ids)
+    pad = " " * (MAX_WS - 2)
+    cases = [
+        (json_grammar(CORPUS["cc:Bash"]), '{\n    "command" :\t"ls",\n' + pad + '"timeout":  5\n\n}  '),
+        (json_grammar(CODEX_SHELL), '{ "command" : [ "a" ,\n\t\t"b"' + pad + '] , "timeout_ms" :1 }'),
+        (tool_call_grammar({"Read": CORPUS["cc:Read"]}),
+         "  " + render_call("Read", {"file_path": "x", "offset": 3}).replace("3\n</parameter>", "3   \n </parameter>")),
+    ]
+    n = 0
+    for grammar, text in cases:
+        assert grammar.matches(text.encode()), text
+        c = CompiledConstraint(grammar, vocab)
+        for sid in sorted(set(states_along(c, tok, text))):
+            if c._ws_run(sid) is not None:
+                n += 1
+            got = np.flatnonzero(c.allowed(sid, stops).dense(vocab.vocab_size)).tolist()
+            assert got == brute_force(c, tok, sid, stops), (grammar.key[:30], sid)
+    assert n >= 8
