@@ -45,6 +45,7 @@ SHORT_SIDE = 32768  # id lists up to this long are sorted directly (else one den
 ROOT_LOOPS_KEPT = 64  # whole-vocabulary masks of loop states kept per constraint (248 KB each)
 FRAMES_KEPT = 4096  # frame masks kept per vocabulary (shared by every grammar)
 PARTS_KEPT = 8192  # per-stack and per-state mask parts kept per constraint
+PARTS_BYTES = 64 << 20  # and at most this many bytes of walked position lists in them
 FRAME_EXITS_MAX = 32768  # a frame that more tokens leave mid-token is walked per stack instead
 _NO_POS = np.zeros(0, dtype=np.int64)
 
@@ -396,6 +397,10 @@ class Parts:
     def empty(self) -> bool:
         return not self.extra.shape[0] and not any(b.n for b in self.bases)
 
+    def nbytes(self) -> int:
+        """Bytes this entry holds (its sets' position lists, counted even when shared)."""
+        return int(self.extra.nbytes) + sum(int(b.pos.nbytes) for b in self.bases)
+
     def bool(self, size: int) -> np.ndarray:
         acc = np.zeros(size, dtype=bool)
         for b in self.bases:
@@ -437,6 +442,7 @@ class CompiledConstraint:
         self._anything: list[bool] = []
         self._ws_runs: dict[int, tuple | None] = {}
         self._stack_parts: OrderedDict[tuple, Parts] = OrderedDict()
+        self._parts_bytes = 0
         self._sid_parts: OrderedDict[int, Parts] = OrderedDict()
         self._ids: dict[frozenset, int] = {}
         self._sets: list[frozenset] = []
@@ -466,7 +472,7 @@ class CompiledConstraint:
             for node in leaves:
                 for local in leaf_locals(node):
                     self._frame(node, node.signature(), local)
-            self._state_parts(self.start)
+        self.allowed(self.start)  # (kept for every request's end ids unless the start accepts)
         self.compile_s += time.perf_counter() - t0
 
     def _intern(self, states: frozenset) -> int:
@@ -532,6 +538,16 @@ class CompiledConstraint:
         else is: a request then ends instead of wedging). Shared objects: do not modify."""
         key = (sid, stop_ids if isinstance(stop_ids, frozenset) else frozenset(stop_ids))
         mask = self._masks.get(key)
+        if mask is None and key[1] and not self.accepts(sid):
+            # A state that does not accept and allows some token has the same mask whatever the
+            # end ids are (they are added only to accepting or empty states): one entry for all,
+            # so a mask made at compile time (no end ids known) serves every request.
+            key0 = (sid, frozenset())
+            mask = self._masks.get(key0)
+            if mask is not None and len(mask):
+                key = key0
+            else:
+                mask = None
         if mask is not None:
             self._masks.move_to_end(key)
             self.stats["mask_hits"] += 1
@@ -541,14 +557,18 @@ class CompiledConstraint:
         if self.frames:
             parts = self._state_parts(sid) if sid != DEAD else Parts((), _NO_POS)
             extra = self._special_extra(sid)
-            if ends and (self.accepts(sid) or not (extra or not parts.empty())):
+            with_ends = bool(ends) and (self.accepts(sid) or not (extra or not parts.empty()))
+            if with_ends:
                 extra = extra + ends
             mask = self._parts_mask(parts, extra)
         else:
             acc, extra = self._compute(sid)
-            if ends and (self.accepts(sid) or not (extra or acc.any())):
+            with_ends = bool(ends) and (self.accepts(sid) or not (extra or acc.any()))
+            if with_ends:
                 extra = extra + ends
             mask = self.vocab.mask_from_sorted(acc, extra)
+        if key[1] and not with_ends and not self.accepts(sid) and len(mask):
+            key = (sid, frozenset())  # (the end ids did not enter it: see above)
         self._masks[key] = mask
         self._mask_bytes += mask.ids.nbytes
         while self._mask_bytes > self.max_mask_bytes and len(self._masks) > 1:
@@ -657,8 +677,10 @@ class CompiledConstraint:
                 if node.can_end(local):
                     got = Parts.union([got, self._state_parts(rsid)])
         self._stack_parts[stack] = got
-        while len(self._stack_parts) > PARTS_KEPT:
-            self._stack_parts.popitem(last=False)
+        self._parts_bytes += got.nbytes()
+        while (len(self._stack_parts) > PARTS_KEPT or self._parts_bytes > PARTS_BYTES) and len(self._stack_parts) > 1:
+            _, old = self._stack_parts.popitem(last=False)
+            self._parts_bytes -= old.nbytes()
         return got
 
     def _crossing(self, fm: FrameMask, rsid: int) -> np.ndarray:

@@ -936,7 +936,8 @@ def common_leaves() -> list[Node]:
     """Leaves every common grammar uses (JSON strings and numbers, raw XML values and their
     closer): VocabIndex.warm() builds their frame masks, all local states, at server start."""
     return [Str(), Num(integer=True), Num(integer=False), RawText(PARAM_CLOSE, (FUNC_CLOSE,)),
-            Lit(PARAM_CLOSE + b"\n"), Lit(b"\n"), LitSet([b"true", b"false"]), LitSet([b"true", b"false", b"null"])]
+            Lit(PARAM_CLOSE + b"\n"), Lit(b"\n"), Lit(XmlCalls.TAIL), LitSet([b"true", b"false"]),
+            LitSet([b"true", b"false", b"null"])]
 
 
 def grammar_leaves(root: Node) -> list[Node]:
@@ -963,8 +964,22 @@ def grammar_leaves(root: Node) -> list[Node]:
     return list(out.values())
 
 
+_LOCALS: dict = {}
+
+
 def leaf_locals(node: Node, limit: int = 256) -> list:
-    """The local states a leaf reaches from init (CONT closure over all bytes), init first."""
+    """The local states a leaf reaches from init (CONT closure over all bytes), init first;
+    memoized per signature (a raw-text leaf's closure steps 256 bytes from each of its tails)."""
+    sig = node.signature()
+    got = _LOCALS.get(sig) if sig is not None else None
+    if got is None:
+        got = _leaf_locals(node, limit)
+        if sig is not None and len(_LOCALS) < 4096:
+            _LOCALS[sig] = got
+    return got
+
+
+def _leaf_locals(node: Node, limit: int) -> list:
     order = [node.init]
     seen = {node.init}
     i = 0

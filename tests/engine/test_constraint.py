@@ -425,3 +425,23 @@ def test_whitespace_runs_equal_brute_force(tok, vocab):
             got = np.flatnonzero(c.allowed(sid, stops).dense(vocab.vocab_size)).tolist()
             assert got == brute_force(c, tok, sid, stops), (grammar.key[:30], sid)
     assert n >= 8
+
+
+def test_masks_of_non_accepting_states_are_shared_across_end_ids(tok, vocab):
+    """A state that does not accept keeps one mask for every set of end ids (the start state's,
+    made at compile time with none known, serves each request); accepting states and states with
+    nothing else allowed still get their own end ids."""
+    c = CompiledConstraint(json_grammar(CORPUS["cc:Bash"]), vocab)
+    c.precompute()
+    other = tok.special_ids["<|im_start|>"]  # a special the grammar never names: allowed only as an end id
+    assert other not in tok.eos_ids
+    a, b = frozenset(tok.eos_ids), frozenset({other})
+    assert c.allowed(c.start, a) is c.allowed(c.start, b) is c.allowed(c.start)
+    sids = states_along(c, tok, '{"command": "ls"}')
+    end = sids[-1]
+    assert c.accepts(end)
+    assert all(t in c.allowed(end, a) for t in a) and other in c.allowed(end, b) and other not in c.allowed(end, a)
+    for sid in sids:
+        for stops in (a, b):
+            got = np.flatnonzero(c.allowed(sid, stops).dense(vocab.vocab_size)).tolist()
+            assert got == brute_force(c, tok, sid, stops)
