@@ -15,6 +15,18 @@ grammar refuses. Two things keep it cheap:
   the state entirely (accepted at once, vectorized); only the few tokens with a
   byte outside C (a quote, a backslash, `<`) are simulated byte by byte.
 
+- a stack topped by a leaf frame (a string body, raw text, a number, a literal) composes its
+  mask from that frame's own mask (FrameMask: computed once per vocabulary for every node of
+  the same signature and local state, whatever stack it tops and whatever grammar it is in)
+  and the few tokens that leave the frame mid-token, whose remainders the stack below reads;
+  frames whose next read is a call for any byte (a Seq, a value about to start) are pushed
+  first, so every parameter value of every tool lands on the one shared frame mask. Only
+  container frames (object keys, `<parameter=` names) still walk the trie per stack, and a
+  whitespace run there reads a flattened table of the vocabulary's whitespace prefixes
+  (VocabIndex.ws_table) instead of ~500 trie nodes;
+- the frame masks of the common leaves are built with the index at server start; a new
+  grammar's own leaves and its start state's mask when it is compiled (precompute).
+
 A decode step then costs a few dictionary lookups (advance the state by the
 chosen token's bytes, fetch the cached mask); docs/PERF.md, "Output control",
 has the measured figures (`q27py bench grammar`).
@@ -814,7 +826,7 @@ class CompiledConstraint:
             acc[lo:hi] = True
             return
         main = ix is self.vocab
-        if d == 0 and main and self.frames:
+        if d == 0 and main and self.frames and lo == 0 and hi == len(ix):
             run = self._ws_run(sid)
             if run is not None:
                 self._walk_ws_run(sid, run, acc, single)
