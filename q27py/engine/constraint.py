@@ -58,6 +58,7 @@ ROOT_LOOPS_KEPT = 64  # whole-vocabulary masks of loop states kept per constrain
 FRAMES_KEPT = 4096  # frame masks kept per vocabulary (shared by every grammar)
 PARTS_KEPT = 8192  # per-stack and per-state mask parts kept per constraint
 PARTS_BYTES = 64 << 20  # and at most this many bytes of walked position lists in them
+KID_MEMO_KEPT = 1 << 17  # filtered children lists kept per trie index (CompiledConstraint._kids)
 FRAME_EXITS_MAX = 32768  # a frame that more tokens leave mid-token is walked per stack instead
 _NO_POS = np.zeros(0, dtype=np.int64)
 
@@ -147,6 +148,7 @@ class TrieIndex:
         self._children: dict[tuple[int, int], list] = {}
         self._child_maps: dict[tuple[int, int], dict] = {}
         self._lastbad: dict[bytes, np.ndarray] = {}
+        self._kid_memo: dict[tuple, list] = {}
 
     def __len__(self) -> int:
         return len(self.toks)
@@ -360,6 +362,22 @@ class PosSet:
         if keep_bool:
             out._bool = acc
         return out
+
+    @classmethod
+    def from_walk(cls, acc: np.ndarray, single: list, spans: list) -> "PosSet":
+        """from_bool of a walk's result (acc, with `single` positions not yet set), reading only
+        the spans the walk wrote when they are short (a container frame keeps a few hundred
+        tokens: no pass over all 248K)."""
+        total = sum(s[1] - s[0] if isinstance(s, tuple) else s.shape[0] for s in spans)
+        if single:
+            acc[np.asarray(single, dtype=np.int64)] = True
+        if total > acc.shape[0] // 8:
+            return cls.from_bool(acc)
+        pieces = [np.asarray(single, dtype=np.int64)]
+        for s in spans:
+            pieces.append(s[0] + np.flatnonzero(acc[s[0]:s[1]]) if isinstance(s, tuple) else s)
+        pos = np.unique(np.concatenate(pieces))
+        return cls(True, pos, int(pos.shape[0]))
 
     def bool(self, size: int) -> np.ndarray:
         """The set as a bool per sorted position (shared when kept: do not modify)."""
@@ -605,9 +623,11 @@ class CompiledConstraint:
         return acc, self._special_extra(sid)
 
     def _special_extra(self, sid: int) -> list[int]:
-        if sid == DEAD:
+        if sid == DEAD or not self._special_ids:
             return []
-        return [tid for text, tid in self._special_ids.items() if self.step_bytes(sid, text.encode()) != DEAD]
+        fb = self.first_bytes(sid)  # (a special whose first byte the state refuses needs no steps)
+        return [tid for text, tid in self._special_ids.items()
+                if text.encode()[0] in fb and self.step_bytes(sid, text.encode()) != DEAD]
 
     # -- masks composed from frame masks ---------------------------------------------------
     # A state's mask is the union of its stacks' masks. A stack's tokens either stay in its top
@@ -673,13 +693,13 @@ class CompiledConstraint:
             loop = self._loop_class(sid)
             if loop is not None:  # (the root walk of a loop state would ask for this very mask)
                 acc = self._loop_walk(sid, loop)
+                got = Parts((PosSet.from_bool(acc),), _NO_POS)
             else:
                 acc = np.zeros(len(v), dtype=bool)
                 single: list[int] = []
-                self._walk(v, sid, 0, 0, len(v), acc, single)
-                if single:
-                    acc[np.asarray(single, dtype=np.int64)] = True
-            got = Parts((PosSet.from_bool(acc),), _NO_POS)
+                spans: list = []
+                self._walk(v, sid, 0, 0, len(v), acc, single, spans)
+                got = Parts((PosSet.from_walk(acc, single, spans),), _NO_POS)
         else:
             rest = stack[:-1]
             got = Parts((fm.inside,), _NO_POS)
@@ -813,9 +833,12 @@ class CompiledConstraint:
             ids = ids[~np.isin(ids, add, assume_unique=True)]
         return TokenMask(False, ids, v.vocab_size - int(ids.shape[0]))
 
-    def _walk(self, ix: TrieIndex, sid: int, d: int, lo: int, hi: int, acc: np.ndarray, single: list) -> None:
+    def _walk(self, ix: TrieIndex, sid: int, d: int, lo: int, hi: int, acc: np.ndarray, single: list,
+              spans: list | None = None) -> None:
         """Strings in sorted [lo, hi) of ix share their first d bytes, after which the grammar is in
-        sid; mark the ones it keeps alive in acc (or single: sorted positions)."""
+        sid; mark the ones it keeps alive in acc (or single: sorted positions). spans (optional)
+        gets every (lo, hi) range of acc written and every array of positions set, so a sparse
+        result is read back without a pass over the whole vocabulary (PosSet.from_walk)."""
         lens = ix.lens
         while lo < hi and lens[lo] == d:  # strings that end here are allowed
             single.append(lo)
@@ -824,12 +847,14 @@ class CompiledConstraint:
             return
         if self._anything[sid]:  # the stand-in parent reads every byte string
             acc[lo:hi] = True
+            if spans is not None:
+                spans.append((lo, hi))
             return
         main = ix is self.vocab
         if d == 0 and main and self.frames and lo == 0 and hi == len(ix):
             run = self._ws_run(sid)
             if run is not None:
-                self._walk_ws_run(sid, run, acc, single)
+                self._walk_ws_run(sid, run, acc, single, spans)
                 return
         # (Suffix tables: every string starts outside the class, so not at their root; below it the
         # ranges are small but the check is cheap and spares a byte-by-byte walk of each.)
@@ -842,10 +867,14 @@ class CompiledConstraint:
                 # so the range takes sid's whole-vocabulary mask (one table per loop state: a raw
                 # XML value's tokens, the token after `</` inside one, a string body mid-token).
                 acc[lo:hi] |= self._root_loop(sid, loop)[lo:hi]
+                if spans is not None:
+                    spans.append((lo, hi))
                 return
             lb = ix.lastbad(loop)[lo:hi]
             good = lb <= d
             acc[lo:hi] |= good
+            if spans is not None:
+                spans.append((lo, hi))
             toks = ix.toks
             for k in (np.flatnonzero(~good) + lo).tolist():
                 if self.step_bytes(sid, toks[k][d:]) != DEAD:
@@ -859,7 +888,7 @@ class CompiledConstraint:
         for b, lo2, hi2 in self._kids(ix, sid, d, lo, hi):
             nsid = self.step(sid, b)
             if nsid != DEAD:
-                self._walk(ix, nsid, d + 1, lo2, hi2, acc, single)
+                self._walk(ix, nsid, d + 1, lo2, hi2, acc, single, spans)
 
     def _ws_run(self, sid: int):
         """(count, bound) when state sid is one stack whose top frame is in a whitespace run
@@ -879,7 +908,7 @@ class CompiledConstraint:
             self._ws_runs[sid] = got
         return got
 
-    def _walk_ws_run(self, sid: int, run: tuple, acc: np.ndarray, single: list) -> None:
+    def _walk_ws_run(self, sid: int, run: tuple, acc: np.ndarray, single: list, spans: list | None = None) -> None:
         """_walk from the root for a state in a whitespace run: the tokens that start with a
         non-whitespace byte as usual; whitespace-only tokens by length; `k` whitespace bytes then
         b (k within the run's room) by the one state after b, the same for every k (ws_run)."""
@@ -890,11 +919,14 @@ class CompiledConstraint:
             if b not in WS_BYTES:
                 nsid = self.step(sid, b)
                 if nsid != DEAD:
-                    self._walk(v, nsid, 1, lo, hi, acc, single)
+                    self._walk(v, nsid, 1, lo, hi, acc, single, spans)
         if room <= 0:
             return
         pure_pos, pure_len, by_byte = v.ws_table()
-        acc[pure_pos[pure_len <= room]] = True
+        pure = pure_pos[pure_len <= room]
+        acc[pure] = True
+        if spans is not None:
+            spans.append(pure)
         for b in self.first_bytes(sid):
             entries = by_byte.get(b)
             if not entries or b in WS_BYTES:
@@ -905,7 +937,7 @@ class CompiledConstraint:
             for k, lo, hi in entries:
                 if k > room:
                     break
-                self._walk(v, nsid, k + 1, lo, hi, acc, single)
+                self._walk(v, nsid, k + 1, lo, hi, acc, single, spans)
 
     def _root_loop(self, sid: int, loop: bytes) -> np.ndarray:
         """Per sorted vocabulary position: the loop state sid keeps the token (with frames: its
@@ -939,11 +971,23 @@ class CompiledConstraint:
         looked up when they are few, else the node's children filtered by them. Either way no
         transition is made for a byte the grammar refuses outright (most of a cold walk's cost)."""
         fb = self.first_bytes(sid)
+        # Memoized per (node, first-byte set) on the index: states of one frame kind share their
+        # first bytes (every `<parameter=` position reads `<`), so each node filters once.
+        key = (d, lo, fb)
+        memo = ix._kid_memo
+        got = memo.get(key)
+        if got is not None:
+            return got
         kids = ix.children(d, lo, hi)
         if len(fb) * 4 < len(kids):
             cmap = ix.child_map(d, lo, hi)
-            return [(b, *cmap[b]) for b in fb if b in cmap]
-        return [k for k in kids if k[0] in fb]
+            got = [(b, *cmap[b]) for b in sorted(fb) if b in cmap]
+        else:
+            got = [k for k in kids if k[0] in fb]
+        if len(memo) >= KID_MEMO_KEPT:
+            memo.clear()  # (a bound, not an LRU: entries are cheap to make again)
+        memo[key] = got
+        return got
 
     # -- finishing within the token budget -------------------------------------------------
 
