@@ -445,3 +445,27 @@ def test_masks_of_non_accepting_states_are_shared_across_end_ids(tok, vocab):
         for stops in (a, b):
             got = np.flatnonzero(c.allowed(sid, stops).dense(vocab.vocab_size)).tolist()
             assert got == brute_force(c, tok, sid, stops)
+
+
+def test_posset_from_walk_reads_only_the_written_spans():
+    """PosSet.from_walk (a container walk's result read from its spans) equals from_bool, on the
+    short path (spans under 1/8 of the vocabulary) and the dense fallback alike."""
+    from q27py.engine.constraint import PosSet
+
+    rng = np.random.default_rng(4)
+    n = 10000
+    for span_len, count in ((40, 5), (900, 3)):  # 200 ids written: short path; 2700: fallback
+        acc = np.zeros(n, dtype=bool)
+        spans, single = [], rng.choice(n, 7, replace=False).tolist()
+        for _ in range(count):
+            lo = int(rng.integers(0, n - span_len))
+            acc[lo:lo + span_len] |= rng.random(span_len) < 0.5
+            spans.append((lo, lo + span_len))
+        pure = np.sort(rng.choice(n, 9, replace=False))
+        acc[pure] = True
+        spans.append(pure)
+        want = acc.copy()
+        want[single] = True
+        got = PosSet.from_walk(acc.copy(), single, spans)
+        ref = PosSet.from_bool(want)
+        assert np.array_equal(got.bool(n), ref.bool(n)) and got.n == ref.n
