@@ -255,6 +255,8 @@ class VocabIndex(TrieIndex):
             self.loop_table(loop)
             self.lastbad(loop)
         self.warm_whitespace(MAX_WS + 2)
+        for _, lo, hi in self.children(0, 0, len(self)):
+            self.child_map(1, lo, hi)  # the first-byte nodes' children: every container walk starts there
         self.ws_table()
         self.warm_frames(common_leaves())
 
