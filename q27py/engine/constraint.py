@@ -1108,13 +1108,19 @@ class ConstraintCache:
                     self.index_build_s = time.perf_counter() - t0
         return self._vocab
 
-    def prepare(self, background: bool = True) -> None:
+    def prepare(self, background: bool = True, on_ready=None) -> None:
         """Build the vocabulary index now (the server calls this at start: about 1.5 s for the 248K
-        vocabulary, which the first constrained request would otherwise wait for)."""
-        if background:
-            threading.Thread(target=lambda: self.vocab, name="q27-vocab-index", daemon=True).start()
-        else:
+        vocabulary, which the first constrained request would otherwise wait for); then on_ready()."""
+
+        def build() -> None:
             self.vocab
+            if on_ready is not None:
+                on_ready()
+
+        if background:
+            threading.Thread(target=build, name="q27-vocab-index", daemon=True).start()
+        else:
+            build()
 
     def get(self, grammar: Grammar) -> CompiledConstraint:
         got = self._items.get(grammar.key)

@@ -76,7 +76,7 @@ class LocalEngine:
         self.prefix = PrefixCache(model, max_sequences=cfg.engine.live_sequences(sized),
                                   checkpoint_every=cfg.engine.checkpoint_every, disk=self._disk_cache(cfg))
         # Output constraints: the vocabulary index (about 1.5 s for the 248K vocabulary) is built
-        # when the server starts (serve calls constraints.prepare()), else on the first constrained
+        # when the server starts (serve calls constraints.prepare(), then gc.freeze), else on the first constrained
         # request; compiled grammars and their masks are kept.
         self.constraints = ConstraintCache(
             lambda: VocabIndex.from_tokenizer(tokenizer, self.model_config.vocab_size))

@@ -469,3 +469,23 @@ def test_posset_from_walk_reads_only_the_written_spans():
         got = PosSet.from_walk(acc.copy(), single, spans)
         ref = PosSet.from_bool(want)
         assert np.array_equal(got.bool(n), ref.bool(n)) and got.n == ref.n
+
+
+def test_prepare_builds_the_index_then_calls_on_ready(vocab):
+    """serve passes gc.freeze as on_ready: it must run after the index exists (so the index's
+    objects are frozen out of the cyclic collector), in the foreground and background modes."""
+    import threading
+
+    from q27py.engine.constraint import ConstraintCache
+
+    for background in (False, True):
+        cache = ConstraintCache(lambda: vocab)
+        seen, done = [], threading.Event()
+
+        def ready(cache=cache, seen=seen, done=done):
+            seen.append(cache._vocab is not None)
+            done.set()
+
+        cache.prepare(background=background, on_ready=ready)
+        assert done.wait(120)
+        assert seen == [True]
