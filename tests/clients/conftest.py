@@ -43,17 +43,25 @@ class RecordingEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, request):
+    def _record(self, request, chunks):
         turn = {"prompt": self._engine.tokenizer.decode(request.prompt_ids), "output": "",
                 "max_tokens": request.max_tokens, "finish": None}
         self.turns.append(turn)
         ids: list[int] = []
-        for chunk in self._engine.generate(request):
+        for chunk in chunks:
             # the engine speaks token ids only (engine/api.py): the record decodes them itself
             ids.extend(chunk.token_ids)
             turn["output"] = self._engine.tokenizer.decode(ids)
             turn["finish"] = chunk.finish_reason or turn["finish"]
             yield chunk
+
+    def generate(self, request):
+        return self._record(request, self._engine.generate(request))
+
+    def steps(self, request):
+        # the server's slot scheduler (engine/scheduler.py) drives requests through steps(), not
+        # generate(): without this the record missed every served turn
+        return self._record(request, self._engine.steps(request))
 
 
 @pytest.fixture(scope="session")
