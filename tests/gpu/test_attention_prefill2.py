@@ -22,9 +22,6 @@ FastModel prefill with v1 vs v2.
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,10 +34,11 @@ from q27py.model import kvformat as F
 
 sys.path.insert(0, str(Path(__file__).parent))  # the emulator beside this file (tests/ is no package)
 import attn_prefill2_emu as emu  # noqa: E402
+import nvcc_build  # noqa: E402
+from nvcc_build import NVCC  # noqa: E402
 
 TOL_V2 = 1e-2
 TOL_EMU = 5e-4
-NVCC = shutil.which("nvcc")
 
 
 def rel(a, b) -> float:
@@ -181,32 +179,12 @@ def test_engine_switch_and_env():
 
 
 # ---------------------------------------------------------------- CPU: build
-def _ptxas(text: str) -> dict[str, tuple[int, int]]:
-    out, cur, spill = {}, None, 0
-    for line in text.splitlines():
-        m = re.search(r"Compiling entry function '(\w+)'", line)
-        if m:
-            cur = m.group(1)
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m:
-            spill = int(m.group(1)) + int(m.group(2))
-        m = re.search(r"Used (\d+) registers", line)
-        if m and cur:
-            out[cur] = (int(m.group(1)), spill)
-    return out
-
-
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"])
 def test_builds_without_spills(tmp_path, arch):
-    from q27py.gpu.runtime import compile_options, source_text
-
-    src = tmp_path / "attention_prefill2.cu"
-    src.write_text(source_text("attention_prefill2"), encoding="utf-8")
-    r = subprocess.run([NVCC, *compile_options(), f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
-                        str(tmp_path / "x.cubin"), str(src)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = _ptxas(r.stderr)
+    rc, err = nvcc_build.build(tmp_path, "attention_prefill2", arch)
+    assert rc == 0, err[-2000:]
+    rep = nvcc_build.ptxas_report(err)
     assert len(rep) == 13, rep  # 2 KV formats x 6 variants + the combine
     assert all(spill == 0 for _, spill in rep.values()), rep
 

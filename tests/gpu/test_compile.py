@@ -4,9 +4,10 @@ as NVRTC will see it, and the packed layout's decode matches its own spec (no GP
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,9 @@ from q27py.gpu import constants as C
 from q27py.gpu import layout as L
 from q27py.gpu.runtime import CUDA_DIR, KERNEL_FILES, compile_options, source_text
 
-NVCC = shutil.which("nvcc")
+sys.path.insert(0, str(Path(__file__).parent))  # the build helper beside this file (tests/ is no package)
+import nvcc_build  # noqa: E402
+from nvcc_build import NVCC  # noqa: E402
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # the portable path builds everywhere; sm_90 is the H200
 
 
@@ -24,35 +27,11 @@ def test_every_cuda_file_is_listed():
     assert on_disk == sorted(KERNEL_FILES)
 
 
-def _nvcc(tmp_path, name: str, arch: str, extra=()):
-    src = tmp_path / f"{name}.cu"
-    src.write_text(source_text(name), encoding="utf-8")
-    r = subprocess.run([NVCC, *compile_options(), *extra, f"-arch={arch}", "-cubin", "-Xptxas", "-v",
-                        "-o", str(tmp_path / f"{name}_{arch}.cubin"), str(src)], capture_output=True, text=True)
-    return r.returncode, r.stderr
-
-
-def _ptxas_report(text: str) -> dict[str, tuple[int, int]]:
-    """kernel -> (registers, spill bytes stored + loaded) from ptxas -v output."""
-    out, cur, spill = {}, None, 0
-    for line in text.splitlines():
-        m = re.search(r"Compiling entry function '(\w+)'", line)
-        if m:
-            cur = m.group(1)
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m:
-            spill = int(m.group(1)) + int(m.group(2))
-        m = re.search(r"Used (\d+) registers", line)
-        if m and cur:
-            out[cur] = (int(m.group(1)), spill)
-    return out
-
-
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch", ["sm_90"])
 def test_kernels_compile_with_nvcc(tmp_path, arch):
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda n: (n, *_nvcc(tmp_path, n, arch)), KERNEL_FILES))
+        results = list(pool.map(lambda n: (n, *nvcc_build.build(tmp_path, n, arch)), KERNEL_FILES))
     failed = [(n, err[-2000:]) for n, rc, err in results if rc != 0]
     assert not failed, failed
 
@@ -64,10 +43,10 @@ def test_gemv_kernels_build_without_spills(tmp_path, arch):
     registers: a spill would put local-memory traffic beside the weight stream (its pipeline
     depths in the constants table are sized to fit the launch bounds)."""
     for name in ("gemv", "gemv2"):
-        rc, err = _nvcc(tmp_path, name, arch)
+        rc, err = nvcc_build.build(tmp_path, name, arch)
         assert rc == 0, err[-2000:]
         if name == "gemv2":
-            rep = _ptxas_report(err)
+            rep = nvcc_build.ptxas_report(err)
             assert len(rep) == 6, rep
             assert all(spill == 0 for _, spill in rep.values()), rep
 
@@ -77,9 +56,9 @@ def test_gemv_kernels_build_without_spills(tmp_path, arch):
 def test_gdn_decode_builds_without_spills(tmp_path, arch):
     """The fused GDN step keeps its state columns in registers at its launch bounds (32 warps:
     64 registers): a spill would add local-memory traffic beside the state stream."""
-    rc, err = _nvcc(tmp_path, "gdn_decode", arch)
+    rc, err = nvcc_build.build(tmp_path, "gdn_decode", arch)
     assert rc == 0, err[-2000:]
-    rep = _ptxas_report(err)
+    rep = nvcc_build.ptxas_report(err)
     assert sorted(rep) == ["gdn_decode_k1", "gdn_decode_k2", "gdn_decode_k4"], rep
     assert all(spill == 0 for _, spill in rep.values()), rep
 
@@ -90,9 +69,9 @@ def test_attention_mma_kernels_build_without_spills(tmp_path, arch):
     """The tensor-core decode attention keeps its O^T and Q fragments in registers under the
     168-register bound of a 12-warp CTA on every arch (the d256 hi + lo pair is built for sm_90+
     only: below it the entry traps and kernels.attention_mma picks the _bq variant)."""
-    rc, err = _nvcc(tmp_path, "attention", arch)
+    rc, err = nvcc_build.build(tmp_path, "attention", arch)
     assert rc == 0, err[-2000:]
-    rep = {k: v for k, v in _ptxas_report(err).items() if k.startswith("attn_mma")}
+    rep = {k: v for k, v in nvcc_build.ptxas_report(err).items() if k.startswith("attn_mma")}
     assert len(rep) == 17, sorted(rep)
     assert all(spill == 0 for _, spill in rep.values()), rep
     assert all(regs <= 168 for regs, _ in rep.values()), rep

@@ -12,8 +12,6 @@ transliteration of the kernel (gdn_chunk_emu.py) and compile it for sm_80/86/90 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,8 +24,9 @@ from q27py.model.gdn_chunked import chunk_spans, gdn_chunked, gdn_chunked_wy
 sys.path.insert(0, str(Path(__file__).parent))  # the emulators beside this file (tests/ is no package)
 import gdn_chunk2_emu as emu2  # noqa: E402
 import gdn_chunk_emu as emu  # noqa: E402
+import nvcc_build  # noqa: E402
+from nvcc_build import NVCC  # noqa: E402
 
-NVCC = shutil.which("nvcc")
 SHAPES = {"small": dict(h=2, hv=6, dk=64, dv=64), "27b": dict(h=16, hv=48, dk=128, dv=128),
           "d128": dict(h=1, hv=2, dk=128, dv=64)}
 
@@ -86,18 +85,12 @@ def test_tf32_rounding_emulation():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
 def test_compiles_without_spills(tmp_path, arch):
-    from q27py.gpu.runtime import compile_options, source_text
-
-    src = tmp_path / "gdn_chunk.cu"
-    src.write_text(source_text("gdn_chunk"), encoding="utf-8")
-    # with the constants table, as the runtime compiles it (common.cuh's helpers use table names)
-    r = subprocess.run([NVCC, *compile_options(), f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
-                        str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    entries = re.findall(r"Compiling entry function '(\w+)'", r.stderr)
+    rc, err = nvcc_build.build(tmp_path, "gdn_chunk", arch)  # with the constants table, as the runtime compiles it
+    assert rc == 0, err[-2000:]
+    entries = re.findall(r"Compiling entry function '(\w+)'", err)
     assert sorted(entries) == sorted(f"gdn_chunk_d{dk}_c{c}" for dk in (64, 128) for c in (32, 64))
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    assert len(spills) == 4 and all(a == "0" and b == "0" for a, b in spills), r.stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err)
+    assert len(spills) == 4 and all(a == "0" and b == "0" for a, b in spills), err
 
 
 def test_shared_memory_budget():
@@ -174,19 +167,14 @@ def test_chunked2_shared_memory_budget():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
 def test_chunked2_compiles_without_spills(tmp_path, arch):
-    from q27py.gpu.runtime import compile_options, source_text
-
-    src = tmp_path / "gdn_chunk2.cu"
-    src.write_text(source_text("gdn_chunk2"), encoding="utf-8")
-    r = subprocess.run([NVCC, *compile_options(), f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
-                        str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    entries = re.findall(r"Compiling entry function '(\w+)'", r.stderr)
+    rc, err = nvcc_build.build(tmp_path, "gdn_chunk2", arch)  # with the constants table, as the runtime compiles it
+    assert rc == 0, err[-2000:]
+    entries = re.findall(r"Compiling entry function '(\w+)'", err)
     want = [f"gdn2_{k}_d{d}" for d in (64, 128) for k in ("prep", "out")]
     want += [f"gdn2_state_d{d}_s{st}" for d in (64, 128) for st in (1, 2)]
     assert sorted(entries) == sorted(want)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    assert len(spills) == 8 and all(a == "0" and b == "0" for a, b in spills), r.stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err)
+    assert len(spills) == 8 and all(a == "0" and b == "0" for a, b in spills), err
 
 
 # ---------------------------------------------------------------- GPU
