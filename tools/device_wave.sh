@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe fused kvrot gdn2 attn fa masks slots bench gates all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -15,6 +15,11 @@ for stage in "$@"; do
           tests/gpu/test_gemv_plan.py > "$OUT/a8.txt" 2>&1 || rc=1; tail -6 "$OUT/a8.txt" ;;
     probe) timeout 240 python3 -m q27py.bench.gemv_probe --shapes 27b --impl v1 a8 --lanes 1 8 16 \
           --json "$OUT/probe.json" > "$OUT/probe.txt" 2>&1 || rc=1; tail -24 "$OUT/probe.txt" ;;
+    ncu)  # the a8 gate_up kernel at 1 lane (ncu locks clocks: read ratios, not times)
+        timeout 200 ncu --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+          -k regex:gemv8_q4 python3 -m q27py.bench.gemv_probe --rows 34816 --cols 5120 --impl a8 --lanes 1 --once \
+          > "$OUT/ncu.txt" 2>&1 || rc=1
+        grep -E "DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|Eligible Warps|SM Active" "$OUT/ncu.txt" | head ;;
     fused) timeout 300 $PYTEST tests/gpu/test_gdn_fused.py "tests/gpu/test_kernels.py::test_gdn_step_verify_and_commit" \
           > "$OUT/fused.txt" 2>&1 || rc=1; tail -6 "$OUT/fused.txt"
         Q27_GDN_FUSED=1 timeout 300 $PYTEST tests/gpu/test_forward.py > "$OUT/fused_forward.txt" 2>&1 || rc=1
