@@ -158,6 +158,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, int
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* q, int ldq, const KVT* kc, const KVT* vc,       \
                                                            int max_pos, int nq, int nkv, float scale,                   \
                                                            const int* pos0_dev, int span, float* part) {                \
+        pdl_entry();                                                                                                    \
         attn_split_body<KVT, DPL>(q, ldq, kc, vc, max_pos, nq, nkv, scale, pos0_dev, span, part);                       \
     }
 
@@ -175,6 +176,7 @@ ATT_KERNEL(attn_split_bf16_d8, u16, 8)
                                                            int max_pos, int nq, int nkv, float scale,                   \
                                                            const int* pos0_dev, int span, float* part,                  \
                                                            const signed char* kx, const signed char* vx) {              \
+        pdl_entry();                                                                                                    \
         attn_split_body<u8, DPL>(q, ldq, kc, vc, max_pos, nq, nkv, scale, pos0_dev, span, part, kx, vx);               \
     }
 
@@ -209,6 +211,7 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part, int
 // grid (nlanes, nq), block hd: the split kernel's partials (NSPLIT per lane and head).
 extern "C" __global__ void attn_combine(const float* __restrict__ part, int nq, int hd, const int* __restrict__ pos0_dev,
                                         int span, const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
+    pdl_entry();
     const int pos0 = *pos0_dev;
     combine_body(part, nq, hd, pos0, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
 }
@@ -530,6 +533,7 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
         NAME(const float* q, int ldq, const unsigned char* kc, const unsigned char* vc, int max_pos, int nq,   \
              int nkv, float scale, const int* pos0_dev, int span, int nsplit, int nlanes, float* part,          \
              const signed char* kx, const signed char* vx) {                                                    \
+        pdl_entry();                                                                                            \
         attn_mma_body<HD, FP8, QS>(q, ldq, kc, vc, max_pos, nq, nkv, scale, pos0_dev, span, nsplit, nlanes, part,   \
                                kx, vx);                                                                         \
     }
@@ -558,6 +562,7 @@ ATTD_KERNEL(attn_mma_fp8_d256_bq, 256, true, false)
         NAME(const float* q, int ldq, const unsigned char* kc, const unsigned char* vc, int max_pos, int nq,   \
              int nkv, float scale, const int* pos0_dev, int span, int nsplit, int nlanes, float* part,          \
              const signed char* kx, const signed char* vx) {                                                    \
+        pdl_entry();                                                                                            \
         if constexpr (ATTD_SM90_BUILD)                                                                          \
             attn_mma_body<HD, FP8, true>(q, ldq, kc, vc, max_pos, nq, nkv, scale, pos0_dev, span, nsplit,       \
                                          nlanes, part, kx, vx);                                                 \
@@ -571,6 +576,7 @@ ATTD_KERNEL_SM90(attn_mma_fp8_d256, 256, true)
 extern "C" __global__ void attn_mma_combine(const float* __restrict__ part, int nq, int hd,
                                             const int* __restrict__ pos0_dev, int span, int nsplit,
                                             const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
+    pdl_entry();
     const int pos0 = *pos0_dev;
     combine_body(part, nq, hd, pos0, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo);
 }

@@ -16,6 +16,7 @@ extern "C" __global__ void mtp_chain_step(const int* __restrict__ tok, const flo
                                           int* __restrict__ mtp_ids, float* __restrict__ hidden_in,
                                           const float* __restrict__ out_row, int h, int* __restrict__ ctl,
                                           int advance) {
+    pdl_entry();
     if (threadIdx.x == 0) {
         draft[k] = tok[0];
         margin_out[k] = margin[0];

@@ -16,6 +16,39 @@ typedef long long i64;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Programmatic dependent launch (sm_90+; q27py/gpu/runtime.py Runtime.launch, docs/PERF.md "PDL").
+// Captured decode graphs may launch a kernel with the programmatic-serialization attribute: it
+// then starts while the kernel before it is still running, and must not touch that kernel's
+// outputs (nor anything it reads) before griddepcontrol.wait, which returns once every
+// predecessor has completed and its memory is visible. launch_dependents lets the next kernel
+// start early. Below sm_90 (and in launches without the attribute) both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The first statement of every kernel a captured graph may launch with the attribute (a test
+// checks each one). PDL_EARLY (compile option, EngineConfig.pdl "early"): let the next kernel
+// launch before this one's own wait -- these kernels are short, so the next (often a GEMV, which
+// streams weights before its wait) gets resident during the tail of the kernel two back. A GEMV
+// triggers only after its wait (gemv_loop), so early launches never chain past one GEMV.
+__device__ __forceinline__ void pdl_entry() {
+#if PDL_EARLY
+    pdl_trigger();
+    pdl_wait();
+#else
+    pdl_wait();
+    pdl_trigger();
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

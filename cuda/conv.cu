@@ -17,6 +17,7 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ raw, int ldr,  // 
                                     int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,  // [lane][C]
                                     float* __restrict__ gb)                                              // [lane][2HV]
 {
+    pdl_entry();
     __shared__ float red[32];
     const int t = blockIdx.x, slot = blockIdx.y, c = threadIdx.x;
     const int C = 2 * H * dk + HV * dv;
@@ -52,6 +53,7 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ raw, int ldr,  // 
 extern "C" __global__ void gdn_conv_commit(float* __restrict__ window, i64 window_layer_stride,
                                            const float* __restrict__ raw, int ldr, i64 raw_layer_stride, int C, int KW,
                                            const int* __restrict__ n_dev, int n_const) {
+    pdl_entry();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
     const int n = n_dev ? *n_dev : n_const;

@@ -8,6 +8,7 @@
 extern "C" __global__ void embed_rows(const int* __restrict__ ids, const void* __restrict__ table, int fmt, i64 ld_table,
                                       const u16* __restrict__ scales, int ngroups, int group, int H,
                                       float* __restrict__ out, int ldo) {
+    pdl_entry();
     const int t = blockIdx.x;
     const i64 row = ids[t];
     float* dst = out + (i64)t * ldo;

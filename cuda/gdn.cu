@@ -68,6 +68,7 @@ __device__ __forceinline__ void gdn_body(float* __restrict__ state, const float*
     extern "C" __global__ void NAME(float* state, i64 state_stride, const float* qkvn, i64 qkvn_stride,              \
                                     const float* gb, i64 gb_stride, float* out, int ldo, int H, int HV, int dk, int dv, \
                                     int nlanes, const int* n_dev, int emit, int write_state) {                        \
+        pdl_entry();                                                                                                  \
         const int L = blockIdx.y;                                                                                     \
         gdn_body<KPL>(state + L * state_stride, qkvn + L * qkvn_stride, gb + L * gb_stride, out, ldo, H, HV, dk, dv,  \
                       n_dev ? *n_dev : nlanes, emit, write_state);                                                    \
@@ -172,6 +173,7 @@ __device__ __forceinline__ void gdn_prefill_body(float* __restrict__ state, cons
     extern "C" __global__ void __launch_bounds__(32 * GDN_PF_WARPS)                                         \
         NAME(float* state, const float* qkvn, const float* gb, float* out, int ldo, int H, int HV, int dk,  \
              int dv, int nlanes) {                                                                          \
+        pdl_entry();                                                                                        \
         gdn_prefill_body<KPL, GDN_PF_COLS>(state, qkvn, gb, out, ldo, H, HV, dk, dv, nlanes);               \
     }
 

@@ -273,6 +273,7 @@ __device__ __forceinline__ void gdn_decode_body(
         const float* dt_bias, int H, int HV, int dk, int dv, int KW, float q_scale, float* qkvn, float* gb,          \
         float* state, float* out, int ldo, const float* normw, float eps, float* y, int ldy, int* tickets, int T,     \
         int commit) {                                                                                                 \
+        pdl_entry();                                                                                                  \
         gdn_decode_body<KPL>(raw, ldr, window, convw, ab, ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, qkvn, gb, \
                              state, out, ldo, normw, eps, y, ldy, tickets, T, commit);                                \
     }

@@ -336,6 +336,11 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
                              sb + (((unsigned)c / GSC) << 3), tstride, sstride);
         cp_async_commit();
     }
+    // The weights are constants: their first S-1 stages are in flight before the wait on the
+    // kernel that wrote this launch's activations (PDL; a no-op without it). Trigger after the
+    // wait, so the kernels launched early never reach past this GEMV.
+    pdl_wait();
+    pdl_trigger();
     int rd = 0, wr = S - 1;  // ring slots to read and to refill
     uint4 xb[A8 ? NT : 1];
     float2 xsv[A8 ? NT : 1];
@@ -520,6 +525,7 @@ GEMV8_KERNEL(gemv8_q8_nt2, FMT_Q8, 2, A8_CTAS_NT2)
 // Columns k >= K (inside the padded row) must read as zero: the fp32 rows keep their pads zero.
 extern "C" __global__ void quant_act8(const float* __restrict__ x, int ldx, int kch, u8* __restrict__ xq, int ldq,
                                       float* __restrict__ xs) {
+    pdl_entry();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * 8 + warp, row = blockIdx.y;
     if (c >= kch) return;

@@ -365,6 +365,7 @@ __device__ __forceinline__ void gemv2_body(const i64* __restrict__ desc, int nma
     extern "C" __global__ void __launch_bounds__(G2_WARPS * 32, MINB)                                      \
         NAME(const i64* __restrict__ desc, int nmat, const float* __restrict__ x, int ldx, int nlanes,      \
              int lane0) {                                                                                  \
+        pdl_entry();                                                                                       \
         gemv2_body<FMT, NT, PIPE, XPF>(desc, nmat, x, ldx, nlanes, lane0);                                  \
     }
 

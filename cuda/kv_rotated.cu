@@ -24,6 +24,7 @@ extern "C" __global__ void lm_quantize_rows(const float* __restrict__ x, int ldx
                                             const float* __restrict__ centroids, const float* __restrict__ edges,
                                             float inv_sqrt_d, float sqrt_d, u8* __restrict__ codes,
                                             u16* __restrict__ norms) {
+    pdl_entry();
     extern __shared__ float xs[];  // d floats, then d bytes of codes
     __shared__ float red[32];
     const int r = blockIdx.x;
@@ -34,6 +35,7 @@ extern "C" __global__ void lm_quantize_rows(const float* __restrict__ x, int ldx
 // grid (rows, heads), block d: x[row][h*d ..] <- R x (forward: H D / sqrt(d)) or R^T x (inverse:
 // D H / sqrt(d)), in place. The query is rotated before attention; the output after.
 extern "C" __global__ void rotate_heads(float* __restrict__ x, int ldx, int d, int inverse, float inv_sqrt_d) {
+    pdl_entry();
     extern __shared__ float xs[];
     const int r = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
     float* p = x + (i64)r * ldx + (i64)h * d;
@@ -153,6 +155,7 @@ __device__ __forceinline__ void rq_split_body(const float* __restrict__ q, int l
         NAME(const float* q, int ldq, const u8* kc, const u8* vc, const u16* kn, const u16* vn, int kbits,          \
              int vbits, const float* ck, const float* cvb, int max_pos, int nq, int nkv, float scale,               \
              float inv_sqrt_d, const int* pos0_dev, int span, float* part) {                                        \
+        pdl_entry();                                                                                                \
         rq_split_body<DPL>(q, ldq, kc, vc, kn, vn, kbits, vbits, ck, cvb, max_pos, nq, nkv, scale, inv_sqrt_d,      \
                            pos0_dev, span, part);                                                                   \
     }
@@ -168,6 +171,7 @@ extern "C" __global__ void attn_combine_rotated(const float* __restrict__ part, 
                                                 const int* __restrict__ pos0_dev, int span,
                                                 const float* __restrict__ qg, int ldq, float inv_sqrt_d,
                                                 float* __restrict__ out, int ldo) {
+    pdl_entry();
     extern __shared__ float xs[];
     const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const int pos0 = *pos0_dev, len = pos0 + t + 1;
@@ -196,6 +200,7 @@ extern "C" __global__ void attn_combine_rotated(const float* __restrict__ part, 
 // the sigmoid gate, in place -- attn_combine_rotated's tail, so prefill and decode finish alike.
 extern "C" __global__ void unrotate_gate(float* __restrict__ out, int ldo, const float* __restrict__ qg, int ldq,
                                          int hd, float inv_sqrt_d) {
+    pdl_entry();
     extern __shared__ float xs[];
     const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     float* p = out + (i64)t * ldo + (i64)h * hd;

@@ -32,6 +32,7 @@ __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x, int ldx
 
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, const float* __restrict__ w, float add_one,
                                         float eps, int H, float* __restrict__ y, int ldy) {
+    pdl_entry();
     __shared__ float red[32];
     rmsnorm_row(x, ldx, w, add_one, eps, H, y, ldy, red);
 }
@@ -42,6 +43,7 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, co
 extern "C" __global__ void rmsnorm_rows_a8(const float* __restrict__ x, int ldx, const float* __restrict__ w,
                                            float add_one, float eps, int H, float* __restrict__ y, int ldy, int kch,
                                            u8* __restrict__ xq, int ldq, float* __restrict__ xs) {
+    pdl_entry();
     __shared__ float red[32];
     rmsnorm_row(x, ldx, w, add_one, eps, H, y, ldy, red);
     __syncthreads();  // the block's row writes are visible to the block after the barrier
@@ -54,6 +56,7 @@ extern "C" __global__ void rmsnorm_rows_a8(const float* __restrict__ x, int ldx,
 // grid (nlanes, HV), block = dv rounded up to 32 (dv <= 1024).
 extern "C" __global__ void gated_rmsnorm(const float* __restrict__ o, int ldo, const float* __restrict__ z, int ldz,
                                          const float* __restrict__ w, float eps, int dv, float* __restrict__ y, int ldy) {
+    pdl_entry();
     __shared__ float red[32];
     const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
     const float v = j < dv ? o[(i64)t * ldo + h * dv + j] : 0.f;

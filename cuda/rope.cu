@@ -13,6 +13,7 @@ extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qg, int 
                                               const double* __restrict__ inv_freq, const int* __restrict__ pos0_dev,
                                               float* __restrict__ qout, int ldqo, void* kcache, void* vcache, int kv_bf16,
                                               int max_pos) {
+    pdl_entry();
     extern __shared__ float xs[];  // hd floats
     __shared__ float red[32];
     const int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
@@ -63,6 +64,7 @@ extern "C" __global__ void qk_norm_rope_store_fp8(const float* __restrict__ qg, 
                                                   u8* __restrict__ kcache, u8* __restrict__ vcache,
                                                   signed char* __restrict__ kexp, signed char* __restrict__ vexp,
                                                   int max_pos) {
+    pdl_entry();
     extern __shared__ float xs[];  // hd floats
     __shared__ float red[32];
     const int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
@@ -119,6 +121,7 @@ extern "C" __global__ void qk_norm_rope_store_rot(const float* __restrict__ qg, 
                                                   const float* __restrict__ ck, const float* __restrict__ ek,
                                                   const float* __restrict__ cv, const float* __restrict__ ev,
                                                   float inv_sqrt_d, float sqrt_d, int max_pos) {
+    pdl_entry();
     extern __shared__ float xs[];  // hd floats, then hd bytes of codes
     __shared__ float red[32];
     const int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
@@ -158,6 +161,7 @@ extern "C" __global__ void qk_norm_rope_store_rot(const float* __restrict__ qg, 
 // back[i] = decode(code) / 256 through the two-code path the attention kernel uses.
 extern "C" __global__ void fp8_convert_probe(const float* __restrict__ x, u8* __restrict__ out, float* __restrict__ back,
                                              int n) {
+    pdl_entry();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (2 * i >= n) return;
     const u8 a = float_to_e4m3(x[2 * i]);

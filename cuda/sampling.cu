@@ -83,6 +83,7 @@ __device__ __forceinline__ void block_top2_store(u64 k1, u64 k2, unsigned long l
 extern "C" __global__ void top2_partial(const float* __restrict__ logits, int ld, int V, float inv_temp,
                                         unsigned long long seed, const int* __restrict__ pos0_dev,
                                         unsigned long long* __restrict__ part) {
+    pdl_entry();
     const int row = blockIdx.x, nb = gridDim.y, b = blockIdx.y;
     const float* x = logits + (i64)row * ld;
     const long long pos = inv_temp > 0.f ? (long long)(*pos0_dev) + row : 0;
@@ -98,6 +99,7 @@ extern "C" __global__ void top2_partial(const float* __restrict__ logits, int ld
 // grid (rows), block 32 (NB <= 32). ids[row], top1[row] (the key's value), margin[row] = top1 - top2.
 extern "C" __global__ void top2_final(const unsigned long long* __restrict__ part, int nb, int* __restrict__ ids,
                                       float* __restrict__ top1, float* __restrict__ margin) {
+    pdl_entry();
     const int row = blockIdx.x, lane = threadIdx.x;
     u64 k1 = lane < nb ? part[((i64)row * nb + lane) * 2] : 0;
     u64 k2 = lane < nb ? part[((i64)row * nb + lane) * 2 + 1] : 0;
@@ -121,6 +123,7 @@ extern "C" __global__ void top2_final(const unsigned long long* __restrict__ par
 extern "C" __global__ void top2_partial_masked(const float* __restrict__ logits, int ld, int V,
                                                const int* __restrict__ row_idx, const unsigned* __restrict__ mask,
                                                int mask_ld, unsigned long long* __restrict__ part) {
+    pdl_entry();
     const int row = blockIdx.x, nb = gridDim.y, b = blockIdx.y;
     const float* x = logits + (i64)row_idx[row] * ld;
     const unsigned* m = mask + (i64)row * mask_ld;

@@ -113,6 +113,12 @@ class EngineConfig:
     # for bf16 KV; fp8 KV stays on split (its mma variant hit an illegal address in the 27B probe).
     # mma sums in another order (Q and P as bf16 hi + lo): tolerance-equal to split, not bitwise.
     attn_decode: str = "mma"
+    # cuda, sm_90+: captured decode / verify / MTP graphs launch their kernels with programmatic
+    # dependent launch (cuLaunchKernelEx + griddepcontrol, cuda/common.cuh pdl_entry): each kernel
+    # starts while the one before drains, and a GEMV streams its first weight stages before waiting
+    # for its activations. "off" | "on" (every kernel waits, then lets the next launch) | "early"
+    # (the short kernels let the next launch before their wait). Eager launches never use it.
+    pdl: str = "off"
 
     def slots(self, sized: int | None = None) -> int:
         """Requests generating at once: max_slots, or for "auto" the count the model sized from
@@ -259,6 +265,7 @@ ENV_VARS = {
     "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),
     "Q27_DEVICE_MASKS": ("engine", "device_masks", parse_switch),
     "Q27_ATTN_DECODE": ("engine", "attn_decode", str),
+    "Q27_PDL": ("engine", "pdl", str),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

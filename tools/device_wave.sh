@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -57,6 +57,16 @@ for stage in "$@"; do
           tests/gpu/test_gdn_fused.py tests/gpu/test_kernels.py -k "not gemv" > "$OUT/suite.txt" 2>&1 || rc=1
         tail -12 "$OUT/suite.txt" ;;
     all) timeout 560 $PYTEST tests/gpu > "$OUT/all.txt" 2>&1 || rc=1; tail -25 "$OUT/all.txt" ;;
+    pdl)  # programmatic dependent launch: bits (tests, gates) under both trigger placements, then the step times
+        for mode in on early; do
+          Q27_PDL=$mode timeout 300 $PYTEST tests/gpu/test_pdl.py tests/gpu/test_forward.py -k "graph or pdl or verify" \
+            > "$OUT/pdl_$mode.txt" 2>&1 || rc=1; tail -3 "$OUT/pdl_$mode.txt"
+        done
+        Q27_PDL=on timeout 300 python3 gates/run.py > "$OUT/pdl_gates.txt" 2>&1 || rc=1; tail -6 "$OUT/pdl_gates.txt"
+        for mode in on early; do
+          Q27_PDL=$mode timeout 200 python3 tools/pdl_bench.py > "$OUT/pdl_bench_$mode.txt" 2>&1 || rc=1
+          grep -v '^{' "$OUT/pdl_bench_$mode.txt" | tail -8
+        done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done

@@ -27,7 +27,7 @@ from q27py.gpu.layout import FMT_BF16 as L_FMT_BF16
 from q27py.gpu.layout import round_up
 from q27py.gpu.forward import FastModel
 from q27py.gpu.graphs import capture
-from q27py.gpu.runtime import Runtime
+from q27py.gpu.runtime import Runtime, pdl_mode
 from q27py.gpu.weights import random_weights
 from q27py.model.config import qwen36_27b_config
 
@@ -156,7 +156,9 @@ class Bench:
         self.stream = self.model.stream
         self.state = self.model.new_state()
         self._randomize_state(self.state, seed)
-        self.result: dict = {"tier": tier, "device": self.rt.describe(), "attn_decode": self.attn_decode, "weights_build_s": self.build_s,
+        # Q27_PDL=on|early: the captured steps launch with programmatic dependent launch (graphs.capture)
+        self.result: dict = {"tier": tier, "device": self.rt.describe(), "attn_decode": self.attn_decode,
+                             "pdl": pdl_mode(), "weights_build_s": self.build_s,
                              "stream_bytes": self.weights.stream_bytes(), "mtp_step_weight_bytes": self.weights.mtp_step_bytes(),
                              "total_weight_bytes": self.weights.total_bytes()}
 

@@ -35,7 +35,7 @@ import numpy as np
 from q27py.gpu import constants as C
 from q27py.gpu import kernels as K
 from q27py.gpu import layout as L
-from q27py.gpu.runtime import Runtime, i32, ptr
+from q27py.gpu.runtime import Runtime, i32, ptr, set_pdl_mode
 from q27py.gpu.weights import LayerW, ModelWeights
 from q27py.model.config import FULL, ModelConfig
 from q27py.model.kvformat import get_format
@@ -975,6 +975,7 @@ def load_fast_model(cfg) -> FastModel:
     from q27py.model.checkpoint import Checkpoint
 
     e = cfg.engine
+    set_pdl_mode(e.pdl)  # before any compile: PDL_EARLY is a compile option
     src = Path(e.model_dir)
     if src.is_file():
         weights = from_q27file(src, progress=True)

@@ -9,7 +9,7 @@ rewrites before the launch, and the kernels read it from there.
 
 from __future__ import annotations
 
-from q27py.gpu.runtime import Runtime
+from q27py.gpu.runtime import Runtime, pdl_mode
 
 
 class GraphCache:
@@ -43,14 +43,7 @@ class GraphCache:
         self.replays += 1
 
     def _capture(self, enqueue):
-        stream = self.model.stream
-        stream.begin_capture()
-        try:
-            enqueue()
-        finally:
-            graph = stream.end_capture()
-        graph.upload(stream)
-        return graph
+        return capture(enqueue, self.model.stream)
 
     def drop_state(self, state) -> None:
         self.drop_id(state.id)
@@ -78,11 +71,14 @@ def _free_bytes() -> int:
     return int(Runtime.get().cp.cuda.runtime.memGetInfo()[0])
 
 
-def capture(fn, stream=None):
-    """Capture fn()'s launches on `stream` into a graph (benchmarks time replays of these)."""
-    cp = Runtime.get().cp
-    stream = stream or cp.cuda.get_current_stream()
-    with stream:
+def capture(fn, stream=None, pdl: bool | None = None):
+    """Capture fn()'s launches on `stream` into a graph (the model's steps; benchmarks time replays
+    of these). pdl: launch the kernels with programmatic dependent launch (None: EngineConfig.pdl,
+    env Q27_PDL, is not "off"; ignored below sm_90)."""
+    rt = Runtime.get()
+    stream = stream or rt.cp.cuda.get_current_stream()
+    use_pdl = pdl_mode() != "off" if pdl is None else pdl
+    with stream, rt.pdl_capture(use_pdl):
         stream.begin_capture()
         try:
             fn()

@@ -13,6 +13,7 @@ Typed arguments: CuPy passes a Python int as a 64-bit value, which silently corr
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections import Counter
 from contextlib import contextmanager
@@ -71,10 +72,93 @@ def ptr(a, offset_bytes: int = 0) -> np.uint64:
 def compile_options() -> tuple[str, ...]:
     """What every kernel module is compiled with: C++17 and the shared constants table as -D
     defines (q27py/gpu/constants.py), so kernels and Python read one set of numbers. CuPy's
-    on-disk cache key covers the options, so a changed constant recompiles."""
+    on-disk cache key covers the options, so a changed constant recompiles. PDL_EARLY follows
+    the engine's pdl mode (EngineConfig.pdl), read once per process."""
     from q27py.gpu.constants import defines
 
-    return ("--std=c++17",) + defines()
+    early = "-DPDL_EARLY=1" if pdl_mode() == "early" else "-DPDL_EARLY=0"
+    return ("--std=c++17",) + tuple(early if d.startswith("-DPDL_EARLY=") else d for d in defines())
+
+
+# ---------------------------------------------------------------- programmatic dependent launch
+PDL_MODES = ("off", "on", "early")
+# Modules every kernel of which starts with pdl_entry() (or, the GEMVs, waits in gemv_loop after
+# its weight prefetch): only these may be launched with the attribute (tests/gpu/test_pdl.py
+# checks the sources). The rest (prefill-only kernels, packing) launch plainly.
+PDL_MODULES = frozenset({"attention", "chain", "conv", "embed", "gdn", "gdn_decode", "gemv", "gemv2", "kv_rotated",
+                         "norm", "rope", "sampling"})
+_PDL_MODE: str | None = None
+
+
+def pdl_mode() -> str:
+    """EngineConfig.pdl (env Q27_PDL), read once; set_pdl_mode before the first compile changes it."""
+    global _PDL_MODE
+    if _PDL_MODE is None:
+        from q27py.config import Q27Config, apply_env
+
+        set_pdl_mode(apply_env(Q27Config()).engine.pdl)
+    return _PDL_MODE
+
+
+def set_pdl_mode(name: str) -> None:
+    global _PDL_MODE
+    if name not in PDL_MODES:
+        raise ValueError(f"unknown pdl mode {name!r} (choose from {', '.join(PDL_MODES)})")
+    _PDL_MODE = name
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("nattrs", ctypes.c_uint)]
+
+
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class PdlLauncher:
+    """cuLaunchKernelEx with programmatic stream serialization, through ctypes on the driver
+    library CuPy already loaded (no other binding needed). Only graph captures use it: the
+    argument packing costs host time an eager launch should not pay, and a captured launch
+    becomes a programmatic edge in the graph (CUDA 12.3+)."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._launch = lib.cuLaunchKernelEx
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                 ctypes.c_void_p]
+        self._attr = _LaunchAttribute()
+        self._attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+        self._attr.value[0] = 1
+
+    def launch(self, function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
+        # Each parameter is passed by address; the driver copies sizeof(parameter) bytes from it,
+        # so a 64-bit slot read as a 32-bit int (little endian) still gives the value.
+        vals = []
+        for a in args:
+            if isinstance(a, np.generic):
+                vals.append(np.array(a))
+            elif isinstance(a, (bool, int)):
+                vals.append(np.array(a, dtype=np.int64))
+            elif isinstance(a, float):
+                vals.append(np.array(a, dtype=np.float64))
+            else:  # a cupy array: its device address
+                vals.append(np.array(a.data.ptr, dtype=np.uint64))
+        params = (ctypes.c_void_p * max(1, len(vals)))(*[v.ctypes.data for v in vals])
+        cfg = _LaunchConfig()
+        cfg.grid[:] = grid + (1,) * (3 - len(grid))
+        cfg.block[:] = block + (1,) * (3 - len(block))
+        cfg.shared = int(shared_mem)
+        cfg.stream = ctypes.c_void_p(int(stream_ptr))
+        cfg.attrs = ctypes.pointer(self._attr)
+        cfg.nattrs = 1
+        rc = self._launch(ctypes.byref(cfg), ctypes.c_void_p(int(function_ptr)), params, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
 
 
 def source_text(name: str) -> str:
@@ -121,6 +205,8 @@ class Runtime:
         self._shared_set: dict[tuple[str, str], int] = {}
         self.launches = 0  # kernels this process launched through launch() (eager or into a capture)
         self._tally: Counter | None = None  # (module, kernel) -> launches while count_launches() is open
+        self._pdl_capture = False  # inside pdl_capture(): PDL_MODULES launch through PdlLauncher
+        self._pdl_launcher: PdlLauncher | None = None
 
     @classmethod
     def get(cls) -> "Runtime":
@@ -154,10 +240,33 @@ class Runtime:
         f = self.fn(module, kernel)
         if shared_mem > 48 * 1024:
             self._allow_shared(module, kernel, f, int(shared_mem))
-        f(grid, block, args, shared_mem=int(shared_mem))
+        if self._pdl_capture and module in PDL_MODULES:
+            self._pdl().launch(f.kernel.ptr, grid, block, args, int(shared_mem), self.cp.cuda.get_current_stream().ptr)
+        else:
+            f(grid, block, args, shared_mem=int(shared_mem))
         self.launches += 1
         if self._tally is not None:
             self._tally[(module, kernel)] += 1
+
+    @property
+    def pdl_supported(self) -> bool:
+        """griddepcontrol needs sm_90; elsewhere the mode is ignored."""
+        return self.cc >= (9, 0)
+
+    def _pdl(self) -> PdlLauncher:
+        if self._pdl_launcher is None:
+            self._pdl_launcher = PdlLauncher()
+        return self._pdl_launcher
+
+    @contextmanager
+    def pdl_capture(self, on: bool = True):
+        """Inside: kernels of PDL_MODULES launch with programmatic dependent launch (GraphCache
+        wraps its captures in this when the model's pdl mode is on and the card supports it)."""
+        saved, self._pdl_capture = self._pdl_capture, bool(on) and self.pdl_supported
+        try:
+            yield
+        finally:
+            self._pdl_capture = saved
 
     @contextmanager
     def count_launches(self):
