@@ -117,8 +117,10 @@ class EngineConfig:
     # dependent launch (cuLaunchKernelEx + griddepcontrol, cuda/common.cuh pdl_entry): each kernel
     # starts while the one before drains, and a GEMV streams its first weight stages before waiting
     # for its activations. "off" | "on" (every kernel waits, then lets the next launch) | "early"
-    # (the short kernels let the next launch before their wait). Eager launches never use it.
-    pdl: str = "off"
+    # (the short kernels let the next launch before their wait). Eager launches never use it; below
+    # sm_90 the mode is ignored. "on" since device run c1: decode 2K 7.85 -> 7.39 ms, bits unchanged
+    # (gates PASS); "early" measured the same (docs/PERF.md "PDL").
+    pdl: str = "on"
 
     def slots(self, sized: int | None = None) -> int:
         """Requests generating at once: max_slots, or for "auto" the count the model sized from

@@ -79,7 +79,7 @@ def test_launch_structs_match_cuda_h():
 def test_pdl_mode_from_config_and_compile_option(monkeypatch):
     from q27py.config import Q27Config, apply_env
 
-    assert Q27Config().engine.pdl == "off"
+    assert Q27Config().engine.pdl == "on"
     assert apply_env(Q27Config(), {"Q27_PDL": "early"}).engine.pdl == "early"
     monkeypatch.setattr(R, "_PDL_MODE", None)
     with pytest.raises(ValueError):
@@ -106,7 +106,7 @@ def test_pdl_sources_compile(mode, tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_pdl_graph_replay_matches_eager(monkeypatch):
-    """Captures with PDL on (q4 tier: the a8 GEMVs) replay to exactly the eager bits."""
+    """Captures with PDL on (q4s tier: the a8 GEMVs) replay to exactly the eager bits."""
     from q27py.gpu.forward import FastModel
     from q27py.gpu.weights import from_checkpoint
     from q27py.model.checkpoint import Checkpoint
@@ -117,8 +117,8 @@ def test_pdl_graph_replay_matches_eager(monkeypatch):
     if R.pdl_mode() == "off":
         monkeypatch.setattr(R, "_PDL_MODE", "on")  # PDL_EARLY: whatever this process compiled with
     ckpt = Checkpoint.open(DEFAULT_MODEL_DIR)
-    model = FastModel(from_checkpoint(ckpt, "q4", progress=False), max_context=512, chunk=16)
-    eager = FastModel(from_checkpoint(ckpt, "q4", progress=False), max_context=512, chunk=16)
+    model = FastModel(from_checkpoint(ckpt, "q4s", progress=False), max_context=512, chunk=16)
+    eager = FastModel(from_checkpoint(ckpt, "q4s", progress=False), max_context=512, chunk=16)
     model.enable_graphs()
     ids = list(range(5, 42))
     s1, s2 = model.new_state(), eager.new_state()
