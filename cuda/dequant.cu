@@ -122,3 +122,124 @@ extern "C" __global__ void swiglu_tiles(const float* __restrict__ z, int ldz, in
     const float gt = zr[0], up = zr[8];
     y[(i64)tok * ldy + o] = gt * sigmoid_f(gt) * up;
 }
+
+// ---------------------------------------------------------------- fp8 prefill route (blas.prefill_gemm_fp8)
+// The 8-bit activation path of issue 14: weights and activations as e4m3 codes, multiplied by
+// cuBLASLt's fp8 tensor-core GEMM (fp32 accumulate and output). Every scale is a power of two, so
+// scaling is exact and only the two e4m3 roundings (3 mantissa bits, relative <= 2^-4) differ from
+// the bf16 route: its own tolerance class (docs/QUANT.md "fp8 prefill"), gated on the trained model.
+// Weights: value = e4m3(code * scale * 2^-ew), one exponent ew per matrix (its max |code * scale|
+// lands in [128, 256): fp8_row_exponent); e4m3 keeps 2^-4 relative precision over ~2^15 of range
+// below that, wider than any q4 / q8 matrix's spread of group scales.
+// Activations: value = e4m3(x * 2^-e_t), one exponent per token row (outlier tokens do not squash
+// the others into subnormals), applied back after the GEMM (fp8_scale_rows / swiglu_tiles_scaled).
+
+// One warp turns one (tile, chunk) block into e4m3 bytes of a row-major [row_tiles * 16][ldo] u8
+// scratch. grid.x = ceil(row_tiles * kchunks / DQ_WARPS), block = 32 * DQ_WARPS.
+template <int FMT>
+__device__ __forceinline__ void dequant_fp8_body(const u8* __restrict__ codes, const u32* __restrict__ scales,
+                                                 int row_tiles, int kchunks, int ngroups, int group_chunks,
+                                                 float inv_pow2, u8* __restrict__ out, i64 ldo) {
+    __shared__ __align__(16) u8 blk[DQ_WARPS][16 * 80];  // 64 bytes per row + 16 pad (bank spread)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const i64 b = (i64)blockIdx.x * DQ_WARPS + warp;
+    if (b >= (i64)row_tiles * kchunks) return;
+    const int tile = (int)(b / kchunks), chunk = (int)(b - (i64)tile * kchunks);
+    u8* s = blk[warp];
+    const u32 pair = __ldg(scales + ((i64)tile * ngroups + chunk / group_chunks) * 8 + g);
+    const float s_lo = half_to_float((u16)(pair & 0xffffu)) * inv_pow2;  // exact: a power of two
+    const float s_hi = half_to_float((u16)(pair >> 16)) * inv_pow2;
+    if (FMT == FMT_Q4) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(codes + b * 512) + lane);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int st = 0; st < 4; st++) {
+#pragma unroll
+            for (int q = 0; q < 8; q++) {
+                const int p = q & 3, e = q >> 2;
+                const int row = g + 8 * (p & 1), k = 16 * st + 2 * t + 8 * (p >> 1) + e;
+                const float c = (float)((int)((w[st] >> (4 * q)) & 15u) - 8);
+                s[row * 80 + k] = float_to_e4m3(c * (row < 8 ? s_lo : s_hi));
+            }
+        }
+    } else {
+#pragma unroll
+        for (int jj = 0; jj < 2; jj++) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(codes + b * 1024 + jj * 512) + lane);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int wi = 0; wi < 4; wi++) {
+                const int step = 2 * jj + (wi >> 1), word = wi & 1;
+#pragma unroll
+                for (int bb = 0; bb < 4; bb++) {
+                    const int row = g + 8 * (bb & 1), k = 16 * step + 2 * t + 8 * word + (bb >> 1);
+                    const float c = (float)((int)((w[wi] >> (8 * bb)) & 255u) - 128);
+                    s[row * 80 + k] = float_to_e4m3(c * (row < 8 ? s_lo : s_hi));
+                }
+            }
+        }
+    }
+    __syncwarp();
+    // 16 rows x 64 bytes = 64 uint4: two per lane (4 lanes per row)
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int idx = i * 32 + lane, row = idx >> 2, seg = idx & 3;
+        const uint4 val = *reinterpret_cast<const uint4*>(s + row * 80 + seg * 16);
+        *reinterpret_cast<uint4*>(out + ((i64)tile * 16 + row) * ldo + (i64)chunk * 64 + seg * 16) = val;
+    }
+}
+
+#define DQ8_KERNEL(NAME, FMT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * DQ_WARPS)                                             \
+        NAME(const u8* __restrict__ codes, const u32* __restrict__ scales, int row_tiles, int kchunks,      \
+             int ngroups, int group_chunks, float inv_pow2, u8* __restrict__ out, long long ldo) {         \
+        dequant_fp8_body<FMT>(codes, scales, row_tiles, kchunks, ngroups, group_chunks, inv_pow2, out, ldo); \
+    }
+
+DQ8_KERNEL(dequant_q4_fp8, FMT_Q4)
+DQ8_KERNEL(dequant_q8_fp8, FMT_Q8)
+
+// x fp32 [rows][ldx] (first cols columns, the rest of ldo zero-filled up to ldo) -> e4m3 codes
+// [rows][ldo] with one power-of-two scale per row: scale[row] = 2^e, e = fp8_row_exponent(amax)
+// (amax * 2^-e in [128, 256)). grid rows, block 1024.
+extern "C" __global__ void f32_to_fp8_rows(const float* __restrict__ x, int ldx, int cols, u8* __restrict__ out,
+                                           int ldo, float* __restrict__ scale) {
+    __shared__ float red[32];
+    const int row = blockIdx.x;
+    const float* xr = x + (i64)row * ldx;
+    float m = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(xr[c]));
+    m = block_max(m, red);
+    const int e = fp8_row_exponent(m);
+    const float inv = exp2_int(-e);
+    if (threadIdx.x == 0) scale[row] = exp2_int(e);
+    u8* orow = out + (i64)row * ldo;
+    for (int c = threadIdx.x * 4; c < ldo; c += blockDim.x * 4) {
+        u32 word = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (c + j < cols) word |= (u32)float_to_e4m3(xr[c + j] * inv) << (8 * j);
+        *reinterpret_cast<u32*>(orow + c) = word;
+    }
+}
+
+// y[t][0..n) *= scale[t] (inverse: *= 1 / scale[t]; exact, powers of two). grid (ceil(n / 1024), ntok), block 256.
+extern "C" __global__ void fp8_scale_rows(float* __restrict__ y, int ldy, int n, const float* __restrict__ scale,
+                                          int inverse) {
+    const int tok = blockIdx.y;
+    const float s = inverse ? 1.f / scale[tok] : scale[tok];
+    float* yr = y + (i64)tok * ldy;
+    for (int c = blockIdx.x * 1024 + threadIdx.x; c < min(n, (blockIdx.x + 1) * 1024); c += 256) yr[c] *= s;
+}
+
+// swiglu_tiles over an unscaled fp8 GEMM output: gate and up rows are multiplied by the token's
+// scale first (exact), then the same math. grid (ceil(nout / 256), ntok), block 256.
+extern "C" __global__ void swiglu_tiles_scaled(const float* __restrict__ z, int ldz, int nout, float* __restrict__ y,
+                                               int ldy, const float* __restrict__ scale) {
+    const int tok = blockIdx.y, o = blockIdx.x * 256 + threadIdx.x;
+    if (o >= nout) return;
+    const float s = scale[tok];
+    const float* zr = z + (i64)tok * ldz + (o >> 3) * 16 + (o & 7);
+    const float gt = zr[0] * s, up = zr[8] * s;
+    y[(i64)tok * ldy + o] = gt * sigmoid_f(gt) * up;
+}

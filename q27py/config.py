@@ -78,7 +78,10 @@ class EngineConfig:
     # cuda: tokens per fast-path forward launch. Large, because the cuBLAS prefill route expands
     # each packed matrix to bf16 once per launch (~20 ms for the 27B), amortized over the chunk.
     gpu_prefill_chunk: int = 4096
-    prefill_gemm: str = "auto"  # cuda: "auto" (cuBLAS on bf16 expansions for big chunks) | "kernel" (mma.sync only)
+    # cuda: "auto" (cuBLAS on bf16 expansions for big chunks) | "kernel" (mma.sync only) | "fp8" (sm_89+:
+    # cuBLASLt on e4m3 weights and per-token e4m3 activations, power-of-two scales; its own tolerance
+    # class, gated on the trained model: tools/fp8_prefill.py, docs/QUANT.md "fp8 prefill")
+    prefill_gemm: str = "auto"
     cpu_prefill_chunk: int = 256  # at most this on the CPU path: the cancel flag is checked between chunks
     # cuda: GDN prefill runs through the chunked tensor-core kernel ("chunked", chunks aligned to
     # absolute positions; within fp32 rounding of the sequential kernel), the three-kernel chunked
@@ -268,6 +271,7 @@ ENV_VARS = {
     "Q27_DEVICE_MASKS": ("engine", "device_masks", parse_switch),
     "Q27_ATTN_DECODE": ("engine", "attn_decode", str),
     "Q27_PDL": ("engine", "pdl", str),
+    "Q27_PREFILL_GEMM": ("engine", "prefill_gemm", str),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

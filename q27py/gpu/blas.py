@@ -131,3 +131,80 @@ def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None) -> None:
                              (z, i32(nrows), i32(m.nout), y, i32(ldy)))
     else:
         gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, m.nout, sh.kpad, y, ldy, accumulate=m.mode == C.MODE_ADD)
+
+
+# ---------------------------------------------------------------- fp8 route (EngineConfig.prefill_gemm "fp8")
+# Weights and activations as e4m3 with power-of-two scales, multiplied by cuBLASLt (blaslt.py):
+# cuda/dequant.cu "fp8 prefill route" says why the scales are where they are. sm_89+ only.
+_MAX_CODE = {L.FMT_Q4: 8.0, L.FMT_Q8: 128.0}
+
+
+def weight_fp8_exponent(m) -> int:
+    """The matrix's one power-of-two exponent ew: max |code * scale| * 2^-ew in [128, 256)
+    (cuda/common.cuh fp8_row_exponent). Read once per matrix (a device max, then cached)."""
+    e = getattr(m, "_fp8_exp", None)
+    if e is None:
+        cp = Runtime.get().cp
+        amax = float(cp.abs(m.scales.view(cp.float16).astype(cp.float32)).max()) * _MAX_CODE[m.shape.fmt]
+        e = 0 if not amax > 0 else int(np.frexp(amax)[1]) - 8
+        m._fp8_exp = e
+    return e
+
+
+def dequantize_to_fp8(m, out=None):
+    """Packed GpuMatrix -> e4m3 codes [row_tiles * 16, kpad] of code * scale * 2^-ew (and ew)."""
+    rt = Runtime.get()
+    sh = m.shape
+    e = weight_fp8_exponent(m)
+    if out is None:
+        out = _SCRATCH.get("w8", sh.row_tiles * 16 * sh.kpad).view(rt.cp.uint8)
+    kern = {L.FMT_Q4: "dequant_q4_fp8", L.FMT_Q8: "dequant_q8_fp8"}[sh.fmt]
+    nblk = sh.row_tiles * sh.kchunks
+    rt.launch("dequant", kern, -(-nblk // C.DQ_WARPS), 32 * C.DQ_WARPS,
+              (m.codes, m.scales, i32(sh.row_tiles), i32(sh.kchunks), i32(sh.groups), i32(sh.group_chunks),
+               np.float32(2.0 ** -e), out, i64(sh.kpad)))
+    return out, e
+
+
+def to_fp8(x, ldx: int, ntok: int, cols: int, ldo: int):
+    """Activations fp32 -> (e4m3 codes [ntok][ldo], fp32 power-of-two scale per token)."""
+    rt = Runtime.get()
+    cp = rt.cp
+    codes = _SCRATCH.get("x8", ntok * ldo).view(cp.uint8)
+    scale = _SCRATCH.get("xs8", ntok * 4).view(cp.float32)
+    rt.launch("dequant", "f32_to_fp8_rows", ntok, 1024, (x, i32(ldx), i32(cols), codes, i32(ldo), scale))
+    return codes, scale
+
+
+def fp8_available() -> bool:
+    from q27py.gpu import blaslt
+
+    return blaslt.available()
+
+
+def prefill_gemm_fp8(m, x, ldx: int, ntok: int, y, ldy: int, x8=None) -> None:
+    """prefill_gemm's contract on the fp8 route. x8: (codes, scales) of x already made (a plan's
+    matrices share them), else made here."""
+    from q27py.gpu import blaslt
+
+    rt = Runtime.get()
+    sh = m.shape
+    if x8 is None:
+        x8 = to_fp8(x, ldx, ntok, sh.kpad, sh.kpad)
+    codes, scale = x8
+    w8, e = dequantize_to_fp8(m)
+    lt = blaslt.Lt.get()
+    alpha = float(2.0 ** e)
+    if m.mode == C.MODE_SWIGLU:
+        nrows = sh.row_tiles * 16
+        z = _SCRATCH.get("z", ntok * nrows * 4).view(rt.cp.float32)
+        lt.matmul_fp8(w8, sh.kpad, codes, sh.kpad, nrows, ntok, sh.kpad, z, nrows, alpha, accumulate=False)
+        rt.launch("dequant", "swiglu_tiles_scaled", (-(-m.nout // 256), ntok), 256,
+                  (z, i32(nrows), i32(m.nout), y, i32(ldy), scale))
+        return
+    grid = (-(-m.nout // 1024), ntok)
+    add = m.mode == C.MODE_ADD
+    if add:  # y + s D = s (y / s + D): exact for powers of two, so the residual keeps its bits
+        rt.launch("dequant", "fp8_scale_rows", grid, 256, (y, i32(ldy), i32(m.nout), scale, i32(1)))
+    lt.matmul_fp8(w8, sh.kpad, codes, sh.kpad, m.nout, ntok, sh.kpad, y, ldy, alpha, accumulate=add)
+    rt.launch("dequant", "fp8_scale_rows", grid, 256, (y, i32(ldy), i32(m.nout), scale, i32(0)))

@@ -308,7 +308,9 @@ def gemm_supported(m: GpuMatrix) -> bool:
 
 
 # "auto": cuBLAS on a bf16 expansion of the weights for chunks of >= blas.MIN_TOKENS tokens, the
-# mma.sync kernel below that; "kernel": always the kernel (A/B runs). Set from EngineConfig.prefill_gemm.
+# mma.sync kernel below that; "fp8": the same chunks through cuBLASLt's fp8 GEMM on e4m3 weights and
+# activations (sm_89+, else "auto"; its own tolerance class, docs/QUANT.md); "kernel": always the
+# kernel (A/B runs). Set from EngineConfig.prefill_gemm.
 PREFILL_GEMM = "auto"
 
 
@@ -318,7 +320,10 @@ def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int) -> None:
     from q27py.gpu import blas
 
     if PREFILL_GEMM != "kernel" and ntok >= blas.MIN_TOKENS and blas.available():
-        blas.prefill_gemm(m, x, ldx, ntok, y, ldy)
+        if PREFILL_GEMM == "fp8" and blas.fp8_available():
+            blas.prefill_gemm_fp8(m, x, ldx, ntok, y, ldy)
+        else:
+            blas.prefill_gemm(m, x, ldx, ntok, y, ldy)
         return
     fmt = m.shape.fmt
     slot = GEMV_WPC[fmt] * 16 + 4  # weight words + scale word per thread and stage
