@@ -183,6 +183,27 @@ def test_env_selects_the_kernel(monkeypatch):
         K.attn_decode_mode("flash")
 
 
+def test_env_selects_fp8_on_the_mma_kernel(monkeypatch):
+    """fp8 KV's route onto attn_mma: EngineConfig.attn_decode_fp8 (off until the device run, issue 17),
+    env Q27_ATTN_DECODE_FP8=0|1, read once by kernels.attn_decode_fp8_default (forward.FP8_ATTN_MMA =
+    None defers to it; tests force True / False)."""
+    from q27py.config import Q27Config, apply_env
+    from q27py.gpu import forward
+
+    assert Q27Config().engine.attn_decode_fp8 is False
+    assert forward.FP8_ATTN_MMA is None
+    assert apply_env(Q27Config(), {"Q27_ATTN_DECODE_FP8": "1"}).engine.attn_decode_fp8 is True
+    with pytest.raises(ValueError):
+        apply_env(Q27Config(), {"Q27_ATTN_DECODE_FP8": "yes"})
+    for env, want in (("1", True), ("0", False)):
+        monkeypatch.setattr(K, "ATTN_DECODE_FP8", None)
+        monkeypatch.setenv("Q27_ATTN_DECODE_FP8", env)
+        assert K.attn_decode_fp8_default() is want
+    monkeypatch.setattr(K, "ATTN_DECODE_FP8", None)
+    monkeypatch.delenv("Q27_ATTN_DECODE_FP8")
+    assert K.attn_decode_fp8_default() is False
+
+
 # ---------------------------------------------------------------- GPU: the kernel
 @pytest.fixture(scope="module")
 def cp():
