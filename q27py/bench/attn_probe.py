@@ -146,11 +146,16 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per row")
     ap.add_argument("--no-read-probe", action="store_true",
                     help="skip the 2 GB streaming-read probe (%%read shows nan; for compute-sanitizer runs)")
+    ap.add_argument("--no-pool", action="store_true",
+                    help="every array its own cudaMalloc (no CuPy pool: compute-sanitizer then sees an overrun "
+                         "past any one buffer, not only past a pooled block)")
     ap.add_argument("--check", action="store_true",
                     help="also check each row's eager round against float64 attention (the numpy spec)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
     rt = Runtime.get()
+    if args.no_pool:
+        rt.cp.cuda.set_allocator(None)
     sh = dict(SHAPE_27B, layers=args.layers)
     probe = float("nan") if args.no_read_probe else read_probe()
     ns = K.attention_mma_splits(sh["nkv"], rt.sm_count)
