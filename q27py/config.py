@@ -113,9 +113,15 @@ class EngineConfig:
     # cuda fast path decode / verify attention: "split" (the per-lane split-K kernel, cuda/attention.cu
     # attn_split_*) or "mma" (attn_mma_*: tensor cores, one CTA per kv head and split for every lane, the
     # KV read once per round). mma is the default since device run 3 (3x at 32K, 18x at W=16; docs/PERF.md)
-    # for bf16 KV; fp8 KV stays on split (its mma variant hit an illegal address in the 27B probe).
+    # for bf16 KV; fp8 KV stays on split unless attn_decode_fp8 (below).
     # mma sums in another order (Q and P as bf16 hi + lo): tolerance-equal to split, not bitwise.
     attn_decode: str = "mma"
+    # fp8 KV takes attn_decode's kernel too (attn_mma_fp8_*) when it is "mma". Off until the device run
+    # of tools/device_fp8mma.sh (issue 17: the 27B probe's fp8 rows died with an illegal address -- the
+    # probe's inputs most likely raced its round's stream; the kernel's index math checks clean at the
+    # 27B shapes).
+    # Flipping the default is this one line; env Q27_ATTN_DECODE_FP8=1 turns it on for a run.
+    attn_decode_fp8: bool = False
     # cuda, sm_90+: captured decode / verify / MTP graphs launch their kernels with programmatic
     # dependent launch (cuLaunchKernelEx + griddepcontrol, cuda/common.cuh pdl_entry): each kernel
     # starts while the one before drains, and a GEMV streams its first weight stages before waiting
@@ -178,7 +184,7 @@ def fixed_max_context(engine: "EngineConfig") -> int:
 
 
 def parse_switch(value: str) -> bool:
-    """A 0|1 environment switch (Q27_GDN_FUSED, Q27_DEVICE_MASKS)."""
+    """A 0|1 environment switch (Q27_GDN_FUSED, Q27_DEVICE_MASKS, Q27_ATTN_DECODE_FP8)."""
     v = str(value).strip()
     if v not in ("0", "1"):
         raise ValueError(f"expected 0 or 1, not {value!r}")
@@ -270,6 +276,7 @@ ENV_VARS = {
     "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),
     "Q27_DEVICE_MASKS": ("engine", "device_masks", parse_switch),
     "Q27_ATTN_DECODE": ("engine", "attn_decode", str),
+    "Q27_ATTN_DECODE_FP8": ("engine", "attn_decode_fp8", parse_switch),
     "Q27_PDL": ("engine", "pdl", str),
     "Q27_PREFILL_GEMM": ("engine", "prefill_gemm", str),
     "Q27_HOST": ("server", "host", str),

@@ -47,7 +47,9 @@ VERIFY_SPAN = 16  # lane capacity the attention split size is derived from (>= a
 # attention, which reads each K/V tile once per 64 query rows instead of once per lane. Decode
 # and verify keep the per-lane kernel, whose bits the gates and width invariance rely on.
 PREFILL_ATTENTION = True
-FP8_ATTN_MMA = False  # tests switch it on to exercise the fp8 mma kernel
+# fp8 KV on the attn_decode="mma" kernel: None = EngineConfig.attn_decode_fp8 (env Q27_ATTN_DECODE_FP8,
+# default off until the device run of tools/device_fp8mma.sh); tests set True / False to force it
+FP8_ATTN_MMA: bool | None = None
 
 
 @dataclass
@@ -311,9 +313,12 @@ class FastModel:
         # decode / verify attention kernel (EngineConfig.attn_decode): "mma" where the shape fits at the
         # verify capacity -- decided once here from the shape, so every width takes the same kernel
         self.attn_decode = K.attn_decode_mode(K.attn_decode_default() if attn_decode is None else attn_decode)
-        # fp8 KV keeps the split kernel: attn_mma over fp8 codes hit an illegal address at the 27B shapes
-        # in device run 3 (q27py.bench.attn_probe); its kernel tests passed on smaller shapes
-        self.attn_mma = (self.attn_decode == "mma" and (kv_dtype == "bf16" or (kv_dtype == "fp8" and FP8_ATTN_MMA))
+        # fp8 KV keeps the split kernel unless FP8_ATTN_MMA / EngineConfig.attn_decode_fp8 (issue 17: the
+        # 27B probe's fp8 rows died with an illegal address in device run 3; most likely the probe's
+        # inputs raced its stream). Decided once here like attn_decode: main layers, the MTP layer, every width and
+        # restored prefixes all take the same kernel, and self.part is sized for it below.
+        fp8_mma = K.attn_decode_fp8_default() if FP8_ATTN_MMA is None else bool(FP8_ATTN_MMA)
+        self.attn_mma = (self.attn_decode == "mma" and (kv_dtype == "bf16" or (kv_dtype == "fp8" and fp8_mma))
                          and K.attention_mma_supported(hd, nq, nkv, VERIFY_SPAN, kv_dtype == "fp8", self.max_pos))
         nsplit = max(K.ATT_NSPLIT, K.attention_mma_splits(nkv, rt.sm_count)) if self.attn_mma else K.ATT_NSPLIT
         self.part = cp.zeros(K.attention_partials_floats(part_lanes, nq, hd, nsplit), dtype=cp.float32)
@@ -990,6 +995,7 @@ def load_fast_model(cfg) -> FastModel:
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
+    K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused)
     if not isinstance(e.max_context, int) or not isinstance(e.max_slots, int):
         size_context_to_memory(model, e)

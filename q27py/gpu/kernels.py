@@ -785,6 +785,18 @@ def attn_decode_default() -> str:
         ATTN_DECODE = attn_decode_mode(apply_env(Q27Config()).engine.attn_decode)
     return ATTN_DECODE
 ATTD_HEAD_DIMS = (32, 64, 128, 256)
+ATTN_DECODE_FP8: bool | None = None  # None: EngineConfig.attn_decode_fp8 overlaid with the environment, read once
+
+
+def attn_decode_fp8_default() -> bool:
+    """Whether fp8 KV takes the "mma" decode kernel too: EngineConfig.attn_decode_fp8 (env
+    Q27_ATTN_DECODE_FP8), read once (so `Q27_ATTN_DECODE_FP8=1 pytest tests/gpu` runs fp8 on it)."""
+    global ATTN_DECODE_FP8
+    if ATTN_DECODE_FP8 is None:
+        from q27py.config import Q27Config, apply_env
+
+        ATTN_DECODE_FP8 = bool(apply_env(Q27Config()).engine.attn_decode_fp8)
+    return ATTN_DECODE_FP8
 
 
 def attn_decode_mode(mode: str) -> str:

@@ -216,3 +216,200 @@ def combine(part: np.ndarray, pos0: int, span: int, nsplit: int, gate: np.ndarra
         e = np.exp(b[:, :, 0] - M)
         out[t] = (b[:, :, 2:] * e[..., None]).sum(1) / (b[:, :, 1] * e).sum(1)[:, None]
     return out / (1 + np.exp(-gate.astype(np.float64)))
+
+
+# ---------------------------------------------------------------- index math only (any shape, no compute)
+# Every address attn_mma_body (and, for comparison, attn_split_body) forms, transliterated from the kernel
+# and checked against the extent of what it addresses: the K / V caches and their row exponents, q, the
+# partials, and each shared-memory region. Cheap enough for the 27B shapes at 128K+ positions (a few
+# million offsets per launch), where the full transliteration above would take hours.
+I32_MAX = 2**31 - 1
+
+
+class Extents:
+    """Collects out-of-range or misaligned accesses as (what, detail) pairs."""
+
+    def __init__(self):
+        self.bad: list[tuple[str, str]] = []
+
+    def within(self, what: str, off, lo: int, hi: int, width: int = 1, align: int = 1) -> None:
+        """Every access [off, off + width) must lie in [lo, hi) and start on an `align` boundary."""
+        off = np.asarray(off, np.int64)
+        if off.size == 0:
+            return
+        mn, mx = int(off.min()), int(off.max())
+        if mn < lo or mx + width > hi:
+            self.bad.append((what, f"[{mn}, {mx + width}) outside [{lo}, {hi})"))
+        if align > 1 and bool((off % align).any()):
+            self.bad.append((what, f"not {align}-byte aligned"))
+
+    def int32(self, what: str, v) -> None:
+        """A value the kernel computes in 32-bit int must fit one."""
+        v = np.asarray(v, np.int64)
+        if v.size and (int(v.max()) > I32_MAX or int(v.min()) < -I32_MAX - 1):
+            self.bad.append((what, f"{int(v.min())}..{int(v.max())} overflows int32"))
+
+
+def mma_index_check(hd: int, nq: int, nkv: int, nlanes: int, pos0: int, span: int, nsplit: int, max_pos: int,
+                    fp8: bool, part_lanes: int | None = None, part_nsplit: int | None = None,
+                    q_rows: int | None = None, ldq: int | None = None, heads=None) -> list[tuple[str, str]]:
+    """The accesses of one attention_mma launch (kernel + attn_mma_combine) that fall outside their
+    buffers. Buffers as kernels.attention_mma documents them: kc / vc [nkv][max_pos][hd] (bf16 or u8),
+    kx / vx [nkv][max_pos], q [q_rows][ldq] fp32, part attention_partials_floats(part_lanes, nq, hd,
+    part_nsplit), dynamic smem attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit).
+    heads: the kv heads to trace (default the first and the last: every offset is affine in g)."""
+    kt, stages, nrow = C.ATTD_KT, C.ATTD_STAGES, C.ATTD_ROWS
+    ch = hd // 8
+    swz = min(ch, 8) - 1
+    tile_n = kt * hd
+    ks_n = hd // 16
+    eb = 1 if fp8 else 2
+    chs = hd * eb // 16
+    stage_bytes = 2 * tile_n * eb
+    part_lanes = nlanes if part_lanes is None else part_lanes
+    part_nsplit = nsplit if part_nsplit is None else part_nsplit
+    ldq = nq * hd if ldq is None else ldq
+    q_rows = nlanes if q_rows is None else q_rows
+    smem = K.attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit)
+    ring = stages * stage_bytes
+    cvt_base = ring                      # fp8: the converted bf16 K, V tiles (2 * TILE u16)
+    exs_base = cvt_base + 2 * 2 * tile_n  # fp8: K, V exponents [ssz] each
+    kv_bytes = nkv * max_pos * hd * eb
+    part_floats = K.attention_partials_floats(part_lanes, nq, hd, part_nsplit)
+    ex = Extents()
+
+    ssz = K.attention_mma_split_size(pos0, span, nsplit)
+    rep = nq // nkv
+    rows = nlanes * rep
+    nthr = 32 * K.attention_mma_warps(nlanes, rep)
+    if nthr > 32 * C.ATTD_MAX_WARPS:
+        ex.bad.append(("block", f"{nthr} threads > launch bound {32 * C.ATTD_MAX_WARPS}"))
+    if smem > 227 * 1024:
+        ex.bad.append(("smem", f"{smem} bytes above any card's opt-in"))
+    ln_ = np.arange(32)
+    gq, tq = ln_ >> 2, ln_ & 3
+    length = pos0 + nlanes
+    u = np.arange(2 * kt * chs)
+    which, rem = u // (kt * chs), u % (kt * chs)
+    r_u, c_u = (rem // chs)[None], (rem % chs)[None]
+    which = which[None]
+    # the CTAs (g, sp) that run: start = sp * ssz < pos0 + nlanes; their tiles, all splits at once
+    sps = np.arange(nsplit)
+    sps = sps[sps * ssz < length]
+    ex.int32("start", sps * ssz)
+    starts, ends = sps * ssz, np.minimum(sps * ssz + ssz, length)
+    ntiles = -(-(ends - starts) // kt)
+    t_split = np.repeat(np.arange(sps.size), ntiles)            # split of each tile
+    t_idx = np.arange(t_split.size) - np.repeat(np.cumsum(ntiles) - ntiles, ntiles)  # tile within its split
+    t_start, t_end = starts[t_split][:, None], ends[t_split][:, None]
+    slot = ((t_idx % stages) * stage_bytes)[:, None]
+    # issue(): 16-byte cp.async per (which, row, chunk), zero-filled (address still formed) past end
+    p = t_start + t_idx[:, None] * kt + r_u
+    ex.int32("issue p", p)
+    ok = p < t_end
+    cs = c_u if fp8 else c_u ^ (r_u & swz)
+    dst = slot + which * tile_n * eb + r_u * (hd * eb) + cs * 16
+    ex.within("cp.async ring slot", dst, 0, ring, 16, 16)
+    ex.within("cp.async stays in its slot", dst - slot, 0, stage_bytes, 16)
+    for g in (sorted({0, nkv - 1}) if heads is None else heads):
+        base = g * max_pos * hd * eb
+        src = base + np.where(ok, p, t_start) * (hd * eb) + c_u * 16
+        ex.within("cp.async K/V source", src, 0, kv_bytes, 16, 16)
+        if fp8:
+            pe = starts[:, None] + np.arange(ssz)[None]
+            ex.within("kx / vx rows", (g * max_pos + pe)[pe < ends[:, None]], 0, nkv * max_pos)
+    if fp8:
+        i = np.arange(ssz)
+        ex.within("exponent smem", np.concatenate([exs_base + i, exs_base + ssz + i]), 0, smem)
+        # conversion: flat codes of the slot -> swizzled bf16 tile
+        rd = which * tile_n + r_u * hd + c_u * 16
+        ex.within("fp8 stage read", rd, 0, stage_bytes, 16, 16)
+        for half in range(2):
+            wr = cvt_base + 2 * (which * tile_n + r_u * hd + (((2 * c_u + half) ^ (r_u & swz)) << 3))
+            ex.within("bf16 conversion tile", wr, cvt_base, cvt_base + 4 * tile_n, 16, 16)
+    # ldmatrix rows (16 bytes each) of the K / V tile the warps read, relative to the tile's base
+    # (the ring slot for bf16, the converted tile for fp8)
+    for mi in range(kt // 16):
+        for s in range(ks_n):
+            k_addr = 2 * hd * (ln_ & 15) + mi * 32 * hd + swz_off(2 * s + (ln_ >> 4), ln_, swz) * 2
+            ex.within("ldmatrix K", k_addr, 0, 2 * tile_n, 16, 16)
+            v_addr = (2 * tile_n + 2 * hd * ((ln_ & 7) + ((ln_ >> 4) << 3)) + mi * 32 * hd
+                      + swz_off(2 * s + ((ln_ >> 3) & 1), ln_, swz) * 2)
+            ex.within("ldmatrix V", v_addr, 2 * tile_n, 4 * tile_n, 16, 16)
+        if fp8:  # exponent reads of the step's positions pa = p0 + mi*16 + gq, pb = pa + 8 (minus start)
+            pa = t_idx[:, None] * kt + mi * 16 + gq[None]
+            ex.within("exponent smem index", np.concatenate([pa, pa + 8]), 0, ssz)
+    # Q fragments (float2) and partials of the active warps' rows, every running split
+    for g in (sorted({0, nkv - 1}) if heads is None else heads):
+        for warp in range(nthr // 32):
+            if warp * nrow >= rows:
+                continue
+            r = warp * nrow + gq
+            okr = r < rows
+            lnr = np.where(okr, r // rep, 0)
+            j = np.where(okr, r - lnr * rep, 0)
+            qoff = (lnr * ldq + (g * rep + j) * hd + 2 * tq)[okr]
+            for s in range(ks_n):
+                for h in range(2):
+                    ex.within("q float2", (qoff + s * 16 + h * 8) * 4, 0, q_rows * ldq * 4, 8, 8)
+            for i2 in range(2):
+                rr = warp * nrow + 2 * tq + i2
+                okw = rr < rows
+                lnw = rr // rep
+                hw = g * rep + (rr - lnw * rep)
+                ex.int32("part row", (lnw * nq + hw)[okw])
+                dst0 = ((lnw * nq + hw)[okw][None] * nsplit + sps[:, None]) * (hd + 2)
+                for dt in (0, ks_n - 1):
+                    ex.within("partials", dst0 + 2 + dt * 16 + gq[okw][None] + 8, 0, part_floats)
+                ex.within("partials m, l", dst0, 0, part_floats, 2)
+    # attn_mma_combine: lane t reads splits 0..ns-1, each written by a CTA above (start < pos0 + nlanes)
+    for t in range(nlanes):
+        ns = -(-(pos0 + t + 1) // ssz)
+        if ns > nsplit:
+            ex.bad.append(("combine", f"lane {t} needs {ns} splits > {nsplit}"))
+        if (ns - 1) * ssz >= length:
+            ex.bad.append(("combine", f"lane {t} reads split {ns - 1}, never written"))
+        last = ((t * nq + nq - 1) * nsplit + ns - 1) * (hd + 2) + hd + 2
+        ex.within("combine partials", [last - 1], 0, part_floats)
+    return ex.bad
+
+
+def split_size(pos0: int, span: int) -> int:
+    """cuda/attention.cu split_size (the per-lane split kernel)."""
+    need = -(-(pos0 + span) // C.NSPLIT)
+    return max(64, -(-need // 64) * 64)
+
+
+def split_index_check(hd: int, nq: int, nkv: int, nlanes: int, pos0: int, span: int, max_pos: int, fp8: bool,
+                      part_lanes: int | None = None, part_nsplit: int | None = None) -> list[tuple[str, str]]:
+    """The accesses of one attention / attention_fp8 launch (attn_split_body + attn_combine) outside
+    their buffers (kc / vc [nkv][max_pos][hd], kx / vx [nkv][max_pos], the partials)."""
+    eb = 1 if fp8 else 2
+    dpl = hd // 32
+    part_lanes = nlanes if part_lanes is None else part_lanes
+    part_nsplit = C.NSPLIT if part_nsplit is None else part_nsplit
+    part_floats = K.attention_partials_floats(part_lanes, nq, hd, part_nsplit)
+    rep = nq // nkv
+    ex = Extents()
+    ssz = split_size(pos0, span)
+    ln_ = np.arange(32)
+    for g in sorted({0, nkv - 1}):
+        for t in range(nlanes):
+            length = pos0 + t + 1
+            for sp in range(C.NSPLIT):
+                start = sp * ssz
+                if start >= length:
+                    continue
+                end = min(start + ssz, length)
+                p = np.arange(start, end)  # every warp's positions together, prefetch included (< end)
+                row = (g * max_pos + p)[:, None] * hd + ln_[None] * dpl
+                ex.within("K/V row", row * eb, 0, nkv * max_pos * hd * eb, dpl * eb, min(4, dpl * eb))
+                if fp8:
+                    ex.within("kx / vx rows", g * max_pos + p, 0, nkv * max_pos)
+                dst = ((t * nq + g * rep + np.arange(rep)) * C.NSPLIT + sp) * (hd + 2)
+                ex.within("partials", dst, 0, part_floats, hd + 2)
+        for t in range(nlanes):
+            ns = -(-(pos0 + t + 1) // ssz)
+            if ns > C.NSPLIT:
+                ex.bad.append(("combine", f"lane {t} needs {ns} splits > {C.NSPLIT}"))
+    return ex.bad

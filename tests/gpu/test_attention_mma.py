@@ -121,6 +121,51 @@ def test_shared_memory_fits_99kb_cards():
     assert C.ATTD_MAX_WARPS * C.ATTD_ROWS >= SPAN * 6  # the 27B's verify rows fit one CTA
 
 
+# The 27B attention shapes (24 q heads, 4 kv heads, head dim 256) as the engine and attn_probe launch them:
+# partials sized for VERIFY_SPAN lanes and max(NSPLIT, mma splits), q with VERIFY_SPAN rows.
+PROBE_CASES = [  # (SMs, ctx, max_pos, W, fp8): attn_probe (max_pos = ctx + 16) and engine-sized caches
+    (132, 2048, 2048 + SPAN, 1, True), (132, 2048, 2048 + SPAN, 16, True),
+    (132, 32768, 32768 + SPAN, 1, True), (132, 32768, 32768 + SPAN, 16, True),
+    (132, 131072, 131072 + SPAN, 1, True), (132, 131072, 131072 + SPAN, 16, True),
+    (132, 131072, 131072 + SPAN, 16, False),
+    (132, 40960, 131072 + 64, 8, True),        # the long-context GPU test below
+    (132, 2048, 262144, 16, True),             # a short sequence in a 256K cache
+    (82, 262144 - SPAN, 262144, 16, True),     # sm_86 (82 SMs) at a full 256K cache
+    (170, 131072, 131072 + SPAN, 8, True),     # sm_120 (170 SMs)
+]
+
+
+@pytest.mark.parametrize("sms,ctx,max_pos,w,fp8", PROBE_CASES)
+def test_index_math_at_27b_shapes_stays_in_bounds(sms, ctx, max_pos, w, fp8):
+    """Every address attn_mma_body / attn_mma_combine form at the 27B shapes (cp.async sources, ring
+    slots, the fp8 conversion tile and row exponents in shared memory, ldmatrix rows, q, partials) lies
+    in its buffer, 16-byte aligned where the instruction needs it, and no 32-bit index overflows --
+    the long-context fp8 launches the 27B probe made (issue 17) included. The split kernel likewise."""
+    nq, nkv, hd = 24, 4, 256
+    ns = K.attention_mma_splits(nkv, sms)
+    pos0 = ctx - w  # the last lane sees ctx positions
+    buf = dict(part_lanes=SPAN, part_nsplit=max(C.NSPLIT, ns), q_rows=SPAN)
+    assert E.mma_index_check(hd, nq, nkv, w, pos0, SPAN, ns, max_pos, fp8, **buf) == []
+    if ctx <= 32768:
+        assert E.split_index_check(hd, nq, nkv, w, pos0, SPAN, max_pos, fp8, SPAN, buf["part_nsplit"]) == []
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_index_check_sees_a_position_past_the_cache(fp8):
+    """The check is not vacuous: a pos0 beyond the cache (what a kernel sees when it reads a pos0 that
+    was never written -- the probe's stream race, issue 17) reads past K / V and, for fp8, past the row
+    exponents and the shared exponent table; likewise a partials buffer sized for fewer splits."""
+    nq, nkv, hd, ns = 24, 4, 256, K.attention_mma_splits(4, 132)
+    bad = E.mma_index_check(hd, nq, nkv, 1, 5000, SPAN, ns, 2048 + SPAN, fp8, part_lanes=SPAN, part_nsplit=ns)
+    what = {w for w, _ in bad}
+    assert "cp.async K/V source" in what
+    assert ("kx / vx rows" in what and "exponent smem" in what) == fp8
+    assert {w for w, _ in E.split_index_check(hd, nq, nkv, 1, 5000, SPAN, 2048 + SPAN, fp8)} >= {"K/V row"}
+    short = E.mma_index_check(hd, nq, nkv, 16, 32768 - 16, SPAN, ns, 32768 + SPAN, fp8, part_lanes=SPAN,
+                              part_nsplit=C.NSPLIT - 8)
+    assert "partials" in {w for w, _ in short}
+
+
 def test_env_selects_the_kernel(monkeypatch):
     from q27py.config import Q27Config, apply_env
 
@@ -136,6 +181,27 @@ def test_env_selects_the_kernel(monkeypatch):
     assert K.attn_decode_mode("mma") == "mma"
     with pytest.raises(ValueError):
         K.attn_decode_mode("flash")
+
+
+def test_env_selects_fp8_on_the_mma_kernel(monkeypatch):
+    """fp8 KV's route onto attn_mma: EngineConfig.attn_decode_fp8 (off until the device run, issue 17),
+    env Q27_ATTN_DECODE_FP8=0|1, read once by kernels.attn_decode_fp8_default (forward.FP8_ATTN_MMA =
+    None defers to it; tests force True / False)."""
+    from q27py.config import Q27Config, apply_env
+    from q27py.gpu import forward
+
+    assert Q27Config().engine.attn_decode_fp8 is False
+    assert forward.FP8_ATTN_MMA is None
+    assert apply_env(Q27Config(), {"Q27_ATTN_DECODE_FP8": "1"}).engine.attn_decode_fp8 is True
+    with pytest.raises(ValueError):
+        apply_env(Q27Config(), {"Q27_ATTN_DECODE_FP8": "yes"})
+    for env, want in (("1", True), ("0", False)):
+        monkeypatch.setattr(K, "ATTN_DECODE_FP8", None)
+        monkeypatch.setenv("Q27_ATTN_DECODE_FP8", env)
+        assert K.attn_decode_fp8_default() is want
+    monkeypatch.setattr(K, "ATTN_DECODE_FP8", None)
+    monkeypatch.delenv("Q27_ATTN_DECODE_FP8")
+    assert K.attn_decode_fp8_default() is False
 
 
 # ---------------------------------------------------------------- GPU: the kernel
@@ -270,6 +336,95 @@ def test_partials_follow_the_python_split_size(cp):
             assert np.isnan(part[:, :, need_last:]).all()
         for t in range(SPAN):  # the split holding lane t's last position is written for lane t
             assert np.isfinite(part[t, :, (pos0 + t) // ssz]).all()
+
+
+LONG_POS0, LONG_MAX_POS = 40960 - SPAN, 131072 + 64  # 40K positions in a 128K+ cache (the 27B's long rows)
+
+
+@pytest.fixture(scope="module")
+def long_fp8_case():
+    """27B heads (24 q / 4 kv, head dim 256), fp8 KV of LONG_POS0 + 16 positions in a LONG_MAX_POS cache,
+    and the numpy spec's output for the 16 lanes (lane t at LONG_POS0 + t; a narrower launch's lanes
+    are its first rows). Per kv head: ops.attention's GQA grouping, a quarter of the memory."""
+    nq, nkv, hd, n = 24, 4, 256, LONG_POS0 + SPAN
+    rng = np.random.default_rng(17)
+    kc = np.zeros((nkv, LONG_MAX_POS, hd), np.uint8)
+    vc = np.zeros_like(kc)
+    kx = np.zeros((nkv, LONG_MAX_POS), np.int8)
+    vx = np.zeros_like(kx)
+    kc[:, :n], kx[:, :n] = F.fp8_quantize(rng.standard_normal((nkv, n, hd), np.float32) * 1.5)
+    vc[:, :n], vx[:, :n] = F.fp8_quantize(rng.standard_normal((nkv, n, hd), np.float32))
+    q = rng.standard_normal((SPAN, nq, hd)).astype(np.float32)
+    gate = rng.standard_normal((SPAN, nq, hd)).astype(np.float32)
+    rep = nq // nkv
+    want = np.zeros((SPAN, nq, hd))
+    for g in range(nkv):
+        keys = F.fp8_dequantize(kc[g, :n], kx[g, :n])[:, None].astype(np.float64)
+        vals = F.fp8_dequantize(vc[g, :n], vx[g, :n])[:, None].astype(np.float64)
+        hs = slice(g * rep, (g + 1) * rep)
+        want[:, hs] = ops.attention(q[:, hs].astype(np.float64), keys, vals, np.arange(LONG_POS0, n), hd ** -0.5)
+    want *= ops.sigmoid(gate.astype(np.float64))
+    return dict(q=q, gate=gate, kc=kc, vc=vc, kx=kx, vx=vx, max_pos=LONG_MAX_POS, want=want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nlanes", [1, 8, 16])
+def test_mma_fp8_long_context_27b_shapes(cp, long_fp8_case, nlanes):
+    """fp8 KV at the 27B attention shapes, 40K positions in a 128K+ cache, W = 1 / 8 / 16: the tensor-core
+    kernel against the numpy spec and the split fp8 kernel (issue 17: the 27B probe's fp8 mma rows
+    died with an illegal address). The rows past the launch's last lane hold NaN codes and an
+    exponent of 120 (2^128 = inf): any load past the valid rows, any exponent read past them, poisons
+    the output."""
+    case = dict(long_fp8_case)
+    hd, nq, nkv = 256, 24, 4
+    end = LONG_POS0 + nlanes
+    for name, code, e in (("kc", 0x7F, None), ("vc", 0xFF, None), ("kx", None, 120), ("vx", None, 120)):
+        a = case[name].copy()
+        a[:, end:] = code if e is None else e
+        case[name] = a
+    sub = dict(case, q=case["q"][:nlanes], gate=case["gate"][:nlanes])
+    got, part = run_mma(cp, sub, LONG_POS0, poison=True)
+    assert np.isfinite(got).all()
+    tol = TOL if K.attention_mma_qsplit(hd, _cc()) else TOL_BQ
+    assert rel(got, case["want"][:nlanes]) < tol
+    # the split fp8 kernel over the same (poisoned) cache
+    qg = np.zeros((nlanes, nq, 2 * hd), np.float32)
+    qg[..., hd:] = sub["gate"]
+    out = cp.full((nlanes, nq * hd), np.nan, cp.float32)
+    spart = cp.zeros(K.attention_partials_floats(nlanes, nq, hd), dtype=cp.float32)
+    K.attention_fp8(cp.asarray(sub["q"].reshape(nlanes, -1)), nq * hd, cp.asarray(case["kc"]), cp.asarray(case["vc"]),
+                    cp.asarray(case["kx"]), cp.asarray(case["vx"]), LONG_MAX_POS, nq, nkv, hd,
+                    cp.asarray(np.array([LONG_POS0], np.int32)), SPAN, spart, cp.asarray(qg.reshape(nlanes, -1)),
+                    2 * nq * hd, out, nq * hd, nlanes)
+    split = out.get().reshape(nlanes, nq, hd)
+    assert rel(split, case["want"][:nlanes]) < TOL
+    assert rel(got, split) < 2 * tol
+
+
+@pytest.mark.gpu
+def test_mma_fp8_long_context_lanes_are_width_invariant_bitwise(cp, long_fp8_case):
+    """At 40K positions in a 128K+ cache, lane t's fp8 output is the same bits at W = 1, 8, 16."""
+    full, _ = run_mma(cp, long_fp8_case, LONG_POS0)
+    for w in (1, 8):
+        sub = dict(long_fp8_case, q=long_fp8_case["q"][:w], gate=long_fp8_case["gate"][:w])
+        got, _ = run_mma(cp, sub, LONG_POS0)
+        np.testing.assert_array_equal(got, full[:w], err_msg=f"W={w}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["split", "mma"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_attn_probe_rows_match_the_spec(cp, impl, kv):
+    """q27py.bench.attn_probe's own inputs (made on the round's stream, issue 17) give the numpy spec's
+    attention at 2K, W = 1 and 16, two layers: its rows time a correct computation."""
+    from q27py.bench import attn_probe as P
+    from q27py.gpu.runtime import Runtime
+
+    sh = dict(P.SHAPE_27B, layers=2)
+    bq = impl == "mma" and not K.attention_mma_qsplit(sh["hd"], Runtime.get().cc)
+    for w in (1, 16):
+        ms, err = P.measure(2048, w, kv, impl, **sh, reps=3, check=True)
+        assert ms > 0 and err < (P.CHECK_TOL_BQ if bq else P.CHECK_TOL), (w, err)
 
 
 @pytest.mark.gpu
