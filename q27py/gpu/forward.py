@@ -154,6 +154,12 @@ class FastState:
     _next_id = 0
 
     def __init__(self, model: "FastModel"):
+        # Zero-filled on the model's stream: the forwards run there (non-blocking, so it would not
+        # wait for fills on the legacy stream: a first prefill's KV stores could race the memset)
+        with model.stream:
+            self._allocate(model)
+
+    def _allocate(self, model: "FastModel") -> None:
         cp = Runtime.get().cp
         cfg = model.cfg
         FastState._next_id += 1
@@ -200,8 +206,9 @@ class FastState:
         if self.mtp_kv is not None:
             self.mtp_kv.length = 0
         self.extra.clear()
-        self.gdn.fill(0)
-        self.window.fill(0)
+        with self.model.stream:  # in order with the forwards (see __init__)
+            self.gdn.fill(0)
+            self.window.fill(0)
 
     def gdn_state_reference_layout(self) -> dict[int, np.ndarray]:
         """GDN recurrent states as the reference stores them: layer -> [HV, dk, dv]."""
@@ -354,6 +361,8 @@ class FastModel:
         self._pending: FastTrace | None = None
         self.graphs = None  # q27py.gpu.graphs.GraphCache, attached by enable_graphs()
         self.stream = cp.cuda.Stream(non_blocking=True)
+        # every buffer above was zero-filled on the legacy stream, which self.stream does not wait for
+        cp.cuda.Stream.null.synchronize()
         # prefix snapshots kept on the device up to this many bytes (host copies beyond)
         self.device_snapshot_bytes = min(4 << 30, rt.total_mem // 10) if device_snapshot_bytes is None \
             else int(device_snapshot_bytes)

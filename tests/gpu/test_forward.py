@@ -196,3 +196,20 @@ def test_engine_cuda_greedy_equals_reference_engine():
             toks.extend(chunk.token_ids)
         outs[device] = toks
     assert outs["cuda"] == outs["cpu"]
+
+
+def test_state_buffers_are_filled_on_the_model_stream(tiny, monkeypatch):
+    """FastState zero-fills on the model's (non-blocking) stream: fills on the legacy stream were not
+    ordered before the first forward's KV stores (a race the attn_probe hit, issue 17)."""
+    import cupy as cp
+
+    seen = []
+    real = cp.zeros
+
+    def spy(*a, **k):
+        seen.append(cp.cuda.get_current_stream().ptr)
+        return real(*a, **k)
+
+    monkeypatch.setattr(cp, "zeros", spy)
+    tiny.new_state()
+    assert seen and set(seen) == {tiny.stream.ptr}
