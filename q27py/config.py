@@ -113,15 +113,15 @@ class EngineConfig:
     # cuda fast path decode / verify attention: "split" (the per-lane split-K kernel, cuda/attention.cu
     # attn_split_*) or "mma" (attn_mma_*: tensor cores, one CTA per kv head and split for every lane, the
     # KV read once per round). mma is the default since device run 3 (3x at 32K, 18x at W=16; docs/PERF.md)
-    # for bf16 KV; fp8 KV stays on split unless attn_decode_fp8 (below).
+    # for bf16 KV, and for fp8 KV with attn_decode_fp8 (below).
     # mma sums in another order (Q and P as bf16 hi + lo): tolerance-equal to split, not bitwise.
     attn_decode: str = "mma"
-    # fp8 KV takes attn_decode's kernel too (attn_mma_fp8_*) when it is "mma". Off until the device run
-    # of tools/device_fp8mma.sh (issue 17: the 27B probe's fp8 rows died with an illegal address -- the
-    # probe's inputs most likely raced its round's stream; the kernel's index math checks clean at the
-    # 27B shapes).
-    # Flipping the default is this one line; env Q27_ATTN_DECODE_FP8=1 turns it on for a run.
-    attn_decode_fp8: bool = False
+    # fp8 KV takes attn_decode's kernel too (attn_mma_fp8_*) when it is "mma". On since device run c3:
+    # the 27B probe's fp8 rows run clean (the earlier illegal address was the probe's inputs racing
+    # its round's stream, issue 17), 66 attn_mma + 16 fp8 forward GPU tests pass, and decode with fp8
+    # KV at 32K / 128K drops from 11.27 / 20.72 ms (split) to 8.37 / 11.19 ms (docs/PERF.md).
+    # Env Q27_ATTN_DECODE_FP8=0 keeps fp8 on the split kernel.
+    attn_decode_fp8: bool = True
     # cuda, sm_90+: captured decode / verify / MTP graphs launch their kernels with programmatic
     # dependent launch (cuLaunchKernelEx + griddepcontrol, cuda/common.cuh pdl_entry): each kernel
     # starts while the one before drains, and a GEMV streams its first weight stages before waiting

@@ -184,13 +184,13 @@ def test_env_selects_the_kernel(monkeypatch):
 
 
 def test_env_selects_fp8_on_the_mma_kernel(monkeypatch):
-    """fp8 KV's route onto attn_mma: EngineConfig.attn_decode_fp8 (off until the device run, issue 17),
+    """fp8 KV's route onto attn_mma: EngineConfig.attn_decode_fp8 (on since device run c3, issue 17),
     env Q27_ATTN_DECODE_FP8=0|1, read once by kernels.attn_decode_fp8_default (forward.FP8_ATTN_MMA =
     None defers to it; tests force True / False)."""
     from q27py.config import Q27Config, apply_env
     from q27py.gpu import forward
 
-    assert Q27Config().engine.attn_decode_fp8 is False
+    assert Q27Config().engine.attn_decode_fp8 is True
     assert forward.FP8_ATTN_MMA is None
     assert apply_env(Q27Config(), {"Q27_ATTN_DECODE_FP8": "1"}).engine.attn_decode_fp8 is True
     with pytest.raises(ValueError):
@@ -201,7 +201,7 @@ def test_env_selects_fp8_on_the_mma_kernel(monkeypatch):
         assert K.attn_decode_fp8_default() is want
     monkeypatch.setattr(K, "ATTN_DECODE_FP8", None)
     monkeypatch.delenv("Q27_ATTN_DECODE_FP8")
-    assert K.attn_decode_fp8_default() is False
+    assert K.attn_decode_fp8_default() is True
 
 
 # ---------------------------------------------------------------- GPU: the kernel
