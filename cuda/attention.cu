@@ -377,8 +377,13 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const float2 v = ok ? *reinterpret_cast<const float2*>(qr + ks * 16 + h * 8) : make_float2(0.f, 0.f);
-                qh[ks][h] = pack_bf16x2(v.x, v.y);
-                ql[ks][h] = QS ? pack_bf16x2(v.x - bf16x2_lo(qh[ks][h]), v.y - bf16x2_hi(qh[ks][h])) : 0u;
+                if constexpr (FP8) {  // f16 Q against the f16 K codes (exact values; 11-bit halves)
+                    qh[ks][h] = pack_f16x2(v.x, v.y);
+                    ql[ks][h] = QS ? pack_f16x2(v.x - f16x2_lo(qh[ks][h]), v.y - f16x2_hi(qh[ks][h])) : 0u;
+                } else {
+                    qh[ks][h] = pack_bf16x2(v.x, v.y);
+                    ql[ks][h] = QS ? pack_bf16x2(v.x - bf16x2_lo(qh[ks][h]), v.y - bf16x2_hi(qh[ks][h])) : 0u;
+                }
             }
         }
 #pragma unroll
@@ -400,11 +405,23 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
         issue(tile + ATTD_STAGES - 1);
         const unsigned char* st = attd_sm + (tile % ATTD_STAGES) * STAGE_BYTES;
         const u16* kt = reinterpret_cast<const u16*>(st);
-        if constexpr (FP8) {  // codes -> bf16 (code / 256, exact), swizzled like a bf16 stage
-            for (int u = tid; u < 2 * KT * CHS; u += nthr) {
-                const int which = u / (KT * CHS), rem = u - which * (KT * CHS);
+        if constexpr (FP8) {
+            // codes -> exact values, swizzled like a bf16 stage: K as f16 (one cvt per two codes; the
+            // S^T mma takes f16), V as bf16 (P carries the row scales 2^e, whose range f16 lacks)
+            for (int rem = tid; rem < KT * CHS; rem += nthr) {  // K: codes -> f16
                 const int r = rem / CHS, c = rem - r * CHS;
-                const uint4 w = *reinterpret_cast<const uint4*>(st + which * TILE + r * HD + c * 16);
+                const uint4 w = *reinterpret_cast<const uint4*>(st + r * HD + c * 16);
+                u16* dst = cvt + r * HD;
+                *reinterpret_cast<uint4*>(dst + (((2 * c) ^ (r & SWZ)) << 3)) =
+                    make_uint4(e4m3x2_to_f16x2(w.x & 0xffffu), e4m3x2_to_f16x2(w.x >> 16),
+                               e4m3x2_to_f16x2(w.y & 0xffffu), e4m3x2_to_f16x2(w.y >> 16));
+                *reinterpret_cast<uint4*>(dst + (((2 * c + 1) ^ (r & SWZ)) << 3)) =
+                    make_uint4(e4m3x2_to_f16x2(w.z & 0xffffu), e4m3x2_to_f16x2(w.z >> 16),
+                               e4m3x2_to_f16x2(w.w & 0xffffu), e4m3x2_to_f16x2(w.w >> 16));
+            }
+            for (int rem = tid; rem < KT * CHS; rem += nthr) {  // V: codes -> bf16 (exact values)
+                const int r = rem / CHS, c = rem - r * CHS;
+                const uint4 w = *reinterpret_cast<const uint4*>(st + TILE + r * HD + c * 16);
                 const u32 wv[4] = {w.x, w.y, w.z, w.w};
                 u32 b[8];
 #pragma unroll
@@ -412,10 +429,10 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
                     float f0, f1, f2, f3;
                     e4m3x2_to_float_div256(wv[i] & 0xffffu, f0, f1);
                     e4m3x2_to_float_div256(wv[i] >> 16, f2, f3);
-                    b[2 * i] = pack_bf16x2(f0, f1);
-                    b[2 * i + 1] = pack_bf16x2(f2, f3);
+                    b[2 * i] = pack_bf16x2(f0 * 256.f, f1 * 256.f);  // exact: a power of two
+                    b[2 * i + 1] = pack_bf16x2(f2 * 256.f, f3 * 256.f);
                 }
-                u16* dst = cvt + which * TILE + r * HD;
+                u16* dst = cvt + TILE + r * HD;
                 *reinterpret_cast<uint4*>(dst + (((2 * c) ^ (r & SWZ)) << 3)) = make_uint4(b[0], b[1], b[2], b[3]);
                 *reinterpret_cast<uint4*>(dst + (((2 * c + 1) ^ (r & SWZ)) << 3)) = make_uint4(b[4], b[5], b[6], b[7]);
             }
@@ -437,17 +454,22 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
                 for (int ks = 0; ks < KS; ks++) {
                     u32 a0, a1, a2, a3;
                     ldsm_x4(k_row + mi * 32 * HD + swz_off<SWZ>(2 * ks + (lane >> 4), lane), a0, a1, a2, a3);
-                    mma_bf16_16816(sh[0], sh[1], sh[2], sh[3], a0, a1, a2, a3, qh[ks][0], qh[ks][1]);
-                    if (QS) mma_bf16_16816(sl[0], sl[1], sl[2], sl[3], a0, a1, a2, a3, ql[ks][0], ql[ks][1]);
+                    if constexpr (FP8) {
+                        mma_f16_16816(sh[0], sh[1], sh[2], sh[3], a0, a1, a2, a3, qh[ks][0], qh[ks][1]);
+                        if (QS) mma_f16_16816(sl[0], sl[1], sl[2], sl[3], a0, a1, a2, a3, ql[ks][0], ql[ks][1]);
+                    } else {
+                        mma_bf16_16816(sh[0], sh[1], sh[2], sh[3], a0, a1, a2, a3, qh[ks][0], qh[ks][1]);
+                        if (QS) mma_bf16_16816(sl[0], sl[1], sl[2], sl[3], a0, a1, a2, a3, ql[ks][0], ql[ks][1]);
+                    }
                 }
                 // c0, c1: position gq, rows 2tq, 2tq+1; c2, c3: position gq + 8
                 const int pa = p0 + mi * 16 + gq, pb = pa + 8;
                 float kscale[2] = {scale, scale}, vscale[2] = {1.f, 1.f};
                 if constexpr (FP8) {
-                    kscale[0] = scale * exp2_int((int)exs[pa - start] + 8);
-                    kscale[1] = scale * exp2_int((int)exs[pb - start] + 8);
-                    vscale[0] = exp2_int((int)exs[ssz + pa - start] + 8);
-                    vscale[1] = exp2_int((int)exs[ssz + pb - start] + 8);
+                    kscale[0] = scale * exp2_int((int)exs[pa - start]);  // the tiles hold code values
+                    kscale[1] = scale * exp2_int((int)exs[pb - start]);
+                    vscale[0] = exp2_int((int)exs[ssz + pa - start]);
+                    vscale[1] = exp2_int((int)exs[ssz + pb - start]);
                 }
                 float x[4], mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll

@@ -185,6 +185,40 @@ __device__ __forceinline__ void e4m3x2_to_float_div256(u32 c2, float& lo, float&
 #endif
 }
 
+// Two codes (lo byte, hi byte) -> f16x2 of their exact values (lo in the low half): one
+// instruction on sm_89+; elsewhere the value / 256 form (the code's bits re-biased into an f16)
+// times 256, exact for every finite code (|value| <= 448, subnormals included).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 c2) {
+    u32 h2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)(c2 & 0xffffu)));
+#else
+    const u32 lo = ((c2 & 0x80u) << 8) | ((c2 & 0x7fu) << 7);
+    const u32 hi = ((c2 & 0x8000u) << 8) | ((c2 & 0x7f00u) << 7);
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(h2) : "r"(lo | (hi << 16)), "r"(0x5c005c00u));  // x 256
+#endif
+    return h2;
+}
+
+// Two floats -> packed f16x2 (lo in the low half), round to nearest even.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float f16x2_lo(u32 v) { return half_to_float((u16)(v & 0xffffu)); }
+__device__ __forceinline__ float f16x2_hi(u32 v) { return half_to_float((u16)(v >> 16)); }
+
+// D (16x8, f32) += A (16x16, f16, row) * B (16x8, f16, col)
+__device__ __forceinline__ void mma_f16_16816(float& d0, float& d1, float& d2, float& d3, u32 a0, u32 a1, u32 a2,
+                                              u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // 2^e for the int8 row exponent (|e| <= 120: a normal float).
 __device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + e) << 23); }
 

@@ -1,7 +1,7 @@
 """A numpy transliteration of cuda/attention.cu attn_mma_body + attn_mma_combine, lane by lane.
 
 Shared-memory tiles are filled through the kernel's own staging formula (chunk c of row r at
-chunk c ^ (r & SWZ); fp8 codes staged flat, then converted into the swizzled bf16 tile), read
+chunk c ^ (r & SWZ); fp8 codes staged flat, then converted into the swizzled tile: K as f16, V as bf16, exact values), read
 back through its ldmatrix addressing (swz_off), and every operand moves in the PTX ISA's
 fragment layouts (ldmatrix / ldmatrix.trans / movmatrix.trans / mma.m16n8k16), so an index,
 swizzle or fragment mistake in the kernel shows up on the CPU against float64 attention. The
@@ -22,6 +22,10 @@ GQ, TQ = LANE >> 2, LANE & 3
 
 def bf16(x) -> np.ndarray:
     return F.bf16_round(np.asarray(x, np.float32))
+
+
+def f16(x) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
 
 
 def ldsm(tile: np.ndarray, addr: np.ndarray, trans: bool) -> np.ndarray:
@@ -84,10 +88,10 @@ def stage_tile(rows_src: np.ndarray, p0: int, end: int, hd: int, fp8: bool) -> n
             flat[r * hd: (r + 1) * hd] = rows_src[p]
     for r in range(kt):
         for c in range(hd // 16):
-            vals = F.e4m3_decode(flat[r * hd + c * 16: r * hd + c * 16 + 16]) / 256.0
+            vals = F.e4m3_decode(flat[r * hd + c * 16: r * hd + c * 16 + 16])  # exact in f16 (K) and bf16 (V)
             for half in range(2):
                 cs = (2 * c + half) ^ (r & swz)
-                tile[r * hd + cs * 8: r * hd + cs * 8 + 8] = bf16(vals[half * 8: half * 8 + 8])
+                tile[r * hd + cs * 8: r * hd + cs * 8 + 8] = vals[half * 8: half * 8 + 8]
     return tile
 
 
@@ -128,8 +132,9 @@ def attn_mma(q, kc, vc, pos0: int, span: int, nsplit: int, nq: int, nkv: int, qs
                     for h in range(2):
                         col = ks * 16 + h * 8 + 2 * TQ
                         v = np.stack([qrow[LANE, col], qrow[LANE, col + 1]], 1)
-                        qh[ks, :, h] = bf16(v)
-                        ql[ks, :, h] = bf16(v - qh[ks, :, h]) if qsplit else 0
+                        rnd = f16 if fp8 else bf16  # fp8 K: the S^T mma runs in f16
+                        qh[ks, :, h] = rnd(v)
+                        ql[ks, :, h] = rnd(v - qh[ks, :, h]) if qsplit else 0
                 rr = warp * nrow + 2 * TQ[:, None] + np.arange(2)[None]
                 lim = np.where(rr < rows, pos0 + rr // rep, -1)
                 o = np.zeros((ks_n, 32, 4), np.float32)
@@ -153,8 +158,8 @@ def attn_mma(q, kc, vc, pos0: int, span: int, nsplit: int, nq: int, nkv: int, qs
                         vsc = np.ones((32, 2), np.float32)
                         if fp8:
                             ex = lambda e, p: np.where(p < end, e[g, np.minimum(p, e.shape[1] - 1)], 0)  # noqa: E731
-                            ksc = scale * np.exp2(np.stack([ex(kx, pa), ex(kx, pb)], 1) + 8).astype(np.float32)
-                            vsc = np.exp2(np.stack([ex(vx, pa), ex(vx, pb)], 1) + 8).astype(np.float32)
+                            ksc = scale * np.exp2(np.stack([ex(kx, pa), ex(kx, pb)], 1)).astype(np.float32)
+                            vsc = np.exp2(np.stack([ex(vx, pa), ex(vx, pb)], 1)).astype(np.float32)
                         x = np.zeros((32, 4), np.float32)
                         for c in range(4):
                             p = pa if c < 2 else pb
