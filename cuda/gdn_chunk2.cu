@@ -40,11 +40,12 @@
 //   C/D (16x8):    d0 (g, 2t), d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1)
 #include "common.cuh"
 
-__device__ __forceinline__ u32 to_tf32(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
+// cvt.rna.tf32.f32 (nearest, ties away from zero) for finite x as two integer ops: adding half a
+// tf32 ulp to the magnitude bits and masking is exactly rna. Why not the PTX cvt: on sm_80+ it
+// lowers to four instructions (an |x| >= inf test and a select around the same add and mask),
+// and the splits below are most of the state pass's instruction issue (768 mma vs ~5,000 other
+// instructions per chunk and warp before this).
+__device__ __forceinline__ u32 to_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 
 __device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
     hi = to_tf32(x);
@@ -122,6 +123,42 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 __device__ __forceinline__ int sw_row(int row, int col) { return col ^ ((row & 3) << 3); }
 __device__ __forceinline__ int sw_col(int row, int col) { return col ^ (((row >> 1) & 3) << 3); }
 
+// The 20 16 x 8 tiles of a C x C (C = 64) product that touch its lower triangle, as 8 segments of
+// one row block tm each (column tiles tn0 .. tn0 + nn - 1, 2-3 of them). Why segments: a warp that
+// owns a whole segment splits each A fragment (rows of block tm) once for all its tiles, where a
+// round-robin deal of single tiles split it once per tile (the A split was 2/3 of the product's
+// instructions). Per-tile arithmetic and order are unchanged, so the bits are too.
+__device__ __forceinline__ void lower_segment(int v, int& tm, int& tn0, int& nn) {
+    tm = v < 3 ? 3 : v < 5 ? 2 : v < 7 ? 1 : 0;
+    tn0 = v == 1 || v == 4 ? 3 : v == 2 ? 6 : v == 6 ? 2 : 0;
+    nn = v == 2 || v >= 5 ? 2 : 3;
+}
+
+// d[j] += (rows 16 tm.. of X)(rows 8 (tn0 + j).. of Y)^T over kdim for j < nn, X and Y row-major
+// [C][ld] tiles read as float2 along their rows (k permuted), columns through swz(row, col).
+template <int KT, typename Swz>
+__device__ __forceinline__ void segment_xyt(float (&d)[3][4], const float* X, const float* Y, int ld, int tm,
+                                            int tn0, int nn, Swz swz) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 3; j++) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < KT; s++) {
+        const int ra = tm * 16 + g, col = 8 * s + 2 * t;
+        const float2 a02 = *reinterpret_cast<const float2*>(X + ra * ld + swz(ra, col));
+        const float2 a13 = *reinterpret_cast<const float2*>(X + (ra + 8) * ld + swz(ra + 8, col));
+        u32 ah[4], al[4];
+        split_a(a02.x, a13.x, a02.y, a13.y, ah, al);
+#pragma unroll
+        for (int j = 0; j < 3; j++) {
+            if (j >= nn) continue;
+            const int rb = (tn0 + j) * 8 + g;
+            const float2 b = *reinterpret_cast<const float2*>(Y + rb * ld + swz(rb, col));
+            mma3(d[j], ah, al, b.x, b.y);
+        }
+    }
+}
+
 // First lane and length of chunk ci of a run of nlanes lanes starting at absolute position pos0.
 __device__ __forceinline__ void chunk_span(int ci, int nlanes, int pos0, int& c0, int& n) {
     const int first = GDN2_C - pos0 % GDN2_C;  // chunk 0 may be ragged
@@ -129,21 +166,36 @@ __device__ __forceinline__ void chunk_span(int ci, int nlanes, int pos0, int& c0
     n = min(nlanes, ci == 0 ? first : c0 + GDN2_C) - c0;
 }
 
-// Inclusive prefix sum of sG[0..C) by warp 0 (two halves of 32), the same float order everywhere.
-__device__ __forceinline__ void chunk_cumsum(float* sG) {
+// Inclusive prefix sum G of sG[0..C) by warp 0 (two halves of 32, the same order everywhere), in
+// double, kept as two floats: sG = hi = fp32(G), sGl = lo = fp32(G - hi).
+// Why: G reaches |G| ~ 1e3 within a chunk under strong decays, and an fp32 G_i - G_m then carries
+// ~|G| 2^-24 ~ 1e-4 of absolute error into e^{G_i - G_m}: a relative error of 1e-5..1e-4 on every
+// decay factor of the chunk (the 2e-5 failures of the strong-decay device tests, 50x the sequential
+// kernel's error on those heads). gdiff() below recovers G_i - G_m to ~2^-24 of itself.
+__device__ __forceinline__ void chunk_cumsum(float* sG, float* sGl) {
     const int lane = threadIdx.x & 31;
-    float x0 = sG[lane], x1 = sG[lane + 32];
+    double x0 = sG[lane], x1 = sG[lane + 32];
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const float y0 = __shfl_up_sync(FULL_MASK, x0, o), y1 = __shfl_up_sync(FULL_MASK, x1, o);
+        const double y0 = __shfl_up_sync(FULL_MASK, x0, o), y1 = __shfl_up_sync(FULL_MASK, x1, o);
         if (lane >= o) {
             x0 += y0;
             x1 += y1;
         }
     }
-    const float half = __shfl_sync(FULL_MASK, x0, 31);
-    sG[lane] = x0;
-    sG[lane + 32] = x1 + half;
+    x1 += __shfl_sync(FULL_MASK, x0, 31);
+    const float h0 = __double2float_rn(x0), h1 = __double2float_rn(x1);
+    sG[lane] = h0;
+    sG[lane + 32] = h1;
+    sGl[lane] = __double2float_rn(x0 - h0);
+    sGl[lane + 32] = __double2float_rn(x1 - h1);
+}
+
+// G_i - G_m from the two-float G: hi_i - hi_m is exact when the two lie within a factor 2 of each
+// other (Sterbenz), i.e. whenever the difference is small against |G|; otherwise the difference is
+// itself of the order of |G| and its own fp32 rounding is the only error.
+__device__ __forceinline__ float gdiff(const float* hi, const float* lo, int i, int m) {
+    return (hi[i] - hi[m]) + (lo[i] - lo[m]);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -151,7 +203,8 @@ __device__ __forceinline__ void chunk_cumsum(float* sG) {
 template <int DK, int DV>
 struct PrepSmem {
     static constexpr int C = GDN2_C, LDY = DK + DV + 8, LDA = C + 4, LDT = 16 + 4;
-    static constexpr int Y = 0, A = Y + C * LDY, T = A + C * LDA, G = T + C * LDT, B = G + C, FLOATS = B + C;
+    static constexpr int Y = 0, A = Y + C * LDY, T = A + C * LDA, G = T + C * LDT, GL = G + C, B = GL + C,
+                         RS = B + C, FLOATS = RS + C;
 };
 
 template <int DK, int DV>
@@ -166,8 +219,10 @@ __device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const 
     float* sY = smem + L::Y;  // [C][LDY]: K | V, then diag(b e^G) K | diag(b) V, then W | U
     float* sA = smem + L::A;  // [C][LDA] strictly lower A
     float* sT = smem + L::T;  // [C][LDT] inverses of A's 16 x 16 diagonal blocks
-    float* sG = smem + L::G;
+    float* sG = smem + L::G;    // G hi
+    float* sGl = smem + L::GL;  // G lo
     float* sB = smem + L::B;
+    float* sRS = smem + L::RS;  // b e^G: the K rows' right-hand-side scale
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int ci = blockIdx.x, h = blockIdx.y, kh = h / (HV / H);
     int c0, n;
@@ -190,36 +245,41 @@ __device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const 
         sB[tid] = ok ? __ldg(gb + (i64)(c0 + tid) * 2 * HV + HV + h) : 0.f;
     }
     __syncthreads();
-    if (warp == 0) chunk_cumsum(sG);
+    if (warp == 0) chunk_cumsum(sG, sGl);
     __syncthreads();
-    // A from K K^T on the 20 16 x 8 tiles touching the lower triangle (k permuted: float2 reads)
-    for (int tile = 0, lower_seen = 0; tile < MT * (C / 8); tile++) {
-        const int tm = tile / (C / 8), tn = tile - tm * (C / 8);
-        const bool lower = tn * 8 <= tm * 16 + 15;
-        const int owner = lower ? lower_seen++ % NW : tile % NW;  // the same count in every warp
-        if (owner != warp) continue;
-        float kk[4] = {0.f, 0.f, 0.f, 0.f};
-        if (lower) {
-#pragma unroll 4
-            for (int s = 0; s < DK / 8; s++) {
-                const float2 a02 = *reinterpret_cast<const float2*>(sY + (tm * 16 + g) * LDY + 8 * s + 2 * t);
-                const float2 a13 = *reinterpret_cast<const float2*>(sY + (tm * 16 + g + 8) * LDY + 8 * s + 2 * t);
-                const float2 b = *reinterpret_cast<const float2*>(sY + (tn * 8 + g) * LDY + 8 * s + 2 * t);
-                u32 ah[4], al[4];
-                split_a(a02.x, a13.x, a02.y, a13.y, ah, al);
-                mma3(kk, ah, al, b.x, b.y);
+    // A from K K^T on the 20 16 x 8 tiles touching the lower triangle (segment `warp`: NW == 8); the
+    // 12 tiles above it are never read, zeroed anyway (round-robin)
+    static_assert(NW == 8, "one lower segment per warp");
+    {
+        int tm, tn0, nn;
+        lower_segment(warp, tm, tn0, nn);
+        float kk[3][4];
+        segment_xyt<DK / 8>(kk, sY, sY, LDY, tm, tn0, nn, [](int, int c) { return c; });
+#pragma unroll
+        for (int j = 0; j < 3; j++) {
+            if (j >= nn) continue;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = tm * 16 + g + (e >> 1) * 8, m = (tn0 + j) * 8 + 2 * t + (e & 1);
+                sA[i * LDA + m] = m < i ? sB[i] * expf(gdiff(sG, sGl, i, m)) * kk[j][e] : 0.f;
             }
         }
+        for (int tile = warp; tile < MT * (C / 8); tile += NW) {
+            const int tm2 = tile / (C / 8), tn = tile - tm2 * (C / 8);
+            if (tn * 8 <= tm2 * 16 + 15) continue;
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int i = tm * 16 + g + (e >> 1) * 8, m = tn * 8 + 2 * t + (e & 1);
-            sA[i * LDA + m] = m < i ? sB[i] * expf(sG[i] - sG[m]) * kk[e] : 0.f;
+            for (int e = 0; e < 4; e++) sA[(tm2 * 16 + g + (e >> 1) * 8) * LDA + tn * 8 + 2 * t + (e & 1)] = 0.f;
         }
     }
-    if (tid < C) {  // gates for the other two kernels: G, and ED = e^{G_last - G} (G_last = G[C-1]: pads are flat)
-        float* gs = gsc + ((i64)h * nchunks + ci) * 2 * C;
+    if (tid < C) {  // gates for the other two kernels: G hi, G lo, ED = e^{G_last - G} (G_last = G[C-1]:
+                    // pads are flat), EG = e^G
+        float* gs = gsc + ((i64)h * nchunks + ci) * GDN2_GATES * C;
+        const float eg = expf(sG[tid] + sGl[tid]);
         gs[tid] = sG[tid];
-        gs[C + tid] = expf(sG[C - 1] - sG[tid]);
+        gs[C + tid] = sGl[tid];
+        gs[2 * C + tid] = expf(gdiff(sG, sGl, C - 1, tid));
+        gs[3 * C + tid] = eg;
+        sRS[tid] = sB[tid] * eg;
     }
     __syncthreads();
     if (tid < C) {  // T_b = (I + A_bb)^-1, one thread per column of a block
@@ -238,7 +298,7 @@ __device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const 
     }
     for (int idx = tid; idx < C * (DK + DV); idx += NW * 32) {  // right-hand sides, in place
         const int i = idx / (DK + DV), c = idx - i * (DK + DV);
-        sY[i * LDY + c] *= c < DK ? sB[i] * expf(sG[i]) : sB[i];
+        sY[i * LDY + c] *= c < DK ? sRS[i] : sB[i];
     }
     __syncthreads();
     // (I + A) Y = X blockwise: Y_b = T_b (X_b - A_{b,<b} Y_{<b}); warp w owns columns [8 NT w, 8 NT (w+1))
@@ -316,7 +376,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
         }
         const float* u = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C;
         for (int idx = tid; idx < C * BV / 4; idx += NW * 32) cp16(base + L::U + idx * 4, u + idx * 4);
-        const float* e = gsc + ((i64)h * nchunks + ci) * 2 * C;
+        const float* e = gsc + ((i64)h * nchunks + ci) * GDN2_GATES * C + 2 * C;  // ED, EG
         for (int idx = tid; idx < 2 * C / 4; idx += NW * 32) cp16(base + L::E + idx * 4, e + idx * 4);
         cp_commit();
     };
@@ -339,6 +399,9 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
             issue(ci + 1, st ^ 1);  // its stage was last read in chunk ci - 1 (barrier at that chunk's end)
             cp_wait<1>();
         } else {
+            // one stage: chunk ci goes in after chunk ci - 1's closing barrier (issued here rather than
+            // at the end of the previous iteration: the same order, and ptxas keeps it spill-free)
+            if (STAGES == 1 && ci > 0) issue(ci, 0);
             cp_wait<0>();
         }
         __syncthreads();
@@ -373,11 +436,11 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
             const float4 u = *reinterpret_cast<const float4*>(sU + ((warp * CT + nt) * 32 + lane) * 4);
             const float4 v = make_float4(u.x - p[nt][0], u.y - p[nt][1], u.z - p[nt][2], u.w - p[nt][3]);
             *reinterpret_cast<float4*>(vn + nt * 128) = v;
-            const float e0 = sE[C + nt * 8 + 2 * t], e1 = sE[C + nt * 8 + 2 * t + 1];
+            const float e0 = sE[nt * 8 + 2 * t], e1 = sE[nt * 8 + 2 * t + 1];
             p[nt][0] = v.x * e0, p[nt][1] = v.y * e1, p[nt][2] = v.z * e0, p[nt][3] = v.w * e1;
         }
         // S^T = e^{G_last} S^T + (diag(ED) V_new)^T K: k = tokens (permuted: K rows 2t, 2t + 1)
-        const float egl = expf(sE[C - 1]);
+        const float egl = sE[2 * C - 1];  // e^{G_last}
 #pragma unroll
         for (int s = 0; s < KT; s++)
 #pragma unroll
@@ -394,7 +457,6 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
             }
         }
         __syncthreads();  // every warp is done with this stage
-        if (STAGES == 1 && ci + 1 < nchunks) issue(ci + 1, 0);
     }
     float* s1 = state + ((i64)h * dv + j0 + warp * 16 + g) * DK + 2 * t;
 #pragma unroll
@@ -409,7 +471,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
 template <int DK, int DV>
 struct OutSmem {
     static constexpr int C = GDN2_C, LDM = C + 8;
-    static constexpr int Q = 0, K = Q + C * DK, M = K + C * DK, G = M + C * LDM, FLOATS = G + C;
+    static constexpr int Q = 0, K = Q + C * DK, M = K + C * DK, G = M + C * LDM, FLOATS = G + 3 * C;
 };
 
 template <int DK, int DV>
@@ -424,7 +486,7 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
     float* sQ = smem + L::Q;  // [C][DK] sw_row
     float* sK = smem + L::K;  // [C][DK] sw_row
     float* sM = smem + L::M;  // [C][LDM] M o Q K^T (lower, diagonal included)
-    float* sG = smem + L::G;
+    float* sG = smem + L::G;  // [3][C]: G hi, G lo, e^G
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int ci = blockIdx.x, h = blockIdx.y, kh = h / (HV / H);
     int c0, n;
@@ -443,28 +505,29 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         *reinterpret_cast<float4*>(sQ + i * DK + sw_row(i, c)) = qv;
         *reinterpret_cast<float4*>(sK + i * DK + sw_row(i, c)) = kv;
     }
-    if (tid < C) sG[tid] = gsc[((i64)h * nchunks + ci) * 2 * C + tid];
+    if (tid < C) {
+        const float* gs = gsc + ((i64)h * nchunks + ci) * GDN2_GATES * C;
+        sG[tid] = gs[tid];
+        sG[C + tid] = gs[C + tid];
+        sG[2 * C + tid] = gs[3 * C + tid];
+    }
     __syncthreads();
-    // M o Q K^T on the 20 lower 16 x 8 tiles (k permuted: Q and K read as float2 along their rows)
-    for (int tile = 0, lower_seen = 0; tile < MT * CT; tile++) {
-        const int tm = tile / CT, tn = tile - tm * CT;
-        if (tn * 8 > tm * 16 + 15) continue;  // never read by the product below
-        if (lower_seen++ % NW != warp) continue;
-        float qk[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-        for (int s = 0; s < KT; s++) {
-            const int ra = tm * 16 + g, rb = tn * 8 + g, col = 8 * s + 2 * t;
-            const float2 a02 = *reinterpret_cast<const float2*>(sQ + ra * DK + sw_row(ra, col));
-            const float2 a13 = *reinterpret_cast<const float2*>(sQ + (ra + 8) * DK + sw_row(ra + 8, col));
-            const float2 b = *reinterpret_cast<const float2*>(sK + rb * DK + sw_row(rb, col));
-            u32 ah[4], al[4];
-            split_a(a02.x, a13.x, a02.y, a13.y, ah, al);
-            mma3(qk, ah, al, b.x, b.y);
-        }
+    // M o Q K^T on the 20 lower 16 x 8 tiles, lower segments v = warp, warp + NW, .. (Q and K read as
+    // float2 along their rows, k permuted); the tiles above are never read by the product below
+    static_assert(8 % NW == 0, "whole lower segments per warp");
+    for (int v = warp; v < 8; v += NW) {
+        int tm, tn0, nn;
+        lower_segment(v, tm, tn0, nn);
+        float qk[3][4];
+        segment_xyt<KT>(qk, sQ, sK, DK, tm, tn0, nn, [](int r, int c) { return sw_row(r, c); });
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int i = tm * 16 + g + (e >> 1) * 8, m = tn * 8 + 2 * t + (e & 1);
-            sM[i * LDM + m] = m <= i ? expf(sG[i] - sG[m]) * qk[e] : 0.f;
+        for (int j = 0; j < 3; j++) {
+            if (j >= nn) continue;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = tm * 16 + g + (e >> 1) * 8, m = (tn0 + j) * 8 + 2 * t + (e & 1);
+                sM[i * LDM + m] = m <= i ? expf(gdiff(sG, sG + C, i, m)) * qk[j][e] : 0.f;
+            }
         }
     }
     __syncthreads();
@@ -487,7 +550,7 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
     }
 #pragma unroll
     for (int nt = 0; nt < CT; nt++) {
-        const float e0 = expf(sG[nt * 8 + 2 * t]), e1 = expf(sG[nt * 8 + 2 * t + 1]);
+        const float e0 = sG[2 * C + nt * 8 + 2 * t], e1 = sG[2 * C + nt * 8 + 2 * t + 1];
         o[nt][0] *= e0, o[nt][1] *= e1, o[nt][2] *= e0, o[nt][3] *= e1;
     }
     const float* vn = usc + ((i64)h * nchunks + ci) * C * DV + (warp * CT * 32 + lane) * 4;
@@ -514,7 +577,7 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
 
 // Entry points. Scratch (floats, chunk-padded, nchunks = chunks of this run): W [HV][nchunks][C][DK],
 // U / V_new [HV][nchunks][C * DV] fragment-native, S_c [HV][nchunks][DV * DK] fragment-native,
-// gates [HV][nchunks][2][C] (G, ED). State K-last [HV][dv][dk] as gdn_prefill.
+// gates [HV][nchunks][GDN2_GATES = 4][C] (G hi, G lo, ED, EG). State K-last [HV][dv][dk] as gdn_prefill.
 #define GDN2_KERNELS(D)                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                          \
         gdn2_prep_d##D(const float* qkvn, const float* gb, float* wsc, float* usc, float* gsc, int H, int HV,     \

@@ -121,7 +121,9 @@ def main() -> int:
                   + (f"pieces {row[f'{name}_pieces_ms']:.3f} ms bitwise={row[f'{name}_pieces_bitwise_whole']}"
                      if f"{name}_pieces_ms" in row else ""), flush=True)
         parts = "  ".join(f"{k} {v:.3f}" for k, v in row["chunked2_split_ms"].items())
-        print(f"T={t:6d}  chunked2 split (ms): {parts}", flush=True)
+        total = sum(row["chunked2_split_ms"].values())
+        print(f"T={t:6d}  chunked2 split (ms per layer): {parts}  = {total:.3f}  "
+              f"(sequential {row['sequential_ms']:.3f}, x{row['sequential_ms'] / total:.2f})", flush=True)
         if "chunked2_s1" in outs and "chunked2_s2" in outs:
             row["chunked2_stages_bitwise"] = bool(np.array_equal(outs["chunked2_s1"][0], outs["chunked2_s2"][0])
                                                   and np.array_equal(outs["chunked2_s1"][1], outs["chunked2_s2"][1]))

@@ -101,6 +101,7 @@ GDN_FD_MAX_WARPS = 32  # launch bounds (a whole 128-column head in one block, no
 # ---------------------------------------------------------------- GDN chunked pipeline (cuda/gdn_chunk2.cu)
 GDN2_C = 64  # tokens per chunk (chunks start at absolute multiples of it)
 GDN2_BV = 64  # value columns per CTA of the state pass (4 warps of 16 rows)
+GDN2_GATES = 4  # gate rows per (head, chunk) in the scratch: G hi, G lo, e^{G_last - G}, e^G
 # ---------------------------------------------------------------- programmatic dependent launch (common.cuh)
 # 1: the short kernels let the next kernel launch before their own wait (EngineConfig.pdl "early");
 # the runtime compiles with the engine's choice (runtime.compile_options), this is the default

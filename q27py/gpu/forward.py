@@ -295,7 +295,7 @@ class FastModel:
         self.gdn_fused_warps = C.GDN_FD_WARPS
         self.gdn_tickets = cp.zeros(cfg.linear_num_key_heads + hv, dtype=cp.int32)
         # chunked2 GDN route: per-chunk W, U / V_new, start states and gates of one prefill chunk
-        # (kernels.gdn2_scratch_floats: 410.5 MB for the 27B at T = 4096). Allocated here when the
+        # (kernels.gdn2_scratch_floats: 412.1 MB for the 27B at T = 4096). Allocated here when the
         # route is on at load (so --max-context auto counts it), else on first use (_gdn2_scratch).
         self.gdn2_scratch = None
         if K.GDN_PREFILL == "chunked2" and T > R:

@@ -621,18 +621,18 @@ def gdn2_max_chunks(nlanes: int) -> int:
 
 def gdn2_scratch_floats(nchunks: int, hv: int, dk: int, dv: int) -> int:
     """Scratch of one chunked2 run, floats: W [C x dk], U / V_new [C x dv], the chunk's start state
-    [dv x dk] and the gates (G, e^{G_last - G}) [2 x C], per (value head, chunk). The 27B
-    (48 x 128 x 128) at 4096 lanes (65 chunks at most): 410.5 MB."""
+    [dv x dk] and the gates (G as hi + lo, e^{G_last - G}, e^G) [GDN2_GATES x C], per (value head,
+    chunk). The 27B (48 x 128 x 128) at 4096 lanes (65 chunks at most): 412.1 MB."""
     c = C.GDN2_C
-    return hv * nchunks * (c * dk + c * dv + dv * dk + 2 * c)
+    return hv * nchunks * (c * dk + c * dv + dv * dk + C.GDN2_GATES * c)
 
 
 def gdn2_smem_floats(dk: int, dv: int, stages: int) -> dict[str, int]:
     """Shared-memory floats of each kernel's block (PrepSmem / StateSmem / OutSmem in cuda/gdn_chunk2.cu)."""
     c = C.GDN2_C
-    return {"prep": c * (dk + dv + 8) + c * (c + 4) + c * 20 + 2 * c,
+    return {"prep": c * (dk + dv + 8) + c * (c + 4) + c * 20 + 4 * c,
             "state": stages * (2 * c * dk + c * C.GDN2_BV + 2 * c),
-            "out": 2 * c * dk + c * (c + 8) + c}
+            "out": 2 * c * dk + c * (c + 8) + 3 * c}
 
 
 def gdn2_stages(dk: int, dv: int) -> int:

@@ -107,10 +107,13 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
     gc, bc = blocks(g[:, :, None])[..., 0], blocks(beta[:, :, None])[..., 0]  # [nc, HV, C]
     # A padded token (k = v = beta = g = 0) adds nothing to u, o or the state: it only keeps
     # the shapes whole; its outputs are cut off below.
-    gam = np.cumsum(gc, axis=-1)
+    # G in float64: under strong decays |G| reaches ~1e3 within a chunk, and an fp32 G_i - G_m
+    # would carry ~|G| 2^-24 of absolute error into every e^{G_i - G_m} (1e-5..1e-4 relative: 50x
+    # the token-by-token recurrence's error on such heads; tests/model/test_fastcpu.py).
+    gam = np.cumsum(gc, axis=-1, dtype=np.float64)
     lower_incl = np.tri(chunk, dtype=bool)
     diff = gam[..., :, None] - gam[..., None, :]
-    decay = np.zeros_like(diff)
+    decay = np.zeros(diff.shape, dtype=gc.dtype)
     np.exp(diff, out=decay, where=lower_incl)  # D[t,s]; 0 above the diagonal (never exponentiated)
     # K K^T and Q K^T are shared by the v-heads of one k-head: computed per k-head, then repeated.
     kt_h = kk_h.transpose(0, 1, 3, 2)
@@ -119,13 +122,13 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
     a *= decay
     a[..., np.arange(chunk), np.arange(chunk)] = 1.0  # unit diagonal; A itself is strictly lower
     inv = unit_lower_inverse(a)  # unit lower triangular, so always invertible
-    eg = np.exp(gam)
+    eg = np.exp(gam).astype(gc.dtype)
     uh = inv @ (bc[..., None] * vc)  # [nc, HV, C, dv]
     wk = inv @ ((bc * eg)[..., None] * kc)  # [nc, HV, C, dk]
     qk = per_v_head(qk_h @ kt_h)
     qk *= decay
     eq = eg[..., None] * qc
-    ktail = (kc * np.exp(gam[..., -1:] - gam)[..., None]).transpose(0, 1, 3, 2)  # [nc, HV, dk, C]
+    ktail = (kc * np.exp(gam[..., -1:] - gam).astype(gc.dtype)[..., None]).transpose(0, 1, 3, 2)  # [nc, HV, dk, C]
     # With u = Uh - W S0 substituted, a chunk is affine in its entering state S0:
     #   O     = (e^G Q - (QK^T*D) W) S0 + (QK^T*D) Uh
     #   S_end = (e^{G_n} I - Ktail W) S0 + Ktail Uh
@@ -135,7 +138,7 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
     o_const = qk @ uh  # [nc, HV, C, dv]
     s_state = ktail @ wk  # [nc, HV, dk, dk], negated and given its e^{G_n} diagonal in place:
     np.negative(s_state, out=s_state)
-    s_state[..., np.arange(dk), np.arange(dk)] += np.exp(gam[..., -1:])
+    s_state[..., np.arange(dk), np.arange(dk)] += np.exp(gam[..., -1:]).astype(gc.dtype)
     s_const = ktail @ uh  # [nc, HV, dk, dv]
     s = state.astype(np.float32, copy=True)
     entering = np.empty((nc, hv, dk, dv), dtype=np.float32)

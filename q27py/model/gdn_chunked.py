@@ -87,7 +87,11 @@ def gdn_chunked_wy(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
       phase 2, chunk after chunk:          V_new = U - W S_c,  S_{c+1} = e^{G_last} S_c + K^T diag(e^{G_last - G}) V_new
       phase 3, every chunk independently: O = diag(e^G) Q S_c + (M o Q K^T) V_new
     (U - W S_c = T diag(b) (V - diag(e^G) K S_c) is the U of gdn_chunked: the split moves every
-    state-independent product out of the sequential loop.)"""
+    state-independent product out of the sequential loop.)
+    G is summed in float64 whatever the inputs' dtype, as the kernels do (a double scan kept as
+    hi + lo floats): in fp32, |G| ~ 1e3 under strong decays leaves ~1e-4 of absolute error in
+    G_i - G_m, i.e. ~1e-5..1e-4 relative on every decay factor -- so a float32 run of this
+    function is the kernels' error class, not that of a worse cumulative sum."""
     t_all, h, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     rep = hv // h
@@ -101,12 +105,12 @@ def gdn_chunked_wy(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
     for c0, n in spans:
         sl = slice(c0, c0 + n)
         kc, b = kh[:, sl], bh[:, sl]
-        gam = np.cumsum(gh[:, sl], axis=1)
+        gam = np.cumsum(gh[:, sl], axis=1, dtype=np.float64)
         low = np.tri(n, dtype=bool)
         decay = np.exp(np.where(low, gam[:, :, None] - gam[:, None, :], -np.inf)).astype(dt)
         a = b[:, :, None] * (kc @ kc.transpose(0, 2, 1)) * decay
         a[:, np.arange(n), np.arange(n)] = 0.0
-        rhs = np.concatenate([(b * np.exp(gam))[:, :, None] * kc, b[:, :, None] * vh[:, sl]], axis=2)
+        rhs = np.concatenate([(b * np.exp(gam).astype(dt))[:, :, None] * kc, b[:, :, None] * vh[:, sl]], axis=2)
         y = np.empty_like(rhs)
         for i in range(n):  # forward substitution of (I + A) Y = RHS
             y[:, i] = rhs[:, i] - np.einsum("hm,hmv->hv", a[:, i, :i], y[:, :i])
@@ -117,10 +121,10 @@ def gdn_chunked_wy(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
         starts.append(s)
         vn = u - w @ s
         vnew.append(vn)
-        ed = np.exp(gam[:, -1:] - gam)
-        s = np.exp(gam[:, -1])[:, None, None] * s + kh[:, c0 : c0 + n].transpose(0, 2, 1) @ (ed[:, :, None] * vn)
+        ed = np.exp(gam[:, -1:] - gam).astype(dt)
+        s = np.exp(gam[:, -1]).astype(dt)[:, None, None] * s + kh[:, c0 : c0 + n].transpose(0, 2, 1) @ (ed[:, :, None] * vn)
     out = np.empty((hv, t_all, dv), dtype=dt)  # phase 3
     for (c0, n), (gam, decay, _, _), s0, vn in zip(spans, pre, starts, vnew):
         qc, kc = qh[:, c0 : c0 + n], kh[:, c0 : c0 + n]
-        out[:, c0 : c0 + n] = np.exp(gam)[:, :, None] * (qc @ s0) + ((qc @ kc.transpose(0, 2, 1)) * decay) @ vn
+        out[:, c0 : c0 + n] = np.exp(gam).astype(dt)[:, :, None] * (qc @ s0) + ((qc @ kc.transpose(0, 2, 1)) * decay) @ vn
     return out.transpose(1, 0, 2), s

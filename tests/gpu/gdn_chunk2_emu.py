@@ -19,6 +19,7 @@ from q27py.gpu import constants
 
 C = constants.GDN2_C  # the kernels' compile-time chunk and state-pass column tile
 BV = constants.GDN2_BV
+GATES = constants.GDN2_GATES
 
 
 def mma3(d, a, b0, b1):
@@ -59,16 +60,24 @@ def nchunks(nlanes, pos0):
 
 
 def cumsum_scan(x):
-    """chunk_cumsum: warp 0's two shfl_up scans in float32."""
+    """chunk_cumsum: warp 0's two shfl_up scans in double (IEEE adds in the kernel's order, so the
+    same bits), returned as the two floats (hi, lo) the kernel keeps."""
     lane = np.arange(32)
-    x0, x1 = x[:32].copy(), x[32:].copy()
+    x0, x1 = x[:32].astype(np.float64), x[32:].astype(np.float64)
     o = 1
     while o < 32:
         y0, y1 = np.roll(x0, o), np.roll(x1, o)
         m = lane >= o
         x0, x1 = np.where(m, x0 + y0, x0), np.where(m, x1 + y1, x1)
         o <<= 1
-    return np.concatenate([x0, x1 + x0[31]]).astype(np.float32)
+    g = np.concatenate([x0, x1 + x0[31]])
+    hi = g.astype(np.float32)
+    return hi, (g - hi).astype(np.float32)
+
+
+def gdiff(hi, lo, i, m):
+    """The kernel's gdiff: (hi_i - hi_m) + (lo_i - lo_m) in float32."""
+    return ((hi[i] - hi[m]) + (lo[i] - lo[m])).astype(np.float32)
 
 
 def prep(qkvn, gb, wsc, usc, gsc, H, HV, DK, DV, nlanes, pos0, nc):
@@ -85,7 +94,7 @@ def prep(qkvn, gb, wsc, usc, gsc, H, HV, DK, DV, nlanes, pos0, nc):
             sG = np.zeros(C, np.float32)
             sB = np.zeros(C, np.float32)
             sG[:n], sB[:n] = gb[c0 : c0 + n, h], gb[c0 : c0 + n, HV + h]
-            sG = cumsum_scan(sG)
+            sG, sGl = cumsum_scan(sG)
             sA = np.full((C, C), np.nan, np.float32)
             for tm in range(4):
                 for tn in range(8):
@@ -99,10 +108,13 @@ def prep(qkvn, gb, wsc, usc, gsc, H, HV, DK, DV, nlanes, pos0, nc):
                     for e in range(4):
                         i, m = tm * 16 + GQ + (e >> 1) * 8, tn * 8 + 2 * TQ + (e & 1)
                         with np.errstate(over="ignore"):  # m > i is masked below
-                            dec = np.exp(sG[i] - sG[m]).astype(np.float32)
+                            dec = np.exp(gdiff(sG, sGl, i, m)).astype(np.float32)
                         sA[i, m] = np.where(m < i, sB[i] * dec * kk[e], 0)
-            gs = gsc[(h * nc + ci) * 2 * C : (h * nc + ci + 1) * 2 * C]
-            gs[:C], gs[C:] = sG, np.exp(sG[C - 1] - sG).astype(np.float32)
+            gs = gsc[(h * nc + ci) * GATES * C : (h * nc + ci + 1) * GATES * C]
+            eg = np.exp((sG + sGl).astype(np.float32)).astype(np.float32)
+            gs[:C], gs[C : 2 * C] = sG, sGl
+            gs[2 * C : 3 * C] = np.exp(gdiff(sG, sGl, C - 1, np.arange(C))).astype(np.float32)
+            gs[3 * C :] = eg
             sT = np.zeros((C, 16), np.float32)
             for b in range(4):
                 a = sA[b * 16 : b * 16 + 16, b * 16 : b * 16 + 16]
@@ -114,7 +126,7 @@ def prep(qkvn, gb, wsc, usc, gsc, H, HV, DK, DV, nlanes, pos0, nc):
                             acc = np.float32(acc - np.float64(a[i, m]) * tc[m])  # fmaf: one rounding
                         tc[i] = acc
                     sT[b * 16 : b * 16 + 16, jj] = tc
-            Y[:, :DK] *= (sB * np.exp(sG).astype(np.float32))[:, None]
+            Y[:, :DK] *= (sB * eg)[:, None]
             Y[:, DK:] *= sB[:, None]
             for w in range(NW):
                 cols = w * NT * 8
@@ -173,7 +185,7 @@ def state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, dv, nlanes, pos0, nc)
                             flat_q[(c0 + i) * ldq + kbase + c + np.arange(4)] if i < n else 0)
                 ub = (h * nc + ci) * C * dv + j0 * C
                 sU = usc[ub : ub + C * BV].copy()
-                sE = gsc[(h * nc + ci) * 2 * C : (h * nc + ci + 1) * 2 * C].copy()
+                sE = gsc[(h * nc + ci) * GATES * C + 2 * C : (h * nc + ci + 1) * GATES * C].copy()  # ED, EG
                 for w in range(NW):
                     sc = (((h * nc + ci) * (dv // 16) + j0 // 16 + w) * KT) * 128 + np.arange(32) * 4
                     for s in range(KT):
@@ -192,9 +204,9 @@ def state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, dv, nlanes, pos0, nc)
                         v = [(u[e] - p[nt, e]).astype(np.float32) for e in range(4)]
                         for e in range(4):
                             usc[vn + nt * 128 + e] = v[e]
-                        e0, e1 = sE[C + nt * 8 + 2 * TQ], sE[C + nt * 8 + 2 * TQ + 1]
+                        e0, e1 = sE[nt * 8 + 2 * TQ], sE[nt * 8 + 2 * TQ + 1]
                         p[nt] = v[0] * e0, v[1] * e1, v[2] * e0, v[3] * e1
-                    S[w] *= np.float32(np.exp(sE[C - 1]))
+                    S[w] *= sE[2 * C - 1]
                     for m in range(CT):
                         a = ctile_a(p[m])
                         r0 = m * 8 + 2 * TQ
@@ -222,7 +234,8 @@ def out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc):
                     k4 = qkvn[c0 + i, H * DK + kh * DK + c : H * DK + kh * DK + c + 4] if i < n else 0
                     sQ[i * DK + sw_row(i, c) + np.arange(4)] = q4
                     sK[i * DK + sw_row(i, c) + np.arange(4)] = k4
-            sG = gsc[(h * nc + ci) * 2 * C : (h * nc + ci) * 2 * C + C]
+            gs = gsc[(h * nc + ci) * GATES * C : (h * nc + ci + 1) * GATES * C]
+            sG, sGl, sEG = gs[:C], gs[C : 2 * C], gs[3 * C :]
             sM = np.full((C, C + 8), np.nan, np.float32)
             for tm in range(4):
                 for tn in range(8):
@@ -237,7 +250,8 @@ def out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc):
                         mma3(qk, [sQ[a02], sQ[a13], sQ[a02 + 1], sQ[a13 + 1]], sK[b], sK[b + 1])
                     for e in range(4):
                         i, m = tm * 16 + GQ + (e >> 1) * 8, tn * 8 + 2 * TQ + (e & 1)
-                        sM[i, m] = np.where(m <= i, np.exp(sG[i] - sG[np.minimum(m, i)]).astype(np.float32) * qk[e], 0)
+                        dec = np.exp(gdiff(sG, sGl, i, np.minimum(m, i))).astype(np.float32)
+                        sM[i, m] = np.where(m <= i, dec * qk[e], 0)
             for w in range(NW):
                 o = np.zeros((CT, 4, 32), np.float32)
                 sc = (((h * nc + ci) * NW + w) * KT) * 128 + np.arange(32) * 4
@@ -248,8 +262,7 @@ def out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc):
                         ad = row * DK + sw_row(row, 8 * s + 2 * TQ)
                         mma3(o[nt], ctile_a(f), sQ[ad], sQ[ad + 1])
                 for nt in range(CT):
-                    e0 = np.exp(sG[nt * 8 + 2 * TQ]).astype(np.float32)
-                    e1 = np.exp(sG[nt * 8 + 2 * TQ + 1]).astype(np.float32)
+                    e0, e1 = sEG[nt * 8 + 2 * TQ], sEG[nt * 8 + 2 * TQ + 1]
                     o[nt] = o[nt, 0] * e0, o[nt, 1] * e1, o[nt, 2] * e0, o[nt, 3] * e1
                 vb = (h * nc + ci) * C * DV + (w * CT * 32 + np.arange(32)) * 4
                 for mb in range(CT):
@@ -265,7 +278,7 @@ def out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc):
 
 def scratch_floats(nc, HV, DK, DV):
     """W, U / V_new, S_c, gates (kernels.gdn_chunk2_scratch_floats)."""
-    return HV * nc * (C * DK + C * DV + DV * DK + 2 * C)
+    return HV * nc * (C * DK + C * DV + DV * DK + GATES * C)
 
 
 def run(state, qkvn, gb, out, ldo, H, HV, DK, DV, nlanes, pos0):
