@@ -13,7 +13,7 @@ for stage in ${*:-tests study}; do
   case "$stage" in
     tests) $PYTEST tests/gpu/test_gdn_chunk.py "tests/gpu/test_kernels.py::test_gdn_step_verify_and_commit" \
              tests/gpu/test_compile.py 2>&1 | tee "$OUT/gdn_tests.txt" | tail -40 || rc=1 ;;
-    # the model / prefix tests with GDN_PREFILL forced to "chunked" (the default is "sequential")
+    # the model / prefix tests with GDN_PREFILL forced to "chunked" (the default is "chunked2")
     engine) GDN_ROUTE=chunked $PYTEST -p tools.gdn_chunked_route tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \
               2>&1 | tee "$OUT/gdn_engine.txt" | tail -40 || rc=1 ;;
     engine2) GDN_ROUTE=chunked2 $PYTEST -p tools.gdn_chunked_route tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \

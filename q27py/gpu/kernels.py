@@ -541,10 +541,18 @@ def gdn_prefill(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: in
                          (state, qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dk), i32(dv), i32(nlanes)))
 
 
-# Chunked (WY / UT) GDN prefill on tensor cores (cuda/gdn_chunk.cu; spec q27py/model/gdn_chunked.py).
-# "chunked": prefill runs use it where the shape and the card allow; "sequential": gdn_prefill
-# always (bitwise the decode step). Set from EngineConfig.gdn_prefill.
-GDN_PREFILL = "sequential"
+# Chunked (WY / UT) GDN prefill on tensor cores (cuda/gdn_chunk.cu, cuda/gdn_chunk2.cu; spec
+# q27py/model/gdn_chunked.py). "chunked" / "chunked2": prefill runs use it where the shape and the
+# card allow; "sequential": gdn_prefill always (bitwise the decode step). EngineConfig.gdn_prefill
+# (env Q27_GDN_PREFILL) is the module default, so models built directly (gates, benches, tests)
+# follow it as engines do; load_fast_model sets it from the engine's config.
+def _gdn_prefill_default() -> str:
+    from q27py.config import Q27Config, apply_env
+
+    return apply_env(Q27Config()).engine.gdn_prefill
+
+
+GDN_PREFILL = _gdn_prefill_default()
 GDN_CHUNK_BV = 64  # value columns per block
 GDN_CHUNK_DK = (64, 128)  # key head dims with a compiled variant
 
