@@ -132,6 +132,23 @@ class EngineConfig:
     # sm_90 the mode is ignored. "on" since device run c1: decode 2K 7.85 -> 7.39 ms, bits unchanged
     # (gates PASS); "early" measured the same (docs/PERF.md "PDL").
     pdl: str = "on"
+    # Batched decode rounds (issue 15, engine/scheduler.py): when two or more slots are decoding, a
+    # round runs one plain-decode lane per slot through ONE model.decode_batch (the weights swept
+    # once for all of them: a 27B step is weight-bound, so B lanes cost about one). Off: every slot
+    # runs its own forward, as before. Off until the device run has measured the GPU decode_batch
+    # (branch sweep); on the CPU a batch is a loop of solo forwards (no bandwidth to share), so there
+    # it only costs the speculation the shared rounds give up (batch_spec).
+    batch_rounds: bool = False
+    # What speculation does when a round is shared: "solo-only" (a slot alone runs its speculative
+    # rounds; in a shared round every slot is one width-1 lane, its drafters fed so they are right
+    # when it is alone again). The hook for drafts in the shared sweep is SpecDecoder._shared_round.
+    batch_spec: str = "solo-only"
+    # Prefill tokens per round for a prompt prefilling while other slots decode (0 = off: always the
+    # full engine_prefill_chunk). A 4096-token cuda chunk of the 27B holds the running streams
+    # ~0.7 s per round; 512 keeps their gap near 100 ms. Pieces tile the full chunk's grid (every
+    # full-chunk cut stays a cut), so alone nothing changes; beside decoders the prompt's rounding
+    # changes as a prefix-restore split changes it (tokens equal, not guaranteed bitwise on a near tie).
+    interleave_chunk: int = 0
 
     def slots(self, sized: int | None = None) -> int:
         """Requests generating at once: max_slots, or for "auto" the count the model sized from
@@ -151,6 +168,14 @@ class EngineConfig:
         """Tokens per prefill piece the decoder feeds the model on this device."""
         return self.gpu_prefill_chunk if self.device == "cuda" else self.prefill_chunk
 
+    def check_batching(self) -> None:
+        """Reject batch settings with no meaning (the engine calls this when it is built)."""
+        if self.batch_spec not in BATCH_SPEC_CHOICES:
+            hint = " (drafts in the shared sweep are not built yet)" if self.batch_spec == "drafts" else ""
+            raise ConfigError(f"batch_spec must be one of {', '.join(BATCH_SPEC_CHOICES)}, not {self.batch_spec!r}{hint}")
+        if not isinstance(self.interleave_chunk, int) or self.interleave_chunk < 0:
+            raise ConfigError(f"interleave_chunk must be a token count >= 0 (0 = off), not {self.interleave_chunk!r}")
+
 
 CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto" off CUDA)
 # Slots on the CPU path: each slot runs its own forward in turn (no shared weight sweep there), so
@@ -168,6 +193,9 @@ GPU_MAX_SLOTS = 1
 GPU_AUTO_MAX_SLOTS = 8
 GPU_AUTO_MIN_SLOTS = 2
 KV_CHOICES = ("auto", "bf16", "fp8", "k5v3", "k3v3")
+# EngineConfig.batch_spec. Reserved for later: "drafts" (each slot's drafts as extra lanes of the
+# shared sweep, verify-mode batching).
+BATCH_SPEC_CHOICES = ("solo-only",)
 
 
 def parse_max_context(value) -> int | str:
@@ -186,7 +214,7 @@ def fixed_max_context(engine: "EngineConfig") -> int:
 
 
 def parse_switch(value: str) -> bool:
-    """A 0|1 environment switch (Q27_GDN_FUSED, Q27_DEVICE_MASKS, Q27_ATTN_DECODE_FP8)."""
+    """A 0|1 environment switch (Q27_GDN_FUSED, Q27_DEVICE_MASKS, Q27_ATTN_DECODE_FP8, Q27_BATCH_ROUNDS)."""
     v = str(value).strip()
     if v not in ("0", "1"):
         raise ValueError(f"expected 0 or 1, not {value!r}")
@@ -281,6 +309,9 @@ ENV_VARS = {
     "Q27_ATTN_DECODE_FP8": ("engine", "attn_decode_fp8", parse_switch),
     "Q27_PDL": ("engine", "pdl", str),
     "Q27_PREFILL_GEMM": ("engine", "prefill_gemm", str),
+    "Q27_BATCH_ROUNDS": ("engine", "batch_rounds", parse_switch),
+    "Q27_BATCH_SPEC": ("engine", "batch_spec", str),
+    "Q27_INTERLEAVE_CHUNK": ("engine", "interleave_chunk", int),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

@@ -10,13 +10,16 @@ would hand it to a client. Two parts:
   Reported per C: aggregate tokens/s (all tokens / wall time from arrival to the last token),
   per-stream tokens/s (decode: tokens after the first over the time since the first; end to end:
   tokens over the time since arrival), TTFT p50/p99, inter-token gap p50/p99 (time between a
-  stream's consecutive deliveries: a speculative round's tokens arrive together), rounds, and the
-  most slots stepped in one round (the interleaving actually reached).
+  stream's consecutive deliveries: a speculative round's tokens arrive together), rounds, the
+  most slots stepped in one round (the interleaving actually reached), and the batched rounds
+  (rounds whose decoding slots shared one model.decode_batch of two or more lanes: with
+  EngineConfig.batch_rounds on, `--batch-rounds 1`) with the lanes they ran.
 - mixed: one stream decoding; then a long prompt (`long_tokens`: 32K on the GPU, 2K on the CPU)
   arrives; once it is mid-prefill a short request arrives. Reported: the running stream's gaps
   before and during the long prefill (p50/p99/max), the long prompt's TTFT, and the short
   request's TTFT (well under the long one's when a slot is free for it: its prefill runs beside
-  the long one, one chunk per round).
+  the long one, one chunk per round). EngineConfig.interleave_chunk (`--interleave-chunk N`) cuts
+  the long prompt's pieces to N tokens while the running stream decodes: the gap bar.
 
 Memory per slot: the largest live sequence state (FastState.nbytes on cuda: the whole window is
 allocated up front; the reference state's rows as held on the CPU) plus, on cuda, the CUDA graph
@@ -95,7 +98,8 @@ def drive(sched: Scheduler, after_round=None) -> dict:
         most = max(most, stepped)
         if after_round is not None:
             after_round()
-    return {"rounds": rounds, "max_running": most}
+    return {"rounds": rounds, "max_running": most, "batched_rounds": sched.batched_rounds,
+            "batched_lanes": sched.batched_lanes}
 
 
 def _check(streams) -> None:
@@ -201,6 +205,7 @@ def mixed_run(engine, prompts: Prompts, prompt_tokens: int, long_tokens: int) ->
     during = run.gaps(start=t_long0, end=t_long1)
     return {
         "slots": sched.max_slots, "prefill_chunk": getattr(engine.decoder, "prefill_chunk", None),
+        "interleave_chunk": getattr(engine, "interleave_chunk", 0),
         "running_prompt_tokens": prompt_tokens, "long_prompt_tokens": long_tokens,
         "short_prompt_tokens": SHORT_PROMPT, "short_gen_tokens": SHORT_TOKENS,
         "running_itl_before_p50_s": pct(before, 50),
@@ -274,12 +279,16 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
         log(f"C={c:3d}: aggregate {r['aggregate_tokens_per_s']:8.1f} t/s, per stream "
             f"{r['per_stream_decode_tokens_per_s_mean'] or 0:7.1f} t/s decode, TTFT p50 {r['ttft_p50_s'] * 1000:7.1f} "
             f"p99 {r['ttft_p99_s'] * 1000:7.1f} ms, gap p50 {(r['itl_p50_s'] or 0) * 1000:6.1f} "
-            f"p99 {(r['itl_p99_s'] or 0) * 1000:6.1f} ms, {r['max_running']} running")
+            f"p99 {(r['itl_p99_s'] or 0) * 1000:6.1f} ms, {r['max_running']} running, "
+            f"{r['batched_rounds']} batched rounds")
     base = rows[0]["aggregate_tokens_per_s"] if rows and rows[0]["streams"] == 1 else None
     out = {
         "bench": "load", "device": device, "model": type(engine.model).__name__, "model_name": engine.model_name,
         "slots": engine.max_slots, "window": engine.max_context,
         "spec": engine.cfg.spec.enabled is not False and bool(getattr(engine, "has_mtp", False)),
+        # decoding slots share one decode_batch per round (EngineConfig.batch_rounds and a model with it)
+        "batch_rounds": bool(getattr(engine, "shares_rounds", False)),
+        "interleave_chunk": getattr(engine, "interleave_chunk", 0),
         "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "concurrency": rows,
         "aggregate_over_c1": {str(r["streams"]): r["aggregate_tokens_per_s"] / base for r in rows} if base else None,
     }

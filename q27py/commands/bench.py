@@ -9,8 +9,10 @@
   q27py bench spec-replay [--traces FILE ...] [--tier q4s] [--json]
                                                            recorded speculative rounds replayed on the 27B shapes
   q27py bench load [--model DIR | --random-weights 27b] [--device cpu|cuda] [--streams 1 2 4 8 16] [--json]
+                 [--batch-rounds 0|1] [--interleave-chunk N]
                                                            C concurrent streams through the slot scheduler:
-                                                           aggregate / per-stream t/s, TTFT, gaps, a long prefill
+                                                           aggregate / per-stream t/s, TTFT, gaps, a long prefill,
+                                                           batched rounds (one decode_batch for the decoding slots)
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="load: tokens per prefill step (cuda gpu_prefill_chunk / cpu_prefill_chunk)")
     p.add_argument("--no-mixed", action="store_true", help="load: skip the long-prefill case")
+    p.add_argument("--batch-rounds", type=int, choices=[0, 1], default=None,
+                   help="load: 1 = decoding slots share one decode_batch per round (EngineConfig.batch_rounds; "
+                        "default: Q27_BATCH_ROUNDS, else off)")
+    p.add_argument("--interleave-chunk", type=int, default=None, metavar="N",
+                   help="load: prefill tokens per round beside decoding slots (EngineConfig.interleave_chunk; 0 = off)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="grammar: tokenizer.json(.gz) (default: the bundled full Qwen3.6 vocabulary)")
 
@@ -154,6 +161,9 @@ def _load(args, log) -> dict:
         over["max_slots"] = parse_max_slots(args.max_slots)
     if args.prefill_chunk:
         over["gpu_prefill_chunk" if device == "cuda" else "cpu_prefill_chunk"] = args.prefill_chunk
+    if args.batch_rounds is not None:
+        over["batch_rounds"] = bool(args.batch_rounds)
+    over["interleave_chunk"] = args.interleave_chunk  # None (absent) keeps the env's / the default
     apply_overrides(cfg.engine, over)
     if args.random_weights:
         from q27py.gpu.forward import FastModel, size_context_to_memory

@@ -103,6 +103,9 @@ class GenerationChunk:
     finish_reason: str | None = None  # None while running; then "stop" | "length" | "cancelled"
     stats: dict | None = None  # on the final chunk: prompt_tokens, cached_tokens, generated_tokens, rounds, ...
     logprobs: list | None = None  # when asked: one engine.sampling.TokenLogprob per token id
+    # Engine-internal, between LocalEngine.steps and the scheduler only (never delivered): a decode
+    # lane waiting for the round's shared forward (engine/decoder.py Lane; engine/scheduler.py).
+    lane: object | None = None
 
 
 class Engine(Protocol):

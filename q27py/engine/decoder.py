@@ -13,6 +13,12 @@ Conventions shared by both decoders:
   holds prompt + output minus the last token.
 - state.extra["hidden_last"] is kept as the post-norm hidden at position - 1:
   what the MTP head needs to resume a restored state.
+- `pace` (the scheduler's Pace, engine/scheduler.py) is read before every step: a
+  prefill piece is capped at pace.prefill_chunk, and when pace.shared a decode round
+  does not run its own forward: the decoder yields a Lane (its pending token), the
+  caller runs it in the round's shared model.decode_batch and puts the output in it,
+  and the resumed decoder finishes the round from there. Without a pace (generate(),
+  the CLI, tests) every round runs alone, exactly as before.
 """
 
 from __future__ import annotations
@@ -106,6 +112,62 @@ def _zip_longest(a: list[int], b: list[int]) -> list[tuple[int, int]]:
 PrefillBreaks = dict[int, Callable[[SequenceState], None]]
 
 
+@dataclass
+class Pace:
+    """What the scheduler asks of a slot's next step; it sets both fields before every resume.
+
+    shared: a decode round runs as one lane of the round's shared forward (the decoder yields a
+        Lane instead of calling the model); False: the decoder's own round (speculative, if on).
+    prefill_chunk: at most this many prompt tokens in the next prefill piece (None: the decoder's
+        full chunk). Pieces tile the full chunks' grid, so every cut of an unpaced run stays a cut.
+    """
+
+    shared: bool = False
+    prefill_chunk: int | None = None
+
+
+class Lane:
+    """One plain-decode lane a decoder hands its caller instead of running the forward itself.
+
+    `token` runs at state.position in commit mode, in a model.decode_batch over several
+    sequences (LocalEngine.run_lanes). The caller calls take(out) with this lane's output
+    before the next model call of any state (on the fast path the batch's outputs live in
+    shared scratch until then), and then resumes the decoder, which finishes its round from
+    result(). take() only reads: the pick (the request's own TokenPicker on this lane's own
+    row: the same token it would choose alone) and a copy of the hidden row (what the MTP
+    ladder is fed). Nothing here calls the model, so every lane of a batch reads before any
+    of them moves on (an MTP flush, a finished stream putting its state at rest).
+    """
+
+    def __init__(self, state: SequenceState, token: int, picker: TokenPicker):
+        self.state = state
+        self.token = int(token)
+        self.position = state.position  # where `token` runs
+        self._picker = picker
+        self.picked: int | None = None  # the token chosen from the lane's logits row (at position + 1)
+        self.hidden: np.ndarray | None = None  # [1, H] post-norm hidden row of `token`, a host copy
+        self.error: BaseException | None = None
+
+    def take(self, out) -> None:
+        """Read this lane's output of the shared forward (no model call)."""
+        if self.state.position != self.position + 1:
+            raise RuntimeError(f"decode_batch moved a state from {self.position} to {self.state.position}, not by one")
+        self._picker.prefetch(out, [])  # a device-masked pick in one launch (if on), as a solo round's
+        self.picked = self._picker.pick_output(out, 0, self.state.position)
+        self.hidden = np.array(out.hidden[-1:])
+
+    def fail(self, exc: BaseException) -> None:
+        """The shared forward, or this lane's read of it, failed: the resumed decoder raises it."""
+        self.error = exc
+
+    def result(self) -> tuple[int, np.ndarray]:
+        if self.error is not None:
+            raise self.error
+        if self.picked is None:
+            raise RuntimeError("a decode lane was resumed before its shared forward ran")
+        return self.picked, self.hidden
+
+
 class PrefillCancelled(Exception):
     """The request's cancel flag was set between prefill chunks (issue 13.4)."""
 
@@ -127,26 +189,36 @@ def prefill(model, state: SequenceState, ids: list[int], chunk: int,
 
 def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
                   breaks: PrefillBreaks | None = None, on_chunk=None,
-                  cancel: threading.Event | None = None) -> Generator[None, None, np.ndarray]:
+                  cancel: threading.Event | None = None,
+                  pace: Pace | None = None) -> Generator[None, None, np.ndarray]:
     """prefill(), pausing (a bare `yield`) between chunks; its return value is the last logits row.
 
     The scheduler (engine/scheduler.py) interleaves other slots' decode rounds at these
     pauses, so a long prompt delays running streams by one chunk at a time. A pause sits
     after a chunk's callbacks and before the cancel check of the next one: a paused
     prefill holds no pending model work.
+
+    Cuts: every `chunk` tokens from the start, and at every break. pace.prefill_chunk (read
+    before each piece: the scheduler sets it while other slots are decoding) cuts a piece
+    shorter; the next piece resumes there and the full-chunk cuts stay where they were, so an
+    unpaced run's cuts are always among a paced run's.
     """
     assert ids, "prefill needs at least one token"
     # A model that splits long forwards itself returns hidden rows of its last split
     # only (the fast path's `chunk`); feeding it no more than that keeps every row.
     chunk = min(chunk, getattr(model, "chunk", chunk))
     start, end = state.position, state.position + len(ids)
-    cuts = sorted({p for p in (breaks or {}) if start < p < end} | set(range(start + chunk, end, chunk)) | {end})
+    marks = sorted(p for p in (breaks or {}) if start < p < end)
     last, done = None, start
-    for cut in cuts:
+    while done < end:
         if done > start:
             yield
             if cancel is not None and cancel.is_set():
                 raise PrefillCancelled(f"cancelled after {done - start} of {len(ids)} prefill tokens")
+        cut = min(end, start + ((done - start) // chunk + 1) * chunk, *(m for m in marks if m > done))
+        small = pace.prefill_chunk if pace is not None else None
+        if small and small < cut - done:
+            cut = done + small
         piece = ids[done - start : cut - start]
         out = model.forward(state, piece, logits_rows="last")
         # both rows read before on_chunk's MTP calls: on the fast path any later model call may
@@ -224,19 +296,22 @@ class Decoder:
         prefill_breaks: PrefillBreaks | None = None,
         picker: TokenPicker | None = None,
         pause_prefill: bool = False,
-    ) -> Iterator[list[int]]:
+        pace: Pace | None = None,
+    ) -> Iterator[list[int] | Lane]:
         """Yield the tokens committed by each round until a stop id, max_tokens or cancel.
 
         pause_prefill: also yield an empty round between prefill chunks (the scheduler's
-        bounded unit of work). Every yield comes after the round's token is picked and
-        committed: a paused run holds no pending work, so other sequences' rounds may run
-        on the same model between any two of them.
+        bounded unit of work). Every yield of tokens comes after the round's token is picked
+        and committed: a paused run holds no pending work, so other sequences' rounds may run
+        on the same model between any two of them. pace: the module docstring (a Lane is
+        yielded where a shared round's forward would run).
         """
         sampler, stats = begin_run(sampling, stats, self.trace, picker, prompt_ids)
         if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
             return
         logits = yield from paused(prefill_steps(self.model, state, prompt_suffix(state, prompt_ids),
-                                                 self.prefill_chunk, prefill_breaks, cancel=cancel), pause_prefill)
+                                                 self.prefill_chunk, prefill_breaks, cancel=cancel, pace=pace),
+                                   pause_prefill)
         tok = sampler.pick(logits, state.position)
         produced = 0
         while True:
@@ -246,6 +321,11 @@ class Decoder:
             yield [tok]
             if tok in stop_ids or produced >= max_tokens or (cancel is not None and cancel.is_set()):
                 return
+            if pace is not None and pace.shared:
+                lane = Lane(state, tok, sampler)
+                yield lane  # the caller runs it in the round's decode_batch and reads its output into it
+                tok, state.extra["hidden_last"] = lane.result()
+                continue
             out = self.model.forward(state, [tok])
             state.extra["hidden_last"] = out.hidden[-1:].copy()
             # picked here, before the next yield: the output rows are read before any other model call

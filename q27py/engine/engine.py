@@ -9,7 +9,10 @@ think / tool-call split) is the caller's text stage: q27py/chat/textstage.py.
 Several requests may be in flight at once (up to max_slots, the scheduler's slots:
 engine/scheduler.py): each `steps()` generator holds its own live sequence (acquired
 from the prefix cache, which never hands a busy one out twice) and advances by one
-bounded unit per resume, so the scheduler interleaves them on the one model.
+bounded unit per resume, so the scheduler interleaves them on the one model. With
+EngineConfig.batch_rounds on (and a model with decode_batch) the scheduler also shares
+decode rounds: each decoding slot hands out one lane (a chunk carrying it), `run_lanes`
+runs them all in one model.decode_batch, and each slot finishes its round from its lane.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from q27py.config import Q27Config, fixed_max_context
 from q27py.engine.api import (ContextLengthError, GenerationChunk, GenerationRequest, OutputConstraint, check_prompt,
                               clamp_max_tokens)
 from q27py.engine.constraint import ConstraintCache, ConstraintRun, VocabIndex
-from q27py.engine.decoder import DecodeStats, PrefillCancelled
+from q27py.engine.decoder import DecodeStats, Lane, Pace, PrefillCancelled
 from q27py.engine.prefix_cache import DiskCache, PrefixCache, compat_hash
 from q27py.engine.sampling import TokenPicker
 from q27py.engine.spec import build_decoder
@@ -67,7 +70,13 @@ class LocalEngine:
         window = getattr(model, "max_pos", None) or fixed_max_context(cfg.engine)
         self.max_context = min(int(window), self.model_config.max_position_embeddings)
         self.has_mtp = bool(getattr(model, "has_mtp", False))
+        cfg.engine.check_batching()
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False
+        # Batched decode rounds (scheduler.py): asked for, and the model has the batched step. A model
+        # without one (test doubles, older paths) keeps solo rounds.
+        self.shares_rounds = bool(cfg.engine.batch_rounds) and callable(getattr(model, "decode_batch", None))
+        # prefill tokens per round beside decoding slots (0: off, full chunks always)
+        self.interleave_chunk = int(cfg.engine.interleave_chunk)
         # requests the scheduler may interleave (engine/scheduler.py); "auto" on cuda: the count the
         # model sized from free memory at load (gpu/forward.py size_context_to_memory)
         sized = getattr(model, "sized_slots", None)
@@ -120,7 +129,7 @@ class LocalEngine:
             if chunk.token_ids or chunk.finish_reason is not None:
                 yield chunk
 
-    def steps(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+    def steps(self, request: GenerationRequest, pace: Pace | None = None) -> Iterator[GenerationChunk]:
         """generate(), resumable one bounded unit at a time: each resume runs one prefill chunk
         (an empty progress chunk comes back) or one decode round (its tokens come back).
 
@@ -129,6 +138,11 @@ class LocalEngine:
         same model in between; their states are separate and each forward is whole, so a
         sequence's bits do not depend on what ran beside it (tests/engine/test_scheduler.py).
         Closing the generator early releases the sequence (not kept for reuse).
+
+        pace (the scheduler's, read before every resume: engine/decoder.py Pace): prefill pieces
+        capped at pace.prefill_chunk; with pace.shared a decode round comes back as a chunk
+        carrying a Lane (no tokens) -- the caller runs it (run_lanes) and resumes, and the round's
+        tokens come back then. Without a pace every round runs alone.
         """
         t0 = time.perf_counter()
         prompt = list(request.prompt_ids)
@@ -145,10 +159,13 @@ class LocalEngine:
                              device_masks=self.cfg.engine.device_masks and self.cfg.engine.device == "cuda")
         rounds = self.decoder.run(seq.state, prompt, max_tokens, request.sampling, request.stop_ids, request.cancel,
                                   stats, prefill_breaks=breaks, picker=picker,
-                                  pause_prefill=True) if max_tokens else iter(())
+                                  pause_prefill=True, pace=pace) if max_tokens else iter(())
         healthy = False
         try:
             for tokens in rounds:
+                if isinstance(tokens, Lane):  # a shared round: the scheduler runs its forward
+                    yield GenerationChunk([], lane=tokens)
+                    continue
                 if not tokens:  # a prefill chunk ran: a point where other slots may run
                     yield GenerationChunk([])
                     continue
@@ -185,6 +202,29 @@ class LocalEngine:
             **stats.as_dict(),
         }
         yield GenerationChunk([], finish_reason=finish, stats=final_stats)
+
+    def run_lanes(self, lanes: list[Lane]) -> None:
+        """The shared forward of a batched round: every lane (one per decoding slot, distinct
+        sequences) through model.decode_batch, max_batch at a time. Each lane reads its output
+        (take: pick, hidden row) straight after its batch and before the next model call, as the
+        fast path's scratch rules require. A failure stays with the lanes it hit: their slots'
+        steppers raise it when resumed (their sequences are dropped); the other lanes go on."""
+        step = max(1, int(getattr(self.model, "max_batch", 1) or 1))
+        for i in range(0, len(lanes), step):
+            part = lanes[i : i + step]
+            try:
+                outs = self.model.decode_batch([lane.state for lane in part], [lane.token for lane in part])
+                if len(outs) != len(part):
+                    raise RuntimeError(f"decode_batch returned {len(outs)} outputs for {len(part)} lanes")
+            except Exception as exc:
+                for lane in part:
+                    lane.fail(exc)
+                continue
+            for lane, out in zip(part, outs):
+                try:
+                    lane.take(out)
+                except Exception as exc:
+                    lane.fail(exc)
 
     def _prefill_breaks(self, seq, prompt: list[int], stable_len: int | None, system_len: int | None) -> dict:
         """Callbacks at the positions where prefill must stop and save GDN state. The caller

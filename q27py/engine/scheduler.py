@@ -9,28 +9,47 @@ chunk) plus the request's bookkeeping. The engine thread calls `round()` over an
    its next check and ends at once (no model work), so the slot is free before anything
    else in the round runs; an engine that does not end then is closed here;
 3. free slots admit queued requests in arrival order (FIFO);
-4. every active slot advances by exactly one step (round-robin in slot order).
+4. every active slot advances by exactly one step (`_advance`).
 
-So a running stream waits at most one round between two of its steps, and a round costs
-one step per slot: one decode round each, or one prefill chunk (engine_prefill_chunk; the
-CPU path's cpu_prefill_chunk) for a slot still prefilling. A long prompt therefore delays
-running streams by one chunk per round, and a short request admitted after a long
-generation finishes after about as many rounds as it has tokens.
+Step 4's shape. A slot is decoding once it has delivered a token (its next step is a
+decode round or its end), else prefilling.
+- Shared round: when two or more slots are decoding and the engine shares rounds
+  (EngineConfig.batch_rounds, a model with decode_batch: LocalEngine.shares_rounds),
+  each decoding slot is resumed with pace.shared and hands out one plain-decode lane
+  (its pending token) instead of running its own forward; `engine.run_lanes` runs all
+  of them in ONE model.decode_batch (max_batch at a time: one weight sweep for all,
+  where a 27B step is weight-bound), each lane reads its own output row (its request's
+  TokenPicker picks from it), and each slot is resumed again to commit, stop-check and
+  return its token. Speculation is for slots alone (EngineConfig.batch_spec
+  "solo-only"): a shared slot drafts nothing, but its drafters are fed every token, so
+  its drafts are right when it runs alone again (engine/spec.py).
+- Solo round: otherwise each decoding slot runs its own full round (speculative, when
+  on), in slot order, exactly as a slot alone does.
+- Prefilling slots run one prefill piece each: the full chunk (engine_prefill_chunk;
+  the CPU path's cpu_prefill_chunk), or, while other slots are decoding and
+  EngineConfig.interleave_chunk is set, at most that many tokens, so running streams
+  wait one small piece per round instead of a whole chunk (engine/decoder.py
+  prefill_steps: the pieces tile the full chunks' grid).
+
+So a running stream waits at most one round between two of its steps, and a round
+costs one shared decode (or one decode round per slot) plus one prefill piece per
+prefilling slot. A short request admitted after a long generation finishes after about
+as many rounds as it has tokens.
 
 Nothing here knows about the model, trio or HTTP: jobs are anything with a `request`, a
 `submitted` time and a `deliver(item)` (the bridge's, server/bridge.py), so the whole
-policy is tested synchronously, round by round (tests/engine/test_scheduler.py).
+policy is tested synchronously, round by round (tests/engine/test_scheduler.py). The
+engine side is duck-typed: `steps(request, pace)` (or `steps(request)` / `generate`
+alone: solo rounds, full chunks), plus `run_lanes`, `shares_rounds` and
+`interleave_chunk` for the pace protocol (engine/decoder.py Pace and Lane).
 
-Determinism: each slot's stepper runs its own forwards on its own state, whole, one at a
-time; nothing a slot computes depends on the others, so its greedy output is bitwise the
-same alone or mixed (tested on the CPU paths).
-
-Where the batched weight sweep comes in (the GPU work of issue 15.2): `_advance` is the
-one place that moves the active slots through a round. Today it steps them in turn; the
-batched version collects every slot's lanes for the round (its pending token plus drafts:
-SpecDecoder._round's plan half), runs one forward over all of them, and hands each slot
-its rows to accept and commit (the other half). The admission, cancellation and queueing
-policy around it stays as it is.
+Determinism: each slot's stepper runs on its own state; a shared round's lanes are
+bitwise the solo decode steps they replace (the decode_batch contract), and the token
+at a position is a function of its row, seed and position only (engine/sampling.py),
+so a slot's tokens are the same alone, mixed, shared or speculative (tested on the
+CPU paths). Interleaved prefill pieces cut the prompt differently from an unpaced run:
+its rows are then rounded as a prefix-restore split rounds them (tokens equal in the
+tests, not a bitwise guarantee on near ties; interleave_chunk is off by default).
 """
 
 from __future__ import annotations
@@ -42,6 +61,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 from q27py.engine.api import GenerationChunk, GenerationRequest
+from q27py.engine.decoder import Pace
 
 log = logging.getLogger("q27py.scheduler")
 
@@ -63,6 +83,8 @@ class Slot:
     tap: object | None  # the metrics tap (server/metrics.py GenerationTap) or None
     tokens: int  # prompt + generated tokens so far (the load estimate)
     rounds: int = 0  # steps taken
+    pace: Pace | None = None  # what the next resume asks of the stepper (None: an engine without pace)
+    decoding: bool = False  # has delivered a token: the next step is a decode round (or the end)
 
 
 def engine_slots(engine) -> int:
@@ -81,6 +103,12 @@ class Scheduler:
         # LocalEngine.steps yields after every bounded unit; an engine with generate() only
         # (scripted test engines) is stepped chunk by chunk.
         self._stepper = getattr(engine, "steps", None) or engine.generate
+        # The pace protocol (module docstring): steps(request, pace) and run_lanes for shared rounds.
+        self._paced = hasattr(engine, "steps") and callable(getattr(engine, "run_lanes", None))
+        self._shares = self._paced and bool(getattr(engine, "shares_rounds", False))
+        self._interleave = int(getattr(engine, "interleave_chunk", 0) or 0) if self._paced else 0
+        self.batched_rounds = 0  # rounds whose shared forward ran two or more lanes
+        self.batched_lanes = 0  # lanes those rounds ran
         self._open_tap = open_tap
         self._on_change = on_change
         self._cond = threading.Condition()
@@ -140,10 +168,57 @@ class Scheduler:
         return len(active)
 
     def _advance(self, slots: list[Slot]) -> None:
-        """Move every active slot by one step: the seam for the batched weight sweep (module docstring)."""
+        """Move every active slot by one step: a shared round for the decoding slots when two or more
+        are, else their own rounds; one prefill piece for each prefilling slot (module docstring)."""
+        decoding = [s for s in slots if s.decoding]
+        prefilling = [s for s in slots if not s.decoding]
+        piece = self._interleave if decoding else 0  # smaller pieces only while others wait on tokens
+        for slot in slots:
+            if slot.pace is not None:
+                slot.pace.shared = False
+                slot.pace.prefill_chunk = piece or None
+        if self._shares and len(decoding) >= 2:
+            self._shared_round(decoding)
+            slots = prefilling
         for slot in slots:
             if self._slots[slot.index] is slot:  # not ended earlier in this round
                 self._step(slot)
+
+    def _shared_round(self, slots: list[Slot]) -> None:
+        """One decode_batch for every decoding slot: collect a lane from each, run them together, then
+        let each finish its round (pick already made from its own row; commit, stop check, tokens)."""
+        lanes: list[tuple[Slot, object]] = []
+        for slot in slots:
+            if self._slots[slot.index] is not slot:
+                continue
+            cancelled = slot.job.request.cancel.is_set()
+            slot.pace.shared = True
+            chunk = self._resume(slot)
+            slot.pace.shared = False
+            if chunk is None:
+                continue  # the engine failed: delivered and freed
+            if chunk.lane is not None and not cancelled:
+                lanes.append((slot, chunk.lane))
+            elif chunk.lane is not None:  # a lane despite the cancel flag: end it here, the lane unrun
+                self._settle(slot, GenerationChunk([]), cancelled)
+            else:  # it ended (stop, length, cancel) or ran a round of its own (a stepper that ignores pace)
+                self._settle(slot, chunk, cancelled)
+        if not lanes:
+            return
+        try:
+            self.engine.run_lanes([lane for _, lane in lanes])
+        except Exception as exc:  # run_lanes keeps failures per lane; anything else ends every lane's slot
+            log.exception("engine failed in a shared round")
+            for slot, _ in lanes:
+                self._fail(slot, exc)
+            return
+        if len(lanes) >= 2:
+            self.batched_rounds += 1
+            self.batched_lanes += len(lanes)
+        for slot, _ in lanes:
+            # the rest of its round: its tokens (or the error its lane met). The round began before any
+            # cancel that lands now: the engine sees that flag at its next step, as after a solo round.
+            self._step(slot, cancelled=False)
 
     # ---- parts of a round -------------------------------------------------
 
@@ -176,8 +251,9 @@ class Scheduler:
                 job.deliver(GenerationChunk(token_ids=[], finish_reason="cancelled"))
                 continue
             tap = self._open_tap(job) if self._open_tap is not None else None
+            pace = Pace() if self._paced else None
             try:
-                steps = iter(self._stepper(job.request))
+                steps = iter(self._stepper(job.request, pace) if self._paced else self._stepper(job.request))
             except Exception as exc:  # refused before it started (a generate() that is not a generator)
                 log.exception("engine failed on a request")
                 if tap is not None:
@@ -185,28 +261,47 @@ class Scheduler:
                 job.deliver(exc)
                 continue
             with self._cond:
-                self._slots[free] = Slot(free, job, steps, tap, len(job.request.prompt_ids))
+                self._slots[free] = Slot(free, job, steps, tap, len(job.request.prompt_ids), pace=pace)
             admitted = True
         if admitted:
             self._changed()
 
-    def _step(self, slot: Slot) -> None:
+    def _step(self, slot: Slot, cancelled: bool | None = None) -> None:
         """One resume of the slot's stepper; delivers what it produced; frees the slot at its end."""
+        if cancelled is None:
+            cancelled = slot.job.request.cancel.is_set()  # set before this step: the engine must end now
+        chunk = self._resume(slot)
+        if chunk is None:
+            return
+        if chunk.lane is not None:  # a lane outside a shared round: the stepper broke the pace protocol
+            self._fail(slot, RuntimeError("the engine handed out a decode lane in a round that is not shared"))
+            return
+        self._settle(slot, chunk, cancelled)
+
+    def _resume(self, slot: Slot) -> GenerationChunk | None:
+        """next() of the slot's stepper; None when it raised (the error is delivered, the slot freed)."""
         request = slot.job.request
-        cancelled = request.cancel.is_set()  # set before this step: the engine must end now
         try:
             chunk = next(slot.steps)
         except StopIteration:  # an engine that just stops iterating: tell the consumer why
             chunk = GenerationChunk([], finish_reason="cancelled" if request.cancel.is_set() else "stop")
         except Exception as exc:
             log.exception("engine failed on a request")
-            if slot.tap is not None:
-                slot.tap.close("error")
-            slot.job.deliver(exc)
-            self._free(slot)
-            return
+            self._fail(slot, exc)
+            return None
         slot.rounds += 1
+        return chunk
+
+    def _fail(self, slot: Slot, exc: BaseException) -> None:
+        if slot.tap is not None:
+            slot.tap.close("error")
+        slot.job.deliver(exc)
+        self._free(slot)
+
+    def _settle(self, slot: Slot, chunk: GenerationChunk, cancelled: bool) -> None:
+        """Deliver a step's chunk; `cancelled`: the flag was set before the step (it must have ended)."""
         if chunk.token_ids:
+            slot.decoding = True
             with self._cond:
                 slot.tokens += len(chunk.token_ids)
         if chunk.finish_reason is None and cancelled:

@@ -28,6 +28,15 @@ forward, and hidden rows read before the next model call.
 Because the token at each position is a function of (logits row, seed,
 position) only, the output equals plain decoding's for every width, depth and
 drafter: drafts change how many tokens a round commits, never which.
+
+Shared rounds (the scheduler's batched decode, engine/scheduler.py): while the round
+is shared (pace.shared) a slot runs no draft and no verify of its own; its pending
+token is one width-1 lane of the round's decode_batch (`_shared_round`,
+EngineConfig.batch_spec "solo-only"). The drafters are still fed every committed
+token (the MTP ladder its hidden row, deferred to the next ladder's step 0; the
+suffix index the token), so when the slot is alone again its drafts are those it
+would have made had it never shared a round. Same tokens either way: a lane's row
+is the plain decode step's row.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ import numpy as np
 
 from q27py.config import SpecConfig
 from q27py.engine.api import SamplingParams
-from q27py.engine.decoder import DecodeStats, Decoder, PrefillBreaks, begin_run, paused, prefill_steps, prompt_suffix
+from q27py.engine.decoder import (DecodeStats, Decoder, Lane, Pace, PrefillBreaks, begin_run, paused, prefill_steps,
+                                  prompt_suffix)
 from q27py.engine.drafters import DraftPlanner, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
@@ -53,7 +63,7 @@ MAX_VERIFY_WIDTH = 16
 class SpecDecoder:
     """Speculative decoding with the plain Decoder's interface (engine/decoder.py)."""
 
-    def __init__(self, model, spec: SpecConfig, prefill_chunk: int = 2048):
+    def __init__(self, model, spec: SpecConfig, prefill_chunk: int = 2048, batch_spec: str = "solo-only"):
         if not 1 <= spec.max_verify_width <= MAX_VERIFY_WIDTH:
             raise ConfigError(f"spec.max_verify_width must be in 1..{MAX_VERIFY_WIDTH}, got {spec.max_verify_width}")
         if not 1 <= spec.max_depth <= 7:
@@ -66,6 +76,9 @@ class SpecDecoder:
         self.cfg = spec
         self.prefill_chunk = prefill_chunk
         self.width = spec.max_verify_width
+        if batch_spec != "solo-only":  # EngineConfig.check_batching names the choices
+            raise ConfigError(f"batch_spec {batch_spec!r} is not built (solo-only)")
+        self.batch_spec = batch_spec
 
     def _ladder(self, state: SequenceState, todo: list[int]) -> MTPLadder | None:
         """The MTP ladder for this request, primed with the row it owes; None if it cannot run."""
@@ -115,12 +128,14 @@ class SpecDecoder:
         prefill_breaks: PrefillBreaks | None = None,
         picker=None,
         pause_prefill: bool = False,
-    ) -> Iterator[list[int]]:
+        pace: Pace | None = None,
+    ) -> Iterator[list[int] | Lane]:
         """Yield the tokens committed by each round until a stop id, max_tokens or cancel.
 
         pause_prefill: also yield an empty round between prefill chunks (Decoder.run). Each
-        yield follows a whole round (verify forward, commit, hidden rows read): a paused run
-        holds nothing of the model's shared scratch, so other sequences may run in between."""
+        yield of tokens follows a whole round (verify forward, commit, hidden rows read): a
+        paused run holds nothing of the model's shared scratch, so other sequences may run in
+        between. pace: engine/decoder.py's module docstring (shared rounds yield a Lane)."""
         sampler, stats = begin_run(sampling, stats, self.cfg.trace, picker, prompt_ids)
         if max_tokens <= 0 or (cancel is not None and cancel.is_set()):
             return
@@ -138,7 +153,8 @@ class SpecDecoder:
             ladder.flush()
 
         logits = yield from paused(prefill_steps(self.model, state, todo, self.prefill_chunk, prefill_breaks,
-                                                 on_chunk=warm if ladder is not None else None, cancel=cancel),
+                                                 on_chunk=warm if ladder is not None else None, cancel=cancel,
+                                                 pace=pace),
                                    pause_prefill)
         pending = sampler.pick(logits, state.position)
         sampler.commit([pending])
@@ -162,7 +178,11 @@ class SpecDecoder:
                 if ladder is not None:
                     ladder.flush(keep_last=True)
                 return
-            new = self._round(state, pending, max_tokens - produced, sampler, planner, ladder, suffix, stop_ids, stats)
+            if pace is not None and pace.shared:
+                new = yield from self._shared_round(state, pending, sampler, ladder, suffix, stats)
+            else:
+                new = self._round(state, pending, max_tokens - produced, sampler, planner, ladder, suffix, stop_ids,
+                                  stats)
             produced += len(new)
             pending = new[-1]
 
@@ -197,6 +217,32 @@ class SpecDecoder:
         return new
 
 
+    def _shared_round(self, state, pending, sampler, ladder, suffix, stats):
+        """A round inside the scheduler's shared forward: the pending token as one plain-decode lane
+        (yielded; the caller runs it and reads its output into it), then what a solo round commits.
+
+        batch_spec "solo-only": no drafts here (a lane of a shared sweep costs little, a verify
+        lane per draft would widen every slot's share of it; drafting waits until the slot is
+        alone). The hook for drafts in the shared sweep: plan drafts here as `_round` does, hand
+        [pending] + drafts out as a verify lane group, accept / commit as `_round` does.
+        Everything the drafters learn from a committed token is fed, as `_round` feeds it: the
+        ladder's backlog grows by this row (kv.length + backlog == position holds; a long run of
+        shared rounds is written eagerly past MTPLadder.MAX_BACKLOG, after the whole batch was
+        read), the suffix index gets the token. The depth controller sees only MTP rounds."""
+        lane = Lane(state, pending, sampler)
+        yield lane
+        tok, hidden = lane.result()
+        new = [tok]
+        sampler.commit(new)
+        state.extra["hidden_last"] = hidden
+        if ladder is not None:
+            ladder.defer(hidden, new)
+        if suffix is not None:
+            suffix.extend(new)
+        stats.record_round("none", [], 0, 1, lanes=1)
+        return new
+
+
 def build_decoder(model, cfg):
     """The decoder the config asks for: speculative unless cfg.spec.enabled is False.
 
@@ -211,5 +257,5 @@ def build_decoder(model, cfg):
         # The numpy path is slow per token: smaller chunks let a cancel land within ~1 s.
         chunk = min(chunk, cfg.engine.cpu_prefill_chunk)
     if use_spec:
-        return SpecDecoder(model, spec, prefill_chunk=chunk)
+        return SpecDecoder(model, spec, prefill_chunk=chunk, batch_spec=cfg.engine.batch_spec)
     return Decoder(model, prefill_chunk=chunk, trace=spec.trace)

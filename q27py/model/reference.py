@@ -199,6 +199,25 @@ class ReferenceModel:
         rows = select_rows(t, logits_rows)
         return ForwardOutput(self.logits(hidden[rows]), hidden, trace)
 
+    # The batched decode contract (the engine's shared rounds, engine/scheduler.py), met by the
+    # CUDA FastModel too: at most max_batch distinct states, one token each, commit mode; state i
+    # advances exactly as forward(states[i], [ids[i]]) would advance it, and output i is that
+    # forward's output (logits [1, V], hidden [1, H], trace None), bitwise.
+    max_batch = 16
+
+    def decode_batch(self, states: list[SequenceState], ids: list[int]) -> list[ForwardOutput]:
+        """One decode step for each of several sequences: here literally the loop of solo forwards,
+        so bitwise by construction. There is no weight-bandwidth win on the CPU (every row's matmul
+        reads the weights anyway; B lanes cost B steps): this is what lets the engine's batched
+        rounds run, and be tested, without a GPU."""
+        if len(states) != len(ids):
+            raise ValueError(f"decode_batch: {len(states)} states but {len(ids)} ids")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("decode_batch: a state appears twice (each lane is its own sequence)")
+        if len(states) > self.max_batch:
+            raise ValueError(f"decode_batch: {len(states)} lanes > max_batch {self.max_batch}")
+        return [self.forward(state, [int(t)]) for state, t in zip(states, ids)]
+
     def commit(self, state: SequenceState, trace: Trace, n: int) -> None:
         """Keep the first n tokens of a verify forward: the state becomes that of n plain steps."""
         assert 1 <= n <= trace.n_tokens

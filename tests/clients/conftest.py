@@ -58,10 +58,12 @@ class RecordingEngine:
     def generate(self, request):
         return self._record(request, self._engine.generate(request))
 
-    def steps(self, request):
+    def steps(self, request, pace=None):
         # the server's slot scheduler (engine/scheduler.py) drives requests through steps(), not
-        # generate(): without this the record missed every served turn
-        return self._record(request, self._engine.steps(request))
+        # generate(): without this the record missed every served turn. The scheduler's pace (prefill
+        # piece size, shared rounds) is read by the engine's stepper, so it is passed through; a
+        # shared round's lane chunk carries no tokens and records nothing.
+        return self._record(request, self._engine.steps(request, pace))
 
 
 @pytest.fixture(scope="session")

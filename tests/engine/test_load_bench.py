@@ -17,14 +17,15 @@ from q27py.tokenizer import Tokenizer
 ROW_KEYS = {"streams", "slots", "prompt_tokens", "gen_tokens", "tokens", "wall_s", "aggregate_tokens_per_s",
             "per_stream_decode_tokens_per_s_mean", "per_stream_decode_tokens_per_s_min", "per_stream_tokens_per_s_mean",
             "ttft_p50_s", "ttft_p99_s", "ttft_max_s", "itl_p50_s", "itl_p99_s", "overlapping_stream_pairs", "finish",
-            "rounds", "max_running"}
-MIXED_KEYS = {"slots", "prefill_chunk", "running_prompt_tokens", "long_prompt_tokens", "short_prompt_tokens",
+            "rounds", "max_running", "batched_rounds", "batched_lanes"}
+MIXED_KEYS = {"slots", "prefill_chunk", "interleave_chunk", "running_prompt_tokens", "long_prompt_tokens", "short_prompt_tokens",
               "short_gen_tokens", "running_itl_before_p50_s", "running_itl_during_prefill_p50_s",
               "running_itl_during_prefill_p99_s", "running_itl_during_prefill_max_s",
               "running_deliveries_during_prefill", "long_ttft_s", "short_ttft_s", "short_done_s",
-              "short_first_before_long", "running_finish", "rounds", "max_running"}
-TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "prompt_tokens", "gen_tokens",
-            "concurrency", "aggregate_over_c1", "mixed", "memory"}
+              "short_first_before_long", "running_finish", "rounds", "max_running", "batched_rounds",
+              "batched_lanes"}
+TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "batch_rounds", "interleave_chunk",
+            "prompt_tokens", "gen_tokens", "concurrency", "aggregate_over_c1", "mixed", "memory"}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,10 @@ def fast():
     return FastCPUModel.load(DEFAULT_MODEL_DIR)
 
 
-def engine(model, tok, slots, chunk=64):
+def engine(model, tok, slots, chunk=64, **knobs):
     cfg = Q27Config()
+    for k, v in knobs.items():
+        setattr(cfg.engine, k, v)
     cfg.engine.max_slots = slots
     cfg.engine.max_context = 4096
     cfg.engine.checkpoint_every = 0
@@ -66,10 +69,28 @@ def test_report_structure_and_interleaving(fast, tok):
     # ... and the short request, arriving mid-prefill, was served beside it, not after it
     assert m["short_first_before_long"] and m["short_ttft_s"] < m["long_ttft_s"]
     assert m["running_finish"] == "cancelled" and m["max_running"] == 3
+    assert not r["batch_rounds"] and all(row["batched_rounds"] == 0 for row in r["concurrency"])  # off by default
     mem = r["memory"]
     assert mem["state_bytes"] > 0 and mem["memory_per_slot_bytes"] == mem["state_bytes"]
     assert mem["graph_bytes_per_state"] is None and mem["live_sequences"] >= 3
     json.dumps(r)  # the report is plain JSON
+
+
+def test_batched_rounds_and_interleaved_prefill_are_counted(fast, tok):
+    """With batch_rounds on the concurrent streams share decode_batch rounds (counted per run, one lane
+    per decoding stream); the mixed case's long prompt goes in interleave_chunk pieces beside the
+    running stream, so that stream gets a delivery every piece (64 / 16 = 4 per chunk)."""
+    e = engine(fast, tok, slots=3, batch_rounds=True, interleave_chunk=16)
+    r = run_load(e, tok, streams=(1, 3), prompt_tokens=24, gen_tokens=6, long_tokens=640, log=lambda *a: None)
+    assert r["batch_rounds"] and r["interleave_chunk"] == 16
+    one, three = r["concurrency"]
+    assert one["batched_rounds"] == 0 and one["tokens"] == 6  # alone: its own (speculative) rounds
+    assert three["tokens"] == 18 and three["batched_rounds"] >= 3
+    assert 2 * three["batched_rounds"] <= three["batched_lanes"] <= 3 * three["batched_rounds"]
+    m = r["mixed"]
+    assert m["interleave_chunk"] == 16 and m["running_deliveries_during_prefill"] >= 640 // 16 - 4
+    assert m["batched_rounds"] > 0  # the short request decoded beside the running stream
+    assert m["short_first_before_long"] and m["running_finish"] == "cancelled"
 
 
 def test_one_slot_is_fifo_and_skips_the_mixed_case(fast, tok):
@@ -112,8 +133,10 @@ def test_cli_wires_the_load_suite(capsys):
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     args = p.parse_args(["load", "--device", "cpu", "--streams", "1", "2", "--tokens", "3", "--prompt-tokens", "16",
-                         "--long-tokens", "300", "--prefill-chunk", "64", "--max-slots", "3", "--json"])
+                         "--long-tokens", "300", "--prefill-chunk", "64", "--max-slots", "3", "--json",
+                         "--batch-rounds", "1", "--interleave-chunk", "32"])
     assert bench.suite(args) == "load" and bench.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == TOP_KEYS and out["slots"] == 3 and out["mixed"]["prefill_chunk"] == 64
     assert [r["tokens"] for r in out["concurrency"]] == [3, 6]
+    assert out["batch_rounds"] and out["interleave_chunk"] == 32 and out["mixed"]["interleave_chunk"] == 32

@@ -173,7 +173,7 @@ def test_cancel_while_queued_never_starts(fast, tok):
     b = Job("b", ask(prompt(tok, "Never mind. "), 8), log)
     started = []
     steps = sched._stepper
-    sched._stepper = lambda r: (started.append(r), steps(r))[1]
+    sched._stepper = lambda r, *pace: (started.append(r), steps(r, *pace))[1]  # LocalEngine.steps(request, pace)
     sched.submit(a)
     sched.submit(b)
     sched.round()
