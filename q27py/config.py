@@ -130,6 +130,11 @@ class EngineConfig:
     # sm_90 the mode is ignored. "on" since device run c1: decode 2K 7.85 -> 7.39 ms, bits unchanged
     # (gates PASS); "early" measured the same (docs/PERF.md "PDL").
     pdl: str = "on"
+    # cuda: FastModel.decode_batch runs up to 16 sequences' next tokens in one weight sweep (lane
+    # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards).
+    # Off: max_batch = 1, every sequence its own forward (the old path). Off until the device run
+    # has held tests/gpu/test_decode_batch.py and measured q27py/bench/batch_probe.py.
+    batch_sweep: bool = False
 
     def slots(self, sized: int | None = None) -> int:
         """Requests generating at once: max_slots, or for "auto" the count the model sized from
@@ -279,6 +284,7 @@ ENV_VARS = {
     "Q27_ATTN_DECODE_FP8": ("engine", "attn_decode_fp8", parse_switch),
     "Q27_PDL": ("engine", "pdl", str),
     "Q27_PREFILL_GEMM": ("engine", "prefill_gemm", str),
+    "Q27_BATCH_SWEEP": ("engine", "batch_sweep", parse_switch),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),
