@@ -124,7 +124,8 @@ MODELS = {
     "tiny-bf16-f32kv": lambda g: tiny("bf16", "f32", g),  # split attention on fp32 rows, v1 GEMV
     "tiny-q4s-bf16kv": lambda g: tiny("q4s", "bf16", g),  # a8 GEMV, mma attention (the defaults)
     "tiny-q4s-bf16kv-split": lambda g: tiny("q4s", "bf16", g, attn_decode="split"),
-    "tiny-q4s-fp8kv": lambda g: tiny("q4s", "fp8", g),  # split over fp8 codes
+    "tiny-q4s-fp8kv": lambda g: tiny("q4s", "fp8", g),  # fp8 codes (mma where EngineConfig.attn_decode_fp8)
+    "tiny-q4s-fp8kv-split": lambda g: tiny("q4s", "fp8", g, attn_decode="split"),
     "tiny-q4s-fused": lambda g: tiny("q4s", "bf16", g, gdn_fused=True),  # the fused GDN step
 }
 
@@ -140,16 +141,24 @@ def test_decode_batch_equals_solo_forwards(name, graphs, b):
         assert not any(isinstance(k[0], str) for k in model.graphs.graphs), "batch graphs keyed per state"
 
 
-@pytest.mark.parametrize("kv,attn", [("bf16", "mma"), ("bf16", "split"), ("fp8", "split")])
+@pytest.mark.parametrize("kv,attn", [("bf16", "mma"), ("bf16", "split"), ("fp8", "mma"), ("fp8", "split")])
 @pytest.mark.parametrize("b", [2, 16])
 def test_decode_batch_on_27b_heads(kv, attn, b):
-    model = heads27b(kv, graphs=True, attn_decode=attn)
+    from q27py.gpu import forward
+
+    if kv == "fp8" and attn == "mma":
+        forward.FP8_ATTN_MMA, saved = True, forward.FP8_ATTN_MMA
+    try:
+        model = heads27b(kv, graphs=True, attn_decode=attn)
+    finally:
+        if kv == "fp8" and attn == "mma":
+            forward.FP8_ATTN_MMA = saved
     assert model.attn_mma == (attn == "mma")
     run_steps(model, b, top=1500, seed=7 + b)
 
 
 def test_fp8_mma_lanes(monkeypatch):
-    """The fp8 mma kernel (off by default: forward.FP8_ATTN_MMA) through its lane entry."""
+    """The fp8 mma kernel forced on (forward.FP8_ATTN_MMA, whatever EngineConfig.attn_decode_fp8 says)."""
     from q27py.gpu import forward
 
     monkeypatch.setattr(forward, "FP8_ATTN_MMA", True)
