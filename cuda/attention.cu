@@ -5,7 +5,9 @@
 // verify graphs), never the live width -- so lane t's bits do not depend on how many lanes
 // run with it. Partials {m, l, acc[hd]} are merged in split order by attn_combine, which also
 // applies the sigmoid output gate. The tensor-core kernel below (attn_mma_*) reads the KV once per
-// round for all lanes (EngineConfig.attn_decode).
+// round for all lanes (EngineConfig.attn_decode). The *_lanes entries are FastModel.decode_batch's:
+// lanes of different sequences (common.cuh lane table), each run by the same body as its own
+// one-token decode, so a lane's bits never depend on the others.
 #include "common.cuh"
 
 
@@ -51,17 +53,19 @@ __device__ __forceinline__ void load_row(const u8* p, float (&v)[DPL]) {
 // grid (nkv, NSPLIT, nlanes), block 256, dynamic smem ATT_WARPS * rep * (hd + 2) floats.
 // kx / vx: the fp8 row exponents [nkv][max_pos] (u8 codes only; null otherwise). The K row scale
 // multiplies the score, the V row scale the softmax weight of that row's value (not l).
+// q: the lane's row; part: the lane's partials (nq x NSPLIT slots); t: the lane's offset from pos0
+// (it sees positions 0..pos0+t), so the split size is the same for every lane of a round.
 template <typename KVT, int DPL>
-__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, int ldq, const KVT* __restrict__ kc,
+__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const KVT* __restrict__ kc,
                                                 const KVT* __restrict__ vc, int max_pos, int nq, int nkv, float scale,
-                                                const int* __restrict__ pos0_dev, int span, float* __restrict__ part,
+                                                int pos0, int t, int span, float* __restrict__ part,
                                                 const signed char* __restrict__ kx = nullptr,
                                                 const signed char* __restrict__ vx = nullptr) {
     constexpr bool FP8 = sizeof(KVT) == 1;
     extern __shared__ float sm[];
     constexpr int HD = 32 * DPL;
-    const int g = blockIdx.x, sp = blockIdx.y, t = blockIdx.z;
-    const int pos0 = *pos0_dev, len = pos0 + t + 1;
+    const int g = blockIdx.x, sp = blockIdx.y;
+    const int len = pos0 + t + 1;
     const int ssz = split_size(pos0, span);
     const int start = sp * ssz;
     if (start >= len) return;
@@ -77,7 +81,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, int
 #pragma unroll
         for (int i = 0; i < DPL; i++) {
             acc[j][i] = 0.f;
-            qv[j][i] = j < rep ? q[(i64)t * ldq + (g * rep + j) * HD + lane * DPL + i] : 0.f;
+            qv[j][i] = j < rep ? q[(g * rep + j) * HD + lane * DPL + i] : 0.f;
         }
     }
     const KVT* kh = kc + (i64)g * max_pos * HD + lane * DPL;
@@ -145,7 +149,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, int
             L = fmaf(b[1], e, L);
             A = fmaf(b[2 + dd], e, A);
         }
-        float* dst = part + ((i64)(t * nq + g * rep + j) * NSPLIT + sp) * (HD + 2);
+        float* dst = part + ((i64)(g * rep + j) * NSPLIT + sp) * (HD + 2);
         dst[2 + dd] = A;
         if (dd == 0) {
             dst[0] = M;
@@ -159,7 +163,9 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, int
                                                            int max_pos, int nq, int nkv, float scale,                   \
                                                            const int* pos0_dev, int span, float* part) {                \
         pdl_entry();                                                                                                    \
-        attn_split_body<KVT, DPL>(q, ldq, kc, vc, max_pos, nq, nkv, scale, pos0_dev, span, part);                       \
+        const int t = blockIdx.z;                                                                                      \
+        attn_split_body<KVT, DPL>(q + (i64)t * ldq, kc, vc, max_pos, nq, nkv, scale, *pos0_dev, t, span,              \
+                                  part + (i64)t * nq * NSPLIT * (32 * DPL + 2));                                       \
     }
 
 ATT_KERNEL(attn_split_f32_d1, float, 1)
@@ -177,7 +183,9 @@ ATT_KERNEL(attn_split_bf16_d8, u16, 8)
                                                            const int* pos0_dev, int span, float* part,                  \
                                                            const signed char* kx, const signed char* vx) {              \
         pdl_entry();                                                                                                    \
-        attn_split_body<u8, DPL>(q, ldq, kc, vc, max_pos, nq, nkv, scale, pos0_dev, span, part, kx, vx);               \
+        const int t = blockIdx.z;                                                                                      \
+        attn_split_body<u8, DPL>(q + (i64)t * ldq, kc, vc, max_pos, nq, nkv, scale, *pos0_dev, t, span,               \
+                                 part + (i64)t * nq * NSPLIT * (32 * DPL + 2), kx, vx);                                \
     }
 
 ATT_KERNEL_FP8(attn_split_fp8_d1, 1)
@@ -185,16 +193,47 @@ ATT_KERNEL_FP8(attn_split_fp8_d2, 2)
 ATT_KERNEL_FP8(attn_split_fp8_d4, 4)
 ATT_KERNEL_FP8(attn_split_fp8_d8, 8)
 
+// decode_batch (common.cuh lane table): grid (nkv, NSPLIT, lanes), lane b = the next token of its own
+// sequence: its position as pos0 (t = 0, the split size a one-token decode of that sequence uses),
+// its state's K / V (+ kv_off bytes: this layer; fp8 exponents + x_off), its q row and partials.
+#define ATT_LANES_KERNEL(NAME, KVT, DPL)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const float* q, int ldq, const i64* lanes, i64 kv_off,    \
+                                                           i64 x_off, int max_pos, int nq, int nkv, float scale,       \
+                                                           int span, float* part) {                                     \
+        pdl_entry();                                                                                                   \
+        const int b = blockIdx.z;                                                                                      \
+        constexpr bool FP8 = sizeof(KVT) == 1;                                                                         \
+        attn_split_body<KVT, DPL>(q + (i64)b * ldq, lane_ptr<const KVT>(lanes, b, LT_K, kv_off),                      \
+                                  lane_ptr<const KVT>(lanes, b, LT_V, kv_off), max_pos, nq, nkv, scale,               \
+                                  lane_positions(lanes)[b], 0, span, part + (i64)b * nq * NSPLIT * (32 * DPL + 2),    \
+                                  FP8 ? lane_ptr<const signed char>(lanes, b, LT_KX, x_off) : nullptr,                \
+                                  FP8 ? lane_ptr<const signed char>(lanes, b, LT_VX, x_off) : nullptr);               \
+    }
+
+ATT_LANES_KERNEL(attn_split_lanes_f32_d1, float, 1)
+ATT_LANES_KERNEL(attn_split_lanes_f32_d2, float, 2)
+ATT_LANES_KERNEL(attn_split_lanes_f32_d4, float, 4)
+ATT_LANES_KERNEL(attn_split_lanes_f32_d8, float, 8)
+ATT_LANES_KERNEL(attn_split_lanes_bf16_d1, u16, 1)
+ATT_LANES_KERNEL(attn_split_lanes_bf16_d2, u16, 2)
+ATT_LANES_KERNEL(attn_split_lanes_bf16_d4, u16, 4)
+ATT_LANES_KERNEL(attn_split_lanes_bf16_d8, u16, 8)
+ATT_LANES_KERNEL(attn_split_lanes_fp8_d1, u8, 1)
+ATT_LANES_KERNEL(attn_split_lanes_fp8_d2, u8, 2)
+ATT_LANES_KERNEL(attn_split_lanes_fp8_d4, u8, 4)
+ATT_LANES_KERNEL(attn_split_lanes_fp8_d8, u8, 8)
+
 // Merge of the split partials {m, l, acc[hd]} of (lane t, q head h) in split order, then the sigmoid
 // output gate: out[t][h*hd + d] = (sum_s acc e^(m_s-M)) / (sum_s l e^(m_s-M)) * sigmoid(gate).
 // ssz: the launch's split size; stride: splits per (lane, head) in the partials buffer.
-__device__ __forceinline__ void combine_body(const float* __restrict__ part, int nq, int hd, int pos0, int ssz,
-                                             int stride, const float* __restrict__ qg, int ldq,
+// row: the lane's row of part / qg / out; t: its offset from pos0 (row for one sequence, 0 for decode_batch).
+__device__ __forceinline__ void combine_body(const float* __restrict__ part, int nq, int hd, int pos0, int t, int row,
+                                             int ssz, int stride, const float* __restrict__ qg, int ldq,
                                              float* __restrict__ out, int ldo) {
-    const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    const int h = blockIdx.y, d = threadIdx.x;
     const int len = pos0 + t + 1;
     const int ns = (len + ssz - 1) / ssz;
-    const float* base = part + (i64)(t * nq + h) * stride * (hd + 2);
+    const float* base = part + (i64)(row * nq + h) * stride * (hd + 2);
     float M = -INFINITY;
     for (int s = 0; s < ns; s++) M = fmaxf(M, base[(i64)s * (hd + 2)]);
     float L = 0.f, A = 0.f;
@@ -204,8 +243,8 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part, int
         L = fmaf(b[1], e, L);
         A = fmaf(b[2 + d], e, A);
     }
-    const float gate = qg[(i64)t * ldq + h * 2 * hd + hd + d];
-    out[(i64)t * ldo + h * hd + d] = (A / L) * sigmoid_f(gate);
+    const float gate = qg[(i64)row * ldq + h * 2 * hd + hd + d];
+    out[(i64)row * ldo + h * hd + d] = (A / L) * sigmoid_f(gate);
 }
 
 // grid (nlanes, nq), block hd: the split kernel's partials (NSPLIT per lane and head).
@@ -213,7 +252,16 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, int nq, 
                                         int span, const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
     pdl_entry();
     const int pos0 = *pos0_dev;
-    combine_body(part, nq, hd, pos0, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
+    combine_body(part, nq, hd, pos0, blockIdx.x, blockIdx.x, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
+}
+
+// decode_batch: grid (lanes, nq), lane b at its own position (attn_split_lanes_*' partials).
+extern "C" __global__ void attn_combine_lanes(const float* __restrict__ part, int nq, int hd,
+                                              const i64* __restrict__ lanes, int span, const float* __restrict__ qg,
+                                              int ldq, float* __restrict__ out, int ldo) {
+    pdl_entry();
+    const int pos0 = lane_positions(lanes)[blockIdx.x];
+    combine_body(part, nq, hd, pos0, 0, blockIdx.x, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
 }
 
 // ================================================================ tensor-core decode / verify (attn_mma_*)
@@ -594,11 +642,60 @@ ATTD_KERNEL(attn_mma_fp8_d256_bq, 256, true, false)
 ATTD_KERNEL_SM90(attn_mma_bf16_d256, 256, false)
 ATTD_KERNEL_SM90(attn_mma_fp8_d256, 256, true)
 
+// decode_batch (common.cuh lane table): grid (nkv, nsplit, lanes), each lane b its own sequence's
+// one-token decode -- the body exactly as a one-lane launch of that sequence runs it (nlanes 1, pos0
+// its position, the same block size), on its state's K / V (+ kv_off bytes: this layer; fp8
+// exponents + x_off), its q row and its partials (nq x nsplit slots per lane, as attn_mma_combine
+// reads them). BUILD: false where the variant traps (the d256 hi + lo pair below sm_90).
+#define ATTD_LANES_KERNEL(NAME, HD, FP8, QS, BUILD)                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * ATTD_MAX_WARPS)                                          \
+        NAME(const float* q, int ldq, const i64* lanes, i64 kv_off, i64 x_off, int max_pos, int nq, int nkv,    \
+             float scale, int span, int nsplit, float* part) {                                                  \
+        pdl_entry();                                                                                            \
+        const int b = blockIdx.z;                                                                               \
+        if constexpr (BUILD)                                                                                    \
+            attn_mma_body<HD, FP8, QS>(q + (i64)b * ldq, ldq, lane_ptr<const unsigned char>(lanes, b, LT_K, kv_off), \
+                                       lane_ptr<const unsigned char>(lanes, b, LT_V, kv_off), max_pos, nq, nkv,  \
+                                       scale, lane_positions(lanes) + b, span, nsplit, 1,                        \
+                                       part + (i64)b * nq * nsplit * (HD + 2),                                   \
+                                       FP8 ? lane_ptr<const signed char>(lanes, b, LT_KX, x_off) : nullptr,     \
+                                       FP8 ? lane_ptr<const signed char>(lanes, b, LT_VX, x_off) : nullptr);    \
+        else                                                                                                    \
+            __trap();                                                                                           \
+    }
+ATTD_LANES_KERNEL(attn_mma_lanes_bf16_d32, 32, false, true, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_bf16_d64, 64, false, true, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_bf16_d128, 128, false, true, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_bf16_d256, 256, false, true, ATTD_SM90_BUILD)
+ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d32, 32, true, true, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d64, 64, true, true, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d128, 128, true, true, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d256, 256, true, true, ATTD_SM90_BUILD)
+ATTD_LANES_KERNEL(attn_mma_lanes_bf16_d32_bq, 32, false, false, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_bf16_d64_bq, 64, false, false, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_bf16_d128_bq, 128, false, false, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_bf16_d256_bq, 256, false, false, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d32_bq, 32, true, false, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d64_bq, 64, true, false, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d128_bq, 128, true, false, true)
+ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d256_bq, 256, true, false, true)
+
 // grid (nlanes, nq), block hd: the tensor-core kernel's partials (nsplit per lane and head).
 extern "C" __global__ void attn_mma_combine(const float* __restrict__ part, int nq, int hd,
                                             const int* __restrict__ pos0_dev, int span, int nsplit,
                                             const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
     pdl_entry();
     const int pos0 = *pos0_dev;
-    combine_body(part, nq, hd, pos0, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo);
+    combine_body(part, nq, hd, pos0, blockIdx.x, blockIdx.x, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out,
+                 ldo);
+}
+
+// decode_batch: grid (lanes, nq), lane b at its own position (attn_mma_lanes_*' partials).
+extern "C" __global__ void attn_mma_combine_lanes(const float* __restrict__ part, int nq, int hd,
+                                                  const i64* __restrict__ lanes, int span, int nsplit,
+                                                  const float* __restrict__ qg, int ldq, float* __restrict__ out,
+                                                  int ldo) {
+    pdl_entry();
+    const int pos0 = lane_positions(lanes)[blockIdx.x];
+    combine_body(part, nq, hd, pos0, 0, blockIdx.x, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo);
 }

@@ -49,6 +49,21 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// decode_batch lane table (q27py/gpu/forward.py FastModel.decode_batch): lane b of a batched launch is
+// the next token of its own sequence. Row b holds LT_NFIELDS int64 base addresses of that sequence's
+// state arrays (layer 0); a kernel adds its layer's byte offset (64-bit: one state's KV exceeds 2^31
+// bytes). The positions (int32) follow the LANES_MAX rows, then the token ids. Written by the host
+// before the launch, so one captured graph per lane count serves any set of states.
+template <typename T>
+__device__ __forceinline__ T* lane_ptr(const i64* __restrict__ lanes, int b, int field, i64 byte_off) {
+    // through the global window: loads and stores derived from it stay global ones (ld.global.nc where
+    // read-only), as from a kernel pointer argument, instead of generic ones
+    return reinterpret_cast<T*>(__cvta_global_to_generic((size_t)(lanes[(i64)b * LT_NFIELDS + field] + byte_off)));
+}
+__device__ __forceinline__ const int* lane_positions(const i64* __restrict__ lanes) {
+    return reinterpret_cast<const int*>(lanes + LANES_MAX * LT_NFIELDS);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

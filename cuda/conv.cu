@@ -7,19 +7,16 @@
 // the in_proj_qkv outputs, kept per layer until the commit.
 #include "common.cuh"
 
-// grid (nlanes, 2H + HV [, layers]), block >= max(dk, dv) rounded to 32.
-// slot < H: q head; slot < 2H: k head; else v head (also computes g and beta of that head).
-extern "C" __global__ void gdn_conv(const float* __restrict__ raw, int ldr,  // lane t raw row: raw + t*ldr, C channels
-                                    const float* __restrict__ window,       // [K-1, C], oldest first
-                                    const float* __restrict__ convw,        // [C, K]
-                                    const float* __restrict__ ab, int ldab,  // lane t: b [HV] then a [HV]
-                                    const float* __restrict__ neg_a, const float* __restrict__ dt_bias, int H, int HV,
-                                    int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,  // [lane][C]
-                                    float* __restrict__ gb)                                              // [lane][2HV]
-{
-    pdl_entry();
+// Conv + SiLU (+ l2 norm for q / k) of one lane's channel c of head slot `slot`. Taps: t + j in
+// [window (K-1 rows) ; raw rows 0..t]; the lane's outputs go to qkvn_row / gb_row, its b / a
+// gates come from ab_row.
+__device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int ldr, const float* __restrict__ window,
+                                              const float* __restrict__ convw, const float* __restrict__ ab_row,
+                                              const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+                                              int H, int HV, int dk, int dv, int KW, float q_scale, int t,
+                                              float* __restrict__ qkvn_row, float* __restrict__ gb_row) {
     __shared__ float red[32];
-    const int t = blockIdx.x, slot = blockIdx.y, c = threadIdx.x;
+    const int slot = blockIdx.y, c = threadIdx.x;
     const int C = 2 * H * dk + HV * dv;
     const bool is_qk = slot < 2 * H;
     const int d = is_qk ? dk : dv;
@@ -39,13 +36,55 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ raw, int ldr,  // 
         y = y / sqrtf(ss + 1e-6f);
         if (slot < H) y *= q_scale;
     }
-    if (c < d) qkvn[(i64)t * C + ch] = y;
+    if (c < d) qkvn_row[ch] = y;
     if (!is_qk && c == 0) {
         const int h = slot - 2 * H;
-        const float b = ab[(i64)t * ldab + h], a = ab[(i64)t * ldab + HV + h];
-        gb[(i64)t * 2 * HV + h] = neg_a[h] * softplus_f(a + dt_bias[h]);
-        gb[(i64)t * 2 * HV + HV + h] = sigmoid_f(b);
+        const float b = ab_row[h], a = ab_row[HV + h];
+        gb_row[h] = neg_a[h] * softplus_f(a + dt_bias[h]);
+        gb_row[HV + h] = sigmoid_f(b);
     }
+}
+
+// grid (nlanes, 2H + HV [, layers]), block >= max(dk, dv) rounded to 32.
+// slot < H: q head; slot < 2H: k head; else v head (also computes g and beta of that head).
+extern "C" __global__ void gdn_conv(const float* __restrict__ raw, int ldr,  // lane t raw row: raw + t*ldr, C channels
+                                    const float* __restrict__ window,       // [K-1, C], oldest first
+                                    const float* __restrict__ convw,        // [C, K]
+                                    const float* __restrict__ ab, int ldab,  // lane t: b [HV] then a [HV]
+                                    const float* __restrict__ neg_a, const float* __restrict__ dt_bias, int H, int HV,
+                                    int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,  // [lane][C]
+                                    float* __restrict__ gb)                                              // [lane][2HV]
+{
+    pdl_entry();
+    const int t = blockIdx.x;
+    gdn_conv_body(raw, ldr, window, convw, ab + (i64)t * ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, t,
+                  qkvn + (i64)t * (2 * H * dk + HV * dv), gb + (i64)t * 2 * HV);
+}
+
+// decode_batch (common.cuh lane table): lane b is its own sequence's next token -- taps [its state's
+// window (+ win_off bytes: this layer) ; its raw row b], i.e. t = 0 of a one-token decode.
+// grid (lanes, 2H + HV), block as gdn_conv.
+extern "C" __global__ void gdn_conv_lanes(const float* __restrict__ raw, int ldr, const i64* __restrict__ lanes,
+                                          i64 win_off, const float* __restrict__ convw, const float* __restrict__ ab,
+                                          int ldab, const float* __restrict__ neg_a,
+                                          const float* __restrict__ dt_bias, int H, int HV, int dk, int dv, int KW,
+                                          float q_scale, float* __restrict__ qkvn, float* __restrict__ gb) {
+    pdl_entry();
+    const int b = blockIdx.x;
+    gdn_conv_body(raw + (i64)b * ldr, ldr, lane_ptr<const float>(lanes, b, LT_WIN, win_off), convw, ab + (i64)b * ldab,
+                  neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, 0, qkvn + (i64)b * (2 * H * dk + HV * dv),
+                  gb + (i64)b * 2 * HV);
+}
+
+// One channel's window slide by n raw rows: rows n.. of [window ; raw rows 0..n-1] become the window.
+__device__ __forceinline__ void conv_commit_body(float* __restrict__ win, const float* __restrict__ rw, int ldr, int C,
+                                                 int KW, int n, int ch) {
+    float keep[8];
+    for (int i = 0; i < KW - 1 && i < 8; i++) {
+        const int idx = n + i;  // in [window ; raw rows 0..n-1]
+        keep[i] = idx < KW - 1 ? win[(i64)idx * C + ch] : rw[(i64)(idx - (KW - 1)) * ldr + ch];
+    }
+    for (int i = 0; i < KW - 1 && i < 8; i++) win[(i64)i * C + ch] = keep[i];
 }
 
 // Slide the window of every layer by n accepted raw rows (n from the device when n_dev is
@@ -57,12 +96,16 @@ extern "C" __global__ void gdn_conv_commit(float* __restrict__ window, i64 windo
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
     const int n = n_dev ? *n_dev : n_const;
-    float* win = window + blockIdx.y * window_layer_stride;
-    const float* rw = raw + blockIdx.y * raw_layer_stride;
-    float keep[8];
-    for (int i = 0; i < KW - 1 && i < 8; i++) {
-        const int idx = n + i;  // in [window ; raw rows 0..n-1]
-        keep[i] = idx < KW - 1 ? win[(i64)idx * C + ch] : rw[(i64)(idx - (KW - 1)) * ldr + ch];
-    }
-    for (int i = 0; i < KW - 1 && i < 8; i++) win[(i64)i * C + ch] = keep[i];
+    conv_commit_body(window + blockIdx.y * window_layer_stride, raw + blockIdx.y * raw_layer_stride, ldr, C, KW, n, ch);
+}
+
+// decode_batch: slide lane b's window (its state's, + win_off bytes: this layer) by its one raw row b.
+// grid (ceil(C/256), lanes), block 256.
+extern "C" __global__ void gdn_conv_commit_lanes(const i64* __restrict__ lanes, i64 win_off,
+                                                 const float* __restrict__ raw, int ldr, int C, int KW) {
+    pdl_entry();
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    const int b = blockIdx.y;
+    conv_commit_body(lane_ptr<float>(lanes, b, LT_WIN, win_off), raw + (i64)b * ldr, ldr, C, KW, 1, ch);
 }

@@ -78,6 +78,23 @@ GDN_KERNEL(gdn_step_k1, 1)
 GDN_KERNEL(gdn_step_k2, 2)
 GDN_KERNEL(gdn_step_k4, 4)
 
+// decode_batch (common.cuh lane table): grid (ceil(HV*dv/4), lanes), block 128. Lane b is its own
+// sequence's one-token decode step: its state's S (+ state_off bytes: this layer) and its rows b of
+// qkvn / gb / out -- gdn_body exactly as a one-lane gdn_step runs it. nlanes / emit / write_state
+// stay arguments (the caller passes 1, 1, 1) so the body compiles as the one-sequence entry's does.
+#define GDN_LANES_KERNEL(NAME, KPL)                                                                                   \
+    extern "C" __global__ void NAME(const i64* lanes, i64 state_off, const float* qkvn, const float* gb, float* out,  \
+                                    int ldo, int H, int HV, int dk, int dv, int nlanes, int emit, int write_state) {  \
+        pdl_entry();                                                                                                  \
+        const int b = blockIdx.y;                                                                                     \
+        gdn_body<KPL>(lane_ptr<float>(lanes, b, LT_GDN, state_off), qkvn + (i64)b * (2 * H * dk + HV * dv),           \
+                      gb + (i64)b * 2 * HV, out + (i64)b * ldo, ldo, H, HV, dk, dv, nlanes, emit, write_state);        \
+    }
+
+GDN_LANES_KERNEL(gdn_step_lanes_k1, 1)
+GDN_LANES_KERNEL(gdn_step_lanes_k2, 2)
+GDN_LANES_KERNEL(gdn_step_lanes_k4, 4)
+
 // Prefill variant: the same recurrence, bit for bit (the same operations per column in the same
 // order, the same butterflies), but one warp owns NC consecutive value columns of a head. Why:
 // the decode kernel's 48 x 128 = 6144 warps (27B) run in ~3 waves on 132 SMs and each token step

@@ -281,3 +281,27 @@ __device__ __forceinline__ void gdn_decode_body(
 GDN_DECODE_KERNEL(gdn_decode_k1, 1)
 GDN_DECODE_KERNEL(gdn_decode_k2, 2)
 GDN_DECODE_KERNEL(gdn_decode_k4, 4)
+
+// decode_batch (common.cuh lane table): grid (ceil(dv / (warps * GDN_FD_COLS)), HV, lanes). Lane b is
+// its own sequence's one-token committing step (T = 1): its state's window and S (+ win_off /
+// state_off bytes: this layer), its rows b of raw / ab / qkvn / gb / out / y and its own tickets
+// (h + hv per lane) -- the body exactly as a one-lane launch of that sequence runs it. Bounds: at most
+// GDN_FD_LANES_MAX_WARPS warps, one block per SM guaranteed (~96 registers): the lane pointers live in
+// registers (the one-sequence entry reads them from its parameters) and spilled at 64.
+#define GDN_DECODE_LANES_KERNEL(NAME, KPL)                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * GDN_FD_LANES_MAX_WARPS, 1) NAME(                              \
+        const float* raw, int ldr, const i64* lanes, i64 win_off, i64 state_off, const float* convw, const float* ab, \
+        int ldab, const float* neg_a, const float* dt_bias, int H, int HV, int dk, int dv, int KW, float q_scale,     \
+        float* qkvn, float* gb, float* out, int ldo, const float* normw, float eps, float* y, int ldy, int* tickets) { \
+        pdl_entry();                                                                                                  \
+        const int b = blockIdx.z;                                                                                     \
+        const i64 C = 2 * H * dk + HV * dv;                                                                           \
+        gdn_decode_body<KPL>(raw + (i64)b * ldr, ldr, lane_ptr<float>(lanes, b, LT_WIN, win_off), convw,              \
+                             ab + (i64)b * ldab, ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, qkvn + b * C,      \
+                             gb + (i64)b * 2 * HV, lane_ptr<float>(lanes, b, LT_GDN, state_off), out + (i64)b * ldo,  \
+                             ldo, normw, eps, y + (i64)b * ldy, ldy, tickets + (i64)b * (H + HV), 1, 1);              \
+    }
+
+GDN_DECODE_LANES_KERNEL(gdn_decode_lanes_k1, 1)
+GDN_DECODE_LANES_KERNEL(gdn_decode_lanes_k2, 2)
+GDN_DECODE_LANES_KERNEL(gdn_decode_lanes_k4, 4)

@@ -7,16 +7,16 @@
 // grid (nlanes, nq + nkv), block = hd rounded up to 32 (<= 1024).
 // qg: lane t row = [head0 q (hd) | head0 gate (hd) | head1 q | ...]; kv: lane t row = [k (nkv*hd) | v (nkv*hd)].
 // Cache layout [nkv][max_pos][hd]. inv_freq: fp64 [rd/2] (computed on the host like the reference).
-extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qg, int ldq, const float* __restrict__ kv, int ldkv,
-                                              const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-                                              float eps, int nq, int nkv, int hd, int rd,
-                                              const double* __restrict__ inv_freq, const int* __restrict__ pos0_dev,
-                                              float* __restrict__ qout, int ldqo, void* kcache, void* vcache, int kv_bf16,
-                                              int max_pos) {
-    pdl_entry();
+// The body of both entries below: row t of qg / kv / qout, K / V row `pos` of the caches given (one layer's).
+__device__ __forceinline__ void rope_store_body(const float* __restrict__ qg, int ldq, const float* __restrict__ kv,
+                                                int ldkv, const float* __restrict__ q_norm,
+                                                const float* __restrict__ k_norm, float eps, int nq, int nkv, int hd,
+                                                int rd, const double* __restrict__ inv_freq, int t, int pos,
+                                                float* __restrict__ qout, int ldqo, void* kcache, void* vcache,
+                                                int kv_bf16, int max_pos) {
     extern __shared__ float xs[];  // hd floats
     __shared__ float red[32];
-    const int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
+    const int slot = blockIdx.y, d = threadIdx.x;
     const bool is_q = slot < nq;
     const int kvh = slot - nq;
     const bool live = d < hd;
@@ -27,7 +27,6 @@ extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qg, int 
     if (live) xs[d] = xn;
     __syncthreads();
     if (!live) return;
-    const int pos = *pos0_dev + t;
     float y = xn;
     if (d < rd) {
         const int half = rd >> 1;
@@ -52,22 +51,48 @@ extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qg, int 
     }
 }
 
+// One sequence: lane t at position *pos0_dev + t; caches [nkv][max_pos][hd] of one layer.
+extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qg, int ldq, const float* __restrict__ kv, int ldkv,
+                                              const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                                              float eps, int nq, int nkv, int hd, int rd,
+                                              const double* __restrict__ inv_freq, const int* __restrict__ pos0_dev,
+                                              float* __restrict__ qout, int ldqo, void* kcache, void* vcache, int kv_bf16,
+                                              int max_pos) {
+    pdl_entry();
+    const int t = blockIdx.x;
+    rope_store_body(qg, ldq, kv, ldkv, q_norm, k_norm, eps, nq, nkv, hd, rd, inv_freq, t, *pos0_dev + t, qout, ldqo,
+                    kcache, vcache, kv_bf16, max_pos);
+}
+
+// decode_batch: lane b is its own sequence's next token (common.cuh lane table): its position and
+// its state's K / V caches, plus kv_off bytes to this layer. Same grid and block as above.
+extern "C" __global__ void qk_norm_rope_store_lanes(const float* __restrict__ qg, int ldq, const float* __restrict__ kv,
+                                                    int ldkv, const float* __restrict__ q_norm,
+                                                    const float* __restrict__ k_norm, float eps, int nq, int nkv,
+                                                    int hd, int rd, const double* __restrict__ inv_freq,
+                                                    const i64* __restrict__ lanes, i64 kv_off,
+                                                    float* __restrict__ qout, int ldqo, int kv_bf16, int max_pos) {
+    pdl_entry();
+    const int b = blockIdx.x;
+    rope_store_body(qg, ldq, kv, ldkv, q_norm, k_norm, eps, nq, nkv, hd, rd, inv_freq, b, lane_positions(lanes)[b],
+                    qout, ldqo, lane_ptr<void>(lanes, b, LT_K, kv_off), lane_ptr<void>(lanes, b, LT_V, kv_off), kv_bf16,
+                    max_pos);
+}
+
 // The same front end storing fp8 e4m3 KV (q27py/model/kvformat.py "fp8"): codes [nkv][max_pos][hd]
 // (u8) and one int8 exponent per (kv head, position) in kexp / vexp [nkv][max_pos], so the row's
 // absolute max lands in [128, 256) and value = e4m3(code) * 2^e. Same grid and block as above;
 // no thread leaves before the row max reductions.
-extern "C" __global__ void qk_norm_rope_store_fp8(const float* __restrict__ qg, int ldq, const float* __restrict__ kv,
-                                                  int ldkv, const float* __restrict__ q_norm,
-                                                  const float* __restrict__ k_norm, float eps, int nq, int nkv, int hd,
-                                                  int rd, const double* __restrict__ inv_freq,
-                                                  const int* __restrict__ pos0_dev, float* __restrict__ qout, int ldqo,
-                                                  u8* __restrict__ kcache, u8* __restrict__ vcache,
-                                                  signed char* __restrict__ kexp, signed char* __restrict__ vexp,
-                                                  int max_pos) {
-    pdl_entry();
+__device__ __forceinline__ void rope_store_fp8_body(const float* __restrict__ qg, int ldq, const float* __restrict__ kv,
+                                                    int ldkv, const float* __restrict__ q_norm,
+                                                    const float* __restrict__ k_norm, float eps, int nq, int nkv,
+                                                    int hd, int rd, const double* __restrict__ inv_freq, int t, int pos,
+                                                    float* __restrict__ qout, int ldqo, u8* __restrict__ kcache,
+                                                    u8* __restrict__ vcache, signed char* __restrict__ kexp,
+                                                    signed char* __restrict__ vexp, int max_pos) {
     extern __shared__ float xs[];  // hd floats
     __shared__ float red[32];
-    const int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
+    const int slot = blockIdx.y, d = threadIdx.x;
     const bool is_q = slot < nq;
     const int kvh = slot - nq;
     const bool live = d < hd;
@@ -77,7 +102,6 @@ extern "C" __global__ void qk_norm_rope_store_fp8(const float* __restrict__ qg, 
     const float xn = live ? (x / sqrtf(ss / (float)hd + eps)) * (w[d] + 1.0f) : 0.f;
     if (live) xs[d] = xn;
     __syncthreads();
-    const int pos = *pos0_dev + t;
     float y = xn;
     if (live && d < rd) {
         const int half = rd >> 1;
@@ -102,6 +126,37 @@ extern "C" __global__ void qk_norm_rope_store_fp8(const float* __restrict__ qg, 
         kexp[row] = (signed char)ek;
         vexp[row] = (signed char)ev;
     }
+}
+
+extern "C" __global__ void qk_norm_rope_store_fp8(const float* __restrict__ qg, int ldq, const float* __restrict__ kv,
+                                                  int ldkv, const float* __restrict__ q_norm,
+                                                  const float* __restrict__ k_norm, float eps, int nq, int nkv, int hd,
+                                                  int rd, const double* __restrict__ inv_freq,
+                                                  const int* __restrict__ pos0_dev, float* __restrict__ qout, int ldqo,
+                                                  u8* __restrict__ kcache, u8* __restrict__ vcache,
+                                                  signed char* __restrict__ kexp, signed char* __restrict__ vexp,
+                                                  int max_pos) {
+    pdl_entry();
+    const int t = blockIdx.x;
+    rope_store_fp8_body(qg, ldq, kv, ldkv, q_norm, k_norm, eps, nq, nkv, hd, rd, inv_freq, t, *pos0_dev + t, qout, ldqo,
+                        kcache, vcache, kexp, vexp, max_pos);
+}
+
+// decode_batch (see qk_norm_rope_store_lanes): codes at kv_off bytes into the lane's K / V, exponents
+// at x_off bytes into its exponent arrays.
+extern "C" __global__ void qk_norm_rope_store_fp8_lanes(const float* __restrict__ qg, int ldq,
+                                                        const float* __restrict__ kv, int ldkv,
+                                                        const float* __restrict__ q_norm,
+                                                        const float* __restrict__ k_norm, float eps, int nq, int nkv,
+                                                        int hd, int rd, const double* __restrict__ inv_freq,
+                                                        const i64* __restrict__ lanes, i64 kv_off, i64 x_off,
+                                                        float* __restrict__ qout, int ldqo, int max_pos) {
+    pdl_entry();
+    const int b = blockIdx.x;
+    rope_store_fp8_body(qg, ldq, kv, ldkv, q_norm, k_norm, eps, nq, nkv, hd, rd, inv_freq, b,
+                        lane_positions(lanes)[b], qout, ldqo, lane_ptr<u8>(lanes, b, LT_K, kv_off),
+                        lane_ptr<u8>(lanes, b, LT_V, kv_off), lane_ptr<signed char>(lanes, b, LT_KX, x_off),
+                        lane_ptr<signed char>(lanes, b, LT_VX, x_off), max_pos);
 }
 
 // The same front end storing rotated Lloyd-Max KV (kvformat "k5v3" / "k3v3"): K after q/k norm and

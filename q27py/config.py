@@ -149,6 +149,11 @@ class EngineConfig:
     # full-chunk cut stays a cut), so alone nothing changes; beside decoders the prompt's rounding
     # changes as a prefix-restore split changes it (tokens equal, not guaranteed bitwise on a near tie).
     interleave_chunk: int = 0
+    # cuda: FastModel.decode_batch runs up to 16 sequences' next tokens in one weight sweep (lane
+    # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards).
+    # Off: max_batch = 1, every sequence its own forward (the old path). Off until the device run
+    # has held tests/gpu/test_decode_batch.py and measured q27py/bench/batch_probe.py.
+    batch_sweep: bool = False
 
     def slots(self, sized: int | None = None) -> int:
         """Requests generating at once: max_slots, or for "auto" the count the model sized from
@@ -312,6 +317,7 @@ ENV_VARS = {
     "Q27_BATCH_ROUNDS": ("engine", "batch_rounds", parse_switch),
     "Q27_BATCH_SPEC": ("engine", "batch_spec", str),
     "Q27_INTERLEAVE_CHUNK": ("engine", "interleave_chunk", int),
+    "Q27_BATCH_SWEEP": ("engine", "batch_sweep", parse_switch),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

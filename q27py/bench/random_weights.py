@@ -36,10 +36,12 @@ BF16_DENSE_PEAK_TFLOPS = 790.0
 FAMILIES = {
     "gemv": {"GemvPlan.run"},
     "norms": {"rmsnorm", "embed"},
-    "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm", "gdn_decode_fused"},
+    "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm", "gdn_decode_fused",
+            "gdn_conv_lanes", "gdn_conv_commit_lanes", "gdn_step_lanes", "gdn_decode_fused_lanes"},
     "attention": {"qk_norm_rope_store", "attention", "attention_prefill", "qk_norm_rope_store_fp8", "attention_fp8",
                   "attention_prefill_fp8", "qk_norm_rope_store_rot", "attention_rotated", "attention_prefill_rotated",
-                  "attention_prefill2", "attention_mma"},
+                  "attention_prefill2", "attention_mma", "qk_norm_rope_store_lanes", "qk_norm_rope_store_fp8_lanes",
+                  "attention_lanes", "attention_mma_lanes"},
     "argmax": {"top2"},
 }  # the box's measured cuBLAS-class bf16 GEMM (KINDS.md); spec dense ~990
 

@@ -98,6 +98,7 @@ GDN_PF_WARPS = 4  # warps per CTA
 GDN_FD_COLS = 4  # value columns per warp (the recurrence of each exactly as gdn_step's)
 GDN_FD_WARPS = 8  # warps per block by default: 32 columns, so a 128-column head spans 4 blocks
 GDN_FD_MAX_WARPS = 32  # launch bounds (a whole 128-column head in one block, no norm ticket)
+GDN_FD_LANES_MAX_WARPS = 16  # launch bounds of the decode_batch entry (its lane pointers need registers: 128 max)
 # ---------------------------------------------------------------- GDN chunked pipeline (cuda/gdn_chunk2.cu)
 GDN2_C = 64  # tokens per chunk (chunks start at absolute multiples of it)
 GDN2_BV = 64  # value columns per CTA of the state pass (4 warps of 16 rows)
@@ -107,6 +108,13 @@ GDN2_GATES = 4  # gate rows per (head, chunk) in the scratch: G hi, G lo, e^{G_l
 # the runtime compiles with the engine's choice (runtime.compile_options), this is the default
 PDL_EARLY = 0
 TOP2_BLOCKS = 16  # partial blocks per row of the argmax / sampling pass
+# ---------------------------------------------------------------- decode_batch lane table (FastModel.decode_batch)
+# One weight sweep for up to LANES_MAX sequences: per lane one row of LT_NFIELDS int64 state base
+# addresses (layer 0 of each array; kernels add the layer's byte offset), then LANES_MAX int32
+# positions, then LANES_MAX int32 token ids (common.cuh lane_ptr / lane_positions read it).
+LANES_MAX = GEMV_MAX_LANES
+LT_K, LT_V, LT_KX, LT_VX, LT_GDN, LT_WIN = 0, 1, 2, 3, 4, 5  # K / V rows, fp8 K / V exponents, GDN S, conv window
+LT_NFIELDS = 6
 
 
 def table() -> dict[str, int]:

@@ -23,6 +23,14 @@ K/V rows past the committed position; rows past the accepted point are overwritt
 
 Per-lane results never depend on how many lanes run together (GEMV split-K and attention
 splits are chosen from shapes and pos0 only), so greedy output is width-invariant.
+
+decode_batch(states, ids) runs one such forward whose lanes belong to different sequences (up to
+max_batch = 16, EngineConfig.batch_sweep): the weights stream once for all of them. The kernels
+that touch a sequence's state (q/k norm + RoPE + KV store, decode attention, GDN conv / step /
+window, the fused GDN step) run through their *_lanes entries, which read each lane's state
+addresses and position from a small device lane table the host writes first (so the captured graph
+of a width serves any states) and run the one-sequence body as a one-token decode of that lane's
+sequence; every lane's bits are its solo forward's.
 """
 
 from __future__ import annotations
@@ -103,12 +111,7 @@ class FastOutput:
         numpy.argmax of the row with refused ids at -inf), computed on the device: one upload of
         the masks and W ids back instead of W logits rows."""
         if self._logits is not None:  # already on the host: the same choice there
-            v = self._logits.shape[1]
-            out = []
-            for p, w in zip(picks, words):
-                keep = np.unpackbits(np.ascontiguousarray(w, dtype="<u4").view(np.uint8), bitorder="little")[:v]
-                out.append(int(np.argmax(np.where(keep.astype(bool), self._logits[p], -np.inf))))
-            return np.asarray(out, dtype=np.int64)
+            return _masked_argmax_host(self._logits, picks, words)
         self._check_fresh()
         u = np.unique(self.rows)
         compact = np.searchsorted(u, self.rows[np.asarray(picks, dtype=np.int64)])
@@ -125,6 +128,143 @@ class FastOutput:
     @property
     def hidden_device(self):
         return self._model.hidden[: self._t]
+
+
+def _masked_argmax_host(logits: np.ndarray, picks, words) -> np.ndarray:
+    """numpy.argmax of logits[p] with the ids refused by the packed bitmask words[i] at -inf."""
+    v = logits.shape[1]
+    out = []
+    for p, w in zip(picks, words):
+        keep = np.unpackbits(np.ascontiguousarray(w, dtype="<u4").view(np.uint8), bitorder="little")[:v]
+        out.append(int(np.argmax(np.where(keep.astype(bool), logits[p], -np.inf))))
+    return np.asarray(out, dtype=np.int64)
+
+
+class _LaneBatch:
+    """What the outputs of one decode_batch call share: the model rows 0..n-1 they read, the
+    freshness mark, and the greedy ids of all lanes (one n x 4-byte copy for the whole batch)."""
+
+    def __init__(self, model: "FastModel", n: int):
+        self.model = model
+        self.n = n
+        self.serial = model._out_serial
+        self._ids = None
+
+    def check_fresh(self) -> None:
+        if self.serial != self.model._out_serial:
+            raise RuntimeError("decode_batch output read after a later forward reused the model's scratch")
+
+    def ids(self) -> np.ndarray:
+        if self._ids is None:
+            self.check_fresh()
+            m = self.model
+            self._ids = m.tok[: self.n].get(stream=m.stream).astype(np.int64)
+        return self._ids
+
+
+class FastLaneOutput:
+    """Output i of FastModel.decode_batch: the surface of the FastOutput a one-token forward of that
+    sequence returns (logits_rows="all": one row), read from row i of the model's buffers --
+    logits [1, V], greedy_ids() [1], masked_greedy_ids(picks, words), hidden [1, H] (post final
+    norm), hidden_device, trace None. Valid until the next forward / decode_batch / MTP call."""
+
+    trace = None
+
+    def __init__(self, batch: _LaneBatch, lane: int):
+        self._batch = batch
+        self.lane = lane
+        self.rows = np.zeros(1, dtype=np.int64)
+        self._logits = None
+        self._hidden = None
+
+    @property
+    def logits(self) -> np.ndarray:
+        if self._logits is None:
+            self._batch.check_fresh()
+            m = self._batch.model
+            self._logits = m.logits[self.lane : self.lane + 1].get(stream=m.stream)
+        return self._logits
+
+    def greedy_ids(self) -> np.ndarray:
+        if self._logits is not None:
+            return np.argmax(self._logits, axis=1)
+        return self._batch.ids()[self.lane : self.lane + 1]
+
+    def masked_greedy_ids(self, picks: list[int], words: np.ndarray) -> np.ndarray:
+        """As FastOutput.masked_greedy_ids; picks index the one row (0)."""
+        self.rows[np.asarray(picks, dtype=np.int64)]  # IndexError for a row this output does not have
+        if self._logits is not None:
+            return _masked_argmax_host(self._logits, picks, words)
+        self._batch.check_fresh()
+        return self._batch.model._fetch_masked_ids(np.full(len(picks), self.lane, dtype=np.int64), words)
+
+    @property
+    def hidden(self) -> np.ndarray:
+        if self._hidden is None:
+            self._batch.check_fresh()
+            m = self._batch.model
+            self._hidden = m.hidden[self.lane : self.lane + 1, : m.cfg.hidden_size].get(stream=m.stream)
+        return self._hidden
+
+    @property
+    def hidden_device(self):
+        m = self._batch.model
+        return m.hidden[self.lane : self.lane + 1]
+
+
+def batch_sweep_default() -> bool:
+    """EngineConfig.batch_sweep with Q27_BATCH_SWEEP applied (models built directly follow the env)."""
+    from q27py.config import Q27Config, apply_env
+
+    return bool(apply_env(Q27Config()).engine.batch_sweep)
+
+
+def lane_table_words() -> int:
+    """int64 words of the decode_batch lane table: LANES_MAX rows of LT_NFIELDS addresses, then
+    LANES_MAX int32 positions and LANES_MAX int32 token ids (common.cuh lane_ptr / lane_positions)."""
+    return C.LANES_MAX * C.LT_NFIELDS + C.LANES_MAX
+
+
+def lane_table_ids_offset() -> int:
+    """Index of the token ids in the table viewed as int32 (the positions sit LANES_MAX before it)."""
+    return 2 * C.LANES_MAX * C.LT_NFIELDS + C.LANES_MAX
+
+
+def pack_lane_table(addresses, positions, ids) -> np.ndarray:
+    """Host image of the lane table for len(positions) lanes: addresses [lanes][LT_NFIELDS] (device
+    addresses of each state's arrays, 0 for none), positions [lanes], ids [lanes]."""
+    n = len(positions)
+    if not 1 <= n <= C.LANES_MAX or len(ids) != n or len(addresses) != n:
+        raise ValueError(f"a lane table holds 1..{C.LANES_MAX} lanes of one address row, position and id each")
+    buf = np.zeros(lane_table_words(), dtype=np.int64)
+    rows = np.asarray(addresses, dtype=np.int64).reshape(n, C.LT_NFIELDS)
+    buf[: n * C.LT_NFIELDS] = rows.reshape(-1)
+    words = buf.view(np.int32)
+    at = lane_table_ids_offset()
+    words[at - C.LANES_MAX : at - C.LANES_MAX + n] = np.asarray(positions, dtype=np.int32)
+    words[at : at + n] = np.asarray(ids, dtype=np.int32)
+    return buf
+
+
+def check_batch(states, ids, max_batch: int, max_pos: int, vocab: int) -> np.ndarray:
+    """decode_batch's arguments: 1..max_batch distinct states, one id in range each, room for one
+    more position in every state's window. Returns the ids as int64."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    n = len(states)
+    if n == 0:
+        raise ValueError("decode_batch needs at least one sequence")
+    if n > max_batch:
+        raise ValueError(f"decode_batch of {n} sequences: at most {max_batch} per call")
+    if ids.size != n:
+        raise ValueError(f"decode_batch: {ids.size} token ids for {n} sequences")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"token id out of range 0..{vocab - 1}")
+    if len({id(s) for s in states}) != n:
+        raise ValueError("decode_batch: the same sequence state twice in one call")
+    for s in states:
+        if s.position + 1 > max_pos:
+            raise ValueError(f"context overflow: {s.position + 1} > {max_pos} positions")
+    return ids
 
 
 class MtpKV:
@@ -242,7 +382,7 @@ class FastState:
 class FastModel:
     def __init__(self, weights: ModelWeights, max_context: int = 4096, kv_dtype: str = "bf16", chunk: int = 64,
                  device_snapshot_bytes: int | None = None, gdn_fused: bool | None = None,
-                 attn_decode: str | None = None):
+                 attn_decode: str | None = None, batch_sweep: bool | None = None):
         rt = Runtime.get()
         cp = rt.cp
         self.rt = rt
@@ -294,6 +434,19 @@ class FastModel:
         self.gdn_fused = K.gdn_fused_default() if gdn_fused is None else bool(gdn_fused)
         self.gdn_fused_warps = C.GDN_FD_WARPS
         self.gdn_tickets = cp.zeros(cfg.linear_num_key_heads + hv, dtype=cp.int32)
+        # decode_batch: one weight sweep for up to max_batch sequences (one lane each, GEMV lanes).
+        # The lane table (lane_table_words: per lane its state's base addresses, then positions,
+        # then ids) is written by the host before each call -- one upload -- and read by the lane
+        # kernels, so a graph captured for n lanes serves any n states. The fused GDN entry takes
+        # h + hv tickets per lane.
+        # batch_sweep (EngineConfig.batch_sweep, env Q27_BATCH_SWEEP; None: the env default): off keeps
+        # max_batch = 1, so callers that respect it run every sequence through its own forward
+        self.batch_sweep = batch_sweep_default() if batch_sweep is None else bool(batch_sweep)
+        self.max_batch = min(C.LANES_MAX, VERIFY_SPAN) if self.batch_sweep else 1
+        self.lane_table = cp.zeros(lane_table_words(), dtype=cp.int64)
+        at = lane_table_ids_offset()
+        self.lane_ids = self.lane_table.view(cp.int32)[at : at + C.LANES_MAX]
+        self.gdn_tickets_lanes = cp.zeros((C.LANES_MAX, cfg.linear_num_key_heads + hv), dtype=cp.int32)
         # chunked2 GDN route: per-chunk W, U / V_new, start states and gates of one prefill chunk
         # (kernels.gdn2_scratch_floats: 412.1 MB for the 27B at T = 4096). Allocated here when the
         # route is on at load (so --max-context auto counts it), else on first use (_gdn2_scratch).
@@ -451,6 +604,94 @@ class FastModel:
                 out = FastOutput(self, t, rows, trace)
         return out
 
+    def decode_batch(self, states: list[FastState], ids) -> list:
+        """One weight sweep for len(states) sequences: lane i is ids[i], the next token of states[i]
+        at states[i].position, committed exactly as forward(states[i], [ids[i]]) commits it -- and
+        bitwise so: logits, greedy id, hidden row and the state afterwards (KV row, GDN state, conv
+        window) are that solo call's whatever the other lanes and their number are. Every
+        state-dependent kernel runs its one-sequence body per lane on that lane's own state (the
+        lane table); norms, GEMVs, lm_head and argmax run all lanes at once and are width-invariant.
+
+        Returns one FastLaneOutput per state (FastOutput's surface for its one row), valid until the
+        next forward / decode_batch / MTP call. At most max_batch states, distinct, each with room
+        for one more position. One state: forward(). KV formats without lane kernels (k5v3 / k3v3)
+        and a fused GDN step wider than its lane entry take one forward per state (same outputs)."""
+        states = list(states)
+        ids = check_batch(states, ids, self.max_batch, self.max_pos, self.cfg.vocab_size)
+        for st in states:
+            if st.model is not self:
+                raise ValueError("decode_batch: a state of another model")
+        n = len(states)
+        if n == 1:
+            return [self.forward(states[0], ids[:1])]
+        if not self._lanes_supported():
+            return self._decode_batch_loop(states, ids)
+        offs = self._lane_layer_strides(states)
+        table = pack_lane_table([self._lane_addresses(st) for st in states], [st.position for st in states], ids)
+        self._pending = None
+        self._out_serial += 1
+        with self.stream:
+            self.lane_table.set(table, stream=self.stream)
+            if self.graphs is not None:  # model-level key: the table carries every state pointer
+                self.graphs.run_model(("batch", n) + offs, lambda: self.enqueue_batch(n, offs))
+            else:
+                self.enqueue_batch(n, offs)
+        for st in states:
+            st.position += 1
+        batch = _LaneBatch(self, n)
+        return [FastLaneOutput(batch, i) for i in range(n)]
+
+    def _lanes_supported(self) -> bool:
+        """Whether decode_batch has lane kernels for this model's decode path: f32 / bf16 / fp8 KV
+        (the split or mma attention as a one-token decode picks it), and the GDN step as decode
+        runs it (the chain, or the fused kernel within its lane entry's bounds)."""
+        if self.kv_bits is not None:
+            return False
+        cfg = self.cfg
+        shape = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                 cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+        if self.gdn_fused and K.gdn_fused_supported(*shape, 1, self.gdn_fused_warps):
+            return K.gdn_fused_lanes_supported(*shape, self.gdn_fused_warps)
+        return True
+
+    @staticmethod
+    def _lane_addresses(st: FastState) -> list[int]:
+        """A state's row of the lane table (constants LT_*): layer-0 addresses of its arrays."""
+        row = [0] * C.LT_NFIELDS
+        for field, arr in ((C.LT_K, st.k), (C.LT_V, st.v), (C.LT_KX, st.k_exp), (C.LT_VX, st.v_exp),
+                           (C.LT_GDN, st.gdn), (C.LT_WIN, st.window)):
+            row[field] = 0 if arr is None else int(arr.data.ptr)
+        return row
+
+    @staticmethod
+    def _lane_layer_strides(states: list[FastState]) -> tuple[int, int, int, int]:
+        """Bytes from one layer to the next in a state's K / V, fp8 exponents, GDN state and window.
+        The lane kernels add layer x stride to each lane's base address, so every state of the batch
+        must have the same shapes (true for one model's states; checked, since a graph bakes them)."""
+        def strides(st):
+            return (st.k.strides[0], 0 if st.k_exp is None else st.k_exp.strides[0], st.gdn.strides[0],
+                    st.window.strides[0], st.k.shape, st.gdn.shape, st.window.shape)
+        first = strides(states[0])
+        if any(strides(st) != first for st in states[1:]):
+            raise ValueError("decode_batch: states of different shapes")
+        if states[0].k.shape[2] != states[0].model.max_pos:  # the kernels address rows by the model's window
+            raise ValueError("decode_batch: a state allocated for another window than the model's")
+        return tuple(int(x) for x in first[:4])
+
+    def _decode_batch_loop(self, states: list[FastState], ids: np.ndarray) -> list:
+        """decode_batch as one forward per state. Lanes run last to first and each one's results move
+        from row 0 to row i of the model's buffers: a one-token forward writes row 0 only, so the
+        rows of the lanes already done stay, and the outputs read rows as the batched path's do."""
+        n = len(states)
+        for i in range(n - 1, -1, -1):
+            self.forward(states[i], ids[i : i + 1])
+            if i:
+                with self.stream:
+                    for buf in (self.logits, self.hidden, self.tok, self.top1, self.margin):
+                        buf[i] = buf[0]
+        batch = _LaneBatch(self, n)
+        return [FastLaneOutput(batch, i) for i in range(n)]
+
     def commit(self, state: FastState, trace: FastTrace, n: int) -> None:
         """Keep the first n lanes of the last verify: state becomes that of n plain steps."""
         if self._pending is None or trace.serial != self._pending.serial or trace.state_id != state.id:
@@ -604,6 +845,26 @@ class FastModel:
         K.rmsnorm(self.h, hp, self.w.final_norm, eps, h, self.hidden, hp, t)
         self._logits_rows(self.hidden, rows)
 
+    def enqueue_batch(self, n: int, offs: tuple[int, int, int, int]) -> None:
+        """decode_batch's forward for n lanes whose ids, positions and state addresses are in the lane
+        table: enqueue_main's steps for t = n, the state-dependent ones through the lane kernels.
+        offs: the layer strides (bytes) of K / V, fp8 exponents, GDN state, conv window."""
+        cfg = self.cfg
+        h, hp = cfg.hidden_size, self.hp
+        K.embed(self.lane_ids, n, self.w.embed, h, self.h, hp)
+        ai = 0
+        for li, lw in enumerate(self.w.layers):
+            plan = self.layer_plans[li]
+            self._input_norm(plan, lw, n)
+            if lw.kind == FULL:
+                self._attention_lanes(lw, plan, n, ai * offs[0], ai * offs[1])
+                ai += 1
+            else:
+                self._gdn_lanes(lw, plan, n, plan["gi"] * offs[2], plan["gi"] * offs[3])
+            self._mlp(lw, plan, n)
+        K.rmsnorm(self.h, hp, self.w.final_norm, cfg.rms_norm_eps, h, self.hidden, hp, n)
+        self._logits_rows(self.hidden, np.arange(n))
+
     def enqueue_commit(self, state: FastState) -> None:
         """Slide every GDN layer's conv window and replay its state by n = state.ctl[2] recorded lanes."""
         cfg = self.cfg
@@ -674,6 +935,57 @@ class FastModel:
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv, self.xo,
                         self.ld_xo)
         plan["out"].run(self.xo, self.ld_xo, t)
+
+    def _gdn_lanes(self, lw: LayerW, plan: dict, n: int, state_off: int, win_off: int) -> None:
+        """_gdn for decode_batch lanes (each a committing one-token step of its own state, offsets:
+        this layer's bytes into each state's S and window): the fused kernel where a one-token
+        decode takes it, else the chain, as _gdn picks for t = 1."""
+        cfg = self.cfg
+        g = lw.gdn
+        gi = plan["gi"]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, kw, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim
+        raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
+        if self.gdn_fused and K.gdn_fused_supported(hk, hv, dk, dv, kw, 1, self.gdn_fused_warps):
+            K.gdn_decode_fused_lanes(raw, self.ld_proj, self.lane_table, win_off, state_off, g.conv_w, self.ab,
+                                     self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, self.o_gdn,
+                                     hv * dv, g.norm_w, cfg.rms_norm_eps, self.xo, self.ld_xo, self.gdn_tickets_lanes, n,
+                                     warps=self.gdn_fused_warps)
+            plan["out"].run(self.xo, self.ld_xo, n)
+            return
+        K.gdn_conv_lanes(raw, self.ld_proj, self.lane_table, win_off, g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
+                         g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n)
+        K.gdn_conv_commit_lanes(self.lane_table, win_off, raw, self.ld_proj, c, kw, n)
+        K.gdn_step_lanes(self.lane_table, state_off, qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, n)
+        K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, n, hv, dv, self.xo,
+                        self.ld_xo)
+        plan["out"].run(self.xo, self.ld_xo, n)
+
+    def _attention_lanes(self, lw: LayerW, plan: dict, n: int, kv_off: int, x_off: int) -> None:
+        """_attention for decode_batch lanes (f32 / bf16 / fp8 KV; offsets: this layer's bytes into
+        each state's K / V and fp8 exponents): the kernel a one-token decode picks (span VERIFY_SPAN:
+        mma where the model runs it, else split), each lane at its own position."""
+        cfg = self.cfg
+        a = lw.attn
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        fp8 = self.kv_name == "fp8"
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
+        if fp8:
+            K.qk_norm_rope_store_fp8_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
+                                           cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq,
+                                           self.lane_table, kv_off, x_off, self.qbuf, nq * hd, self.max_pos, n)
+        else:
+            K.qk_norm_rope_store_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
+                                       cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, self.lane_table,
+                                       kv_off, self.qbuf, nq * hd, self.kv_bf16, self.max_pos, n)
+        if self.attn_mma:  # as _attention's decode branch (span VERIFY_SPAN); never for fp32 rows
+            K.attention_mma_lanes(self.qbuf, nq * hd, self.lane_table, kv_off, x_off, fp8, self.max_pos, nq, nkv, hd,
+                                  VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, n)
+        else:
+            K.attention_lanes(self.qbuf, nq * hd, self.lane_table, kv_off, x_off, self.kv_name, self.max_pos, nq, nkv,
+                              hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, n)
+        plan["out"].run(self.xa, self.ld_xa, n)
 
     def _pf2_scratch(self):
         """The v2 partials buffer (None when no row of this window can pass the first key block)."""
@@ -1005,7 +1317,8 @@ def load_fast_model(cfg) -> FastModel:
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)
-    model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused)
+    model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused,
+                      batch_sweep=e.batch_sweep)
     if not isinstance(e.max_context, int) or not isinstance(e.max_slots, int):
         size_context_to_memory(model, e)
     model.enable_graphs()

@@ -5,6 +5,11 @@ is compiled and has run once before capture) and replayed from then on. Graphs b
 device pointers, so keys include the sequence state; everything that changes between
 replays (token ids, positions, the accepted count) lives in small device buffers the host
 rewrites before the launch, and the kernels read it from there.
+
+Model-level steps (run_model: FastModel.decode_batch) hold no state pointer at all -- each lane's
+state addresses are in the lane table the host writes before the launch -- so they are keyed by
+shape alone (("batch", lanes, layer strides)) and one capture serves any set of states. They are
+kept apart from the per-state graphs (never dropped with a state, not counted in bytes_by_state).
 """
 
 from __future__ import annotations
@@ -23,24 +28,47 @@ class GraphCache:
         # device bytes each state's captures took (cudaMemGetInfo before and after instantiate +
         # upload): what EngineConfig.graph_bytes_per_state assumes, measured (the load bench reports it)
         self.bytes_by_state: dict[int, int] = {}
+        # model-level graphs (run_model), their first-seen counts, and the device bytes they took
+        self.model_graphs: dict = {}
+        self.model_seen: dict = {}
+        self.model_bytes = 0
+        self.model_replays = 0
 
     def run(self, state, key, enqueue) -> None:
         """Run `enqueue` (which only launches kernels on model.stream) through a graph when possible."""
         full = (state.id,) + tuple(key)
-        g = self.graphs.get(full)
+        took = self._run(self.graphs, self.seen, full, enqueue)
+        if took is not None:
+            self.bytes_by_state[state.id] = self.bytes_by_state.get(state.id, 0) + took
+
+    def run_model(self, key, enqueue) -> None:
+        """run() for a step whose launches read no sequence state's pointers (they come from device
+        buffers the host rewrites per call): one graph per key for every set of states."""
+        took = self._run(self.model_graphs, self.model_seen, tuple(key), enqueue, model=True)
+        if took is not None:
+            self.model_bytes += took
+
+    def _run(self, graphs: dict, seen: dict, full, enqueue, model: bool = False) -> int | None:
+        """Eager the first capture_after times a key is seen, then captured and replayed. Returns the
+        device bytes a capture took (None when nothing was captured)."""
+        g = graphs.get(full)
+        took = None
         if g is None:
-            n = self.seen.get(full, 0)
-            self.seen[full] = n + 1
+            n = seen.get(full, 0)
+            seen[full] = n + 1
             if n < self.capture_after:
                 enqueue()
-                return
+                return None
             free0 = _free_bytes()
             g = self._capture(enqueue)
-            self.bytes_by_state[state.id] = self.bytes_by_state.get(state.id, 0) + max(0, free0 - _free_bytes())
-            self.graphs[full] = g
+            took = max(0, free0 - _free_bytes())
+            graphs[full] = g
             self.captures += 1
         g.launch(self.model.stream)
         self.replays += 1
+        if model:
+            self.model_replays += 1
+        return took
 
     def _capture(self, enqueue):
         return capture(enqueue, self.model.stream)

@@ -481,6 +481,38 @@ def gdn_step(state, state_stride: int, qkvn, qkvn_stride: int, gb, gb_stride: in
                           i32(1 if write_state else 0)))
 
 
+# decode_batch (FastModel.decode_batch): lanes of different sequences, each its own one-token step.
+# `lanes` is the model's lane table (constants LT_*: per lane its state's base addresses, then the
+# positions and ids); *_off are the byte offsets of this layer inside each state's arrays (every
+# state of a model has the same shapes). Each entry runs the one-sequence kernel's body for t = 0,
+# so lane b's bits are those of a one-token forward of its sequence whatever the other lanes are.
+def gdn_conv_lanes(raw, ldr: int, lanes, win_off: int, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int,
+                   dv: int, kw: int, qkvn, gb, nlanes: int) -> None:
+    """gdn_conv for nlanes lanes, lane b tapping its own state's window (+ win_off bytes) and raw row b."""
+    block = max(32, -(-max(dk, dv) // 32) * 32)
+    Runtime.get().launch("conv", "gdn_conv_lanes", (nlanes, 2 * h + hv), block,
+                         (raw, i32(ldr), lanes, i64(win_off), convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv),
+                          i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb))
+
+
+def gdn_conv_commit_lanes(lanes, win_off: int, raw, ldr: int, channels: int, kw: int, nlanes: int) -> None:
+    """Slide each lane's window (its state's, + win_off bytes) by its one raw row."""
+    Runtime.get().launch("conv", "gdn_conv_commit_lanes", (-(-channels // 256), nlanes), 256,
+                         (lanes, i64(win_off), raw, i32(ldr), i32(channels), i32(kw)))
+
+
+def gdn_step_lanes(lanes, state_off: int, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int,
+                   nlanes: int) -> None:
+    """gdn_step(emit, write_state) of one token per lane, lane b on its own state's S (+ state_off bytes)."""
+    kpl = -(-dk // 32)
+    kernel = {1: "gdn_step_lanes_k1", 2: "gdn_step_lanes_k2", 3: "gdn_step_lanes_k4", 4: "gdn_step_lanes_k4"}.get(kpl)
+    if kernel is None:
+        raise ValueError(f"GDN key head dim {dk} > 128 is not supported by the fast path")
+    Runtime.get().launch("gdn", kernel, (-(-(hv * dv) // 4), nlanes), 128,
+                         (lanes, i64(state_off), qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dk), i32(dv), i32(1),
+                          i32(1), i32(1)))
+
+
 # Fused decode / verify step (cuda/gdn_decode.cu): conv + gates + q/k norm, the delta rule step,
 # the gated RMSNorm and (commit) the window slide in one launch, bitwise the chain above.
 def gdn_fused_shared_floats(nlanes: int, dk: int, warps: int) -> int:
@@ -512,6 +544,29 @@ def gdn_decode_fused(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias
                           i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb, state, out, i32(ldo),
                           norm_w, f32(eps), y, i32(ldy), tickets, i32(nlanes), i32(1 if commit else 0)),
                          shared_mem=4 * gdn_fused_shared_floats(nlanes, dk, warps))
+
+
+def gdn_fused_lanes_supported(h: int, hv: int, dk: int, dv: int, kw: int, warps: int = C.GDN_FD_WARPS) -> bool:
+    """Shapes the decode_batch entry of the fused step runs (its launch bounds: GDN_FD_LANES_MAX_WARPS)."""
+    return warps <= C.GDN_FD_LANES_MAX_WARPS and gdn_fused_supported(h, hv, dk, dv, kw, 1, warps)
+
+
+def gdn_decode_fused_lanes(raw, ldr: int, lanes, win_off: int, state_off: int, convw, ab, ldab: int, neg_a, dt_bias,
+                           h: int, hv: int, dk: int, dv: int, kw: int, qkvn, gb, out, ldo: int, norm_w, eps: float,
+                           y, ldy: int, tickets, nlanes: int, warps: int = C.GDN_FD_WARPS) -> None:
+    """gdn_decode_fused(commit, one token) per lane, lane b on its own state's window and S (+ win_off /
+    state_off bytes), its rows b of raw / ab / qkvn / gb / out / y. tickets: int32 [lanes][h + hv], zero,
+    left zero."""
+    if not gdn_fused_lanes_supported(h, hv, dk, dv, kw, warps):
+        raise ValueError(f"fused GDN lanes step: unsupported shape h={h} hv={hv} dk={dk} dv={dv} kw={kw} warps={warps}")
+    kpl = -(-dk // 32)
+    kernel = {1: "gdn_decode_lanes_k1", 2: "gdn_decode_lanes_k2", 3: "gdn_decode_lanes_k4", 4: "gdn_decode_lanes_k4"}[kpl]
+    nb = -(-dv // (warps * C.GDN_FD_COLS))
+    Runtime.get().launch("gdn_decode", kernel, (nb, hv, nlanes), 32 * warps,
+                         (raw, i32(ldr), lanes, i64(win_off), i64(state_off), convw, ab, i32(ldab), neg_a, dt_bias,
+                          i32(h), i32(hv), i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn,
+                          gb, out, i32(ldo), norm_w, f32(eps), y, i32(ldy), tickets),
+                         shared_mem=4 * gdn_fused_shared_floats(1, dk, warps))
 
 
 def gdn_fused_default() -> bool:
@@ -769,6 +824,47 @@ def attention_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int, nq: int
               (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo)))
 
 
+def qk_norm_rope_store_lanes(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int,
+                             rd: int, inv_freq, lanes, kv_off: int, qout, ldqo: int, kv_bf16: bool, max_pos: int,
+                             nlanes: int) -> None:
+    """qk_norm_rope_store for decode_batch lanes: lane b at its own position, into its state's K / V
+    (+ kv_off bytes: the layer)."""
+    Runtime.get().launch("rope", "qk_norm_rope_store_lanes", (nlanes, nq + nkv), max(32, -(-hd // 32) * 32),
+                         (qg, i32(ldq), kv, i32(ldkv), q_norm, k_norm, f32(eps), i32(nq), i32(nkv), i32(hd), i32(rd),
+                          inv_freq, lanes, i64(kv_off), qout, i32(ldqo), i32(1 if kv_bf16 else 0), i32(max_pos)),
+                         shared_mem=4 * hd)
+
+
+def qk_norm_rope_store_fp8_lanes(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int,
+                                 rd: int, inv_freq, lanes, kv_off: int, x_off: int, qout, ldqo: int, max_pos: int,
+                                 nlanes: int) -> None:
+    """qk_norm_rope_store_fp8 for decode_batch lanes (codes + kv_off, row exponents + x_off bytes)."""
+    Runtime.get().launch("rope", "qk_norm_rope_store_fp8_lanes", (nlanes, nq + nkv), max(32, -(-hd // 32) * 32),
+                         (qg, i32(ldq), kv, i32(ldkv), q_norm, k_norm, f32(eps), i32(nq), i32(nkv), i32(hd), i32(rd),
+                          inv_freq, lanes, i64(kv_off), i64(x_off), qout, i32(ldqo), i32(max_pos)), shared_mem=4 * hd)
+
+
+def attention_lanes(q, ldq: int, lanes, kv_off: int, x_off: int, kv: str, max_pos: int, nq: int, nkv: int, hd: int,
+                    span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+    """attention() / attention_fp8() for decode_batch lanes: lane b is a one-token decode of its own
+    sequence (its position, its state's K / V + kv_off, fp8 exponents + x_off bytes). kv: "f32",
+    "bf16" or "fp8". part: attention_partials_floats(>= nlanes, nq, hd)."""
+    dpl = hd // 32
+    if hd % 32 or dpl not in (1, 2, 4, 8):
+        raise ValueError(f"attention head dim {hd} not supported by the fast path (32, 64, 128 or 256)")
+    rep = nq // nkv
+    if rep > C.REPMAX:
+        raise ValueError(f"{rep} q heads per kv head > {C.REPMAX} not supported by the fast path")
+    if kv not in ("f32", "bf16", "fp8"):
+        raise ValueError(f"attention_lanes: KV {kv!r} (f32, bf16 or fp8)")
+    rt = Runtime.get()
+    rt.launch("attention", f"attn_split_lanes_{kv}_d{dpl}", (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
+              (q, i32(ldq), lanes, i64(kv_off), i64(x_off), i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5),
+               i32(span), part), shared_mem=4 * ATT_WARPS * rep * (hd + 2))
+    rt.launch("attention", "attn_combine_lanes", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), lanes, i32(span), qg, i32(ldqg), out, i32(ldo)))
+
+
 def attention_partials_floats(max_lanes: int, nq: int, hd: int, nsplit: int = ATT_NSPLIT) -> int:
     """Floats of the split partials buffer (nsplit: ATT_NSPLIT for attention(), attention_mma_splits for
     attention_mma())."""
@@ -885,6 +981,32 @@ def attention_mma(q, ldq: int, kcache, vcache, kexp, vexp, fp8: bool, max_pos: i
               shared_mem=attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit))
     rt.launch("attention", "attn_mma_combine", (nlanes, nq), hd,
               (part, i32(nq), i32(hd), pos0_dev, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo)))
+
+
+def attention_mma_lanes(q, ldq: int, lanes, kv_off: int, x_off: int, fp8: bool, max_pos: int, nq: int, nkv: int,
+                        hd: int, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int,
+                        qsplit: bool | None = None) -> None:
+    """attention_mma for decode_batch lanes: grid z = lane, each lane b a one-lane launch of its own
+    sequence (its position, its state's K / V + kv_off, fp8 exponents + x_off bytes) with the block
+    size and split count a one-token decode uses, so its bits are that decode's."""
+    if not attention_mma_supported(hd, nq, nkv, span, fp8, max_pos):
+        raise ValueError(f"attention_mma: head dim {hd}, {nq}/{nkv} heads at span {span} not supported here")
+    if nlanes > C.LANES_MAX or ldq % 2:
+        raise ValueError(f"attention_mma_lanes: at most {C.LANES_MAX} lanes, q rows 8-byte aligned (ldq even)")
+    rt = Runtime.get()
+    if qsplit is None:
+        qsplit = attention_mma_qsplit(hd, rt.cc)
+    elif qsplit and hd == 256 and tuple(rt.cc) < (9, 0):
+        raise ValueError("attention_mma: Q hi + lo at head dim 256 needs sm_90+")
+    nsplit = attention_mma_splits(nkv, rt.sm_count)
+    kernel = f"attn_mma_lanes_{'fp8' if fp8 else 'bf16'}_d{hd}{'' if qsplit else '_bq'}"
+    rep = nq // nkv
+    rt.launch("attention", kernel, (nkv, nsplit, nlanes), 32 * attention_mma_warps(1, rep),
+              (q, i32(ldq), lanes, i64(kv_off), i64(x_off), i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5),
+               i32(span), i32(nsplit), part),
+              shared_mem=attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit))
+    rt.launch("attention", "attn_mma_combine_lanes", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), lanes, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo)))
 
 
 # ---------------------------------------------------------------- argmax / sampling

@@ -59,7 +59,8 @@ def test_gdn_decode_builds_without_spills(tmp_path, arch):
     rc, err = nvcc_build.build(tmp_path, "gdn_decode", arch)
     assert rc == 0, err[-2000:]
     rep = nvcc_build.ptxas_report(err)
-    assert sorted(rep) == ["gdn_decode_k1", "gdn_decode_k2", "gdn_decode_k4"], rep
+    assert sorted(rep) == ["gdn_decode_k1", "gdn_decode_k2", "gdn_decode_k4",
+                           "gdn_decode_lanes_k1", "gdn_decode_lanes_k2", "gdn_decode_lanes_k4"], rep
     assert all(spill == 0 for _, spill in rep.values()), rep
 
 
@@ -72,7 +73,8 @@ def test_attention_mma_kernels_build_without_spills(tmp_path, arch):
     rc, err = nvcc_build.build(tmp_path, "attention", arch)
     assert rc == 0, err[-2000:]
     rep = {k: v for k, v in nvcc_build.ptxas_report(err).items() if k.startswith("attn_mma")}
-    assert len(rep) == 17, sorted(rep)
+    # 16 kernels + the combine, and their decode_batch (lane table) twins
+    assert len(rep) == 34 and sum(k.startswith("attn_mma_lanes_") for k in rep) == 16, sorted(rep)
     assert all(spill == 0 for _, spill in rep.values()), rep
     assert all(regs <= 168 for regs, _ in rep.values()), rep
 
