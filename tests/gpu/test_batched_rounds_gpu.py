@@ -30,6 +30,7 @@ def _cfg(slots, spec, batch=True, **engine):
     cfg.engine.checkpoint_every = 0
     cfg.engine.max_slots = slots
     cfg.engine.batch_rounds = batch
+    cfg.engine.batch_sweep = batch  # FastModel.max_batch 16 (off: 1, no shared sweep to test)
     cfg.spec.enabled = spec
     for k, v in engine.items():
         setattr(cfg.engine, k, v)
