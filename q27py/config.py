@@ -135,25 +135,37 @@ class EngineConfig:
     # Batched decode rounds (issue 15, engine/scheduler.py): when two or more slots are decoding, a
     # round runs one plain-decode lane per slot through ONE model.decode_batch (the weights swept
     # once for all of them: a 27B step is weight-bound, so B lanes cost about one). Off: every slot
-    # runs its own forward, as before. Off until the device run has measured the GPU decode_batch
-    # (branch sweep); on the CPU a batch is a loop of solo forwards (no bandwidth to share), so there
-    # it only costs the speculation the shared rounds give up (batch_spec).
-    batch_rounds: bool = False
+    # runs its own forward. None (auto): on for cuda (device run c6: C=2 1.75x C=1, 8 streams 502
+    # t/s against 116; every token bitwise its solo run's), off on the CPU, where a batch is a loop
+    # of solo forwards (no bandwidth to share) and would only cost the speculation shared rounds
+    # give up (batch_spec).
+    batch_rounds: bool | None = None
     # What speculation does when a round is shared: "solo-only" (a slot alone runs its speculative
     # rounds; in a shared round every slot is one width-1 lane, its drafters fed so they are right
     # when it is alone again). The hook for drafts in the shared sweep is SpecDecoder._shared_round.
     batch_spec: str = "solo-only"
     # Prefill tokens per round for a prompt prefilling while other slots decode (0 = off: always the
     # full engine_prefill_chunk). A 4096-token cuda chunk of the 27B holds the running streams
-    # ~0.7 s per round; 512 keeps their gap near 100 ms. Pieces tile the full chunk's grid (every
-    # full-chunk cut stays a cut), so alone nothing changes; beside decoders the prompt's rounding
-    # changes as a prefix-restore split changes it (tokens equal, not guaranteed bitwise on a near tie).
-    interleave_chunk: int = 0
+    # ~0.7 s per round; 512 gave a 109 ms p50 gap beside a 32K prefill (run c6), so cuda's auto
+    # (None) is 384; the CPU's (cpu_prefill_chunk 256) is already small: 0. Pieces tile the full
+    # chunk's grid (every full-chunk cut stays a cut), so alone nothing changes; beside decoders the
+    # prompt's rounding changes as a prefix-restore split changes it (tokens equal, not guaranteed
+    # bitwise on a near tie: the prefill tolerance class).
+    interleave_chunk: int | None = None
     # cuda: FastModel.decode_batch runs up to 16 sequences' next tokens in one weight sweep (lane
-    # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards).
-    # Off: max_batch = 1, every sequence its own forward (the old path). Off until the device run
-    # has held tests/gpu/test_decode_batch.py and measured q27py/bench/batch_probe.py.
-    batch_sweep: bool = False
+    # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards: 81
+    # GPU tests, run c6). Off: max_batch = 1, every sequence its own forward.
+    batch_sweep: bool = True
+
+    def shared_rounds(self) -> bool:
+        """batch_rounds with auto resolved for this device."""
+        return self.device == "cuda" if self.batch_rounds is None else bool(self.batch_rounds)
+
+    def interleave(self) -> int:
+        """interleave_chunk with auto resolved for this device."""
+        if self.interleave_chunk is None:
+            return GPU_INTERLEAVE_CHUNK if self.device == "cuda" else 0
+        return int(self.interleave_chunk)
 
     def slots(self, sized: int | None = None) -> int:
         """Requests generating at once: max_slots, or for "auto" the count the model sized from
@@ -178,11 +190,12 @@ class EngineConfig:
         if self.batch_spec not in BATCH_SPEC_CHOICES:
             hint = " (drafts in the shared sweep are not built yet)" if self.batch_spec == "drafts" else ""
             raise ConfigError(f"batch_spec must be one of {', '.join(BATCH_SPEC_CHOICES)}, not {self.batch_spec!r}{hint}")
-        if not isinstance(self.interleave_chunk, int) or self.interleave_chunk < 0:
+        if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int) or self.interleave_chunk < 0):
             raise ConfigError(f"interleave_chunk must be a token count >= 0 (0 = off), not {self.interleave_chunk!r}")
 
 
 CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto" off CUDA)
+GPU_INTERLEAVE_CHUNK = 384  # interleave_chunk's cuda auto: prefill tokens per round beside decoding slots
 # Slots on the CPU path: each slot runs its own forward in turn (no shared weight sweep there), so
 # slots divide one core's tokens/s between streams rather than add to it. 4 covers what agent
 # clients run at once (a session, a sub-agent, title generation, one more) with each stream kept at

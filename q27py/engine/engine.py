@@ -74,9 +74,9 @@ class LocalEngine:
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False
         # Batched decode rounds (scheduler.py): asked for, and the model has the batched step. A model
         # without one (test doubles, older paths) keeps solo rounds.
-        self.shares_rounds = bool(cfg.engine.batch_rounds) and callable(getattr(model, "decode_batch", None))
+        self.shares_rounds = cfg.engine.shared_rounds() and callable(getattr(model, "decode_batch", None))
         # prefill tokens per round beside decoding slots (0: off, full chunks always)
-        self.interleave_chunk = int(cfg.engine.interleave_chunk)
+        self.interleave_chunk = cfg.engine.interleave()
         # requests the scheduler may interleave (engine/scheduler.py); "auto" on cuda: the count the
         # model sized from free memory at load (gpu/forward.py size_context_to_memory)
         sized = getattr(model, "sized_slots", None)

@@ -542,7 +542,14 @@ def test_interleave_cuts_prefill_pieces_only_while_others_decode(fast, tok):
 def test_batch_settings_env_and_validation(fast, tok):
     cfg = apply_env(Q27Config(), {"Q27_BATCH_ROUNDS": "1", "Q27_INTERLEAVE_CHUNK": "512", "Q27_BATCH_SPEC": "solo-only"})
     assert cfg.engine.batch_rounds is True and cfg.engine.interleave_chunk == 512
-    assert Q27Config().engine.batch_rounds is False and Q27Config().engine.interleave_chunk == 0  # off by default
+    # auto by default: shared rounds and 384-token interleave on cuda, both off on the CPU
+    d = Q27Config().engine
+    assert d.batch_rounds is None and d.interleave_chunk is None and d.batch_sweep is True
+    assert (d.shared_rounds(), d.interleave()) == (False, 0)  # device "cpu"
+    d.device = "cuda"
+    assert (d.shared_rounds(), d.interleave()) == (True, 384)
+    d.batch_rounds, d.interleave_chunk = False, 0
+    assert (d.shared_rounds(), d.interleave()) == (False, 0)
     with pytest.raises(ValueError):
         apply_env(Q27Config(), {"Q27_BATCH_ROUNDS": "yes"})
     for bad in ({"batch_spec": "drafts"}, {"batch_spec": "wide"}, {"interleave_chunk": -1}):
