@@ -204,11 +204,11 @@ CPU_MAX_SLOTS = 4
 # cuda, where max_slots is "auto" but nothing measured memory (a model built without
 # size_to_memory: scripted engines, benches that build FastModel themselves): one slot, the old FIFO.
 GPU_MAX_SLOTS = 1
-# cuda "auto" bounds (kvbudget.plan_slots). At most 8: each slot runs its own forward per round
-# until the shared weight sweep lands (issue 15.2), so beyond a few slots streams split one decode
-# speed; 8 covers an operator's parallel sessions and keeps per-slot graphs and states bounded. At
-# least 2 when memory allows, so a short request is not stuck behind a long generation.
-GPU_AUTO_MAX_SLOTS = 8
+# cuda "auto" bounds (kvbudget.plan_slots). At most 16: the shared weight sweep's width
+# (FastModel.decode_batch, max_batch 16), so every decoding slot rides one sweep per round (8 -> 16
+# streams: 800 -> 1,060 t/s in the batch probe, run c6); memory decides below that. At least 2 when
+# memory allows, so a short request is not stuck behind a long generation.
+GPU_AUTO_MAX_SLOTS = 16
 GPU_AUTO_MIN_SLOTS = 2
 KV_CHOICES = ("auto", "bf16", "fp8", "k5v3", "k3v3")
 # EngineConfig.batch_spec. Reserved for later: "drafts" (each slot's drafts as extra lanes of the
