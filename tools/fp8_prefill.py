@@ -77,6 +77,7 @@ def correctness() -> dict:
 
 
 def speed(b) -> list[dict]:
+    from q27py.bench.random_weights import time_eager
     from q27py.gpu import blas
 
     cp = b.cp
@@ -91,15 +92,7 @@ def speed(b) -> list[dict]:
         y = cp.empty((8192, gm.shape.row_tiles * 16), dtype=cp.float32)
         for t in (4096, 8192):
             def timed(fn, reps=4):
-                fn()
-                b.stream.synchronize()
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record(b.stream)
-                for _ in range(reps):
-                    fn()
-                e1.record(b.stream)
-                e1.synchronize()
-                return cp.cuda.get_elapsed_time(e0, e1) / reps
+                return time_eager(fn, b.stream, reps)
 
             plain = K.GpuMatrix(gm.shape, gm.codes, gm.scales, K.MODE_STORE, None)
             ldy = y.shape[1]

@@ -89,6 +89,20 @@ def _time_graph(graph, stream, reps: int) -> float:
     return float(np.median(batches))
 
 
+def time_eager(fn, stream, reps: int = 5) -> float:
+    """Milliseconds per call of fn (eager launches on stream), one warm call first, CUDA events."""
+    cp = Runtime.get().cp
+    fn()
+    stream.synchronize()
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record(stream)
+    for _ in range(reps):
+        fn()
+    e1.record(stream)
+    e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) / reps
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> dict:
     """Device-to-device copy (read + write bytes counted) and a streaming-read probe (cuda/probe.cu)."""
     rt = Runtime.get()
@@ -382,15 +396,7 @@ class Bench:
                 flop = 2.0 * rows * cols * t
 
                 def timed(fn, reps=5):
-                    fn()
-                    self.stream.synchronize()
-                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                    e0.record(self.stream)
-                    for _ in range(reps):
-                        fn()
-                    e1.record(self.stream)
-                    e1.synchronize()
-                    return cp.cuda.get_elapsed_time(e0, e1) / reps
+                    return time_eager(fn, self.stream, reps)
 
                 with self.stream:
                     plain = K.GpuMatrix(gm.shape, gm.codes, gm.scales, K.MODE_STORE, None)

@@ -956,6 +956,19 @@ def attention_mma_supported(hd: int, nq: int, nkv: int, span: int, fp8: bool, ma
     return attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit) <= rt.smem_optin
 
 
+def _attention_mma_variant(hd: int, nq: int, nkv: int, span: int, fp8: bool, max_pos: int,
+                           qsplit: bool | None) -> tuple[bool, int]:
+    """(Q hi + lo or once, splits per kv head) of an attn_mma launch, checked against the card."""
+    if not attention_mma_supported(hd, nq, nkv, span, fp8, max_pos):
+        raise ValueError(f"attention_mma: head dim {hd}, {nq}/{nkv} heads at span {span} not supported here")
+    rt = Runtime.get()
+    if qsplit is None:
+        qsplit = attention_mma_qsplit(hd, rt.cc)
+    elif qsplit and hd == 256 and tuple(rt.cc) < (9, 0):
+        raise ValueError("attention_mma: Q hi + lo at head dim 256 needs sm_90+")
+    return qsplit, attention_mma_splits(nkv, rt.sm_count)
+
+
 def attention_mma(q, ldq: int, kcache, vcache, kexp, vexp, fp8: bool, max_pos: int, nq: int, nkv: int, hd: int,
                   pos0_dev, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int,
                   qsplit: bool | None = None) -> None:
@@ -963,16 +976,10 @@ def attention_mma(q, ldq: int, kcache, vcache, kexp, vexp, fp8: bool, max_pos: i
     KV read once for all lanes. kcache / vcache: bf16 bits (fp8=False) or e4m3 codes with row
     exponents kexp / vexp. part: attention_partials_floats(lanes, nq, hd, attention_mma_splits(...)).
     qsplit: None = attention_mma_qsplit (tests force either variant)."""
-    if not attention_mma_supported(hd, nq, nkv, span, fp8, max_pos):
-        raise ValueError(f"attention_mma: head dim {hd}, {nq}/{nkv} heads at span {span} not supported here")
     if nlanes > span or ldq % 2:
         raise ValueError("attention_mma: nlanes must be <= span and q rows 8-byte aligned (ldq even)")
     rt = Runtime.get()
-    if qsplit is None:
-        qsplit = attention_mma_qsplit(hd, rt.cc)
-    elif qsplit and hd == 256 and tuple(rt.cc) < (9, 0):
-        raise ValueError("attention_mma: Q hi + lo at head dim 256 needs sm_90+")
-    nsplit = attention_mma_splits(nkv, rt.sm_count)
+    qsplit, nsplit = _attention_mma_variant(hd, nq, nkv, span, fp8, max_pos, qsplit)
     kernel = f"attn_mma_{'fp8' if fp8 else 'bf16'}_d{hd}{'' if qsplit else '_bq'}"
     rep = nq // nkv
     rt.launch("attention", kernel, (nkv, nsplit), 32 * attention_mma_warps(nlanes, rep),
@@ -989,16 +996,10 @@ def attention_mma_lanes(q, ldq: int, lanes, kv_off: int, x_off: int, fp8: bool, 
     """attention_mma for decode_batch lanes: grid z = lane, each lane b a one-lane launch of its own
     sequence (its position, its state's K / V + kv_off, fp8 exponents + x_off bytes) with the block
     size and split count a one-token decode uses, so its bits are that decode's."""
-    if not attention_mma_supported(hd, nq, nkv, span, fp8, max_pos):
-        raise ValueError(f"attention_mma: head dim {hd}, {nq}/{nkv} heads at span {span} not supported here")
     if nlanes > C.LANES_MAX or ldq % 2:
         raise ValueError(f"attention_mma_lanes: at most {C.LANES_MAX} lanes, q rows 8-byte aligned (ldq even)")
     rt = Runtime.get()
-    if qsplit is None:
-        qsplit = attention_mma_qsplit(hd, rt.cc)
-    elif qsplit and hd == 256 and tuple(rt.cc) < (9, 0):
-        raise ValueError("attention_mma: Q hi + lo at head dim 256 needs sm_90+")
-    nsplit = attention_mma_splits(nkv, rt.sm_count)
+    qsplit, nsplit = _attention_mma_variant(hd, nq, nkv, span, fp8, max_pos, qsplit)
     kernel = f"attn_mma_lanes_{'fp8' if fp8 else 'bf16'}_d{hd}{'' if qsplit else '_bq'}"
     rep = nq // nkv
     rt.launch("attention", kernel, (nkv, nsplit, nlanes), 32 * attention_mma_warps(1, rep),
