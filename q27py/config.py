@@ -147,11 +147,18 @@ class EngineConfig:
     # Prefill tokens per round for a prompt prefilling while other slots decode (0 = off: always the
     # full engine_prefill_chunk). A 4096-token cuda chunk of the 27B holds the running streams
     # ~0.7 s per round; 512 gave a 109 ms p50 gap beside a 32K prefill (run c6), so cuda's auto
-    # (None) is 384; the CPU's (cpu_prefill_chunk 256) is already small: 0. Pieces tile the full
+    # (None) is 768 at position 0, shrinking with the context (interleave_halving); the CPU's
+    # (cpu_prefill_chunk 256) is already small: 0. Pieces tile the full
     # chunk's grid (every full-chunk cut stays a cut), so alone nothing changes; beside decoders the
     # prompt's rounding changes as a prefix-restore split changes it (tokens equal, not guaranteed
     # bitwise on a near tie: the prefill tolerance class).
     interleave_chunk: int | None = None
+    # ... and that piece is interleave_chunk at position 0, interleave_chunk / (1 + p / this) at
+    # position p (0: fixed pieces). A piece costs ~47 ms fixed (the cuBLAS route's weight expansion,
+    # the waiting streams' round, host launches) + 0.055 ms per token + 4e-6 ms per token per key it
+    # attends over (fitted to run c6-c7's gaps at 384 / 512 tokens), so 768 / (1 + p / 13,600) keeps
+    # the wait ~90 ms from the first key to the 32K-th. Pieces still tile the full chunks' grid.
+    interleave_halving: int = 13600
     # cuda: FastModel.decode_batch runs up to 16 sequences' next tokens in one weight sweep (lane
     # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards: 81
     # GPU tests, run c6). Off: max_batch = 1, every sequence its own forward.
@@ -190,12 +197,14 @@ class EngineConfig:
         if self.batch_spec not in BATCH_SPEC_CHOICES:
             hint = " (drafts in the shared sweep are not built yet)" if self.batch_spec == "drafts" else ""
             raise ConfigError(f"batch_spec must be one of {', '.join(BATCH_SPEC_CHOICES)}, not {self.batch_spec!r}{hint}")
+        if not isinstance(self.interleave_halving, int) or self.interleave_halving < 0:
+            raise ConfigError(f"interleave_halving must be a token count >= 0 (0 = fixed pieces), not {self.interleave_halving!r}")
         if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int) or self.interleave_chunk < 0):
             raise ConfigError(f"interleave_chunk must be a token count >= 0 (0 = off), not {self.interleave_chunk!r}")
 
 
 CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto" off CUDA)
-GPU_INTERLEAVE_CHUNK = 384  # interleave_chunk's cuda auto: prefill tokens per round beside decoding slots
+GPU_INTERLEAVE_CHUNK = 768  # interleave_chunk's cuda auto: prefill tokens per round beside decoding slots (at position 0)
 # Slots on the CPU path: each slot runs its own forward in turn (no shared weight sweep there), so
 # slots divide one core's tokens/s between streams rather than add to it. 4 covers what agent
 # clients run at once (a session, a sub-agent, title generation, one more) with each stream kept at
@@ -330,6 +339,7 @@ ENV_VARS = {
     "Q27_BATCH_ROUNDS": ("engine", "batch_rounds", parse_switch),
     "Q27_BATCH_SPEC": ("engine", "batch_spec", str),
     "Q27_INTERLEAVE_CHUNK": ("engine", "interleave_chunk", int),
+    "Q27_INTERLEAVE_HALVING": ("engine", "interleave_halving", int),
     "Q27_BATCH_SWEEP": ("engine", "batch_sweep", parse_switch),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),

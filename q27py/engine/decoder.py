@@ -124,6 +124,10 @@ class Pace:
 
     shared: bool = False
     prefill_chunk: int | None = None
+    # prefill_chunk is the piece at position 0; at position p it is prefill_chunk / (1 + p / halving)
+    # (0: the same everywhere). A piece's attention grows with the keys it reads, so this keeps the
+    # piece's time -- the other slots' wait -- about flat over a long prompt (EngineConfig.interleave_halving).
+    halving: int = 0
 
 
 class Lane:
@@ -217,6 +221,8 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
                 raise PrefillCancelled(f"cancelled after {done - start} of {len(ids)} prefill tokens")
         cut = min(end, start + ((done - start) // chunk + 1) * chunk, *(m for m in marks if m > done))
         small = pace.prefill_chunk if pace is not None else None
+        if small and pace.halving > 0:
+            small = max(1, round(small / (1 + done / pace.halving)))
         if small and small < cut - done:
             cut = done + small
         piece = ids[done - start : cut - start]

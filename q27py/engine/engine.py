@@ -77,6 +77,7 @@ class LocalEngine:
         self.shares_rounds = cfg.engine.shared_rounds() and callable(getattr(model, "decode_batch", None))
         # prefill tokens per round beside decoding slots (0: off, full chunks always)
         self.interleave_chunk = cfg.engine.interleave()
+        self.interleave_halving = int(cfg.engine.interleave_halving)  # the piece shrinks with the context
         # requests the scheduler may interleave (engine/scheduler.py); "auto" on cuda: the count the
         # model sized from free memory at load (gpu/forward.py size_context_to_memory)
         sized = getattr(model, "sized_slots", None)

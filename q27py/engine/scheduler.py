@@ -107,6 +107,7 @@ class Scheduler:
         self._paced = hasattr(engine, "steps") and callable(getattr(engine, "run_lanes", None))
         self._shares = self._paced and bool(getattr(engine, "shares_rounds", False))
         self._interleave = int(getattr(engine, "interleave_chunk", 0) or 0) if self._paced else 0
+        self._halving = int(getattr(engine, "interleave_halving", 0) or 0) if self._paced else 0
         self.batched_rounds = 0  # rounds whose shared forward ran two or more lanes
         self.batched_lanes = 0  # lanes those rounds ran
         self._open_tap = open_tap
@@ -177,6 +178,7 @@ class Scheduler:
             if slot.pace is not None:
                 slot.pace.shared = False
                 slot.pace.prefill_chunk = piece or None
+                slot.pace.halving = self._halving
         if self._shares and len(decoding) >= 2:
             self._shared_round(decoding)
             slots = prefilling

@@ -547,7 +547,7 @@ def test_batch_settings_env_and_validation(fast, tok):
     assert d.batch_rounds is None and d.interleave_chunk is None and d.batch_sweep is True
     assert (d.shared_rounds(), d.interleave()) == (False, 0)  # device "cpu"
     d.device = "cuda"
-    assert (d.shared_rounds(), d.interleave()) == (True, 384)
+    assert (d.shared_rounds(), d.interleave()) == (True, 768) and d.interleave_halving == 13600
     d.batch_rounds, d.interleave_chunk = False, 0
     assert (d.shared_rounds(), d.interleave()) == (False, 0)
     with pytest.raises(ValueError):
@@ -557,3 +557,44 @@ def test_batch_settings_env_and_validation(fast, tok):
             make_engine(fast, tok, 2, **bad)
     e = make_engine(fast, tok, 2, interleave_chunk=256)
     assert e.shares_rounds and e.interleave_chunk == 256
+
+
+def test_interleave_pieces_shrink_with_the_context():
+    """Pace.halving: the piece at position p is prefill_chunk / (1 + p / halving), so a piece's
+    attention (which grows with the keys it reads) keeps the waiting streams' gap flat; the full
+    chunks' cuts stay cuts, and without halving every piece is prefill_chunk."""
+    from types import SimpleNamespace
+
+    from q27py.engine.decoder import Pace, prefill_steps
+
+    class Recorder:
+        chunk = 10**9
+
+        def __init__(self):
+            self.pieces = []
+
+        def forward(self, state, ids, logits_rows="last"):
+            self.pieces.append(len(ids))
+            state.position += len(ids)
+            return SimpleNamespace(hidden=np.zeros((len(ids), 2), np.float32), logits=np.zeros((1, 3), np.float32))
+
+    def run(pace, n=1000, chunk=256):
+        model, state = Recorder(), SimpleNamespace(position=0, extra={})
+        steps = prefill_steps(model, state, list(range(n)), chunk, pace=pace)
+        for _ in steps:
+            pass
+        return model.pieces
+
+    flat = run(Pace(prefill_chunk=64))
+    assert flat[:4] == [64] * 4
+    shrinking = run(Pace(prefill_chunk=64, halving=256))
+    done, want = 0, []
+    while done < 1000:
+        p = max(1, round(64 / (1 + done / 256)))
+        cut = min(1000, (done // 256 + 1) * 256, done + p)
+        want.append(cut - done)
+        done = cut
+    assert shrinking == want
+    assert shrinking[0] == 64 and max(shrinking[-5:]) < 32, shrinking  # ~64 / (1 + 900 / 256) at the end
+    assert {256, 512, 768, 1000} <= set(np.cumsum(shrinking)), "a full chunk's cut was moved"
+    assert sum(shrinking) == 1000
