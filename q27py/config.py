@@ -147,18 +147,17 @@ class EngineConfig:
     # Prefill tokens per round for a prompt prefilling while other slots decode (0 = off: always the
     # full engine_prefill_chunk). A 4096-token cuda chunk of the 27B holds the running streams
     # ~0.7 s per round; 512 gave a 109 ms p50 gap beside a 32K prefill (run c6), so cuda's auto
-    # (None) is 768 at position 0, shrinking with the context (interleave_halving); the CPU's
-    # (cpu_prefill_chunk 256) is already small: 0. Pieces tile the full
+    # (None) is 384; the CPU's (cpu_prefill_chunk 256) is already small: 0. Pieces tile the full
     # chunk's grid (every full-chunk cut stays a cut), so alone nothing changes; beside decoders the
     # prompt's rounding changes as a prefix-restore split changes it (tokens equal, not guaranteed
     # bitwise on a near tie: the prefill tolerance class).
     interleave_chunk: int | None = None
     # ... and that piece is interleave_chunk at position 0, interleave_chunk / (1 + p / this) at
-    # position p (0: fixed pieces). A piece costs ~47 ms fixed (the cuBLAS route's weight expansion,
-    # the waiting streams' round, host launches) + 0.055 ms per token + 4e-6 ms per token per key it
-    # attends over (fitted to run c6-c7's gaps at 384 / 512 tokens), so 768 / (1 + p / 13,600) keeps
-    # the wait ~90 ms from the first key to the 32K-th. Pieces still tile the full chunks' grid.
-    interleave_halving: int = 13600
+    # position p (0: fixed pieces, the default). A piece's attention grows with the keys it reads, so
+    # shrinking it keeps the wait flatter in theory; measured (run c10, 768 / (1 + p / 13,600) against
+    # fixed 384): gap p50 87 ms (94), but max 188 ms (130), long TTFT 9.0 s (8.2), short TTFT 183 ms
+    # (130) -- worse on three of four, so fixed pieces stay the default (docs/PERF.md).
+    interleave_halving: int = 0
     # cuda: FastModel.decode_batch runs up to 16 sequences' next tokens in one weight sweep (lane
     # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards: 81
     # GPU tests, run c6). Off: max_batch = 1, every sequence its own forward.
@@ -204,7 +203,7 @@ class EngineConfig:
 
 
 CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto" off CUDA)
-GPU_INTERLEAVE_CHUNK = 768  # interleave_chunk's cuda auto: prefill tokens per round beside decoding slots (at position 0)
+GPU_INTERLEAVE_CHUNK = 384  # interleave_chunk's cuda auto: prefill tokens per round beside decoding slots
 # Slots on the CPU path: each slot runs its own forward in turn (no shared weight sweep there), so
 # slots divide one core's tokens/s between streams rather than add to it. 4 covers what agent
 # clients run at once (a session, a sub-agent, title generation, one more) with each stream kept at

@@ -547,7 +547,7 @@ def test_batch_settings_env_and_validation(fast, tok):
     assert d.batch_rounds is None and d.interleave_chunk is None and d.batch_sweep is True
     assert (d.shared_rounds(), d.interleave()) == (False, 0)  # device "cpu"
     d.device = "cuda"
-    assert (d.shared_rounds(), d.interleave()) == (True, 768) and d.interleave_halving == 13600
+    assert (d.shared_rounds(), d.interleave()) == (True, 384) and d.interleave_halving == 0
     d.batch_rounds, d.interleave_chunk = False, 0
     assert (d.shared_rounds(), d.interleave()) == (False, 0)
     with pytest.raises(ValueError):
