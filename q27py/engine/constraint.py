@@ -35,7 +35,8 @@ Special (added) tokens take part only where the grammar names their text
 (the XML call grammar admits `<tool_call>` / `</tool_call>`); end-of-sequence
 ids are allowed exactly in accepting states. A state whose mask would be empty
 (a vocabulary that cannot spell the next byte) allows the end ids, so a request
-ends instead of wedging.
+ends instead of wedging. With no end ids such a mask is empty (also past a complete
+document's trailing whitespace): engine/sampling.py TokenPicker.finished ends the run there.
 """
 
 from __future__ import annotations

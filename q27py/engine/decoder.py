@@ -318,6 +318,8 @@ class Decoder:
         logits = yield from paused(prefill_steps(self.model, state, prompt_suffix(state, prompt_ids),
                                                  self.prefill_chunk, prefill_breaks, cancel=cancel, pace=pace),
                                    pause_prefill)
+        if sampler.finished:  # a constraint that admits nothing at all (and no end id to emit)
+            return
         tok = sampler.pick(logits, state.position)
         produced = 0
         while True:
@@ -325,7 +327,10 @@ class Decoder:
             produced += 1
             stats.record_round("none", [], 0, 1, lanes=1 if produced > 1 else 0)
             yield [tok]
-            if tok in stop_ids or produced >= max_tokens or (cancel is not None and cancel.is_set()):
+            # sampler.finished: a constrained output is complete and there is no end id to emit
+            # (TokenPicker.finished); the speculative decoder ends after the same token.
+            if (tok in stop_ids or produced >= max_tokens or sampler.finished
+                    or (cancel is not None and cancel.is_set())):
                 return
             if pace is not None and pace.shared:
                 lane = Lane(state, tok, sampler)

@@ -177,12 +177,16 @@ class LocalEngine:
                 if request.logprobs is not None:  # one record per token, from the row that chose it
                     lps = picker.logprobs[len(generated) - len(tokens):len(generated)]
                 yield GenerationChunk(tokens, logprobs=lps)
-                if any(t in request.stop_ids for t in tokens):
+                # picker.finished: a constrained output is complete and no end id can be emitted
+                # (stop_ids empty: TokenPicker.finished); it ends as an end id would.
+                if any(t in request.stop_ids for t in tokens) or picker.finished:
                     finish = "stop"
                     break
             else:
                 if request.cancel.is_set():
                     finish = "cancelled"
+                elif picker.finished:  # (before any token: a constraint that admits nothing)
+                    finish = "stop"
             healthy = True
         except PrefillCancelled:
             finish = "cancelled"  # the partly prefilled state is not kept (healthy stays False)

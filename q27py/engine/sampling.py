@@ -267,9 +267,29 @@ class TokenPicker:
                 raise ValueError("a lane assumes a token the constraint refuses")
         return state
 
+    def _ends_at(self, state) -> bool:
+        mask = self.constraint.allowed(state)
+        return mask is not None and len(mask) == 0
+
+    @property
+    def finished(self) -> bool:
+        """The constraint allows no token after the committed ones: the generation is over.
+
+        With end ids this never happens (a complete document allows them, and so does a state
+        whose mask would be empty: CompiledConstraint.allowed), so the end id is emitted and the
+        stop-id rule ends the run. A request with no end ids (GenerationRequest.stop_ids empty:
+        the engine API and the CLI allow it) reaches a complete document, then a trailing
+        whitespace allowance, then a state with nothing to emit: the decoders end there (the
+        document is delivered, finish_reason "stop") instead of sampling over an empty mask.
+        A function of the committed tokens only, so both decoders end after the same token."""
+        return self.constraint is not None and self._ends_at(self.state)
+
     def viable(self, drafts: list[int]) -> list[int]:
         """The longest prefix of drafts the constraint permits after the committed tokens (a refused
-        draft would be a rejected lane anyway: the masked choice can never equal it)."""
+        draft would be a rejected lane anyway: the masked choice can never equal it). The prefix
+        also stops before a draft that leaves nothing to emit after it (`finished`): no verify
+        lane then sits past the end of the output, so every lane has a token to choose; the
+        last kept lane still chooses that draft when the model agrees, and the round ends there."""
         if self.constraint is None or not drafts:
             return drafts
         state = self.state
@@ -277,7 +297,7 @@ class TokenPicker:
             if not self.constraint.permits(state, tok):
                 return drafts[:i]
             state = self.constraint.next_state(state, tok)
-            if state is None:
+            if state is None or self._ends_at(state):
                 return drafts[:i]
         return drafts
 
@@ -345,16 +365,23 @@ class TokenPicker:
         if self.constraint is None:
             return choose(None)
         state = self._state_after(ahead)
-        tok = choose(self.constraint.allowed(state))
+        mask = self.constraint.allowed(state)
+        if mask is not None and not len(mask):
+            # The decoders end a run once `finished` (and viable() keeps lanes short of it): a pick
+            # here is a decoder bug, named instead of numpy's argmax-of-an-empty-sequence error.
+            raise RuntimeError("the output constraint allows no token here: the generation should have ended")
+        tok = choose(mask)
         if self.max_tokens is not None and tok not in self.constraint.stop_ids:
             # Finish within the budget: when the chosen token would leave fewer tokens than
-            # the shortest completion needs (bytes, each at worst one token, plus the end id),
-            # choose among the tokens on a shortest way to the end instead. A function of the
-            # state and the position, so speculative lanes make the same choice.
+            # the shortest completion needs (bytes, each at worst one token, plus the end id
+            # when there is one to emit), choose among the tokens on a shortest way to the end
+            # instead. A function of the state and the position, so speculative lanes make the
+            # same choice.
             left = self.max_tokens - (self.emitted + len(ahead)) - 1
             after = self.constraint.next_state(state, tok)
             need = self.constraint.distance(after)
-            if need is not None and need + 1 > left:
+            end = 1 if self.constraint.stop_ids else 0
+            if need is not None and need + end > left:
                 closing = self.constraint.closing(state)
                 if len(closing):
                     tok = choose(closing)

@@ -156,6 +156,10 @@ class SpecDecoder:
                                                  on_chunk=warm if ladder is not None else None, cancel=cancel,
                                                  pace=pace),
                                    pause_prefill)
+        if sampler.finished:  # a constraint that admits nothing at all (Decoder.run)
+            if ladder is not None:
+                ladder.flush(keep_last=True)
+            return
         pending = sampler.pick(logits, state.position)
         sampler.commit([pending])
         if ladder is not None:
@@ -166,7 +170,9 @@ class SpecDecoder:
         stats.record_round("none", [], 0, 1)
         new = [pending]
         while True:
-            last = pending in stop_ids or produced >= max_tokens
+            # sampler.finished: the constrained output is complete with no end id to emit
+            # (TokenPicker.finished); viable() kept this round's lanes short of that point.
+            last = pending in stop_ids or produced >= max_tokens or sampler.finished
             if last and ladder is not None:
                 # At rest the MTP rows reach position-2 (prefix reuse resumes from there).
                 # Written before the final yield: a consumer stops iterating at EOS.
