@@ -94,3 +94,13 @@ def test_no_file_path_imports():
     offenders = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                  if "spec_from_file_location" in p.read_text(encoding="utf-8")]
     assert not offenders
+
+
+def test_test_module_basenames_are_unique():
+    """pytest imports test files by basename (no packages under tests/): two test_x.py in different
+    folders stop the whole collection (CI on 2026-12-01: tests/gpu and tests/model test_decode_batch.py)."""
+    from collections import Counter
+
+    root = Path(__file__).resolve().parent
+    names = Counter(p.name for p in root.rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1]
