@@ -7,12 +7,9 @@ import json
 
 import pytest
 
-from q27py import DEFAULT_MODEL_DIR
 from q27py.bench.load import Prompts, Stream, concurrency_run, pct, run_load
 from q27py.config import Q27Config
 from q27py.engine.engine import LocalEngine
-from q27py.model.fastcpu import FastCPUModel
-from q27py.tokenizer import Tokenizer
 
 ROW_KEYS = {"streams", "slots", "prompt_tokens", "gen_tokens", "tokens", "wall_s", "aggregate_tokens_per_s",
             "per_stream_decode_tokens_per_s_mean", "per_stream_decode_tokens_per_s_min", "per_stream_tokens_per_s_mean",
@@ -26,16 +23,6 @@ MIXED_KEYS = {"slots", "prefill_chunk", "interleave_chunk", "running_prompt_toke
               "batched_lanes"}
 TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "batch_rounds", "interleave_chunk",
             "prompt_tokens", "gen_tokens", "concurrency", "aggregate_over_c1", "mixed", "memory"}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_model_dir(DEFAULT_MODEL_DIR)
-
-
-@pytest.fixture(scope="module")
-def fast():
-    return FastCPUModel.load(DEFAULT_MODEL_DIR)
 
 
 def engine(model, tok, slots, chunk=64, **knobs):

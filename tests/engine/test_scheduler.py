@@ -13,19 +13,8 @@ from q27py.config import Q27Config
 from q27py.engine.api import GenerationChunk, GenerationRequest
 from q27py.engine.engine import LocalEngine
 from q27py.engine.scheduler import Scheduler
-from q27py.model.fastcpu import FastCPUModel
 from q27py.model.reference import ReferenceModel
-from q27py.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_model_dir(DEFAULT_MODEL_DIR)
-
-
-@pytest.fixture(scope="module")
-def fast():
-    return FastCPUModel.load(DEFAULT_MODEL_DIR)
+from fast_path_rules import Probe
 
 
 @pytest.fixture(scope="module")
@@ -408,58 +397,9 @@ def test_the_engine_keeps_a_live_sequence_per_slot(fast, tok):
     assert all(j.finish == "length" for j in jobs)
 
 
-class _StrictOutput:
-    def __init__(self, model, out):
-        self._model, self._out, self._serial = model, out, model.serial
-        self.trace = out.trace
-
-    def _fresh(self):
-        if self._serial != self._model.serial:
-            raise RuntimeError("output read after a later model call reused the scratch")
-
-    @property
-    def logits(self):
-        self._fresh()
-        return self._out.logits
-
-    @property
-    def hidden(self):
-        self._fresh()
-        return self._out.hidden
-
-
-class StrictModel:
-    """The CUDA fast path's rules over a CPU model (gpu/forward.py FastModel, FastOutput): one scratch
-    for all states, so an output is readable only until the next forward or MTP call of any state,
-    and commit must follow its own verify forward with nothing in between. Interleaved slots that
-    break either rule would corrupt each other on the GPU; here they raise."""
-
-    def __init__(self, inner):
-        self._m, self.serial, self.pending = inner, 0, None
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
-
-    def forward(self, state, ids, logits_rows="all", verify=False):
-        out = self._m.forward(state, ids, logits_rows=logits_rows, verify=verify)
-        self.serial += 1
-        self.pending = (out.trace, id(state)) if verify else None
-        return _StrictOutput(self, out)
-
-    def commit(self, state, trace, n):
-        if self.pending is None or self.pending[0] is not trace or self.pending[1] != id(state):
-            raise RuntimeError("commit must follow its verify forward, with no forward in between")
-        self.pending = None
-        self._m.commit(state, trace, n)
-
-    def mtp_forward(self, *args, **kwargs):
-        self.serial += 1
-        return self._m.mtp_forward(*args, **kwargs)
-
-
 @pytest.mark.parametrize("spec", [True, False])
 def test_interleaved_slots_keep_the_fast_paths_scratch_rules(fast, tok, spec):
-    strict = StrictModel(fast)
+    strict = Probe(fast)  # the fast path's scratch and commit rules over a CPU model
     texts = ("One. ", "Two, with a longer prompt that takes more than one chunk " * 6, "Three? ")
     alone = [[t for c in make_engine(fast, tok, slots=1, spec=spec).generate(ask(prompt(tok, x), 24))
               for t in c.token_ids] for x in texts]

@@ -1,0 +1,100 @@
+"""A CPU model under the CUDA fast path's rules (gpu/forward.py FastModel, FastOutput), for the
+scheduler and batched-round tests: one scratch for every state, so an output (a whole decode_batch's
+outputs) is readable only until the next forward / decode_batch / MTP call of any state, and commit
+must follow its own verify forward. Interleaved slots that break either rule would corrupt each other
+on the GPU; here they raise."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class _Out:
+    """An output readable only until the probe's next model call (FastOutput's scratch rule)."""
+
+    def __init__(self, probe, out):
+        self._probe, self._out, self._serial = probe, out, probe.serial
+        self.trace = out.trace
+
+    def _fresh(self):
+        if self._serial != self._probe.serial:
+            raise RuntimeError("output read after a later model call reused the scratch")
+
+    @property
+    def logits(self):
+        self._fresh()
+        self._probe.logits_reads += 1
+        return self._out.logits
+
+    @property
+    def hidden(self):
+        self._fresh()
+        return self._out.hidden
+
+
+class _DeviceOut(_Out):
+    """... with FastOutput's device picks (numpy.argmax; the masked argmax of engine.constraint)."""
+
+    def greedy_ids(self):
+        self._fresh()
+        return np.argmax(self._out.logits, axis=1)
+
+    def masked_greedy_ids(self, picks, words):
+        from q27py.engine.constraint import masked_argmax
+
+        self._fresh()
+        self._probe.masked_launches += 1
+        return np.asarray([masked_argmax(self._out.logits[p], w) for p, w in zip(picks, words)])
+
+
+class Probe:
+    """A CPU model with one scratch for every state, as the CUDA fast path has: an output (a whole
+    decode_batch's outputs) is readable until the next forward / decode_batch / MTP call of any
+    state, and commit must follow its own verify forward. Logs every call: ("forward", state, T, verify)
+    and ("batch", B, states); `fail_batch` makes decode_batch raise (after the lanes' states moved, as a
+    device fault mid-batch would leave them)."""
+
+    def __init__(self, inner, max_batch=16, device=False):
+        self._m, self.max_batch, self._device = inner, max_batch, device
+        self.serial, self.pending, self.calls = 0, None, []
+        self.logits_reads = self.masked_launches = 0
+        self.fail_batch = None  # a set of state ids: a batch holding one of them raises
+        self.on_batch = None  # called inside decode_batch (a client leaving mid-forward)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def _wrap(self, out):
+        return (_DeviceOut if self._device else _Out)(self, out)
+
+    def forward(self, state, ids, logits_rows="all", verify=False):
+        out = self._m.forward(state, ids, logits_rows=logits_rows, verify=verify)
+        self.serial += 1
+        self.calls.append(("forward", id(state), len(ids), verify))
+        self.pending = (out.trace, id(state)) if verify else None
+        return self._wrap(out)
+
+    def decode_batch(self, states, ids):
+        outs = self._m.decode_batch(states, ids)
+        self.serial += 1
+        self.pending = None
+        self.calls.append(("batch", len(states), tuple(id(s) for s in states)))
+        if self.on_batch is not None:
+            self.on_batch()
+        if self.fail_batch and any(id(s) in self.fail_batch for s in states):
+            raise RuntimeError("device fault in decode_batch")
+        return [self._wrap(o) for o in outs]
+
+    def commit(self, state, trace, n):
+        if self.pending is None or self.pending[0] is not trace or self.pending[1] != id(state):
+            raise RuntimeError("commit must follow its verify forward, with no model call in between")
+        self.pending = None
+        self._m.commit(state, trace, n)
+
+    def mtp_forward(self, *args, **kwargs):
+        self.serial += 1
+        self.pending = None
+        return self._m.mtp_forward(*args, **kwargs)
+
+    def batches(self):
+        return [c[1] for c in self.calls if c[0] == "batch"]
