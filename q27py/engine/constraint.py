@@ -615,15 +615,18 @@ class CompiledConstraint:
 
     def _compute(self, sid: int) -> tuple[np.ndarray, list[int]]:
         """(kept trie tokens as a bool per sorted position, kept special ids)."""
-        v = self.vocab
-        acc = np.zeros(len(v), dtype=bool)
         if sid == DEAD:
-            return acc, []
+            return np.zeros(len(self.vocab), dtype=bool), []
+        return self._kept(self.vocab, sid), self._special_extra(sid)
+
+    def _kept(self, ix, sid: int) -> np.ndarray:
+        """A bool per sorted position of index ix: the tokens state sid keeps (one whole walk)."""
+        acc = np.zeros(len(ix), dtype=bool)
         single: list[int] = []
-        self._walk(v, sid, 0, 0, len(v), acc, single)
+        self._walk(ix, sid, 0, 0, len(ix), acc, single)
         if single:
             acc[np.asarray(single, dtype=np.int64)] = True
-        return acc, self._special_extra(sid)
+        return acc
 
     def _special_extra(self, sid: int) -> list[int]:
         if sid == DEAD or not self._special_ids:
@@ -723,12 +726,7 @@ class CompiledConstraint:
         stack below (state rsid) reads."""
         if fm.rems is None or rsid == DEAD:
             return _NO_POS
-        rems = fm.rems
-        sacc = np.zeros(len(rems), dtype=bool)
-        single: list[int] = []
-        self._walk(rems, rsid, 0, 0, len(rems), sacc, single)
-        if single:
-            sacc[np.asarray(single, dtype=np.int64)] = True
+        sacc = self._kept(fm.rems, rsid)
         return np.unique(fm.ex_pos[sacc[fm.ex_rem]])
 
     def _frame(self, node, sig, local) -> FrameMask:
@@ -960,12 +958,7 @@ class CompiledConstraint:
         tokens, plus a walk over the distinct suffixes from the first outside byte)."""
         tab = self.vocab.loop_table(loop)
         got = tab.good.copy()
-        sub = tab.suffixes
-        sacc = np.zeros(len(sub), dtype=bool)
-        single: list[int] = []
-        self._walk(sub, sid, 0, 0, len(sub), sacc, single)
-        if single:
-            sacc[np.asarray(single, dtype=np.int64)] = True
+        sacc = self._kept(tab.suffixes, sid)
         got[tab.bad_pos[sacc[tab.bad_suffix]]] = True
         return got
 

@@ -142,13 +142,11 @@ _MAX_CODE = {L.FMT_Q4: 8.0, L.FMT_Q8: 128.0}
 def weight_fp8_exponent(m) -> int:
     """The matrix's one power-of-two exponent ew: max |code * scale| * 2^-ew in [128, 256)
     (cuda/common.cuh fp8_row_exponent). Read once per matrix (a device max, then cached)."""
-    e = getattr(m, "_fp8_exp", None)
-    if e is None:
+    if m.fp8_exp is None:
         cp = Runtime.get().cp
         amax = float(cp.abs(m.scales.view(cp.float16).astype(cp.float32)).max()) * _MAX_CODE[m.shape.fmt]
-        e = 0 if not amax > 0 else int(np.frexp(amax)[1]) - 8
-        m._fp8_exp = e
-    return e
+        m.fp8_exp = 0 if not amax > 0 else int(np.frexp(amax)[1]) - 8
+    return m.fp8_exp
 
 
 def dequantize_to_fp8(m, out=None):

@@ -42,6 +42,7 @@ class GpuMatrix:
     scales: object | None  # cupy uint32, None for bf16
     mode: int = MODE_STORE
     out_rows: int | None = None  # rows written (SwiGLU: the inner size)
+    fp8_exp: int | None = None  # the fp8 prefill route's weight exponent, once computed (blas.weight_fp8_exponent)
 
     @property
     def row_groups(self) -> int:
@@ -779,15 +780,21 @@ def qk_norm_rope_store(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, 
                           i32(max_pos)), shared_mem=4 * hd)
 
 
-def attention(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
-              span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
-    """Split-K attention + combine with the sigmoid gate; out[t][h*hd + d]."""
+def _split_shape(hd: int, nq: int, nkv: int) -> tuple[int, int]:
+    """(head dims per lane, q heads per kv head) of the split-K attention kernels, checked."""
     dpl = hd // 32
     if hd % 32 or dpl not in (1, 2, 4, 8):
         raise ValueError(f"attention head dim {hd} not supported by the fast path (32, 64, 128 or 256)")
     rep = nq // nkv
     if rep > C.REPMAX:
         raise ValueError(f"{rep} q heads per kv head > {C.REPMAX} not supported by the fast path")
+    return dpl, rep
+
+
+def attention(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
+              span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+    """Split-K attention + combine with the sigmoid gate; out[t][h*hd + d]."""
+    dpl, rep = _split_shape(hd, nq, nkv)
     kernel = f"attn_split_{'bf16' if kv_bf16 else 'f32'}_d{dpl}"
     rt = Runtime.get()
     rt.launch("attention", kernel, (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
@@ -810,12 +817,7 @@ def qk_norm_rope_store_fp8(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: flo
 def attention_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
                   span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
     """attention() over fp8 e4m3 KV (codes + row exponents); decode, verify and (for now) prefill lanes."""
-    dpl = hd // 32
-    if hd % 32 or dpl not in (1, 2, 4, 8):
-        raise ValueError(f"attention head dim {hd} not supported by the fast path (32, 64, 128 or 256)")
-    rep = nq // nkv
-    if rep > 8:
-        raise ValueError(f"{rep} q heads per kv head > 8 not supported by the fast path")
+    dpl, rep = _split_shape(hd, nq, nkv)
     rt = Runtime.get()
     rt.launch("attention", f"attn_split_fp8_d{dpl}", (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
               (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5), pos0_dev, i32(span),
@@ -849,12 +851,7 @@ def attention_lanes(q, ldq: int, lanes, kv_off: int, x_off: int, kv: str, max_po
     """attention() / attention_fp8() for decode_batch lanes: lane b is a one-token decode of its own
     sequence (its position, its state's K / V + kv_off, fp8 exponents + x_off bytes). kv: "f32",
     "bf16" or "fp8". part: attention_partials_floats(>= nlanes, nq, hd)."""
-    dpl = hd // 32
-    if hd % 32 or dpl not in (1, 2, 4, 8):
-        raise ValueError(f"attention head dim {hd} not supported by the fast path (32, 64, 128 or 256)")
-    rep = nq // nkv
-    if rep > C.REPMAX:
-        raise ValueError(f"{rep} q heads per kv head > {C.REPMAX} not supported by the fast path")
+    dpl, rep = _split_shape(hd, nq, nkv)
     if kv not in ("f32", "bf16", "fp8"):
         raise ValueError(f"attention_lanes: KV {kv!r} (f32, bf16 or fp8)")
     rt = Runtime.get()
