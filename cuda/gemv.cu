@@ -487,6 +487,206 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
     }
 }
 
+// ---- persistent a8 GEMV (q4 weights): gemv8p_*
+// The same units as gemv_body (unit = row group x K split, 8 warps interleaved over its chunks,
+// fixed-order CTA reduction, the last CTA of a split row group sums the partials in split order),
+// so every output bit is the same; what changes is who runs them. The grid is at most the resident
+// CTAs (A8_CTAS_NT* per SM) and CTA b runs units b, b + G, b + 2G, ...: each warp's cp.async ring
+// is one stream over all of its units, so the next unit's first stages are in flight while the
+// current unit drains, reduces and writes (the per-unit ring fill and epilogue were ~25% of a
+// unit's life, device run b1), and the descriptor and ramp are paid once per CTA, not per unit.
+// The reduction buffer therefore sits after the ring instead of aliasing it.
+struct A8Unit {
+    const i64* d;
+    int rg, sp, cs, n;  // row group, split, this warp's first chunk and chunk count
+};
+
+__device__ __forceinline__ A8Unit a8_unit(const i64* __restrict__ desc, int nmat, int u, int warp) {
+    int m = 0;
+    for (int i = 1; i < nmat; i++)
+        if (u >= (int)desc[i * D_NFIELDS + D_CTA0]) m = i;
+    A8Unit r;
+    r.d = desc + m * D_NFIELDS;
+    const int splits = (int)r.d[D_SPLITS], kch = (int)r.d[D_KCH];
+    const int local = u - (int)r.d[D_CTA0];
+    r.rg = local / splits;
+    r.sp = local - r.rg * splits;
+    const int c0 = (int)((i64)r.sp * kch / splits), c1 = (int)((i64)(r.sp + 1) * kch / splits);
+    r.cs = c0 + warp;
+    r.n = r.cs < c1 ? (c1 - r.cs + GEMV_WARPS - 1) / GEMV_WARPS : 0;
+    return r;
+}
+
+// The issue side of a warp's stream: the unit it is loading (iu), the next chunk (ic) and how many
+// of the unit's chunks are left for this warp; bases of the unit's row group (lane offset included).
+struct A8Cursor {
+    int iu, ic, left;
+    const u8* w;
+    const u32* s;
+};
+
+template <int FMT>
+__device__ __forceinline__ void a8_issue(A8Cursor& q, const i64* __restrict__ desc, int nmat, int units, int warp,
+                                         int lane, int tstride, int sstride, u32 wslot, u32 sslot) {
+    typedef FmtInfo<FMT> F;
+    constexpr unsigned GSC = FMT == FMT_Q8 ? GSC_Q8 : GSC_Q4;
+    while (q.left == 0 && q.iu < units) {
+        q.iu += gridDim.x;
+        if (q.iu < units) {
+            const A8Unit un = a8_unit(desc, nmat, q.iu, warp);
+            q.ic = un.cs;
+            q.left = un.n;
+            q.w = reinterpret_cast<const u8*>(un.d[D_W]) + (i64)un.rg * GEMV_R * tstride + lane * 16;
+            q.s = reinterpret_cast<const u32*>(un.d[D_S]) + (i64)un.rg * GEMV_R * sstride + (lane >> 2);
+        }
+    }
+    if (q.left > 0) {
+        issue_stage<FMT>(wslot, sslot, q.w + (i64)q.ic * F::CB, q.s + (((unsigned)q.ic / GSC) << 3), tstride, sstride);
+        q.ic += GEMV_WARPS;
+        q.left--;
+    }
+    cp_async_commit();  // one group per item, empty or not: the consumer's wait_group count relies on it
+}
+
+template <int FMT, int NT>
+__device__ __forceinline__ void gemv8p_body(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq,
+                                            int ldq, const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
+    typedef FmtInfo<FMT> F;
+    constexpr int S = Ring<FMT>::STAGES;
+    constexpr int T = GEMV_WARPS * 32;
+    constexpr int STAGE_BYTES = GEMV_R * (F::WPC * 16 + 4) * T;
+    constexpr int SCALE_OFF = GEMV_R * F::WPC * T * 16;
+    constexpr int COLS = NT * 8, E = GEMV_R * 16 * COLS;
+    extern __shared__ __align__(16) u8 dyn_smem[];
+    __shared__ int s_last;
+    float(*red)[E] = reinterpret_cast<float(*)[E]>(dyn_smem + S * STAGE_BYTES);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, tid = threadIdx.x;
+    Act<NT> xa;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        xa.xq[nt] = reinterpret_cast<const uint4*>(xq + (i64)min(nt * 8 + g, nlanes - 1) * ldq + t * 16);
+    xa.xs = xs + 2 * t;
+    xa.sgn = sgn;
+    const u32 wring = smem_addr(dyn_smem) + tid * 16, sring = smem_addr(dyn_smem) + SCALE_OFF + tid * 4;
+    const u8* wring_rd = dyn_smem + tid * 16;
+    const u8* sring_rd = dyn_smem + SCALE_OFF + tid * 4;
+    // one launch = one format and one K: strides are the same for every unit
+    const int tstride = (int)desc[D_KCH] * F::CB, sstride = (int)desc[D_NGROUPS] * 8;
+
+    A8Cursor q;
+    q.iu = (int)blockIdx.x - (int)gridDim.x;  // a8_issue opens unit blockIdx.x first
+    q.left = 0;
+    q.ic = 0;
+    q.w = nullptr;
+    q.s = nullptr;
+#pragma unroll
+    for (int k = 0; k < S - 1; k++)
+        a8_issue<FMT>(q, desc, nmat, units, warp, lane, tstride, sstride, wring + k * STAGE_BYTES, sring + k * STAGE_BYTES);
+    pdl_wait();  // weights are constants: their first stages were issued before the activations exist
+    pdl_trigger();
+    int rd = 0, wr = S - 1;
+    constexpr bool AHEAD = !(FMT == FMT_Q8 && NT == 2);
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const A8Unit un = a8_unit(desc, nmat, u, warp);
+        float acc[GEMV_R][NT][4];
+#pragma unroll
+        for (int i = 0; i < GEMV_R; i++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
+        uint4 xb[NT];
+        float2 xsv[NT];
+        if (AHEAD && un.n > 0) a8_load_act<NT>(xa, un.cs, xb, xsv);
+        for (int k = 0; k < un.n; k++) {
+            cp_async_wait<S - 2>();
+            Stage<FMT> st;
+            read_stage<FMT>(st, wring_rd + rd * STAGE_BYTES, sring_rd + rd * STAGE_BYTES);
+            a8_issue<FMT>(q, desc, nmat, units, warp, lane, tstride, sstride, wring + wr * STAGE_BYTES, sring + wr * STAGE_BYTES);
+            rd = rd + 1 == S ? 0 : rd + 1;
+            wr = wr + 1 == S ? 0 : wr + 1;
+            const int c = un.cs + k * GEMV_WARPS;
+            if constexpr (AHEAD) {
+                uint4 xbn[NT];
+                float2 xsn[NT];
+                if (k + 1 < un.n) a8_load_act<NT>(xa, c + GEMV_WARPS, xbn, xsn);
+                compute_stage8<FMT, NT>(acc, st, xb, xsv, xa.sgn);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    xb[nt] = xbn[nt];
+                    xsv[nt] = xsn[nt];
+                }
+            } else {
+                a8_load_act<NT>(xa, c, xb, xsv);
+                compute_stage8<FMT, NT>(acc, st, xb, xsv, xa.sgn);
+            }
+        }
+        // the unit's reduction, exactly gemv_body's (same order, same bits); the ring keeps streaming
+#pragma unroll
+        for (int i = 0; i < GEMV_R; i++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int qq = 0; qq < 4; qq++)
+                    red[warp][(i * 16 + g + 8 * (qq >> 1)) * COLS + nt * 8 + 2 * t + (qq & 1)] = acc[i][nt][qq];
+        __syncthreads();
+        for (int e = tid; e < E; e += blockDim.x) {
+            float v = red[0][e];
+#pragma unroll
+            for (int wi = 1; wi < GEMV_WARPS; wi++) v += red[wi][e];
+            red[0][e] = v;
+        }
+        const i64* d = un.d;
+        const int splits = (int)d[D_SPLITS], rg = un.rg;
+        bool mine_out = true;
+        if (splits > 1) {
+            float* ws = reinterpret_cast<float*>(d[D_WS]);
+            int* cnt = reinterpret_cast<int*>(d[D_CNT]);
+            float* mine = ws + ((i64)rg * splits + un.sp) * E;
+            for (int e = tid; e < E; e += blockDim.x) mine[e] = red[0][e];
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) s_last = (atomicAdd(cnt + rg, 1) == splits - 1);
+            __syncthreads();
+            mine_out = s_last;
+            if (mine_out) {
+                __threadfence();
+                const float* all = ws + (i64)rg * splits * E;
+                for (int e = tid; e < E; e += blockDim.x) {
+                    float v = __ldcg(all + e);
+                    for (int s2 = 1; s2 < splits; s2++) v += __ldcg(all + (i64)s2 * E + e);
+                    red[0][e] = v;
+                }
+                if (tid == 0) cnt[rg] = 0;  // every other CTA of this row group has already counted in
+            }
+        }
+        if (mine_out) {
+            __syncthreads();
+            const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], mode = (int)d[D_MODE];
+            float* y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * ldy;
+            for (int e = tid; e < E; e += blockDim.x) {
+                const int rl = e / COLS, ln = e - rl * COLS;
+                if (ln >= nlanes) continue;
+                if (mode == MODE_SWIGLU) {
+                    if ((rl & 15) >= 8) continue;
+                    const int o = (rg * GEMV_R + (rl >> 4)) * 8 + (rl & 7);
+                    if (o >= nout) continue;
+                    const float gt = red[0][e], up = red[0][e + 8 * COLS];
+                    y[(i64)ln * ldy + o] = gt * sigmoid_f(gt) * up;
+                } else {
+                    const int row = rg * GEMV_R * 16 + rl;
+                    if (row >= nout) continue;
+                    float* dst = y + (i64)ln * ldy + row;
+                    if (mode == MODE_ADD)
+                        *dst += red[0][e];
+                    else
+                        *dst = red[0][e];
+                }
+            }
+        }
+        __syncthreads();  // red and s_last are reused by the next unit
+    }
+    cp_async_wait<0>();
+}
+
 // One kernel per (format, lane tiles): all matrices of one launch share the format.
 // 8 lanes fit 128 registers (two CTAs per SM); 16 lanes need ~190 (one CTA per SM).
 // Dynamic shared memory: max(ring_bytes<FMT>(), 8 x 64 x NT*8 x 4 reduction bytes).
@@ -517,6 +717,17 @@ GEMV8_KERNEL(gemv8_q4_nt1, FMT_Q4, 1, A8_CTAS_NT1)
 GEMV8_KERNEL(gemv8_q4_nt2, FMT_Q4, 2, A8_CTAS_NT2)
 GEMV8_KERNEL(gemv8_q8_nt1, FMT_Q8, 1, A8_CTAS_NT1)
 GEMV8_KERNEL(gemv8_q8_nt2, FMT_Q8, 2, A8_CTAS_NT2)
+
+// persistent a8 (q4 only: the q8 ring plus the separate reduction buffer does not fit two CTAs per SM)
+#define GEMV8P_KERNEL(NAME, FMT, NT, MINB)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,          \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                 \
+        gemv8p_body<FMT, NT>(desc, nmat, units, xq, ldq, xs, sgn, nlanes, lane0);                            \
+    }
+
+GEMV8P_KERNEL(gemv8p_q4_nt1, FMT_Q4, 1, A8_CTAS_NT1)
+GEMV8P_KERNEL(gemv8p_q4_nt2, FMT_Q4, 2, A8_CTAS_NT2)
 
 // Activations -> int8 codes in fragment order + one fp32 scale per (lane, 64-k chunk), for the
 // a8 kernels. grid (ceil(kch / 8), nlanes), block 256: a warp per chunk, 2 values per thread.

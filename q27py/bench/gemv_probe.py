@@ -107,6 +107,9 @@ def main(argv=None) -> int:
     ap.add_argument("--copies", type=int, default=None, help="distinct copies rotated (default: enough to defeat L2)")
     ap.add_argument("--partition", type=int, nargs=2, metavar=("RGB", "SPLITS"), default=None,
                     help="v2: force row groups per CTA and splits (sweeps)")
+    ap.add_argument("--splits", type=int, nargs="+", default=None,
+                    help="v1 / a8: one row per forced K-split count for each shape (sweeps; the family row then "
+                         "takes each shape's best)")
     ap.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE",
                     help="override constants-table entries (q27py/gpu/constants.py) before the kernels compile, "
                          "e.g. G2_CTAS_NT2=2 PIPE2_Q4=4: A/B of pipeline depth and occupancy in one run")
@@ -133,20 +136,30 @@ def main(argv=None) -> int:
           + "   %@1  %@8 %@16  W8/1 W16/1")
     fam = {impl: {n: 0.0 for n in args.lanes} for impl in impls}
     fam_bytes = 0
+    sweep = [None] if not args.splits else [(1, s) for s in args.splits]
     for name, (spec, per_forward) in shapes.items():
-        r = measure(spec, impls, args.lanes, args.copies, tuple(args.partition) if args.partition else None, args.once)
-        results["shapes"][name] = r
+        best = {}
+        for forced in sweep:
+            part_arg = forced or (tuple(args.partition) if args.partition else None)
+            r = measure(spec, impls, args.lanes, args.copies, part_arg, args.once)
+            results["shapes"][name if forced is None else f"{name} s={forced[1]}"] = r
+            if args.once:
+                continue
+            for impl in impls:
+                us = r[impl]["us"]
+                gbs = {n: r["bytes"] / (us[n] * 1e3) for n in args.lanes}
+                for n in args.lanes:
+                    best.setdefault(impl, {})[n] = min(best.get(impl, {}).get(n, float("inf")), us[n])
+                part = "/".join(f"{a}x{b}" for a, b in r[impl]["partition"]) if impl == "v2" else \
+                    "s=" + "/".join(str(b) for _, b in r[impl]["partition"])
+                print(f"{name:{w}s} {r['bytes'] / 1e6:6.1f} {impl:4s} {part:12s} " + " ".join(f"{gbs[n]:5.0f}" for n in args.lanes)
+                      + "  " + _fractions(gbs, us, probe, args.lanes))
         if args.once:
             continue
         fam_bytes += per_forward * r["bytes"]
         for impl in impls:
-            us = r[impl]["us"]
-            gbs = {n: r["bytes"] / (us[n] * 1e3) for n in args.lanes}
             for n in args.lanes:
-                fam[impl][n] += per_forward * us[n]
-            part = "/".join(f"{a}x{b}" for a, b in r[impl]["partition"]) if impl == "v2" else "-"
-            print(f"{name:{w}s} {r['bytes'] / 1e6:6.1f} {impl:4s} {part:12s} " + " ".join(f"{gbs[n]:5.0f}" for n in args.lanes)
-                  + "  " + _fractions(gbs, us, probe, args.lanes))
+                fam[impl][n] += per_forward * best[impl][n]
     if fam_bytes and not args.once:
         for impl in impls:
             us = fam[impl]

@@ -35,6 +35,9 @@ V1_CTAS_NT1, V1_CTAS_NT2, V1_CTAS_BF16 = 2, 1, 1
 # a8 kernels (int8 activations, mma.m16n8k32 s8): their 16-lane loop holds no hi/lo activation
 # pairs, so it fits two CTAs per SM as well
 A8_CTAS_NT1, A8_CTAS_NT2 = 2, 2
+# a8 q4 launches as persistent CTAs (cuda/gemv.cu gemv8p_*: at most the resident CTAs, each running
+# units b, b + G, ... with one cp.async stream across them; the same units and bits as gemv8_*)
+A8_PERSIST = 1
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
 G2_WARPS = 4

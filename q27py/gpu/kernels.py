@@ -173,24 +173,34 @@ class Workspace:
 
 
 FMT_KERNEL = {L.FMT_BF16: "bf16", L.FMT_Q8: "q8", L.FMT_Q4: "q4"}
-# v1 cp.async ring depth and 16-byte words per thread and chunk, per format (cuda/gemv.cu)
-GEMV_STAGES = {L.FMT_BF16: C.RING_BF16, L.FMT_Q8: C.RING_Q8, L.FMT_Q4: C.RING_Q4}
+# v1 16-byte words per thread and chunk, per format (cuda/gemv.cu)
 GEMV_WPC = {L.FMT_BF16: C.WPC_BF16, L.FMT_Q8: C.WPC_Q8, L.FMT_Q4: C.WPC_Q4}
 
 
-def gemv_shared_bytes(fmt: int, nt: int) -> int:
-    """Dynamic shared memory of one GEMV CTA: the warps' cp.async rings, or the reduction if larger."""
+def gemv_shared_bytes(fmt: int, nt: int, persistent: bool = False) -> int:
+    """Dynamic shared memory of one GEMV CTA: the warps' cp.async rings, or the reduction if larger;
+    persistent (gemv8p_*): the ring and, after it, the reduction (the ring streams through epilogues)."""
     threads = 32 * C.GEMV_WARPS
-    ring = GEMV_STAGES[fmt] * GEMV_R * (GEMV_WPC[fmt] * 16 + 4) * threads
-    return max(ring, C.GEMV_WARPS * GEMV_ROWS_PER_CTA * nt * 8 * 4)
+    stages = {L.FMT_BF16: C.RING_BF16, L.FMT_Q8: C.RING_Q8, L.FMT_Q4: C.RING_Q4}[fmt]  # live: probe --set A/B
+    ring = stages * GEMV_R * (GEMV_WPC[fmt] * 16 + 4) * threads
+    red = C.GEMV_WARPS * GEMV_ROWS_PER_CTA * nt * 8 * 4
+    return ring + red if persistent else max(ring, red)
+
+
+A8_GRID_CAP: int | None = None  # tests: cap the persistent grid so each CTA runs many units
+
+
+def a8_persistent(fmt: int) -> bool:
+    """Whether an a8 launch of this format runs the persistent kernels (constants table A8_PERSIST)."""
+    return bool(C.A8_PERSIST) and fmt == L.FMT_Q4
 
 
 class GemvPlan:
     """One logical GEMV: up to 4 matrices reading the same activations x (one launch per format).
 
     outputs: list of (cupy fp32 array, row stride) per matrix. impl: "v1" (cuda/gemv.cu) or "v2"
-    (cuda/gemv2.cu), default gemv_impl(). partition (v2 only, benchmarks): force (row groups per
-    CTA, splits) for every matrix instead of choose_partition.
+    (cuda/gemv2.cu), default gemv_impl(). partition (benchmarks): force (row groups per CTA, splits)
+    for every matrix instead of choose_partition (v2) / choose_splits (v1, a8: only the splits).
     """
 
     def __init__(self, mats: list[GpuMatrix], outputs: list[tuple[object, int]], workspace: Workspace,
@@ -210,6 +220,8 @@ class GemvPlan:
         v2 = self.impl == "v2"
         if v2:
             parts = [partition or choose_partition(m.row_groups, m.shape.kchunks, rt.sm_count, m.shape.fmt) for m in mats]
+        elif partition is not None:  # v1 / a8 sweeps: force the K splits (one row group per CTA)
+            parts = [(1, max(1, min(partition[1], m.shape.kchunks))) for m in mats]
         else:
             parts = [(1, choose_splits(m.row_groups, m.shape.kchunks, rt.sm_count)) for m in mats]
         self.rgb = [p[0] for p in parts]  # row groups per CTA
@@ -282,9 +294,13 @@ class GemvPlan:
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
                 if self.a8 and fmt != L.FMT_BF16:
-                    rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
+                    pers = a8_persistent(fmt)
+                    grid = min(units, (C.A8_CTAS_NT1 if nt == 1 else C.A8_CTAS_NT2) * rt.sm_count,
+                               A8_GRID_CAP or units) if pers else units
+                    rt.launch("gemv", f"gemv8{'p' if pers else ''}_{FMT_KERNEL[fmt]}_nt{nt}", grid, 32 * C.GEMV_WARPS,
                               (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
-                               np.uint32(0x80808080), i32(n), i32(lane0 + done)), shared_mem=gemv_shared_bytes(fmt, nt))
+                               np.uint32(0x80808080), i32(n), i32(lane0 + done)),
+                              shared_mem=gemv_shared_bytes(fmt, nt, pers))
                 elif self.impl == "v2":
                     rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
                               (desc, i32(nmat), x, i32(ldx), i32(n), i32(lane0 + done)))
