@@ -38,6 +38,22 @@
 // fragments of both k32 steps of a chunk, and the weight file format does not change.
 #include "common.cuh"
 
+// GEMV_TRACE (tools/gemv_trace.py): thread 0 of each CTA stamps %globaltimer at 8 phases of its life
+#if GEMV_TRACE
+__device__ unsigned long long gemv_trace[2 * 16384 * 8];  // [globaltimer ns | clock64] x CTA x phase
+__device__ __forceinline__ void gemv_stamp(int i) {
+    if (threadIdx.x == 0 && blockIdx.x < 16384) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        gemv_trace[blockIdx.x * 8 + i] = t;
+        gemv_trace[16384 * 8 + blockIdx.x * 8 + i] = clock64();
+    }
+}
+#define GSTAMP(i) gemv_stamp(i)
+#else
+#define GSTAMP(i)
+#endif
+
 // Formats, modes, GEMV_R, GEMV_WARPS, ring depths and the descriptor fields (D_*) come from the
 // constants table (q27py/gpu/constants.py) as -D defines; gemv2.cu shares the descriptor.
 
@@ -238,6 +254,40 @@ __device__ __forceinline__ void compute_stage(float (&acc)[GEMV_R][NT][4], const
     }
 }
 
+// ---- split-K through a thread-block cluster (sm_90): when a row group's `splits` CTAs are one
+// cluster (the host launches clusters of `splits` CTAs; units of a row group are consecutive), the
+// partials never leave the SMs: each CTA's reduced tile stays in its shared memory, the split-0 CTA
+// reads the others' through DSMEM and sums them in split order -- the same additions in the same
+// order as the ticket path (v = p0, v += p1, ...), so the bits do not change. Saves the ticket
+// path's partial write, fence, atomic and L2 read-back (~2.5 us of a small launch's ~12, measured
+// by tools/gemv_trace.py).
+__device__ __forceinline__ int cluster_ctas() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return (int)n;
+#else
+    return 1;
+#endif
+}
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+// value at shared address `a` (this CTA's layout) in cluster CTA `rank`
+__device__ __forceinline__ float ld_dsmem_f32(u32 a, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+    return v;
+#else
+    return 0.f;
+#endif
+}
+
 // Pointers to one launch's activations, by lane tile: fp32 rows (bf16 path) or int8 codes +
 // chunk scales (a8 path).
 template <int NT>
@@ -328,6 +378,7 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
     const int tstride = kch * F::CB, sstride = ngroups * 8;
     const u8* wb = w + (i64)rg * GEMV_R * tstride + lane * 16;
     const u32* sb = sc + (i64)rg * GEMV_R * sstride + (lane >> 2);
+    GSTAMP(1);  // descriptor read, prologue issue next
 #pragma unroll
     for (int k = 0; k < S - 1; k++) {
         const int c = cstart + k * cstep;
@@ -341,6 +392,7 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
     // wait, so the kernels launched early never reach past this GEMV.
     pdl_wait();
     pdl_trigger();
+    GSTAMP(2);
     int rd = 0, wr = S - 1;  // ring slots to read and to refill
     uint4 xb[A8 ? NT : 1];
     float2 xsv[A8 ? NT : 1];
@@ -350,6 +402,7 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
         if (n > 0) a8_load_act<NT>(xa, cstart, xb, xsv);
     for (int k = 0; k < n; k++) {
         cp_async_wait<S - 2>();
+        if (k == 0) GSTAMP(3);  // first stage landed
         Stage<FMT> st;
         read_stage<FMT>(st, wring_rd + rd * STAGE_BYTES, sring_rd + rd * STAGE_BYTES);
         const int c = cstart + k * cstep, cn = c + (S - 1) * cstep;
@@ -376,6 +429,7 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
             compute_stage<FMT, NT>(acc, st, c, xa.xr);
     }
     cp_async_wait<0>();
+    GSTAMP(4);  // warp 0 done streaming
 }
 
 // A CTA owns one unit = (row group of 64 rows, K split); its 8 warps interleave over the
@@ -405,6 +459,7 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
         for (int nt = 0; nt < NT; nt++) xa.xr[nt] = x + (i64)min(nt * 8 + g, nlanes - 1) * ldx + 2 * t;
     }
 
+    GSTAMP(0);
     const int u = blockIdx.x;
     int m = 0;
     for (int i = 1; i < nmat; i++)
@@ -429,6 +484,7 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
         for (int nt = 0; nt < NT; nt++) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
     gemv_loop<FMT, NT, A8>(acc, dyn_smem, w, sc, kch, ngroups, rg, cs, GEMV_WARPS, n, xa, lane);
     __syncthreads();  // every warp is done with its ring before it becomes the reduction buffer
+    GSTAMP(5);
 
     float(*red)[E] = reinterpret_cast<float(*)[E]>(dyn_smem);
 #pragma unroll
@@ -445,7 +501,23 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
         for (int wi = 1; wi < GEMV_WARPS; wi++) v += red[wi][e];
         red[0][e] = v;
     }
-    if (splits > 1) {
+    if (splits > 1 && cluster_ctas() == splits) {
+        cluster_sync_all();  // every split's red[0] is final (release / acquire)
+        if (sp == 0) {
+            const u32 base = smem_addr(&red[0][0]);
+            for (int e = tid; e < E; e += blockDim.x) {
+                float v = red[0][e];
+                for (int s2 = 1; s2 < splits; s2++) v += ld_dsmem_f32(base + e * 4, s2);
+                red[0][e] = v;
+            }
+        }
+        cluster_sync_all();  // the other splits' shared memory stays alive until split 0 has read it
+        GSTAMP(6);
+        if (sp != 0) {
+            GSTAMP(7);
+            return;
+        }
+    } else if (splits > 1) {
         float* ws = reinterpret_cast<float*>(d[D_WS]);
         int* cnt = reinterpret_cast<int*>(d[D_CNT]);
         float* mine = ws + ((i64)rg * splits + sp) * E;
@@ -454,7 +526,11 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
         __syncthreads();
         if (tid == 0) s_last = (atomicAdd(cnt + rg, 1) == splits - 1);
         __syncthreads();
-        if (!s_last) return;
+        GSTAMP(6);  // ticket taken
+        if (!s_last) {
+            GSTAMP(7);
+            return;
+        }
         __threadfence();
         const float* all = ws + (i64)rg * splits * E;
         for (int e = tid; e < E; e += blockDim.x) {
@@ -485,6 +561,7 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
                 *dst = red[0][e];
         }
     }
+    GSTAMP(7);
 }
 
 // ---- persistent a8 GEMV (q4 weights): gemv8p_*

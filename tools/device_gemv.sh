@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GEMV studies on the device (issue 10). Stages: sweep occ ncu masks persist
+# GEMV studies on the device (issue 10). Stages: sweep occ cluster ncu masks persist
 #   PYTHONPATH=. bash tools/device_gemv.sh sweep ncu
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -22,6 +22,18 @@ for stage in "$@"; do
         timeout 150 python3 -m q27py.bench.gemv_probe --shapes down gdn_out --impl a8 --lanes 1 8 16 --splits 2 3 4 5 6 "$@" \
           > "$OUT/occ_b.txt" 2>&1 || rc=1; grep -E "^(down|gdn_out|Trace|cupy)" "$OUT/occ_b.txt"
       done ;;
+    cluster)  # DSMEM split-K (thread-block clusters): bits against the ticket path, trace, probe A/B, split sweep
+      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or cluster or persistent" tests/gpu/test_pdl.py \
+        > "$OUT/cluster.txt" 2>&1 || rc=1; tail -4 "$OUT/cluster.txt"
+      timeout 120 python3 tools/gemv_trace.py --shapes down gdn_out --lanes 1 > "$OUT/cluster_trace.txt" 2>&1 || rc=1
+      cat "$OUT/cluster_trace.txt"
+      for c in 0 8; do
+        timeout 200 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8 --lanes 1 8 16 --set GEMV_CLUSTER_MAX=$c \
+          --json "$OUT/cluster_probe$c.json" > "$OUT/cluster_probe$c.txt" 2>&1 || rc=1
+        echo "--- GEMV_CLUSTER_MAX=$c"; grep -vE "^(mtp_)" "$OUT/cluster_probe$c.txt" | tail -9
+      done
+      timeout 200 python3 -m q27py.bench.gemv_probe --shapes gate_up down gdn_out attn_in --impl a8 --lanes 1 8 16 \
+        --splits 2 3 4 6 8 > "$OUT/cluster_sweep.txt" 2>&1 || rc=1; grep -E "^(gate|down|gdn|attn)" "$OUT/cluster_sweep.txt" ;;
     ncu)  # the a8 q4 kernel on down and on the 17 MB output projections, 1 lane (ratios only: ncu locks clocks)
       for shp in "5120 17408" "5120 6144" "34816 5120"; do
         set -- $shp

@@ -37,7 +37,11 @@ V1_CTAS_NT1, V1_CTAS_NT2, V1_CTAS_BF16 = 2, 1, 1
 A8_CTAS_NT1, A8_CTAS_NT2 = 2, 2
 # a8 q4 launches as persistent CTAs (cuda/gemv.cu gemv8p_*: at most the resident CTAs, each running
 # units b, b + G, ... with one cp.async stream across them; the same units and bits as gemv8_*)
-A8_PERSIST = 1
+A8_PERSIST = 0  # measured slower at 1 lane (docs/PERF.md, 2026-12-01 night): kept for the A/B
+# sm_90: a split row group's CTAs run as one thread-block cluster and reduce through DSMEM
+# (cuda/gemv.cu; same bits as the ticket path), for splits up to this many (0: always the ticket)
+GEMV_CLUSTER_MAX = 8
+GEMV_TRACE = 0  # tools/gemv_trace.py: per-CTA %globaltimer stamps of the unit kernels' phases
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
 G2_WARPS = 4

@@ -250,7 +250,7 @@ class GemvPlan:
                 if s > 1:
                     ws_need += blocks[j] * s * rgb * e
                     cnt_need += blocks[j]
-            rows.append((fmt, desc, cta))
+            rows.append((fmt, desc, cta, self._cluster([self.splits[j] for j in idx], rt)))
         workspace.reserve(ws_need, cnt_need)
         self.a8 = self.impl == "a8" and any(m.shape.fmt != L.FMT_BF16 for m in mats)
         if self.a8:
@@ -260,10 +260,20 @@ class GemvPlan:
             self.xq, self.xs = workspace.xq, workspace.xs
         ws_base, cnt_base = int(ptr(workspace.ws)), int(ptr(workspace.cnt))
         self.launches = []
-        for fmt, desc, units in rows:
+        self.clusters = []  # per launch: CTAs per thread-block cluster (1: none)
+        for fmt, desc, units, cluster in rows:
             desc[:, C.D_WS] = ws_base + desc[:, C.D_WS] * 4
             desc[:, C.D_CNT] = cnt_base + desc[:, C.D_CNT] * 4
             self.launches.append((fmt, rt.cp.asarray(desc), len(desc), units))
+            self.clusters.append(cluster)
+
+    def _cluster(self, splits: list[int], rt) -> int:
+        """v1 / a8 on sm_90: a launch whose matrices share one split count s in 2..GEMV_CLUSTER_MAX
+        runs as clusters of s CTAs (a row group's splits), reduced through DSMEM (cuda/gemv.cu)."""
+        s = splits[0]
+        if self.impl == "v2" or rt.cc < (9, 0) or any(x != s for x in splits) or not 1 < s <= C.GEMV_CLUSTER_MAX:
+            return 1
+        return s
 
     def fuses_quant(self, nlanes: int) -> bool:
         """Whether x's producer may write this plan's int8 activations (then run(prequantized=True))."""
@@ -290,7 +300,7 @@ class GemvPlan:
                 rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
                            i32(self.xq.shape[1]), self.xs))
-            for fmt, desc, nmat, units in self.launches:
+            for (fmt, desc, nmat, units), cluster in zip(self.launches, self.clusters):
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
                 if self.a8 and fmt != L.FMT_BF16:
@@ -300,14 +310,14 @@ class GemvPlan:
                     rt.launch("gemv", f"gemv8{'p' if pers else ''}_{FMT_KERNEL[fmt]}_nt{nt}", grid, 32 * C.GEMV_WARPS,
                               (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
                                np.uint32(0x80808080), i32(n), i32(lane0 + done)),
-                              shared_mem=gemv_shared_bytes(fmt, nt, pers))
+                              shared_mem=gemv_shared_bytes(fmt, nt, pers), cluster=1 if pers else cluster)
                 elif self.impl == "v2":
                     rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
                               (desc, i32(nmat), x, i32(ldx), i32(n), i32(lane0 + done)))
                 else:
                     rt.launch("gemv", f"gemv_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
                               (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(lane0 + done)),
-                              shared_mem=gemv_shared_bytes(fmt, nt))
+                              shared_mem=gemv_shared_bytes(fmt, nt), cluster=cluster)
             done += n
 
     @property

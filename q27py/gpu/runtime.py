@@ -116,14 +116,16 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("nattrs", ctypes.c_uint)]
 
 
+_ATTR_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (value: x, y, z)
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 class PdlLauncher:
-    """cuLaunchKernelEx with programmatic stream serialization, through ctypes on the driver
-    library CuPy already loaded (no other binding needed). Only graph captures use it: the
-    argument packing costs host time an eager launch should not pay, and a captured launch
-    becomes a programmatic edge in the graph (CUDA 12.3+)."""
+    """cuLaunchKernelEx with programmatic stream serialization and / or thread-block clusters,
+    through ctypes on the driver library CuPy already loaded (no other binding needed). Graph
+    captures use it for PDL (a captured launch becomes a programmatic edge, CUDA 12.3+), and any
+    launch that needs clusters; other eager launches keep CuPy's call (the argument packing here
+    costs host time)."""
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
@@ -131,11 +133,15 @@ class PdlLauncher:
         self._launch.restype = ctypes.c_int
         self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                  ctypes.c_void_p]
-        self._attr = _LaunchAttribute()
-        self._attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
-        self._attr.value[0] = 1
+        self._attrs = (_LaunchAttribute * 2)()  # [programmatic serialization, cluster dims]
+        self._attrs[0].id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+        self._attrs[0].value[0] = 1
+        self._attrs[1].id = _ATTR_CLUSTER_DIMENSION
 
-    def launch(self, function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
+    def launch(self, function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int, pdl: bool = True,
+               cluster: int = 1) -> None:
+        """pdl: with programmatic stream serialization; cluster > 1: thread-block clusters of that
+        many consecutive CTAs along x (sm_90; the GEMV's DSMEM split-K reduction)."""
         # Each parameter is passed by address; the driver copies sizeof(parameter) bytes from it,
         # so a 64-bit slot read as a 32-bit int (little endian) still gives the value.
         vals = []
@@ -154,8 +160,15 @@ class PdlLauncher:
         cfg.block[:] = block + (1,) * (3 - len(block))
         cfg.shared = int(shared_mem)
         cfg.stream = ctypes.c_void_p(int(stream_ptr))
-        cfg.attrs = ctypes.pointer(self._attr)
-        cfg.nattrs = 1
+        attrs = []
+        if pdl:
+            attrs.append(0)
+        if cluster > 1:
+            self._attrs[1].value[0], self._attrs[1].value[1], self._attrs[1].value[2] = int(cluster), 1, 1
+            attrs.append(1)
+        # the two attributes sit in one array: point at the first one used (both used: index 0)
+        cfg.attrs = ctypes.pointer(self._attrs[attrs[0]]) if attrs else None
+        cfg.nattrs = len(attrs)
         rc = self._launch(ctypes.byref(cfg), ctypes.c_void_p(int(function_ptr)), params, None)
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
@@ -231,7 +244,8 @@ class Runtime:
             self._functions[key] = f
         return f
 
-    def launch(self, module: str, kernel: str, grid, block, args, shared_mem: int = 0) -> None:
+    def launch(self, module: str, kernel: str, grid, block, args, shared_mem: int = 0, cluster: int = 1) -> None:
+        """cluster > 1: launch as thread-block clusters of that many CTAs (sm_90+, grid divisible)."""
         grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
         block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
         if min(grid) <= 0:
@@ -240,8 +254,11 @@ class Runtime:
         f = self.fn(module, kernel)
         if shared_mem > 48 * 1024:
             self._allow_shared(module, kernel, f, int(shared_mem))
-        if self._pdl_capture and module in PDL_MODULES:
-            self._pdl().launch(f.kernel.ptr, grid, block, args, int(shared_mem), self.cp.cuda.get_current_stream().ptr)
+        pdl = self._pdl_capture and module in PDL_MODULES
+        if pdl or cluster > 1:
+            assert cluster == 1 or (self.cc >= (9, 0) and grid[0] % cluster == 0), (cluster, grid)
+            self._pdl().launch(f.kernel.ptr, grid, block, args, int(shared_mem), self.cp.cuda.get_current_stream().ptr,
+                               pdl=pdl, cluster=cluster)
         else:
             f(grid, block, args, shared_mem=int(shared_mem))
         self.launches += 1

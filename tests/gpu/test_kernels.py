@@ -652,3 +652,40 @@ def test_gemv8_persistent_is_bitwise_the_unit_kernel(cp, K, monkeypatch, cap):
             for a, b in zip(ys[0], ys[1]):
                 assert np.isfinite(a).all()
                 np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["v1", "a8"])
+@pytest.mark.parametrize("fmt", [L.FMT_Q4, L.FMT_Q8, L.FMT_BF16])
+def test_gemv_cluster_split_reduction_is_bitwise_the_ticket(cp, K, monkeypatch, impl, fmt):
+    """sm_90: a split row group's CTAs as one thread-block cluster, partials summed through DSMEM in
+    split order, must give the ticket path's bits (same additions, same order) for every split
+    count a cluster takes, every epilogue mode, and 1 / 8 / 16 lanes. Elsewhere both runs take
+    the ticket path (the cluster count is 1) and the test still checks repeatability."""
+    from q27py.gpu import constants as C
+    from q27py.gpu.runtime import Runtime
+
+    rng = np.random.default_rng(41)
+    cols = 4096  # 64 chunks
+    w = rng.standard_normal((300, cols)).astype(np.float32) * 0.05
+    gu = L.interleave_gate_up(w[:150], w[150:])
+    m_store = K.upload_packed(L.pack_matrix(w, fmt))
+    m_add = K.upload_packed(L.pack_matrix(w, fmt), mode=K.MODE_ADD)
+    m_glu = K.upload_packed(L.pack_matrix(gu, fmt), mode=K.MODE_SWIGLU, out_rows=150)
+    x = padded_x(cp, rng.standard_normal((16, cols)).astype(np.float32), cols)
+    sm90 = Runtime.get().cc >= (9, 0)
+    for splits in (2, 3, 5, 8):
+        for n in (1, 8, 16):
+            got = {}
+            for cmax in (0, 8):
+                monkeypatch.setattr(C, "GEMV_CLUSTER_MAX", cmax)
+                outs = []
+                for m, width in ((m_store, 300), (m_add, 300), (m_glu, 150)):
+                    y = cp.asarray(np.full((n, width), 0.25, np.float32)) if m.mode == K.MODE_ADD else poisoned(cp, (n, width))
+                    plan = K.GemvPlan([m], [(y, width)], K.Workspace(), impl=impl, partition=(1, splits))
+                    assert plan.clusters == [splits if (cmax and sm90) else 1]
+                    plan.run(x, cols, n)
+                    outs.append(y.get())
+                got[cmax] = outs
+            for a, b in zip(got[0], got[8]):
+                assert np.isfinite(a).all()
+                np.testing.assert_array_equal(a, b)
