@@ -288,6 +288,13 @@ __device__ __forceinline__ float ld_dsmem_f32(u32 a, int rank) {
 #endif
 }
 
+// Element i of a row group's valid partial tile (rows x the launch's nv lanes) in the full
+// [rows][cols] layout.
+__device__ __forceinline__ int valid_elem(int i, int nv, int cols) {
+    const int rl = i / nv;
+    return rl * cols + (i - rl * nv);
+}
+
 // Pointers to one launch's activations, by lane tile: fp32 rows (bf16 path) or int8 codes +
 // chunk scales (a8 path).
 template <int NT>
@@ -495,7 +502,11 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
             for (int q = 0; q < 4; q++) red[warp][(i * 16 + g + 8 * (q >> 1)) * COLS + nt * 8 + 2 * t + (q & 1)] = acc[i][nt][q];
     __syncthreads();
     // Each element e is summed and rewritten by one thread only, so red[0] can hold the result.
-    for (int e = tid; e < E; e += blockDim.x) {
+    // Only the launch's lanes are reduced, carried and written (1-lane decode: 64 of E elements):
+    // element i of the valid set is row i / nv, lane i % nv.
+    const int nv = min(nlanes, COLS), EV = GEMV_R * 16 * nv;
+    for (int i = tid; i < EV; i += blockDim.x) {
+        const int e = valid_elem(i, nv, COLS);
         float v = red[0][e];
 #pragma unroll
         for (int wi = 1; wi < GEMV_WARPS; wi++) v += red[wi][e];
@@ -505,7 +516,8 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
         cluster_sync_all();  // every split's red[0] is final (release / acquire)
         if (sp == 0) {
             const u32 base = smem_addr(&red[0][0]);
-            for (int e = tid; e < E; e += blockDim.x) {
+            for (int i = tid; i < EV; i += blockDim.x) {
+                const int e = valid_elem(i, nv, COLS);
                 float v = red[0][e];
                 for (int s2 = 1; s2 < splits; s2++) v += ld_dsmem_f32(base + e * 4, s2);
                 red[0][e] = v;
@@ -521,7 +533,10 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
         float* ws = reinterpret_cast<float*>(d[D_WS]);
         int* cnt = reinterpret_cast<int*>(d[D_CNT]);
         float* mine = ws + ((i64)rg * splits + sp) * E;
-        for (int e = tid; e < E; e += blockDim.x) mine[e] = red[0][e];
+        for (int i = tid; i < EV; i += blockDim.x) {
+            const int e = valid_elem(i, nv, COLS);
+            mine[e] = red[0][e];
+        }
         __threadfence();
         __syncthreads();
         if (tid == 0) s_last = (atomicAdd(cnt + rg, 1) == splits - 1);
@@ -533,7 +548,8 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
         }
         __threadfence();
         const float* all = ws + (i64)rg * splits * E;
-        for (int e = tid; e < E; e += blockDim.x) {
+        for (int i = tid; i < EV; i += blockDim.x) {
+            const int e = valid_elem(i, nv, COLS);
             float v = __ldcg(all + e);
             for (int s2 = 1; s2 < splits; s2++) v += __ldcg(all + (i64)s2 * E + e);
             red[0][e] = v;
@@ -541,9 +557,8 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
         if (tid == 0) cnt[rg] = 0;  // every other CTA of this row group has already counted in
     }
     __syncthreads();
-    for (int e = tid; e < E; e += blockDim.x) {
-        const int rl = e / COLS, ln = e - rl * COLS;
-        if (ln >= nlanes) continue;
+    for (int i = tid; i < EV; i += blockDim.x) {
+        const int rl = i / nv, ln = i - rl * nv, e = rl * COLS + ln;
         if (mode == MODE_SWIGLU) {
             // rows 0..7 of a tile are gate rows, 8..15 the matching up rows
             if ((rl & 15) >= 8) continue;

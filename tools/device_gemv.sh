@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GEMV studies on the device (issue 10). Stages: sweep occ cluster ncu masks persist
+# GEMV studies on the device (issue 10). Stages: sweep occ cluster lanes ncu masks persist
 #   PYTHONPATH=. bash tools/device_gemv.sh sweep ncu
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -34,6 +34,16 @@ for stage in "$@"; do
       done
       timeout 200 python3 -m q27py.bench.gemv_probe --shapes gate_up down gdn_out attn_in --impl a8 --lanes 1 8 16 \
         --splits 2 3 4 6 8 > "$OUT/cluster_sweep.txt" 2>&1 || rc=1; grep -E "^(gate|down|gdn|attn)" "$OUT/cluster_sweep.txt" ;;
+    lanes)  # valid-lane epilogues + smallest-launch-first: bits (tests, gates), probe, trace, then the decode bench
+      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or cluster or persistent or rmsnorm" tests/gpu/test_gemv_plan.py \
+        tests/gpu/test_pdl.py > "$OUT/lanes.txt" 2>&1 || rc=1; tail -4 "$OUT/lanes.txt"
+      timeout 200 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8 --lanes 1 8 16 --json "$OUT/lanes_probe.json" \
+        > "$OUT/lanes_probe.txt" 2>&1 || rc=1; grep -vE "^(mtp_)" "$OUT/lanes_probe.txt" | tail -9
+      timeout 120 python3 tools/gemv_trace.py --shapes down gdn_out --lanes 1 > "$OUT/lanes_trace.txt" 2>&1 || rc=1
+      grep -E "^(down|gdn)|phase" "$OUT/lanes_trace.txt"
+      timeout 400 python3 gates/run.py > "$OUT/lanes_gates.txt" 2>&1 || rc=1; tail -6 "$OUT/lanes_gates.txt"
+      timeout 420 python3 -m q27py bench --random-weights 27b --tier q4s --quick --json > "$OUT/bench.json" \
+        2> "$OUT/bench.txt" || rc=1; grep -v "^  gemm " "$OUT/bench.txt" | tail -22 ;;
     ncu)  # the a8 q4 kernel on down and on the 17 MB output projections, 1 lane (ratios only: ncu locks clocks)
       for shp in "5120 17408" "5120 6144" "34816 5120"; do
         set -- $shp

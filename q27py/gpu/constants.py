@@ -40,7 +40,7 @@ A8_CTAS_NT1, A8_CTAS_NT2 = 2, 2
 A8_PERSIST = 0  # measured slower at 1 lane (docs/PERF.md, 2026-12-01 night): kept for the A/B
 # sm_90: a split row group's CTAs run as one thread-block cluster and reduce through DSMEM
 # (cuda/gemv.cu; same bits as the ticket path), for splits up to this many (0: always the ticket)
-GEMV_CLUSTER_MAX = 8
+GEMV_CLUSTER_MAX = 0  # 8 measured slower: clusters of 3 halve the resident CTAs (docs/PERF.md)
 GEMV_TRACE = 0  # tools/gemv_trace.py: per-CTA %globaltimer stamps of the unit kernels' phases
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM

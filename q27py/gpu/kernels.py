@@ -231,8 +231,11 @@ class GemvPlan:
         groups: dict[int, list[int]] = {}
         for j, m in enumerate(mats):
             groups.setdefault(m.shape.fmt, []).append(j)
-        rows = []  # (fmt, desc rows, ctas)
-        for fmt, idx in groups.items():
+        rows = []  # (fmt, desc rows, ctas, cluster)
+        # the smallest launch first (e.g. the bf16 decay / beta gates before the q4 qkvz): the next
+        # one's prologue and weight prefetch then overlap it (PDL) instead of it waiting for the
+        # big one's tail (tools/gemv_trace.py: ~2.6 us); independent outputs, same bits
+        for fmt, idx in sorted(groups.items(), key=lambda kv: sum(mats[j].nbytes for j in kv[1])):
             blocks = {j: -(-mats[j].row_groups // self.rgb[j]) for j in idx}
             # largest matrices first: their CTAs start earliest
             idx = sorted(idx, key=lambda j: -blocks[j] * self.splits[j])
