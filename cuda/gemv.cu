@@ -365,6 +365,48 @@ __device__ __forceinline__ void compute_stage8(float (&acc)[GEMV_R][NT][4], cons
     }
 }
 
+// The ring's stage layout. a8 on q4 weights (ACT): the chunk's activation B fragments (16 bytes
+// per thread and lane tile) and chunk scales (a float2 per thread and lane tile) ride in the same
+// stage as the weights, so they arrive RING stages ahead like the weights instead of one chunk
+// ahead from L2 (the L1TEX-scoreboard stall on those loads was a third of the loop's cycles under
+// ncu at 1 and 16 lanes, device run 2026-12-01 night). Same data, same math: the bits do not move.
+// 16 lanes keep two CTAs per SM with RING_Q4_NT2 stages; q8 (two weight words per tile) keeps its
+// activations in registers.
+// Only where two such CTAs fit one SM's shared memory (sm_90 / sm_100: 228 KB): the ~100 KB
+// cards (sm_86 / 89 / 120) keep the register look-ahead. kernels.py a8_act_in_ring mirrors kA8ActRing.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000)
+constexpr bool kA8ActRing = true;
+#else
+constexpr bool kA8ActRing = false;
+#endif
+template <int FMT, int NT, bool A8>
+struct RingCfg {
+    enum {
+        ACT = (A8 && FMT == FMT_Q4 && kA8ActRing) ? 1 : 0,
+        S = (ACT && NT == 2) ? RING_Q4_NT2 : Ring<FMT>::STAGES,
+        T = GEMV_WARPS * 32,
+        SCALE_OFF = GEMV_R * FmtInfo<FMT>::WPC * T * 16,  // scale words follow the weight words
+        XQ_OFF = SCALE_OFF + GEMV_R * T * 4,
+        XS_OFF = XQ_OFF + (ACT ? NT * T * 16 : 0),
+        STAGE = XS_OFF + (ACT ? NT * T * 8 : 0)
+    };
+};
+
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src));
+}
+
+// a8 ACT: this thread's activation fragments and scales of chunk c into a stage's slots
+template <int NT>
+__device__ __forceinline__ void a8_issue_act(u32 qslot, u32 xslot, const Act<NT>& xa, int c) {
+    constexpr int T = GEMV_WARPS * 32;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        cp_async16(qslot + nt * T * 16, xa.xq[nt] + c * 4);
+        cp_async8(xslot + nt * T * 8, xa.xs + c * GEMV_MAX_LANES + nt * 8);
+    }
+}
+
 // A warp walks its n chunks cstart, cstart+cstep, ... through the ring. Iteration k waits for
 // chunk k, copies it to registers, refills the slot read in iteration k-1 (its values are
 // consumed, so the overwrite is safe) with chunk k+STAGES-1, then computes chunk k.
@@ -373,15 +415,17 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
                                           const u32* __restrict__ sc, int kch, int ngroups, int rg, int cstart,
                                           int cstep, int n, const Act<NT>& xa, int lane) {
     typedef FmtInfo<FMT> F;
-    constexpr int S = Ring<FMT>::STAGES;
-    constexpr int T = GEMV_WARPS * 32;
-    constexpr int STAGE_BYTES = GEMV_R * (F::WPC * 16 + 4) * T;
+    typedef RingCfg<FMT, NT, A8> RC;
+    constexpr bool ACT = RC::ACT;
+    constexpr int S = RC::S;
+    constexpr int STAGE_BYTES = RC::STAGE;
     constexpr unsigned GSC = FMT == FMT_Q8 ? GSC_Q8 : GSC_Q4;  // chunks per scale group: q8 groups are 128 k
     const int tid = threadIdx.x;
-    constexpr int SCALE_OFF = GEMV_R * F::WPC * T * 16;  // scale words follow the weight words in a stage
-    const u32 wring = smem_addr(ring_ptr) + tid * 16, sring = smem_addr(ring_ptr) + SCALE_OFF + tid * 4;
+    const u32 ring0 = smem_addr(ring_ptr);
+    const u32 wring = ring0 + tid * 16, sring = ring0 + RC::SCALE_OFF + tid * 4;
+    const u32 qring = ring0 + RC::XQ_OFF + tid * 16, xring = ring0 + RC::XS_OFF + tid * 8;
     const u8* wring_rd = ring_ptr + tid * 16;
-    const u8* sring_rd = ring_ptr + SCALE_OFF + tid * 4;
+    const u8* sring_rd = ring_ptr + RC::SCALE_OFF + tid * 4;
     const int tstride = kch * F::CB, sstride = ngroups * 8;
     const u8* wb = w + (i64)rg * GEMV_R * tstride + lane * 16;
     const u32* sb = sc + (i64)rg * GEMV_R * sstride + (lane >> 2);
@@ -392,7 +436,7 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
         if (k < n)
             issue_stage<FMT>(wring + k * STAGE_BYTES, sring + k * STAGE_BYTES, wb + (i64)c * F::CB,
                              sb + (((unsigned)c / GSC) << 3), tstride, sstride);
-        cp_async_commit();
+        if constexpr (!ACT) cp_async_commit();
     }
     // The weights are constants: their first S-1 stages are in flight before the wait on the
     // kernel that wrote this launch's activations (PDL; a no-op without it). Trigger after the
@@ -400,11 +444,19 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
     pdl_wait();
     pdl_trigger();
     GSTAMP(2);
+    if constexpr (ACT) {
+        // group 0 = the prologue's weights + chunk 0's activations, group k = chunk k's activations
+#pragma unroll
+        for (int k = 0; k < S - 1; k++) {
+            if (k < n) a8_issue_act<NT>(qring + k * STAGE_BYTES, xring + k * STAGE_BYTES, xa, cstart + k * cstep);
+            cp_async_commit();
+        }
+    }
     int rd = 0, wr = S - 1;  // ring slots to read and to refill
     uint4 xb[A8 ? NT : 1];
     float2 xsv[A8 ? NT : 1];
     // q8 at 16 lanes holds two weight words per tile: the look-ahead registers would spill there
-    constexpr bool AHEAD = A8 && !(FMT == FMT_Q8 && NT == 2);
+    constexpr bool AHEAD = A8 && !ACT && !(FMT == FMT_Q8 && NT == 2);
     if constexpr (AHEAD)
         if (n > 0) a8_load_act<NT>(xa, cstart, xb, xsv);
     for (int k = 0; k < n; k++) {
@@ -412,14 +464,27 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
         if (k == 0) GSTAMP(3);  // first stage landed
         Stage<FMT> st;
         read_stage<FMT>(st, wring_rd + rd * STAGE_BYTES, sring_rd + rd * STAGE_BYTES);
+        if constexpr (ACT) {
+            constexpr int T = GEMV_WARPS * 32;
+            const u8* slot = ring_ptr + rd * STAGE_BYTES;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                xb[nt] = *reinterpret_cast<const uint4*>(slot + RC::XQ_OFF + (nt * T + tid) * 16);
+                xsv[nt] = *reinterpret_cast<const float2*>(slot + RC::XS_OFF + (nt * T + tid) * 8);
+            }
+        }
         const int c = cstart + k * cstep, cn = c + (S - 1) * cstep;
-        if (k + S - 1 < n)
+        if (k + S - 1 < n) {
             issue_stage<FMT>(wring + wr * STAGE_BYTES, sring + wr * STAGE_BYTES, wb + (i64)cn * F::CB,
                              sb + (((unsigned)cn / GSC) << 3), tstride, sstride);
+            if constexpr (ACT) a8_issue_act<NT>(qring + wr * STAGE_BYTES, xring + wr * STAGE_BYTES, xa, cn);
+        }
         cp_async_commit();
         rd = rd + 1 == S ? 0 : rd + 1;
         wr = wr + 1 == S ? 0 : wr + 1;
-        if constexpr (AHEAD) {
+        if constexpr (ACT) {
+            compute_stage8<FMT, NT>(acc, st, xb, xsv, xa.sgn);
+        } else if constexpr (AHEAD) {
             uint4 xbn[NT];
             float2 xsn[NT];
             if (k + 1 < n) a8_load_act<NT>(xa, c + cstep, xbn, xsn);

@@ -53,6 +53,13 @@ for stage in "$@"; do
         echo "--- $1 x $2"
         grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Eligible Warps|SM Active|Stall|Registers Per|Waves Per SM|Block Limit" "$OUT/ncu_$1x$2.txt" | head -24
       done ;;
+    ncu16)  # gate_up a8 at 16 vs 1 lanes: stall reasons and the hottest SASS (ratios only: ncu locks clocks)
+      for n in 16 1; do
+        timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
+          --section SourceCounters --section ComputeWorkloadAnalysis -k regex:gemv8_q4 \
+          python3 -m q27py.bench.gemv_probe --rows 34816 --cols 5120 --impl a8 --lanes $n --once > "$OUT/ncu16_$n.txt" 2>&1 || rc=1
+        echo "--- lanes $n"; grep -E "Duration|DRAM Throughput|Issue Slots Busy|Issued Warp|Warp Cycles Per Issued|Eligible Warps|Executed Ipc|Pipe|stall|Stall" "$OUT/ncu16_$n.txt" | head -30
+      done ;;
     masks) Q27_DEVICE_MASKS=1 timeout 300 $PYTEST tests/gpu -k mask > "$OUT/masks.txt" 2>&1 || rc=1; tail -5 "$OUT/masks.txt" ;;
     persist)  # the persistent a8 kernels: bits against the unit kernels and float64, then the probe A/B
       timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or persistent or quant_act8 or rmsnorm" tests/gpu/test_gemv_plan.py \

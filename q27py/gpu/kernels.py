@@ -177,14 +177,25 @@ FMT_KERNEL = {L.FMT_BF16: "bf16", L.FMT_Q8: "q8", L.FMT_Q4: "q4"}
 GEMV_WPC = {L.FMT_BF16: C.WPC_BF16, L.FMT_Q8: C.WPC_Q8, L.FMT_Q4: C.WPC_Q4}
 
 
-def gemv_shared_bytes(fmt: int, nt: int, persistent: bool = False) -> int:
-    """Dynamic shared memory of one GEMV CTA: the warps' cp.async rings, or the reduction if larger;
-    persistent (gemv8p_*): the ring and, after it, the reduction (the ring streams through epilogues)."""
+def gemv_shared_bytes(fmt: int, nt: int, persistent: bool = False, a8: bool = False) -> int:
+    """Dynamic shared memory of one GEMV CTA: the warps' cp.async rings, or the reduction if larger
+    (cuda/gemv.cu RingCfg: a8 on q4 weights carries each chunk's activation fragments and scales in
+    the ring, 24 bytes per thread and lane tile, with RING_Q4_NT2 stages at 16 lanes); persistent
+    (gemv8p_*): the plain ring and, after it, the reduction (the ring streams through epilogues)."""
     threads = 32 * C.GEMV_WARPS
     stages = {L.FMT_BF16: C.RING_BF16, L.FMT_Q8: C.RING_Q8, L.FMT_Q4: C.RING_Q4}[fmt]  # live: probe --set A/B
-    ring = stages * GEMV_R * (GEMV_WPC[fmt] * 16 + 4) * threads
+    act = a8 and fmt == L.FMT_Q4 and not persistent and a8_act_in_ring(Runtime.get().cc)
+    if act and nt == 2:
+        stages = C.RING_Q4_NT2
+    ring = stages * (GEMV_R * (GEMV_WPC[fmt] * 16 + 4) + (nt * 24 if act else 0)) * threads
     red = C.GEMV_WARPS * GEMV_ROWS_PER_CTA * nt * 8 * 4
     return ring + red if persistent else max(ring, red)
+
+
+def a8_act_in_ring(cc: tuple[int, int]) -> bool:
+    """Whether the a8 q4 kernels carry activations in the cp.async ring (cuda/gemv.cu A8_ACT_RING):
+    the 228 KB shared-memory parts (sm_90, sm_100), where two such CTAs fit one SM."""
+    return cc in ((9, 0), (10, 0))
 
 
 A8_GRID_CAP: int | None = None  # tests: cap the persistent grid so each CTA runs many units
@@ -313,7 +324,7 @@ class GemvPlan:
                     rt.launch("gemv", f"gemv8{'p' if pers else ''}_{FMT_KERNEL[fmt]}_nt{nt}", grid, 32 * C.GEMV_WARPS,
                               (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
                                np.uint32(0x80808080), i32(n), i32(lane0 + done)),
-                              shared_mem=gemv_shared_bytes(fmt, nt, pers), cluster=1 if pers else cluster)
+                              shared_mem=gemv_shared_bytes(fmt, nt, pers, a8=True), cluster=1 if pers else cluster)
                 elif self.impl == "v2":
                     rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
                               (desc, i32(nmat), x, i32(ldx), i32(n), i32(lane0 + done)))

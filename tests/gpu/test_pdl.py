@@ -53,7 +53,7 @@ def test_every_pdl_kernel_waits_first():
     loop = gemv[gemv.index("void gemv_loop("):]
     loop = loop[: loop.index("\n}\n")]
     wait, prologue_end = loop.index("pdl_wait();"), loop.index("cp_async_commit();")
-    first_act = loop.index("a8_load_act")
+    first_act = min(loop.index("a8_load_act"), loop.index("a8_issue_act"))
     assert prologue_end < wait < first_act, "gemv_loop: prefetch weights, then wait, then read activations"
     assert loop.index("pdl_trigger();") > wait
     body = gemv[gemv.index("void gemv8p_body("):]
