@@ -382,7 +382,7 @@ constexpr bool kA8ActRing = false;
 template <int FMT, int NT, bool A8>
 struct RingCfg {
     enum {
-        ACT = (A8 && FMT == FMT_Q4 && kA8ActRing) ? 1 : 0,
+        ACT = (A8 && FMT == FMT_Q4 && kA8ActRing && GEMV_ACT_RING) ? 1 : 0,
         S = (ACT && NT == 2) ? RING_Q4_NT2 : Ring<FMT>::STAGES,
         T = GEMV_WARPS * 32,
         SCALE_OFF = GEMV_R * FmtInfo<FMT>::WPC * T * 16,  // scale words follow the weight words
@@ -395,6 +395,12 @@ struct RingCfg {
 __device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src));
 }
+// through L1 (.ca): every CTA reads the same activation bytes, and below 8 lanes the threads of a
+// warp repeat rows (the clamp in gemv_body): L1 serves the repeats (with .cg each went to L2 and
+// the 1-lane launches lost 40%, device run 2026-12-01 night)
+__device__ __forceinline__ void cp_async16_ca(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
 
 // a8 ACT: this thread's activation fragments and scales of chunk c into a stage's slots
 template <int NT>
@@ -402,7 +408,7 @@ __device__ __forceinline__ void a8_issue_act(u32 qslot, u32 xslot, const Act<NT>
     constexpr int T = GEMV_WARPS * 32;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
-        cp_async16(qslot + nt * T * 16, xa.xq[nt] + c * 4);
+        cp_async16_ca(qslot + nt * T * 16, xa.xq[nt] + c * 4);
         cp_async8(xslot + nt * T * 8, xa.xs + c * GEMV_MAX_LANES + nt * 8);
     }
 }

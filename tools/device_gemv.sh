@@ -44,6 +44,13 @@ for stage in "$@"; do
       timeout 400 python3 gates/run.py > "$OUT/lanes_gates.txt" 2>&1 || rc=1; tail -6 "$OUT/lanes_gates.txt"
       timeout 420 python3 -m q27py bench --random-weights 27b --tier q4s --quick --json > "$OUT/bench.json" \
         2> "$OUT/bench.txt" || rc=1; grep -v "^  gemm " "$OUT/bench.txt" | tail -22 ;;
+    actring)  # activations in the ring vs the register look-ahead, one process each, then the tests
+      for a in 0 1; do
+        timeout 200 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8 --lanes 1 2 8 16 --set GEMV_ACT_RING=$a \
+          > "$OUT/actring$a.txt" 2>&1 || rc=1; echo "--- GEMV_ACT_RING=$a"; grep -vE "^(mtp_)" "$OUT/actring$a.txt" | tail -9
+      done
+      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or persistent or cluster" > "$OUT/actring_tests.txt" 2>&1 || rc=1
+      tail -3 "$OUT/actring_tests.txt" ;;
     ncu)  # the a8 q4 kernel on down and on the 17 MB output projections, 1 lane (ratios only: ncu locks clocks)
       for shp in "5120 17408" "5120 6144" "34816 5120"; do
         set -- $shp

@@ -34,6 +34,7 @@ RING_BF16, RING_Q8, RING_Q4 = 2, 3, 4
 # a8 on q4 weights carries the activations in the ring (cuda/gemv.cu RingCfg): 16 lanes with 4 stages
 # would not fit two CTAs per SM, so they run 3
 RING_Q4_NT2 = 3
+GEMV_ACT_RING = 1  # 0: the register look-ahead everywhere (A/B)
 V1_CTAS_NT1, V1_CTAS_NT2, V1_CTAS_BF16 = 2, 1, 1
 # a8 kernels (int8 activations, mma.m16n8k32 s8): their 16-lane loop holds no hi/lo activation
 # pairs, so it fits two CTAs per SM as well

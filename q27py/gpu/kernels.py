@@ -195,7 +195,7 @@ def gemv_shared_bytes(fmt: int, nt: int, persistent: bool = False, a8: bool = Fa
 def a8_act_in_ring(cc: tuple[int, int]) -> bool:
     """Whether the a8 q4 kernels carry activations in the cp.async ring (cuda/gemv.cu A8_ACT_RING):
     the 228 KB shared-memory parts (sm_90, sm_100), where two such CTAs fit one SM."""
-    return cc in ((9, 0), (10, 0))
+    return bool(C.GEMV_ACT_RING) and cc in ((9, 0), (10, 0))
 
 
 A8_GRID_CAP: int | None = None  # tests: cap the persistent grid so each CTA runs many units
