@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GEMV studies on the device (issue 10). Stages: sweep occ cluster lanes ncu masks persist
+# GEMV studies on the device (issue 10). Stages: sweep occ cluster lanes actring ncu ncu16 masks
 #   PYTHONPATH=. bash tools/device_gemv.sh sweep ncu
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -10,7 +10,7 @@ rc=0
 for stage in "$@"; do
   say "$stage"
   case "$stage" in
-    sweep)  # a8 K-split sweep per 27B launch (the hardware scheduler as the persistent schedule)
+    sweep)  # a8 K-split sweep per 27B launch (the hardware scheduler as the schedule)
       timeout 300 python3 -m q27py.bench.gemv_probe --shapes gate_up down gdn_in gdn_out attn_in lm_head --impl a8 \
         --lanes 1 8 16 --splits ${SPLITS:-1 2 3 4 6 8} --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1 || rc=1
       cat "$OUT/sweep.txt" | tail -45 ;;
@@ -23,7 +23,7 @@ for stage in "$@"; do
           > "$OUT/occ_b.txt" 2>&1 || rc=1; grep -E "^(down|gdn_out|Trace|cupy)" "$OUT/occ_b.txt"
       done ;;
     cluster)  # DSMEM split-K (thread-block clusters): bits against the ticket path, trace, probe A/B, split sweep
-      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or cluster or persistent" tests/gpu/test_pdl.py \
+      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or cluster" tests/gpu/test_pdl.py \
         > "$OUT/cluster.txt" 2>&1 || rc=1; tail -4 "$OUT/cluster.txt"
       timeout 120 python3 tools/gemv_trace.py --shapes down gdn_out --lanes 1 > "$OUT/cluster_trace.txt" 2>&1 || rc=1
       cat "$OUT/cluster_trace.txt"
@@ -35,7 +35,7 @@ for stage in "$@"; do
       timeout 200 python3 -m q27py.bench.gemv_probe --shapes gate_up down gdn_out attn_in --impl a8 --lanes 1 8 16 \
         --splits 2 3 4 6 8 > "$OUT/cluster_sweep.txt" 2>&1 || rc=1; grep -E "^(gate|down|gdn|attn)" "$OUT/cluster_sweep.txt" ;;
     lanes)  # valid-lane epilogues + smallest-launch-first: bits (tests, gates), probe, trace, then the decode bench
-      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or cluster or persistent or rmsnorm" tests/gpu/test_gemv_plan.py \
+      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or cluster or rmsnorm" tests/gpu/test_gemv_plan.py \
         tests/gpu/test_pdl.py > "$OUT/lanes.txt" 2>&1 || rc=1; tail -4 "$OUT/lanes.txt"
       timeout 200 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8 --lanes 1 8 16 --json "$OUT/lanes_probe.json" \
         > "$OUT/lanes_probe.txt" 2>&1 || rc=1; grep -vE "^(mtp_)" "$OUT/lanes_probe.txt" | tail -9
@@ -49,7 +49,7 @@ for stage in "$@"; do
         timeout 200 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8 --lanes 1 2 8 16 --set GEMV_ACT_RING=$a \
           > "$OUT/actring$a.txt" 2>&1 || rc=1; echo "--- GEMV_ACT_RING=$a"; grep -vE "^(mtp_)" "$OUT/actring$a.txt" | tail -9
       done
-      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or persistent or cluster" > "$OUT/actring_tests.txt" 2>&1 || rc=1
+      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or cluster" > "$OUT/actring_tests.txt" 2>&1 || rc=1
       tail -3 "$OUT/actring_tests.txt" ;;
     ncu)  # the a8 q4 kernel on down and on the 17 MB output projections, 1 lane (ratios only: ncu locks clocks)
       for shp in "5120 17408" "5120 6144" "34816 5120"; do
@@ -68,14 +68,6 @@ for stage in "$@"; do
         echo "--- lanes $n"; grep -E "Duration|DRAM Throughput|Issue Slots Busy|Issued Warp|Warp Cycles Per Issued|Eligible Warps|Executed Ipc|Pipe|stall|Stall" "$OUT/ncu16_$n.txt" | head -30
       done ;;
     masks) Q27_DEVICE_MASKS=1 timeout 300 $PYTEST tests/gpu -k mask > "$OUT/masks.txt" 2>&1 || rc=1; tail -5 "$OUT/masks.txt" ;;
-    persist)  # the persistent a8 kernels: bits against the unit kernels and float64, then the probe A/B
-      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or persistent or quant_act8 or rmsnorm" tests/gpu/test_gemv_plan.py \
-        tests/gpu/test_pdl.py > "$OUT/persist.txt" 2>&1 || rc=1; tail -6 "$OUT/persist.txt"
-      for p in 0 1; do
-        timeout 200 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8 --lanes 1 8 16 --set A8_PERSIST=$p \
-          --json "$OUT/persist_probe$p.json" > "$OUT/persist_probe$p.txt" 2>&1 || rc=1
-        echo "--- A8_PERSIST=$p"; grep -vE "^(mtp_)" "$OUT/persist_probe$p.txt" | tail -9
-      done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done

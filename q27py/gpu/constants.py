@@ -39,9 +39,6 @@ V1_CTAS_NT1, V1_CTAS_NT2, V1_CTAS_BF16 = 2, 1, 1
 # a8 kernels (int8 activations, mma.m16n8k32 s8): their 16-lane loop holds no hi/lo activation
 # pairs, so it fits two CTAs per SM as well
 A8_CTAS_NT1, A8_CTAS_NT2 = 2, 2
-# a8 q4 launches as persistent CTAs (cuda/gemv.cu gemv8p_*: at most the resident CTAs, each running
-# units b, b + G, ... with one cp.async stream across them; the same units and bits as gemv8_*)
-A8_PERSIST = 0  # measured slower at 1 lane (docs/PERF.md, 2026-12-01 night): kept for the A/B
 # sm_90: a split row group's CTAs run as one thread-block cluster and reduce through DSMEM
 # (cuda/gemv.cu; same bits as the ticket path), for splits up to this many (0: always the ticket)
 GEMV_CLUSTER_MAX = 0  # 8 measured slower: clusters of 3 halve the resident CTAs (docs/PERF.md)

@@ -177,19 +177,18 @@ FMT_KERNEL = {L.FMT_BF16: "bf16", L.FMT_Q8: "q8", L.FMT_Q4: "q4"}
 GEMV_WPC = {L.FMT_BF16: C.WPC_BF16, L.FMT_Q8: C.WPC_Q8, L.FMT_Q4: C.WPC_Q4}
 
 
-def gemv_shared_bytes(fmt: int, nt: int, persistent: bool = False, a8: bool = False) -> int:
+def gemv_shared_bytes(fmt: int, nt: int, a8: bool = False) -> int:
     """Dynamic shared memory of one GEMV CTA: the warps' cp.async rings, or the reduction if larger
     (cuda/gemv.cu RingCfg: a8 on q4 weights carries each chunk's activation fragments and scales in
-    the ring, 24 bytes per thread and lane tile, with RING_Q4_NT2 stages at 16 lanes); persistent
-    (gemv8p_*): the plain ring and, after it, the reduction (the ring streams through epilogues)."""
+    the ring, 24 bytes per thread and lane tile, with RING_Q4_NT2 stages at 16 lanes)."""
     threads = 32 * C.GEMV_WARPS
     stages = {L.FMT_BF16: C.RING_BF16, L.FMT_Q8: C.RING_Q8, L.FMT_Q4: C.RING_Q4}[fmt]  # live: probe --set A/B
-    act = a8 and fmt == L.FMT_Q4 and not persistent and a8_act_in_ring(Runtime.get().cc)
+    act = a8 and fmt == L.FMT_Q4 and a8_act_in_ring(Runtime.get().cc)
     if act and nt == 2:
         stages = C.RING_Q4_NT2
     ring = stages * (GEMV_R * (GEMV_WPC[fmt] * 16 + 4) + (nt * 24 if act else 0)) * threads
     red = C.GEMV_WARPS * GEMV_ROWS_PER_CTA * nt * 8 * 4
-    return ring + red if persistent else max(ring, red)
+    return max(ring, red)
 
 
 def a8_act_in_ring(cc: tuple[int, int]) -> bool:
@@ -197,13 +196,6 @@ def a8_act_in_ring(cc: tuple[int, int]) -> bool:
     the 228 KB shared-memory parts (sm_90, sm_100), where two such CTAs fit one SM."""
     return bool(C.GEMV_ACT_RING) and cc in ((9, 0), (10, 0))
 
-
-A8_GRID_CAP: int | None = None  # tests: cap the persistent grid so each CTA runs many units
-
-
-def a8_persistent(fmt: int) -> bool:
-    """Whether an a8 launch of this format runs the persistent kernels (constants table A8_PERSIST)."""
-    return bool(C.A8_PERSIST) and fmt == L.FMT_Q4
 
 
 class GemvPlan:
@@ -318,13 +310,10 @@ class GemvPlan:
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
                 if self.a8 and fmt != L.FMT_BF16:
-                    pers = a8_persistent(fmt)
-                    grid = min(units, (C.A8_CTAS_NT1 if nt == 1 else C.A8_CTAS_NT2) * rt.sm_count,
-                               A8_GRID_CAP or units) if pers else units
-                    rt.launch("gemv", f"gemv8{'p' if pers else ''}_{FMT_KERNEL[fmt]}_nt{nt}", grid, 32 * C.GEMV_WARPS,
+                    rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
                               (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
                                np.uint32(0x80808080), i32(n), i32(lane0 + done)),
-                              shared_mem=gemv_shared_bytes(fmt, nt, pers, a8=True), cluster=1 if pers else cluster)
+                              shared_mem=gemv_shared_bytes(fmt, nt, a8=True), cluster=cluster)
                 elif self.impl == "v2":
                     rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
                               (desc, i32(nmat), x, i32(ldx), i32(n), i32(lane0 + done)))

@@ -609,51 +609,6 @@ def test_gumbel_sampling_follows_softmax(cp, K):
     np.testing.assert_array_equal(ids.get(), ids2.get())  # keyed by (seed, position, index) only
 
 
-# ---------------------------------------------------------------- persistent a8 GEMV (gemv8p_*)
-@pytest.mark.parametrize("cap", [1, 3, 7, None])
-def test_gemv8_persistent_is_bitwise_the_unit_kernel(cp, K, monkeypatch, cap):
-    """gemv8p_* runs gemv8_*'s units (same sums, same order) on a grid of at most the resident CTAs,
-    one cp.async stream across each CTA's units: its output must equal the unit kernel's bit for bit.
-    Small grid caps make every CTA run many units: split row groups (a CTA that is not the last
-    arriver goes on to its next unit), warps with no chunk in a unit (K splits of < 8 chunks), two
-    matrices in one launch, and each epilogue mode."""
-    from q27py.gpu import constants as C
-
-    rng = np.random.default_rng(31)
-    cols = 2560  # 40 chunks
-    specs = [(1000, K.MODE_STORE, None), (640, K.MODE_ADD, None), (2 * 200, K.MODE_SWIGLU, 200)]
-    mats, outs, bases = [], [], []
-    for rows, mode, inter in specs:
-        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
-        if mode == K.MODE_SWIGLU:
-            w = L.interleave_gate_up(w[:inter], w[inter:])
-        mats.append(K.upload_packed(L.pack_matrix(w, L.FMT_Q4), mode=mode, out_rows=inter))
-    x = padded_x(cp, rng.standard_normal((16, cols)).astype(np.float32), cols)
-    for splits in (1, 3, 7):  # 7 splits of 40 chunks: 5-6 chunks per split, so some warps idle
-        for n in (1, 8, 9, 16):
-            ys = {}
-            for pers in (0, 1):
-                monkeypatch.setattr(C, "A8_PERSIST", pers)
-                monkeypatch.setattr(K, "A8_GRID_CAP", cap)
-                res = []
-                for j, m in enumerate(mats):
-                    width = specs[j][2] or specs[j][0]
-                    y = cp.asarray(np.full((n, width), 0.5, np.float32)) if m.mode == K.MODE_ADD else poisoned(cp, (n, width))
-                    plan = K.GemvPlan([m], [(y, width)], K.Workspace(), impl="a8",
-                                      partition=(1, splits))
-                    plan.run(x, cols, n)
-                    res.append(y.get())
-                # two matrices in one launch (descriptor rows) as well
-                ya, yb = poisoned(cp, (n, 1000)), cp.asarray(np.full((n, 640), 0.5, np.float32))
-                K.GemvPlan([mats[0], mats[1]], [(ya, 1000), (yb, 640)], K.Workspace(), impl="a8",
-                           partition=(1, splits)).run(x, cols, n)
-                res += [ya.get(), yb.get()]
-                ys[pers] = res
-            for a, b in zip(ys[0], ys[1]):
-                assert np.isfinite(a).all()
-                np.testing.assert_array_equal(a, b)
-
-
 @pytest.mark.parametrize("impl", ["v1", "a8"])
 @pytest.mark.parametrize("fmt", [L.FMT_Q4, L.FMT_Q8, L.FMT_BF16])
 def test_gemv_cluster_split_reduction_is_bitwise_the_ticket(cp, K, monkeypatch, impl, fmt):
