@@ -366,8 +366,12 @@ __device__ __forceinline__ void lm_quantize_block(float x, int d, int bits, cons
 // quantize_act8 gives the same bits); an all-zero chunk has scale 0. Shared by quant_act8 and the
 // fused producers (norm.cu rmsnorm_rows_a8), so both give the a8 GEMV the same bytes.
 // dst_row: the row's code bytes; xs_col: &xs[0][row] of the [chunk][GEMV_MAX_LANES] scales.
+__device__ __forceinline__ void act8_quantize_pair(float2 v, int c, u8* dst_row, float* xs_col, int lane);
 __device__ __forceinline__ void act8_quantize_chunk(const float* row, int c, u8* dst_row, float* xs_col, int lane) {
-    const float2 v = *reinterpret_cast<const float2*>(row + c * 64 + 2 * lane);
+    act8_quantize_pair(*reinterpret_cast<const float2*>(row + c * 64 + 2 * lane), c, dst_row, xs_col, lane);
+}
+// the same, from the lane's two values (k = 64 c + 2 lane, + 1) already at hand
+__device__ __forceinline__ void act8_quantize_pair(float2 v, int c, u8* dst_row, float* xs_col, int lane) {
     const float amax = warp_max(fmaxf(fabsf(v.x), fabsf(v.y)));
     const float inv = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
     const int q0 = max(-127, min(127, __float2int_rn(__fmul_rn(v.x, inv))));

@@ -5,9 +5,10 @@
 // Qwen norms (input/post-attention/final/MTP), 0 for a plain weight.
 // grid (rows), block 256..1024. A thread keeps its (up to 8) elements in registers between
 // the two passes, so the row is read once and every load is issued before the first use.
+// ys (optional, shared): the normed row is also kept there (the a8 variant quantizes from it).
 __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x, int ldx, const float* __restrict__ w,
                                             float add_one, float eps, int H, float* __restrict__ y, int ldy,
-                                            float* red) {
+                                            float* red, float* ys = nullptr) {
     const float* xr = x + (i64)blockIdx.x * ldx;
     float v[NORM_PER_THREAD];
     float ss = 0.f;
@@ -25,9 +26,17 @@ __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x, int ldx
 #pragma unroll
     for (int i = 0; i < NORM_PER_THREAD; i++) {
         const int k = threadIdx.x + i * blockDim.x;
-        if (k < H) yr[k] = (v[i] / den) * (w[k] + add_one);
+        if (k < H) {
+            const float o = (v[i] / den) * (w[k] + add_one);
+            yr[k] = o;
+            if (ys) ys[k] = o;
+        }
     }
-    for (int k = threadIdx.x + NORM_PER_THREAD * blockDim.x; k < H; k += blockDim.x) yr[k] = (xr[k] / den) * (w[k] + add_one);
+    for (int k = threadIdx.x + NORM_PER_THREAD * blockDim.x; k < H; k += blockDim.x) {
+        const float o = (xr[k] / den) * (w[k] + add_one);
+        yr[k] = o;
+        if (ys) ys[k] = o;
+    }
 }
 
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, const float* __restrict__ w, float add_one,
@@ -40,16 +49,23 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, co
 // rmsnorm_rows, then the row's a8 GEMV input (act8_quantize_chunk over its kch chunks, from the
 // fp32 row just written: the same bytes quant_act8 would make). Why: one launch instead of two
 // before each a8 GEMV that reads a normed row (the layers' input and MLP norms).
+// The chunks quantize from a shared copy of the normed row when it fits (NORM_A8_MAX_K): reading
+// the row back from global memory was one more L2 round trip on this one-CTA-per-lane kernel's
+// critical path. Same values, same bytes.
 extern "C" __global__ void rmsnorm_rows_a8(const float* __restrict__ x, int ldx, const float* __restrict__ w,
                                            float add_one, float eps, int H, float* __restrict__ y, int ldy, int kch,
                                            u8* __restrict__ xq, int ldq, float* __restrict__ xs) {
     pdl_entry();
     __shared__ float red[32];
-    rmsnorm_row(x, ldx, w, add_one, eps, H, y, ldy, red);
+    __shared__ __align__(16) float ys[NORM_A8_MAX_K];
+    const bool staged = kch * 64 <= NORM_A8_MAX_K;
+    rmsnorm_row(x, ldx, w, add_one, eps, H, y, ldy, red, staged ? ys : nullptr);
+    if (staged)  // the padded tail of the last chunk reads as zero, as the fp32 rows' pads do
+        for (int k = H + threadIdx.x; k < kch * 64; k += blockDim.x) ys[k] = 0.f;
     __syncthreads();  // the block's row writes are visible to the block after the barrier
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.x;
-    for (int c = warp; c < kch; c += blockDim.x >> 5)
-        act8_quantize_chunk(y + (i64)row * ldy, c, xq + (i64)row * ldq, xs + row, lane);
+    const float* src = staged ? ys : y + (i64)row * ldy;
+    for (int c = warp; c < kch; c += blockDim.x >> 5) act8_quantize_chunk(src, c, xq + (i64)row * ldq, xs + row, lane);
 }
 
 // The GDN output norm, per (lane, v-head): y = o / sqrt(mean(o^2) + eps) * w * silu(z).
@@ -65,4 +81,31 @@ extern "C" __global__ void gated_rmsnorm(const float* __restrict__ o, int ldo, c
     const float den = sqrtf(ss / (float)dv + eps);
     const float zz = z[(i64)t * ldz + h * dv + j];
     y[(i64)t * ldy + h * dv + j] = (v / den) * w[j] * (zz * sigmoid_f(zz));
+}
+
+// gated_rmsnorm, then the row's a8 GEMV input for this head's chunks (dv % 64 == 0: a head owns
+// whole 64-k chunks), quantized from a shared copy: the bytes quant_act8 would make from y, one
+// launch fewer before each GDN output projection. block = dv threads, dv <= GATED_A8_MAX_DV.
+extern "C" __global__ void gated_rmsnorm_a8(const float* __restrict__ o, int ldo, const float* __restrict__ z, int ldz,
+                                            const float* __restrict__ w, float eps, int dv, float* __restrict__ y,
+                                            int ldy, u8* __restrict__ xq, int ldq, float* __restrict__ xs) {
+    pdl_entry();
+    __shared__ float red[32];
+    __shared__ __align__(16) float ys[GATED_A8_MAX_DV];
+    const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    const float v = j < dv ? o[(i64)t * ldo + h * dv + j] : 0.f;
+    const float ss = block_sum(v * v, red);
+    if (j < dv) {
+        const float den = sqrtf(ss / (float)dv + eps);
+        const float zz = z[(i64)t * ldz + h * dv + j];
+        const float out = (v / den) * w[j] * (zz * sigmoid_f(zz));
+        y[(i64)t * ldy + h * dv + j] = out;
+        ys[j] = out;
+    }
+    __syncthreads();
+    const int warp = j >> 5, lane = j & 31;
+    if (warp < dv / 64) {
+        const float2 pv = *reinterpret_cast<const float2*>(ys + warp * 64 + 2 * lane);
+        act8_quantize_pair(pv, (h * dv) / 64 + warp, xq + (i64)t * ldq, xs + t, lane);
+    }
 }

@@ -932,9 +932,10 @@ class FastModel:
         else:
             K.gdn_step(state.gdn[gi], 0, qkvn, 0, gb, 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
                        emit=True, write_state=commit)
+        fuse = K.gated_rmsnorm_fuses(plan["out"], t, hv, dv)
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv, self.xo,
-                        self.ld_xo)
-        plan["out"].run(self.xo, self.ld_xo, t)
+                        self.ld_xo, a8=plan["out"] if fuse else None)
+        plan["out"].run(self.xo, self.ld_xo, t, prequantized=fuse)
 
     def _gdn_lanes(self, lw: LayerW, plan: dict, n: int, state_off: int, win_off: int) -> None:
         """_gdn for decode_batch lanes (each a committing one-token step of its own state, offsets:
@@ -958,9 +959,10 @@ class FastModel:
                          g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n)
         K.gdn_conv_commit_lanes(self.lane_table, win_off, raw, self.ld_proj, c, kw, n)
         K.gdn_step_lanes(self.lane_table, state_off, qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, n)
+        fuse = K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, n, hv, dv, self.xo,
-                        self.ld_xo)
-        plan["out"].run(self.xo, self.ld_xo, n)
+                        self.ld_xo, a8=plan["out"] if fuse else None)
+        plan["out"].run(self.xo, self.ld_xo, n, prequantized=fuse)
 
     def _attention_lanes(self, lw: LayerW, plan: dict, n: int, kv_off: int, x_off: int) -> None:
         """_attention for decode_batch lanes (f32 / bf16 / fp8 KV; offsets: this layer's bytes into

@@ -475,10 +475,23 @@ def rmsnorm(x, ldx: int, w, eps: float, hidden: int, y, ldy: int, nlanes: int, a
                          args + (i32(a8.kpad // L.CHUNK_K), a8.xq, i32(a8.xq.shape[1]), a8.xs))
 
 
-def gated_rmsnorm(o, ldo: int, z, ldz: int, w, eps: float, nlanes: int, hv: int, dv: int, y, ldy: int) -> None:
+def gated_rmsnorm_fuses(plan: "GemvPlan", nlanes: int, hv: int, dv: int) -> bool:
+    """Whether gated_rmsnorm can write `plan`'s a8 activations itself (then plan.run(prequantized=True)):
+    each value head owns whole 64-k chunks and the plan's K is exactly the heads."""
+    return plan.fuses_quant(nlanes) and dv % L.CHUNK_K == 0 and dv <= C.GATED_A8_MAX_DV and plan.kpad == hv * dv
+
+
+def gated_rmsnorm(o, ldo: int, z, ldz: int, w, eps: float, nlanes: int, hv: int, dv: int, y, ldy: int,
+                  a8: "GemvPlan | None" = None) -> None:
+    """The GDN output norm; with a8 (gated_rmsnorm_fuses) the same launch also writes that plan's
+    int8 activations (norm.cu gated_rmsnorm_a8: the bytes quant_act8 makes from y)."""
     block = max(32, -(-dv // 32) * 32)
-    Runtime.get().launch("norm", "gated_rmsnorm", (nlanes, hv), block,
-                         (o, i32(ldo), z, i32(ldz), w, f32(eps), i32(dv), y, i32(ldy)))
+    args = (o, i32(ldo), z, i32(ldz), w, f32(eps), i32(dv), y, i32(ldy))
+    if a8 is None:
+        Runtime.get().launch("norm", "gated_rmsnorm", (nlanes, hv), block, args)
+        return
+    assert gated_rmsnorm_fuses(a8, nlanes, hv, dv)
+    Runtime.get().launch("norm", "gated_rmsnorm_a8", (nlanes, hv), block, args + (a8.xq, i32(a8.xq.shape[1]), a8.xs))
 
 
 # ---------------------------------------------------------------- Gated DeltaNet

@@ -207,11 +207,15 @@ def test_quant_act8_matches_numpy_spec_bitwise(cp, K):
     np.testing.assert_array_equal(xs.get()[:, :n], scales.T)
 
 
-def test_rmsnorm_a8_fuses_quant_bitwise(cp, K):
+@pytest.mark.parametrize("h", [5120, 1000, 9000])
+def test_rmsnorm_a8_fuses_quant_bitwise(cp, K, h):
     """rmsnorm_rows_a8 writes rmsnorm_rows's fp32 row and, from it, the a8 plan's int8 activations:
-    a prequantized plan run gives the bits of the unfused pair (rmsnorm, then run with quant_act8)."""
+    a prequantized plan run gives the bits of the unfused pair (rmsnorm, then run with quant_act8).
+    1000: the last chunk's padded tail (the staged copy must read it as zero); 9000: a row longer
+    than NORM_A8_MAX_K quantizes from global memory instead of the staged copy."""
     rng = np.random.default_rng(41)
-    h, rows, n = 5120, 300, 7
+    rows, n = 300, 7
+    kpad = L.round_up(h, L.CHUNK_K)
     pm = L.pack_matrix(rng.standard_normal((rows, h)).astype(np.float32) * 0.05, L.FMT_Q4)
     m = K.upload_packed(pm)
     x = cp.asarray(rng.standard_normal((n, h)).astype(np.float32) * 3)
@@ -219,15 +223,40 @@ def test_rmsnorm_a8_fuses_quant_bitwise(cp, K):
     ws = K.Workspace()
     y1, y2 = poisoned(cp, (n, rows)), poisoned(cp, (n, rows))
     p1, p2 = K.GemvPlan([m], [(y1, rows)], ws, impl="a8"), K.GemvPlan([m], [(y2, rows)], ws, impl="a8")
-    xa, xb = cp.zeros((n, h), cp.float32), cp.zeros((n, h), cp.float32)
-    K.rmsnorm(x, h, w, 1e-6, h, xa, h, n)
-    p1.run(xa, h, n)
-    K.rmsnorm(x, h, w, 1e-6, h, xb, h, n, a8=p2)
-    p2.run(xb, h, n, prequantized=True)
+    xa, xb = cp.zeros((n, kpad), cp.float32), cp.zeros((n, kpad), cp.float32)
+    K.rmsnorm(x, h, w, 1e-6, h, xa, kpad, n)
+    p1.run(xa, kpad, n)
+    K.rmsnorm(x, h, w, 1e-6, h, xb, kpad, n, a8=p2)
+    p2.run(xb, kpad, n, prequantized=True)
     np.testing.assert_array_equal(xa.get(), xb.get())
     np.testing.assert_array_equal(y1.get(), y2.get())
     codes, scales = L.quantize_act8(xa.get())
-    np.testing.assert_array_equal(p2.xq.get()[:n, :h], L.act8_fragment_bytes(codes))
+    np.testing.assert_array_equal(p2.xq.get()[:n, :kpad], L.act8_fragment_bytes(codes))
+
+
+@pytest.mark.parametrize("hv,dv", [(48, 128), (4, 64), (3, 192)])
+def test_gated_rmsnorm_a8_fuses_quant_bitwise(cp, K, hv, dv):
+    """gated_rmsnorm_a8 (the GDN output norm that also writes the out projection's a8 activations)
+    gives gated_rmsnorm's fp32 rows, quant_act8's bytes of them, and so the unfused GEMV bits."""
+    rng = np.random.default_rng(43)
+    rows, n, k = 260, 5, hv * dv
+    m = K.upload_packed(L.pack_matrix(rng.standard_normal((rows, k)).astype(np.float32) * 0.05, L.FMT_Q4))
+    o = cp.asarray(rng.standard_normal((n, k)).astype(np.float32))
+    z = cp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 2)
+    w = cp.asarray(rng.standard_normal(dv).astype(np.float32) * 0.3)
+    ws = K.Workspace()
+    y1, y2 = poisoned(cp, (n, rows)), poisoned(cp, (n, rows))
+    p1, p2 = K.GemvPlan([m], [(y1, rows)], ws, impl="a8"), K.GemvPlan([m], [(y2, rows)], ws, impl="a8")
+    assert K.gated_rmsnorm_fuses(p2, n, hv, dv)
+    xa, xb = cp.zeros((n, k), cp.float32), cp.zeros((n, k), cp.float32)
+    K.gated_rmsnorm(o, k, z, k, w, 1e-6, n, hv, dv, xa, k)
+    p1.run(xa, k, n)
+    K.gated_rmsnorm(o, k, z, k, w, 1e-6, n, hv, dv, xb, k, a8=p2)
+    p2.run(xb, k, n, prequantized=True)
+    np.testing.assert_array_equal(xa.get(), xb.get())
+    np.testing.assert_array_equal(y1.get(), y2.get())
+    codes, _ = L.quantize_act8(xa.get())
+    np.testing.assert_array_equal(p2.xq.get()[:n, :k], L.act8_fragment_bytes(codes))
 
 
 @pytest.mark.parametrize("part", V2_PARTITIONS)
