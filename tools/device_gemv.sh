@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GEMV studies on the device (issue 10). Stages: sweep occ cluster lanes actring ncu ncu16 masks
+# GEMV studies on the device (issue 10). Stages: sweep occ cluster lanes actring norms ncu ncu16 masks
 #   PYTHONPATH=. bash tools/device_gemv.sh sweep ncu
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -51,6 +51,12 @@ for stage in "$@"; do
       done
       timeout 300 $PYTEST tests/gpu/test_kernels.py -k "gemv or cluster" > "$OUT/actring_tests.txt" 2>&1 || rc=1
       tail -3 "$OUT/actring_tests.txt" ;;
+    norms)  # fused a8 producers: bits (kernel tests, forward, gates), then the decode bench
+      timeout 300 $PYTEST tests/gpu/test_kernels.py -k "a8_fuses or gated or rmsnorm" tests/gpu/test_forward.py \
+        > "$OUT/norms.txt" 2>&1 || rc=1; tail -4 "$OUT/norms.txt"
+      timeout 300 python3 gates/run.py > "$OUT/norms_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/norms_gates.txt"
+      timeout 420 python3 -m q27py bench --random-weights 27b --tier q4s --quick --json > "$OUT/bench.json" \
+        2> "$OUT/bench.txt" || rc=1; grep -v "^  gemm " "$OUT/bench.txt" | grep -v "GDN fused" | tail -14 ;;
     ncu)  # the a8 q4 kernel on down and on the 17 MB output projections, 1 lane (ratios only: ncu locks clocks)
       for shp in "5120 17408" "5120 6144" "34816 5120"; do
         set -- $shp
