@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GEMV studies on the device (issue 10). Stages: sweep occ cluster lanes actring norms ncu ncu16 masks
+# GEMV studies on the device (issue 10). Stages: sweep occ cluster lanes actring norms final ncu ncu16 masks
 #   PYTHONPATH=. bash tools/device_gemv.sh sweep ncu
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -57,6 +57,14 @@ for stage in "$@"; do
       timeout 300 python3 gates/run.py > "$OUT/norms_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/norms_gates.txt"
       timeout 420 python3 -m q27py bench --random-weights 27b --tier q4s --quick --json > "$OUT/bench.json" \
         2> "$OUT/bench.txt" || rc=1; grep -v "^  gemm " "$OUT/bench.txt" | grep -v "GDN fused" | tail -14 ;;
+    final)  # the engine paths the GEMV / norm changes touch, the batch sweep (and its graphs' bytes), spec replay
+      timeout 260 $PYTEST -x tests/gpu/test_forward.py tests/gpu/test_decode_batch.py tests/gpu/test_slots_gpu.py \
+        tests/gpu/test_device_chain.py tests/gpu/test_batched_rounds_gpu.py > "$OUT/final_tests.txt" 2>&1 || rc=1
+      tail -4 "$OUT/final_tests.txt"
+      timeout 150 python3 -m q27py.bench.batch_probe --reps 10 --json "$OUT/batch.json" > "$OUT/batch.txt" 2>&1 || rc=1
+      tail -7 "$OUT/batch.txt"; python3 -c "import json; print('batch graph bytes', json.load(open('$OUT/batch.json'))['batch_graph_bytes'])" || true
+      timeout 120 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \
+        q27py/bench/data/spec_traces_code.json --json > "$OUT/spec.json" 2> "$OUT/spec.txt" || rc=1; tail -2 "$OUT/spec.txt" ;;
     ncu)  # the a8 q4 kernel on down and on the 17 MB output projections, 1 lane (ratios only: ncu locks clocks)
       for shp in "5120 17408" "5120 6144" "34816 5120"; do
         set -- $shp
