@@ -1357,12 +1357,13 @@ def graph_bytes_per_state(model: FastModel, e) -> int:
 def size_context_to_memory(model: FastModel, e) -> None:
     """--max-context auto and --max-slots auto: the window and the slot count the free memory holds
     once weights and scratch are resident (q27py/model/kvbudget.py plan_slots: every slot owns one
-    sequence state, KV window + GDN state + the graphs captured for it). A fixed --max-context keeps
+    sequence state, KV window + GDN state + the graphs captured for it; the model-level batch graphs
+    are reserved once, batch_graph_reserve). A fixed --max-context keeps
     its window (only the slots are sized); a fixed --max-slots keeps its count."""
     import sys
 
     from q27py.config import GPU_AUTO_MAX_SLOTS, GPU_AUTO_MIN_SLOTS
-    from q27py.model.kvbudget import plan_slots
+    from q27py.model.kvbudget import batch_graph_reserve, plan_slots
 
     cp = model.rt.cp
     cp.get_default_memory_pool().free_all_blocks()
@@ -1372,7 +1373,8 @@ def size_context_to_memory(model: FastModel, e) -> None:
                       max_slots=e.max_slots, max_context=e.max_context if isinstance(e.max_context, int) else "auto",
                       max_sequences=e.max_sequences, fixed_per_sequence=fixed,
                       graph_bytes_per_state=graph_bytes_per_state(model, e), margin_bytes=e.kv_safety_margin_bytes,
-                      max_positions=model.max_pos, cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
+                      scratch_bytes=batch_graph_reserve(model.max_batch), max_positions=model.max_pos,
+                      cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
     model.max_pos = plan.budget.window  # states are allocated later, at this size
     model.context_budget = plan.budget
     model.slot_plan = plan

@@ -116,6 +116,18 @@ def states_fit(free_bytes: int, window: int, kv_bytes_per_token: int, *, fixed_p
     return max(0, int(free_bytes) - int(scratch_bytes + margin_bytes)) // max(1, per)
 
 
+# One model-level decode_batch graph (FastModel.decode_batch: one per width, shared by every set of
+# states): measured 8 MiB for the widths 2 / 4 / 8 / 16 together on the 27B (docs/PERF.md, d12), so
+# 2 MiB each; reserved at twice that.
+BATCH_GRAPH_BYTES = 4 << 20
+
+
+def batch_graph_reserve(max_batch: int) -> int:
+    """Bytes the model-level batch graphs can take: one graph per width 2..max_batch (the scheduler
+    runs a shared sweep at every width from two slots up to the sweep's lane limit)."""
+    return max(0, int(max_batch) - 1) * BATCH_GRAPH_BYTES
+
+
 def plan_slots(free_bytes: int, kv_bytes_per_token: int, *, max_slots, max_context, max_sequences: int,
                kv_format: str = "?", fixed_per_sequence: int = 0, graph_bytes_per_state: int = 0,
                scratch_bytes: int = 0, margin_bytes: int = 0, max_positions: int | None = None,

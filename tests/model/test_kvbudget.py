@@ -222,3 +222,30 @@ def test_graph_memory_per_state_is_reserved_per_state():
     assert lean.budget.reserved_bytes == int(1.5 * GIB) + lean.budget.sequences * GDN_27B
     assert "slot(s)" in fat.describe() and "limited by" in fat.describe()
     assert EngineConfig().graph_bytes_per_layer * 65 == 260 << 20  # the 27B's assumed graphs per state
+
+
+def test_model_level_batch_graphs_are_reserved_once():
+    """The decode_batch graphs (one per width, shared by every set of states) are reserved once in
+    the auto sizing, beside the per-state graphs: size_context_to_memory passes them to plan_slots
+    (before, the plan left them out)."""
+    from types import SimpleNamespace
+
+    from q27py.gpu.forward import size_context_to_memory
+    from q27py.model.config import qwen36_27b_config
+    from q27py.model.kvbudget import BATCH_GRAPH_BYTES, batch_graph_reserve
+
+    assert batch_graph_reserve(16) == 15 * BATCH_GRAPH_BYTES and batch_graph_reserve(1) == 0
+    free = 124 * GIB
+    cp = SimpleNamespace(get_default_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None),
+                         cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free, 141 * GIB))))
+    kv = F.bytes_per_token("bf16", F.Q27B_KV_LAYERS, F.Q27B_KV_HEADS, F.Q27B_HEAD_DIM)
+
+    def plan_for(max_batch):
+        model = SimpleNamespace(rt=SimpleNamespace(cp=cp), kv_name="bf16", max_pos=MPE, cfg=qwen36_27b_config(),
+                                has_mtp=True, max_batch=max_batch,
+                                memory_per_sequence=lambda positions: GDN_27B + positions * kv)
+        size_context_to_memory(model, EngineConfig())
+        return model.slot_plan
+
+    solo, batched = plan_for(1), plan_for(16)
+    assert batched.budget.reserved_bytes - solo.budget.reserved_bytes == 15 * BATCH_GRAPH_BYTES
