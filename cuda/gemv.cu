@@ -427,9 +427,9 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
     constexpr int STAGE_BYTES = RC::STAGE;
     constexpr unsigned GSC = FMT == FMT_Q8 ? GSC_Q8 : GSC_Q4;  // chunks per scale group: q8 groups are 128 k
     const int tid = threadIdx.x;
-    const u32 ring0 = smem_addr(ring_ptr);
-    const u32 wring = ring0 + tid * 16, sring = ring0 + RC::SCALE_OFF + tid * 4;
-    const u32 qring = ring0 + RC::XQ_OFF + tid * 16, xring = ring0 + RC::XS_OFF + tid * 8;
+    const u32 wring = smem_addr(ring_ptr) + tid * 16, sring = smem_addr(ring_ptr) + RC::SCALE_OFF + tid * 4;
+    // ACT: this thread's activation slots (only the ACT path uses them)
+    const u32 qring = wring + RC::XQ_OFF, xring = smem_addr(ring_ptr) + RC::XS_OFF + tid * 8;
     const u8* wring_rd = ring_ptr + tid * 16;
     const u8* sring_rd = ring_ptr + RC::SCALE_OFF + tid * 4;
     const int tstride = kch * F::CB, sstride = ngroups * 8;
