@@ -136,6 +136,9 @@ def L_round(k: int) -> int:
     return round_up(k, 64)
 
 
+VERIFY_BREAKDOWN_WIDTHS = (1, 8, 16)  # verify rounds also timed family by family (the decode step always is)
+
+
 @contextmanager
 def only_family(keep: set):
     """Every kernel family of FAMILIES other than `keep` becomes a no-op inside the block (the
@@ -273,9 +276,14 @@ class Bench:
             g, kernels = captured(round_, self.stream)
             ms = _time_graph(g, self.stream, 15)
             nbytes = self.weights.stream_bytes() + self.kv_bytes(ctx) + 2 * self.gdn_bytes()
-            out.append({"width": w, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
-                        "kernels_per_round": kernels["total"], "kernels_by_family": kernels["by_family"]})
-            self.log(f"  verify W={w:2d}: {ms:.3f} ms, {kernels['total']} kernels")
+            row = {"width": w, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
+                   "kernels_per_round": kernels["total"], "kernels_by_family": kernels["by_family"]}
+            extra = ""
+            if w in VERIFY_BREAKDOWN_WIDTHS:  # where a wider round's extra time goes, family by family
+                row["breakdown_ms"] = {fam: self._time_only(keep, round_, 8) for fam, keep in FAMILIES.items()}
+                extra = "; by family " + fmt_ms(row["breakdown_ms"])
+            out.append(row)
+            self.log(f"  verify W={w:2d}: {ms:.3f} ms, {kernels['total']} kernels{extra}")
         return out
 
     def gdn_fused_compare(self, ctx: int = 2048, widths=(1, 8, 16), warps=(None, 4, 8, 16, 32)) -> list[dict]:
