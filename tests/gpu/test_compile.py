@@ -222,3 +222,48 @@ def test_sass_loop_counter_finds_the_hot_loop():
     assert lines[0].startswith("k_demo") and "5 instr" in lines[0] and "1 HMMA" in lines[0]
     assert "1 x 16-B weight loads" in lines[0] and "5.0 per 16 B" in lines[0]
     assert "HMMA:1" in lines[1] and "LDG:1" in lines[1]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch,cc", [("sm_90", (9, 0)), ("sm_86", (8, 6))])
+def test_gemv_ring_bytes_match_the_host(tmp_path, monkeypatch, arch, cc):
+    """The dynamic shared memory the host asks for (kernels.gemv_shared_bytes) is exactly the a8
+    kernels' ring (cuda/gemv.cu RingCfg: stages x stage bytes, activations in the ring on sm_90 /
+    sm_100 only): a kernel whose ring outgrew the request would write past its shared memory. The
+    device compile pass names the CUDA side's numbers in a deliberate error (an incomplete template
+    instantiated with them), read back here."""
+    from q27py.gpu import kernels as K
+
+    src = source_text("gemv") + """
+template <int A, int B, int C_, int D> struct RingShow;
+#ifdef __CUDA_ARCH__
+__device__ void ring_show() {
+    RingShow<RingCfg<FMT_Q4, 1, true>::S * RingCfg<FMT_Q4, 1, true>::STAGE,
+             RingCfg<FMT_Q4, 2, true>::S * RingCfg<FMT_Q4, 2, true>::STAGE,
+             RingCfg<FMT_Q8, 1, true>::S * RingCfg<FMT_Q8, 1, true>::STAGE,
+             RingCfg<FMT_Q8, 2, true>::S * RingCfg<FMT_Q8, 2, true>::STAGE> r;
+}
+#endif
+"""
+    f = tmp_path / "ring.cu"
+    f.write_text(src, encoding="utf-8")
+    r = subprocess.run([NVCC, *compile_options(), f"-arch={arch}", "-cubin", "-o", str(tmp_path / "r.cubin"), str(f)],
+                       capture_output=True, text=True)
+    m = re.search(r"RingShow<(\d+), (\d+), (\d+), (\d+)>", r.stderr)
+    assert r.returncode != 0 and m, r.stderr[-1500:]
+    ring = [int(v) for v in m.groups()]
+
+    class Rt:  # gemv_shared_bytes asks the runtime for the device's compute capability
+        pass
+
+    rt = Rt()
+    rt.cc = cc
+    monkeypatch.setattr(K.Runtime, "get", staticmethod(lambda: rt))
+    red = [C.GEMV_WARPS * K.GEMV_ROWS_PER_CTA * nt * 8 * 4 for nt in (1, 2)]
+    want = [K.gemv_shared_bytes(L.FMT_Q4, 1, a8=True), K.gemv_shared_bytes(L.FMT_Q4, 2, a8=True),
+            K.gemv_shared_bytes(L.FMT_Q8, 1, a8=True), K.gemv_shared_bytes(L.FMT_Q8, 2, a8=True)]
+    assert want == [max(b, red[i % 2]) for i, b in enumerate(ring)], (ring, want)
+    plain = C.RING_Q4 * C.GEMV_R * (K.GEMV_WPC[L.FMT_Q4] * 16 + 4) * 32 * C.GEMV_WARPS
+    assert (ring[0] > plain) == (cc == (9, 0)), "the activations ride in the ring on sm_90 only (of these two)"
+    if cc == (9, 0):  # two CTAs of each a8 q4 kernel still fit one SM's 228 KB (1 KB reserved per CTA)
+        assert all(2 * (b + 1024) <= 228 * 1024 for b in want[:2]), want
