@@ -82,6 +82,10 @@ class EngineConfig:
     # cuBLASLt on e4m3 weights and per-token e4m3 activations, power-of-two scales; its own tolerance
     # class, gated on the trained model: tools/fp8_prefill.py, docs/QUANT.md "fp8 prefill")
     prefill_gemm: str = "auto"
+    # cuda, cuBLAS route: expand the next matrix to bf16 on a side stream while the current one's GEMM
+    # runs (two weight buffers, ~2 x 356 MB on the 27B) instead of taking turns (q27py/gpu/blas.py
+    # ExpandAhead). Off until measured on the device: same launches, same bits.
+    prefill_expand_ahead: bool = False
     cpu_prefill_chunk: int = 256  # at most this on the CPU path: the cancel flag is checked between chunks
     # cuda: GDN prefill runs through the chunked tensor-core kernel ("chunked", chunks aligned to
     # absolute positions; within fp32 rounding of the sequential kernel), the three-kernel chunked
@@ -335,6 +339,7 @@ ENV_VARS = {
     "Q27_ATTN_DECODE_FP8": ("engine", "attn_decode_fp8", parse_switch),
     "Q27_PDL": ("engine", "pdl", str),
     "Q27_PREFILL_GEMM": ("engine", "prefill_gemm", str),
+    "Q27_PREFILL_EXPAND_AHEAD": ("engine", "prefill_expand_ahead", parse_switch),
     "Q27_BATCH_ROUNDS": ("engine", "batch_rounds", parse_switch),
     "Q27_BATCH_SPEC": ("engine", "batch_spec", str),
     "Q27_INTERLEAVE_CHUNK": ("engine", "interleave_chunk", int),

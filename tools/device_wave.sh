@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -66,6 +66,15 @@ for stage in "$@"; do
         for mode in on early; do
           Q27_PDL=$mode timeout 200 python3 tools/pdl_bench.py > "$OUT/pdl_bench_$mode.txt" 2>&1 || rc=1
           grep -v '^{' "$OUT/pdl_bench_$mode.txt" | tail -8
+        done ;;
+    ahead)  # EngineConfig.prefill_expand_ahead (blas.ExpandAhead): bits, then prefill / warm turn / gap off vs on
+        timeout 200 $PYTEST tests/gpu/test_prefill_blas.py tests/gpu/test_expand_ahead.py > "$OUT/ahead.txt" 2>&1 || rc=1
+        tail -3 "$OUT/ahead.txt"
+        timeout 300 python3 tools/prefill_compare.py --tokens 512 2048 8192 --gdn chunked2 --expand-ahead off on \
+          > "$OUT/ahead_prefill.txt" 2>&1 || rc=1; grep "^prefill" "$OUT/ahead_prefill.txt"
+        for a in 0 1; do
+          Q27_PREFILL_EXPAND_AHEAD=$a timeout 240 python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 \
+            --tokens 64 > "$OUT/ahead_load$a.txt" 2>&1 || rc=1; echo "--- expand ahead $a"; grep -iE "gap|long|C=" "$OUT/ahead_load$a.txt" | tail -4
         done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -21,6 +21,8 @@ enqueued on CuPy's current stream; scratch buffers grow and are kept per process
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from q27py.gpu import constants as C
@@ -114,6 +116,113 @@ def gemm_bf16(w_bf16, ldw: int, x_bf16, ldx: int, ntok: int, nrows: int, k: int,
                   int(ldy), _COMPUTE_32F, _GEMM_DEFAULT)
 
 
+class ExpandAhead:
+    """EngineConfig.prefill_expand_ahead: the next matrix's bf16 expansion runs on a side stream while
+    the current matrix's GEMM runs, into the other of two weight buffers (double buffering), instead
+    of expansion and GEMM taking turns on one stream (~20 ms of expansion per 27B pass, once per
+    prefill chunk or interleaved piece: docs/PERF.md).
+
+    Which matrix comes next is learned: the prefill calls its GEMMs in the same order every chunk,
+    so the matrix that followed m last time is expanded ahead after m's GEMM is enqueued; a wrong
+    guess costs only that expansion (the matrix actually asked for is expanded in stream order).
+    Ordering, with buffers b = 0 / 1 alternating:
+      main:  wait(expanded[b]) -> GEMM(buf b) -> record released[b]
+      side:  wait(released[1 - b]) -> expand(next, buf 1 - b) -> record expanded[1 - b]
+    so a buffer is never rewritten before the GEMM that reads it has run, and never read before its
+    expansion is done. The same bits: the expansion and the GEMM are the same launches.
+    """
+
+    def __init__(self):
+        # id(matrix) -> (weakref to it, weakref to the matrix whose GEMM came after it last time):
+        # weak, so a dropped model's matrices (and their device memory) are not kept alive here
+        self.next_of: dict[int, tuple] = {}
+        self.last = None  # weakref to the previous call's matrix
+        self.slot = 0  # the buffer the coming GEMM uses when nothing was expanded ahead for it
+        self.pending = None  # (matrix, buffer, event): an expansion issued on the side stream
+        self.released: list = [None, None]  # per buffer: the main stream's event after its last read
+        self.bufs: list = [None, None]
+        self.side = None
+
+    def _buffer(self, b: int, nbytes: int):
+        buf = self.bufs[b]
+        if buf is None or buf.nbytes < nbytes:
+            cp = Runtime.get().cp
+            # growing frees the old buffer: nothing may still be reading or writing it
+            cp.cuda.get_current_stream().synchronize()
+            if self.side is not None:
+                self.side.synchronize()
+            self.bufs[b] = None
+            buf = cp.empty(max(nbytes, 16) // 2 + 8, dtype=cp.uint16)
+            self.bufs[b] = buf
+        return buf
+
+    def weights(self, m):
+        """m's bf16 expansion for a GEMM about to be enqueued on the current stream: (buffer, b).
+        Call release(b) right after enqueueing that GEMM."""
+        cp = Runtime.get().cp
+        main = cp.cuda.get_current_stream()
+        prev = self.last() if self.last is not None else None
+        if prev is not None:
+            self.next_of[id(prev)] = (self.last, weakref.ref(m))
+        self.last = weakref.ref(m)
+        nbytes = m.shape.row_tiles * 16 * m.shape.kpad * 2
+        if self.pending is not None and self.pending[0] is m:
+            _, b, ev = self.pending
+            main.wait_event(ev)
+        else:
+            if self.pending is not None:  # a wrong guess: its buffer is the one about to be written
+                main.wait_event(self.pending[2])
+            b = self.slot
+            dequantize_to_bf16(m, out=self._buffer(b, nbytes))
+        self.pending = None
+        self.slot = 1 - b
+        return self.bufs[b], b
+
+    def release(self, b: int, m) -> None:
+        """The GEMM reading buffer b is enqueued: record it, then expand m's predicted successor into
+        the other buffer on the side stream."""
+        cp = Runtime.get().cp
+        main = cp.cuda.get_current_stream()
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(main)
+        self.released[b] = ev
+        link = self.next_of.get(id(m))
+        nxt = link[1]() if link is not None and link[0]() is m else None
+        if nxt is None:
+            return
+        o = 1 - b
+        buf = self._buffer(o, nxt.shape.row_tiles * 16 * nxt.shape.kpad * 2)
+        if self.side is None:
+            self.side = cp.cuda.Stream(non_blocking=True)
+        if self.released[o] is not None:
+            self.side.wait_event(self.released[o])
+        with self.side:
+            dequantize_to_bf16(nxt, out=buf)
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(self.side)
+        self.pending = (nxt, o, done)
+
+
+_EXPAND_AHEAD: ExpandAhead | None = None
+_EXPAND_AHEAD_SET = False
+
+
+def expand_ahead() -> ExpandAhead | None:
+    """The process's ExpandAhead when EngineConfig.prefill_expand_ahead (env Q27_PREFILL_EXPAND_AHEAD)
+    is on, else None; read once (set_expand_ahead overrides)."""
+    if not _EXPAND_AHEAD_SET:
+        from q27py.config import Q27Config, apply_env
+
+        set_expand_ahead(apply_env(Q27Config()).engine.prefill_expand_ahead)
+    return _EXPAND_AHEAD
+
+
+def set_expand_ahead(on: bool) -> None:
+    global _EXPAND_AHEAD, _EXPAND_AHEAD_SET
+    _EXPAND_AHEAD = ExpandAhead() if on else None
+    _EXPAND_AHEAD_SET = True
+
+
 def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None) -> None:
     """The GEMM kernel's contract (kernels.gemm) through cuBLAS: MODE_STORE, MODE_ADD or MODE_SWIGLU.
 
@@ -122,7 +231,18 @@ def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None) -> None:
     sh = m.shape
     if x_bf16 is None:
         x_bf16 = to_bf16(x, ldx, ntok, sh.kpad)
-    w = dequantize_to_bf16(m)
+    ahead = expand_ahead()
+    if ahead is not None:
+        w, slot = ahead.weights(m)
+    else:
+        w = dequantize_to_bf16(m)
+    _gemm_expanded(m, w, x_bf16, ntok, y, ldy)
+    if ahead is not None:
+        ahead.release(slot, m)
+
+
+def _gemm_expanded(m, w, x_bf16, ntok: int, y, ldy: int) -> None:
+    sh = m.shape
     if m.mode == C.MODE_SWIGLU:
         nrows = sh.row_tiles * 16
         z = _SCRATCH.get("z", ntok * nrows * 4).view(Runtime.get().cp.float32)

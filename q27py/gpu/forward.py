@@ -1315,6 +1315,9 @@ def load_fast_model(cfg) -> FastModel:
     # chunk: prefill runs the GEMM (cuBLAS on bf16 expansions, or the mma.sync kernel) on up to
     # this many rows per weight pass (docs/PERF.md)
     K.PREFILL_GEMM = e.prefill_gemm
+    from q27py.gpu import blas
+
+    blas.set_expand_ahead(e.prefill_expand_ahead)
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)

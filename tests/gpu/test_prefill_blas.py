@@ -115,3 +115,43 @@ def test_gdn_prefill_is_bitwise_the_step_kernel(cp, dk, dv, h, hv):
     np.testing.assert_array_equal(oa.get(), ob.get())
     np.testing.assert_array_equal(a.get(), b.get())
     assert not np.isnan(ob.get()).any()
+
+
+def test_expand_ahead_gives_the_same_bits(cp):
+    """EngineConfig.prefill_expand_ahead: the prefill GEMMs with the next matrix expanded on a side
+    stream (two weight buffers) give exactly the outputs of expansion and GEMM taking turns, over
+    repeated passes (the order is learned in the first), a wrong guess, and a matrix bigger than
+    both buffers so far (they grow)."""
+    from q27py.gpu import blas
+    from q27py.gpu import kernels as K
+
+    rng = np.random.default_rng(70)
+    cols, ntok = 640, 160
+    shapes = [(300, L.FMT_Q4, K.MODE_STORE), (520, L.FMT_Q8, K.MODE_ADD), (2 * 140, L.FMT_Q4, K.MODE_SWIGLU)]
+    mats = []
+    for rows, fmt, mode in shapes:
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        mats.append(K.upload_packed(L.pack_matrix(w, fmt), mode=mode, out_rows=rows // 2 if mode == K.MODE_SWIGLU else None))
+    big = K.upload_packed(L.pack_matrix(rng.standard_normal((1500, cols)).astype(np.float32) * 0.05, L.FMT_Q4))
+    x = cp.asarray(rng.standard_normal((ntok, cols)).astype(np.float32))
+    order = mats * 3 + [mats[2], mats[0], big, mats[1], mats[0]]
+
+    def run():
+        outs = []
+        for m in order:
+            y = cp.full((ntok, m.nout), 0.5, dtype=cp.float32)
+            blas.prefill_gemm(m, x, cols, ntok, y, m.nout)
+            outs.append(y)
+        cp.cuda.get_current_stream().synchronize()
+        return [o.get() for o in outs]
+
+    saved = (blas._EXPAND_AHEAD, blas._EXPAND_AHEAD_SET)
+    try:
+        blas.set_expand_ahead(False)
+        want = run()
+        blas.set_expand_ahead(True)
+        got = run()
+    finally:
+        blas._EXPAND_AHEAD, blas._EXPAND_AHEAD_SET = saved
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
