@@ -142,6 +142,15 @@ class ExpandAhead:
         self.released: list = [None, None]  # per buffer: the main stream's event after its last read
         self.bufs: list = [None, None]
         self.side = None
+        # events are reused (a wait binds the event's latest record when it is enqueued): per buffer
+        # one for "the main stream has read it", one for "its expansion is done"
+        self._ev_read: list = [None, None]
+        self._ev_done: list = [None, None]
+
+    def _event(self, pool: list, b: int):
+        if pool[b] is None:
+            pool[b] = Runtime.get().cp.cuda.Event(disable_timing=True)
+        return pool[b]
 
     def _buffer(self, b: int, nbytes: int):
         buf = self.bufs[b]
@@ -183,7 +192,7 @@ class ExpandAhead:
         the other buffer on the side stream."""
         cp = Runtime.get().cp
         main = cp.cuda.get_current_stream()
-        ev = cp.cuda.Event(disable_timing=True)
+        ev = self._event(self._ev_read, b)
         ev.record(main)
         self.released[b] = ev
         link = self.next_of.get(id(m))
@@ -198,7 +207,7 @@ class ExpandAhead:
             self.side.wait_event(self.released[o])
         with self.side:
             dequantize_to_bf16(nxt, out=buf)
-        done = cp.cuda.Event(disable_timing=True)
+        done = self._event(self._ev_done, o)
         done.record(self.side)
         self.pending = (nxt, o, done)
 
