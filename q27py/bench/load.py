@@ -267,6 +267,11 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
     warm = min(engine.max_slots, max(streams))
     for _ in range(2):
         concurrency_run(engine, prompts, warm, prompt_tokens, min(gen_tokens, 16))
+    # and each smaller concurrency once: a shared sweep's graph is keyed by its width, and C streams
+    # that finish together never pass through the widths below C (d14: the C=2 row of a 1 / 2 / 16 run
+    # paid the width-2 captures, 203 t/s against 230 warmed)
+    for c in sorted({min(engine.max_slots, c) for c in streams} - {warm, 1}):
+        concurrency_run(engine, prompts, c, prompt_tokens, min(gen_tokens, 16))
     chunk = getattr(engine.decoder, "prefill_chunk", None)
     if mixed and chunk and engine.max_slots >= 2:
         # and one full prefill chunk, so the long prompt's first chunk pays no first-launch costs

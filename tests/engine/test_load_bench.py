@@ -127,3 +127,24 @@ def test_cli_wires_the_load_suite(capsys):
     assert set(out) == TOP_KEYS and out["slots"] == 3 and out["mixed"]["prefill_chunk"] == 64
     assert [r["tokens"] for r in out["concurrency"]] == [3, 6]
     assert out["batch_rounds"] and out["interleave_chunk"] == 32 and out["mixed"]["interleave_chunk"] == 32
+
+
+def test_warmup_runs_every_concurrency(monkeypatch, fast, tok):
+    """Before the timed rows, run_load warms the largest concurrency twice (per-state graphs) and
+    every other concurrency above one once (the shared sweep's graphs are keyed by width, and C
+    streams that finish together never pass through the widths below C): the timed rows then pay
+    no captures."""
+    import q27py.bench.load as load
+
+    calls = []
+    real = load.concurrency_run
+
+    def spy(engine_, prompts, c, prompt_tokens, gen_tokens, **kw):
+        calls.append(c)
+        return real(engine_, prompts, c, prompt_tokens, gen_tokens, **kw)
+
+    monkeypatch.setattr(load, "concurrency_run", spy)
+    e = engine(fast, tok, slots=4)
+    run_load(e, tok, streams=(1, 2, 4), prompt_tokens=16, gen_tokens=3, mixed=False, log=lambda *a: None)
+    assert calls[:3] == [4, 4, 2], calls  # warm-up: 4 twice, then 2; then the timed rows 1, 2, 4
+    assert calls[3:] == [1, 2, 4], calls
