@@ -79,13 +79,17 @@ def _handle():
     return cublas, h
 
 
+def expanded_bytes(m) -> int:
+    """Bytes of a packed matrix's bf16 expansion: [row_tiles * 16, kpad]."""
+    return m.shape.row_tiles * 16 * m.shape.kpad * 2
+
+
 def dequantize_to_bf16(m, out=None):
     """Packed GpuMatrix -> bf16 bits [row_tiles * 16, kpad] (row-major, padded rows/k are zero codes)."""
     rt = Runtime.get()
     sh = m.shape
-    nrows = sh.row_tiles * 16
     if out is None:
-        out = _SCRATCH.get("w", nrows * sh.kpad * 2)
+        out = _SCRATCH.get("w", expanded_bytes(m))
     kern = {L.FMT_Q4: "dequant_q4", L.FMT_Q8: "dequant_q8", L.FMT_BF16: "dequant_bf16"}[sh.fmt]
     nblk = sh.row_tiles * sh.kchunks
     rt.launch("dequant", kern, -(-nblk // C.DQ_WARPS), 32 * C.DQ_WARPS,
@@ -126,8 +130,8 @@ class ExpandAhead:
     so the matrix that followed m last time is expanded ahead after m's GEMM is enqueued; a wrong
     guess costs only that expansion (the matrix actually asked for is expanded in stream order).
     Ordering, with buffers b = 0 / 1 alternating:
-      main:  wait(expanded[b]) -> GEMM(buf b) -> record released[b]
-      side:  wait(released[1 - b]) -> expand(next, buf 1 - b) -> record expanded[1 - b]
+      main:  wait(expanded[b]) -> GEMM(buf b) -> record read[b]
+      side:  wait(read[1 - b]) -> expand(next, buf 1 - b) -> record expanded[1 - b]
     so a buffer is never rewritten before the GEMM that reads it has run, and never read before its
     expansion is done. The same bits: the expansion and the GEMM are the same launches.
     """
@@ -139,11 +143,11 @@ class ExpandAhead:
         self.last = None  # weakref to the previous call's matrix
         self.slot = 0  # the buffer the coming GEMM uses when nothing was expanded ahead for it
         self.pending = None  # (matrix, buffer, event): an expansion issued on the side stream
-        self.released: list = [None, None]  # per buffer: the main stream's event after its last read
         self.bufs: list = [None, None]
         self.side = None
         # events are reused (a wait binds the event's latest record when it is enqueued): per buffer
-        # one for "the main stream has read it", one for "its expansion is done"
+        # one for "the main stream has read it", one for "its expansion is done"; an event exists
+        # once it has been recorded
         self._ev_read: list = [None, None]
         self._ev_done: list = [None, None]
 
@@ -174,7 +178,7 @@ class ExpandAhead:
         if prev is not None:
             self.next_of[id(prev)] = (self.last, weakref.ref(m))
         self.last = weakref.ref(m)
-        nbytes = m.shape.row_tiles * 16 * m.shape.kpad * 2
+        nbytes = expanded_bytes(m)
         if self.pending is not None and self.pending[0] is m:
             _, b, ev = self.pending
             main.wait_event(ev)
@@ -192,19 +196,17 @@ class ExpandAhead:
         the other buffer on the side stream."""
         cp = Runtime.get().cp
         main = cp.cuda.get_current_stream()
-        ev = self._event(self._ev_read, b)
-        ev.record(main)
-        self.released[b] = ev
+        self._event(self._ev_read, b).record(main)
         link = self.next_of.get(id(m))
         nxt = link[1]() if link is not None and link[0]() is m else None
         if nxt is None:
             return
         o = 1 - b
-        buf = self._buffer(o, nxt.shape.row_tiles * 16 * nxt.shape.kpad * 2)
+        buf = self._buffer(o, expanded_bytes(nxt))
         if self.side is None:
             self.side = cp.cuda.Stream(non_blocking=True)
-        if self.released[o] is not None:
-            self.side.wait_event(self.released[o])
+        if self._ev_read[o] is not None:
+            self.side.wait_event(self._ev_read[o])
         with self.side:
             dequantize_to_bf16(nxt, out=buf)
         done = self._event(self._ev_done, o)
