@@ -192,7 +192,7 @@ def gemv_shared_bytes(fmt: int, nt: int, a8: bool = False) -> int:
 
 
 def a8_act_in_ring(cc: tuple[int, int]) -> bool:
-    """Whether the a8 q4 kernels carry activations in the cp.async ring (cuda/gemv.cu A8_ACT_RING):
+    """Whether the a8 q4 kernels carry activations in the cp.async ring (cuda/gemv.cu kA8ActRing):
     the 228 KB shared-memory parts (sm_90, sm_100), where two such CTAs fit one SM."""
     return bool(C.GEMV_ACT_RING) and cc in ((9, 0), (10, 0))
 
