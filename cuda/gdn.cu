@@ -1,199 +1,220 @@
-// Gated DeltaNet recurrence, one warp per (v-head, value column j): the warp keeps column
-// j of the head's state S[:, j] (dk floats, K-last layout [HV][dv][dk]) in registers and
-// walks the lanes (tokens) in order:
+// Gated DeltaNet recurrence, per value column j of a v-head's state S[:, j] (dk floats, K-last
+// layout [HV][dv][dk]), walking the lanes (tokens) in order:
 //     S = e^g S;  u = beta (v_j - S.k);  S += k u;  o_j = S.q
-// The same kernel is the decode step (write_state=1), the verify lanes (write_state=0:
-// outputs only, committed S untouched) and the commit (emit=0, write_state=1, n lanes
-// replayed from the recorded rows): one body, so a commit of n lanes gives the bits of n
-// decode steps. Reductions are xor-butterflies, which leave every lane the same sum.
+// The same body is the decode step (write_state=1), the verify lanes (write_state=0: outputs only,
+// committed S untouched), the commit (emit=0, write_state=1, n lanes replayed from the recorded
+// rows) and the sequential prefill: so a commit of n lanes gives the bits of n decode steps.
+//
+// The arithmetic is defined by the original one-warp-per-column form (and gdn_decode.cu keeps it):
+// "virtual lane" l in 0..31 holds k indices l*KPL + i, accumulates its partial dot product with a
+// KPL-long fmaf chain, and a 32-wide xor butterfly (offsets 16, 8, 4, 2, 1) sums the partials. Here
+// LPC = GDN_ST_LPC real lanes share a column: real lane g = lane % LPC holds the virtual lanes
+// g + LPC m (m < 32 / LPC), so the butterfly's offsets 16 .. LPC pair partials inside one thread
+// (an add tree in registers) and only offsets LPC / 2 .. 1 are shuffles. Same pairs, same order,
+// same bits (fadd is commutative); a warp carries 32 / LPC columns and each shuffle serves them all.
+//
+// Why: one warp per column (6,144 warps for 27B) spent each token on 2 x 5 dependent shuffle levels
+// per column (~0.75-1.4 us per token per layer, measured), and waited on each token's global loads.
+// A CTA here is GDN_ST_WARPS warps on consecutive columns of one head, so they share the head's
+// q / k rows: the CTA copies up to GDN_ST_TILE tokens' inputs (q, k of its key head, v of its
+// columns, g, beta) into shared memory in one burst of independent loads, then runs the chain.
 #include "common.cuh"
 
+static_assert(GDN_ST_LPC == 1 || GDN_ST_LPC == 2 || GDN_ST_LPC == 4 || GDN_ST_LPC == 8 || GDN_ST_LPC == 16 ||
+                  GDN_ST_LPC == 32, "lanes per column: a power of two dividing the warp");
+constexpr int GDN_ST_V = 32 / GDN_ST_LPC;                // virtual lanes per thread = columns per warp
+constexpr int GDN_ST_CB = GDN_ST_V * GDN_ST_WARPS;       // columns per CTA
+
+__device__ __forceinline__ void gdn_cp16(float* dst, const float* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void gdn_cp4(float* dst, const float* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+
+// Copy tokens t0 .. t0 + nt - 1's inputs into shared memory (cp.async: every copy in flight at
+// once, no register round trip): q / k rows of key head kh (KS floats per row, zero past dk: the
+// chain reads the whole row), v of the block's ncols columns, g, beta. Each thread has fixed
+// (element, first token) coordinates, so the loops carry no divisions.
+template <int KS>
+__device__ __forceinline__ void gdn_stage_tile(const float* __restrict__ qkvn, const float* __restrict__ gb, int H,
+                                               int HV, int dk, int dv, int h, int kh, int jb, int ncols, int t0,
+                                               int nt, float* sq, float* sk, float* sv, float* sg, float* sb) {
+    const int C = 2 * H * dk + HV * dv;
+    const int tid = threadIdx.x, nth = blockDim.x;
+    const float* base = qkvn + (i64)t0 * C;
+    const bool vec = ((dk | C) & 3) == 0 && (((unsigned long long)base) & 15) == 0;
+    const int unit = vec ? 4 : 1, per = dk / unit, per2 = 2 * per;  // copies per token: q then k
+    const int rs = nth >= per2 ? nth / per2 : 1, r0 = tid / per2;
+    if (r0 < rs) {
+        for (int x = tid % per2; x < per2; x += nth) {
+            const bool isk = x >= per;
+            const int e = (isk ? x - per : x) * unit;
+            const float* src = base + (isk ? H * dk : 0) + kh * dk + e;
+            float* dst = (isk ? sk : sq) + e;
+            for (int tt = r0; tt < nt; tt += rs) {
+                if (vec)
+                    gdn_cp16(dst + tt * KS, src + (i64)tt * C);
+                else
+                    gdn_cp4(dst + tt * KS, src + (i64)tt * C);
+            }
+        }
+    }
+    for (int x = tid; x < 2 * (KS - dk); x += nth) {  // zero pad past dk (plain stores: disjoint from the copies)
+        const bool isk = x >= KS - dk;
+        const int e = dk + (isk ? x - (KS - dk) : x);
+        for (int tt = 0; tt < nt; tt++) (isk ? sk : sq)[tt * KS + e] = 0.f;
+    }
+    {
+        const int c = tid % GDN_ST_CB, vr = tid / GDN_ST_CB, vrs = nth / GDN_ST_CB;
+        if (c < ncols)
+            for (int tt = vr; tt < nt; tt += vrs)
+                gdn_cp4(sv + tt * GDN_ST_CB + c, base + (i64)tt * C + 2 * H * dk + h * dv + jb + c);
+    }
+    if (tid < nt) {
+        gdn_cp4(sg + tid, gb + (i64)(t0 + tid) * 2 * HV + h);
+        gdn_cp4(sb + tid, gb + (i64)(t0 + tid) * 2 * HV + HV + h);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// The 32-wide xor butterfly of virtual lanes g + LPC m (p[m]): offsets 16 .. LPC in registers (m
+// paired with m + half), LPC / 2 .. 1 across the real lanes of the column. Every lane of the
+// column ends with the same sum.
+__device__ __forceinline__ float gdn_butterfly(float (&p)[GDN_ST_V]) {
+#pragma unroll
+    for (int half = GDN_ST_V / 2; half >= 1; half >>= 1)
+#pragma unroll
+        for (int m = 0; m < half; m++) p[m] = p[m] + p[m + half];
+    float c = p[0];
+#pragma unroll
+    for (int o = GDN_ST_LPC / 2; o >= 1; o >>= 1) c += __shfl_xor_sync(FULL_MASK, c, o);
+    return c;
+}
+
+// One CTA = columns [jb, jb + GDN_ST_CB) of head h (cb: the column block); warp w carries columns
+// jb + V w .. jb + V w + V - 1, lane = LPC * column + g.
 template <int KPL>
 __device__ __forceinline__ void gdn_body(float* __restrict__ state, const float* __restrict__ qkvn,
                                          const float* __restrict__ gb, float* __restrict__ out, int ldo, int H, int HV,
-                                         int dk, int dv, int nlanes, int emit, int write_state) {
-    const int wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (wid >= HV * dv) return;
-    const int h = wid / dv, j = wid - h * dv, kh = h / (HV / H);
-    const int C = 2 * H * dk + HV * dv;
-    float* col = state + (i64)(h * dv + j) * dk;
-    float s[KPL];
-    bool ok[KPL];
+                                         int dk, int dv, int nlanes, int emit, int write_state, int cb) {
+    constexpr int CB = GDN_ST_CB, KS = 32 * KPL;
+    __shared__ __align__(16) float sq[GDN_ST_TILE * KS];
+    __shared__ __align__(16) float sk[GDN_ST_TILE * KS];
+    __shared__ float sv[GDN_ST_TILE * CB], sg[GDN_ST_TILE], sb[GDN_ST_TILE];
+    const int nblk = (dv + CB - 1) / CB;
+    const int h = cb / nblk, jb = (cb - h * nblk) * CB, kh = h / (HV / H);
+    const int ncols = min(CB, dv - jb);
+    constexpr int V = GDN_ST_V, LPC = GDN_ST_LPC;
+    const int lane = threadIdx.x & 31, g = lane % LPC;
+    const int jc = (threadIdx.x >> 5) * V + lane / LPC;  // this thread's column in the block
+    const bool cok = jc < ncols;
+    // s[m][i]: virtual lane g + LPC m's element i, k index (g + LPC m) * KPL + i
+    float s[V][KPL];
+    float* col = state + (i64)(h * dv + jb + jc) * dk;
+    // KPL = 4: a virtual lane's four elements are one aligned float4 (16 B loads / stores)
+    const bool vec4 = KPL == 4 && (dk & 3) == 0 && (((unsigned long long)col) & 15) == 0;
 #pragma unroll
-    for (int i = 0; i < KPL; i++) {
-        const int kk = lane * KPL + i;
-        ok[i] = kk < dk;
-        s[i] = ok[i] ? col[kk] : 0.f;
+    for (int m = 0; m < V; m++) {
+        const int k0 = (g + LPC * m) * KPL;
+        if (vec4) {
+            const float4 v = (cok && k0 < dk) ? *reinterpret_cast<const float4*>(col + k0) : make_float4(0.f, 0.f, 0.f, 0.f);
+            s[m][0] = v.x, s[m][1 % KPL] = v.y, s[m][2 % KPL] = v.z, s[m][3 % KPL] = v.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < KPL; i++) s[m][i] = (cok && k0 + i < dk) ? col[k0 + i] : 0.f;
+        }
     }
-    for (int t = 0; t < nlanes; t++) {
-        const float* row = qkvn + (i64)t * C;
-        float q[KPL], k[KPL];
+    for (int t0 = 0; t0 < nlanes; t0 += GDN_ST_TILE) {
+        const int nt = min(GDN_ST_TILE, nlanes - t0);
+        __syncthreads();  // the previous tile is consumed
+        gdn_stage_tile<KS>(qkvn, gb, H, HV, dk, dv, h, kh, jb, ncols, t0, nt, sq, sk, sv, sg, sb);
+        __syncthreads();
+        for (int tt = 0; tt < nt; tt++) {
+            const float* kr = sk + tt * KS;  // zero-padded past dk by the stager
+            const float* qr = sq + tt * KS;
+            float k[V][KPL];
 #pragma unroll
-        for (int i = 0; i < KPL; i++) {
-            const int kk = lane * KPL + i;
-            q[i] = ok[i] ? row[kh * dk + kk] : 0.f;
-            k[i] = ok[i] ? row[H * dk + kh * dk + kk] : 0.f;
-        }
-        const float v = row[2 * H * dk + h * dv + j];
-        const float g = gb[(i64)t * 2 * HV + h], beta = gb[(i64)t * 2 * HV + HV + h];
-        const float decay = expf(g);
-        float pk = 0.f;
+            for (int m = 0; m < V; m++)
 #pragma unroll
-        for (int i = 0; i < KPL; i++) {
-            s[i] = s[i] * decay;
-            pk = fmaf(s[i], k[i], pk);
-        }
-        const float pred = warp_sum(pk);
-        const float u = beta * (v - pred);
-        float pq = 0.f;
+                for (int i = 0; i < KPL; i++) k[m][i] = kr[(g + LPC * m) * KPL + i];
+            const float decay = expf(sg[tt]), beta = sb[tt];
+            float p[V];
 #pragma unroll
-        for (int i = 0; i < KPL; i++) {
-            s[i] = fmaf(k[i], u, s[i]);
-            pq = fmaf(s[i], q[i], pq);
+            for (int m = 0; m < V; m++) {
+                p[m] = 0.f;
+#pragma unroll
+                for (int i = 0; i < KPL; i++) {
+                    s[m][i] = s[m][i] * decay;
+                    p[m] = fmaf(s[m][i], k[m][i], p[m]);
+                }
+            }
+            const float pred = gdn_butterfly(p);
+            const float v = cok ? sv[tt * CB + jc] : 0.f;
+            const float u = beta * (v - pred);
+#pragma unroll
+            for (int m = 0; m < V; m++) {
+                p[m] = 0.f;
+#pragma unroll
+                for (int i = 0; i < KPL; i++) {
+                    s[m][i] = fmaf(k[m][i], u, s[m][i]);
+                    p[m] = fmaf(s[m][i], qr[(g + LPC * m) * KPL + i], p[m]);
+                }
+            }
+            const float o = gdn_butterfly(p);
+            if (emit && g == 0 && cok) out[(i64)(t0 + tt) * ldo + h * dv + jb + jc] = o;
         }
-        const float o = warp_sum(pq);
-        if (emit && lane == 0) out[(i64)t * ldo + h * dv + j] = o;
     }
-    if (write_state) {
+    if (write_state && cok) {
 #pragma unroll
-        for (int i = 0; i < KPL; i++)
-            if (ok[i]) col[lane * KPL + i] = s[i];
+        for (int m = 0; m < V; m++) {
+            const int k0 = (g + LPC * m) * KPL;
+            if (vec4) {
+                if (k0 < dk)
+                    *reinterpret_cast<float4*>(col + k0) = make_float4(s[m][0], s[m][1 % KPL], s[m][2 % KPL], s[m][3 % KPL]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < KPL; i++)
+                    if (k0 + i < dk) col[k0 + i] = s[m][i];
+            }
+        }
     }
 }
 
-// grid (ceil(HV*dv/4), layers), block 128. Per-layer strides let the commit run every GDN
-// layer in one launch; n_dev (if non-null) overrides nlanes from device memory.
+// grid (HV * ceil(dv / GDN_ST_CB), layers), block 32 * GDN_ST_WARPS. Per-layer
+// strides let the commit run every GDN layer in one launch; n_dev (if non-null) overrides nlanes
+// from device memory.
 #define GDN_KERNEL(NAME, KPL)                                                                                         \
-    extern "C" __global__ void NAME(float* state, i64 state_stride, const float* qkvn, i64 qkvn_stride,              \
-                                    const float* gb, i64 gb_stride, float* out, int ldo, int H, int HV, int dk, int dv, \
-                                    int nlanes, const int* n_dev, int emit, int write_state) {                        \
+    extern "C" __global__ void __launch_bounds__(32 * GDN_ST_WARPS)                                                  \
+        NAME(float* state, i64 state_stride, const float* qkvn, i64 qkvn_stride, const float* gb, i64 gb_stride,     \
+             float* out, int ldo, int H, int HV, int dk, int dv, int nlanes, const int* n_dev, int emit,             \
+             int write_state) {                                                                                       \
         pdl_entry();                                                                                                  \
         const int L = blockIdx.y;                                                                                     \
         gdn_body<KPL>(state + L * state_stride, qkvn + L * qkvn_stride, gb + L * gb_stride, out, ldo, H, HV, dk, dv,  \
-                      n_dev ? *n_dev : nlanes, emit, write_state);                                                    \
+                      n_dev ? *n_dev : nlanes, emit, write_state, blockIdx.x);                                        \
     }
 
 GDN_KERNEL(gdn_step_k1, 1)
 GDN_KERNEL(gdn_step_k2, 2)
 GDN_KERNEL(gdn_step_k4, 4)
 
-// decode_batch (common.cuh lane table): grid (ceil(HV*dv/4), lanes), block 128. Lane b is its own
-// sequence's one-token decode step: its state's S (+ state_off bytes: this layer) and its rows b of
-// qkvn / gb / out -- gdn_body exactly as a one-lane gdn_step runs it. nlanes / emit / write_state
-// stay arguments (the caller passes 1, 1, 1) so the body compiles as the one-sequence entry's does.
+// decode_batch (common.cuh lane table): grid (HV * column blocks, lanes), block 32 * GDN_ST_WARPS.
+// Lane b is its own sequence's one-token decode step: its state's S (+ state_off bytes: this
+// layer) and its rows b of qkvn / gb / out -- gdn_body exactly as a one-lane gdn_step runs it.
+// nlanes / emit / write_state stay arguments (the caller passes 1, 1, 1) so the body compiles as
+// the one-sequence entry's does.
 #define GDN_LANES_KERNEL(NAME, KPL)                                                                                   \
-    extern "C" __global__ void NAME(const i64* lanes, i64 state_off, const float* qkvn, const float* gb, float* out,  \
-                                    int ldo, int H, int HV, int dk, int dv, int nlanes, int emit, int write_state) {  \
+    extern "C" __global__ void __launch_bounds__(32 * GDN_ST_WARPS)                                                  \
+        NAME(const i64* lanes, i64 state_off, const float* qkvn, const float* gb, float* out, int ldo, int H, int HV, \
+             int dk, int dv, int nlanes, int emit, int write_state) {                                                 \
         pdl_entry();                                                                                                  \
         const int b = blockIdx.y;                                                                                     \
         gdn_body<KPL>(lane_ptr<float>(lanes, b, LT_GDN, state_off), qkvn + (i64)b * (2 * H * dk + HV * dv),           \
-                      gb + (i64)b * 2 * HV, out + (i64)b * ldo, ldo, H, HV, dk, dv, nlanes, emit, write_state);        \
+                      gb + (i64)b * 2 * HV, out + (i64)b * ldo, ldo, H, HV, dk, dv, nlanes, emit, write_state,        \
+                      blockIdx.x);                                                                                    \
     }
 
 GDN_LANES_KERNEL(gdn_step_lanes_k1, 1)
 GDN_LANES_KERNEL(gdn_step_lanes_k2, 2)
 GDN_LANES_KERNEL(gdn_step_lanes_k4, 4)
-
-// Prefill variant: the same recurrence, bit for bit (the same operations per column in the same
-// order, the same butterflies), but one warp owns NC consecutive value columns of a head. Why:
-// the decode kernel's 48 x 128 = 6144 warps (27B) run in ~3 waves on 132 SMs and each token step
-// is a dependent chain (two 5-shuffle reductions plus the next token's loads), so a long prefill
-// costs ~1.4 us per token per layer. With NC = 4 the warps fit one wave, the NC reductions of a
-// step are independent (ILP), q/k loads are shared by the NC columns, and the next token's inputs
-// are loaded before the current step's math (register double buffering). dv % NC == 0.
-template <int KPL, int NC>
-__device__ __forceinline__ void gdn_prefill_body(float* __restrict__ state, const float* __restrict__ qkvn,
-                                                 const float* __restrict__ gb, float* __restrict__ out, int ldo, int H,
-                                                 int HV, int dk, int dv, int nlanes) {
-    const int wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    const int per_head = dv / NC;
-    if (wid >= HV * per_head) return;
-    const int h = wid / per_head, j0 = (wid - h * per_head) * NC, kh = h / (HV / H);
-    const int C = 2 * H * dk + HV * dv;
-    float s[NC][KPL];
-    bool ok[KPL];
-#pragma unroll
-    for (int i = 0; i < KPL; i++) ok[i] = lane * KPL + i < dk;
-#pragma unroll
-    for (int c = 0; c < NC; c++) {
-        const float* col = state + (i64)(h * dv + j0 + c) * dk;
-#pragma unroll
-        for (int i = 0; i < KPL; i++) s[c][i] = ok[i] ? col[lane * KPL + i] : 0.f;
-    }
-    float qn[KPL], kn[KPL], vn[NC], gn = 0.f, bn = 0.f;
-    auto load = [&](int t) {
-        const float* row = qkvn + (i64)t * C;
-#pragma unroll
-        for (int i = 0; i < KPL; i++) {
-            const int kk = lane * KPL + i;
-            qn[i] = ok[i] ? __ldg(row + kh * dk + kk) : 0.f;
-            kn[i] = ok[i] ? __ldg(row + H * dk + kh * dk + kk) : 0.f;
-        }
-#pragma unroll
-        for (int c = 0; c < NC; c++) vn[c] = __ldg(row + 2 * H * dk + h * dv + j0 + c);
-        gn = __ldg(gb + (i64)t * 2 * HV + h);
-        bn = __ldg(gb + (i64)t * 2 * HV + HV + h);
-    };
-    if (nlanes > 0) load(0);
-    for (int t = 0; t < nlanes; t++) {
-        float q[KPL], k[KPL], v[NC];
-#pragma unroll
-        for (int i = 0; i < KPL; i++) { q[i] = qn[i]; k[i] = kn[i]; }
-#pragma unroll
-        for (int c = 0; c < NC; c++) v[c] = vn[c];
-        const float decay = expf(gn), beta = bn;
-        if (t + 1 < nlanes) load(t + 1);
-        float pk[NC];
-#pragma unroll
-        for (int c = 0; c < NC; c++) {
-            pk[c] = 0.f;
-#pragma unroll
-            for (int i = 0; i < KPL; i++) {
-                s[c][i] = s[c][i] * decay;
-                pk[c] = fmaf(s[c][i], k[i], pk[c]);
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < NC; c++) pk[c] = warp_sum(pk[c]);
-        float pq[NC];
-#pragma unroll
-        for (int c = 0; c < NC; c++) {
-            const float u = beta * (v[c] - pk[c]);
-            pq[c] = 0.f;
-#pragma unroll
-            for (int i = 0; i < KPL; i++) {
-                s[c][i] = fmaf(k[i], u, s[c][i]);
-                pq[c] = fmaf(s[c][i], q[i], pq[c]);
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < NC; c++) pq[c] = warp_sum(pq[c]);
-        if (lane == 0) {
-#pragma unroll
-            for (int c = 0; c < NC; c++) out[(i64)t * ldo + h * dv + j0 + c] = pq[c];
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < NC; c++) {
-        float* col = state + (i64)(h * dv + j0 + c) * dk;
-#pragma unroll
-        for (int i = 0; i < KPL; i++)
-            if (ok[i]) col[lane * KPL + i] = s[c][i];
-    }
-}
-
-// grid ceil(HV * dv / GDN_PF_COLS / GDN_PF_WARPS), block 32 * GDN_PF_WARPS: emits outputs and
-// writes the state (a prefill chunk).
-#define GDN_PREFILL_KERNEL(NAME, KPL)                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * GDN_PF_WARPS)                                         \
-        NAME(float* state, const float* qkvn, const float* gb, float* out, int ldo, int H, int HV, int dk,  \
-             int dv, int nlanes) {                                                                          \
-        pdl_entry();                                                                                        \
-        gdn_prefill_body<KPL, GDN_PF_COLS>(state, qkvn, gb, out, ldo, H, HV, dk, dv, nlanes);               \
-    }
-
-GDN_PREFILL_KERNEL(gdn_prefill_k1, 1)
-GDN_PREFILL_KERNEL(gdn_prefill_k2, 2)
-GDN_PREFILL_KERNEL(gdn_prefill_k4, 4)

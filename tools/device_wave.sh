@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -75,6 +75,30 @@ for stage in "$@"; do
         for a in 0 1; do
           Q27_PREFILL_EXPAND_AHEAD=$a timeout 240 python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 \
             --tokens 64 > "$OUT/ahead_load$a.txt" 2>&1 || rc=1; echo "--- expand ahead $a"; grep -iE "gap|long|C=" "$OUT/ahead_load$a.txt" | tail -4
+        done ;;
+    gdnst)  # the staged GDN recurrence (cuda/gdn.cu): bits (kernel, fused, prefill, forward tests, gates), then speed
+        timeout 400 $PYTEST tests/gpu/test_kernels.py -k gdn tests/gpu/test_gdn_fused.py tests/gpu/test_gdn_chunk.py \
+          tests/gpu/test_prefill_blas.py tests/gpu/test_forward.py tests/gpu/test_decode_batch.py \
+          > "$OUT/gdnst.txt" 2>&1 || rc=1; tail -4 "$OUT/gdnst.txt"
+        timeout 300 python3 gates/run.py > "$OUT/gdnst_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/gdnst_gates.txt"
+        timeout 200 python3 tools/device_gdn.py --lens 2048 8192 --reps 3 > "$OUT/gdnst_prefill.txt" 2>&1 || rc=1
+        grep -iE "sequential|chunked2" "$OUT/gdnst_prefill.txt" | head -6
+        timeout 420 python3 -m q27py bench --random-weights 27b --tier q4s --quick --json > "$OUT/bench.json" \
+          2> "$OUT/bench.txt" || rc=1; grep -E "^decode|verify W|MTP|GDN chain" "$OUT/bench.txt" ;;
+    gdnbench)  # the GDN recurrence alone (tools/gdn_step_bench.py) against REF (a gdn.cu; default: the
+               # one-warp-per-column kernel of 077e4c8), VARIANTS "LPC:WARPS ..." of VSRC; then ncu of one launch each
+        REF=${REF:-$OUT/gdn_ref.cu}; [ -f "$REF" ] || git show ${REF_REV:-077e4c8}:cuda/gdn.cu > "$REF" || rc=1
+        timeout 300 python3 tools/gdn_step_bench.py ${REF:+--ref $REF} ${VARIANTS:+--variants $VARIANTS} ${VSRC:+--variant-src $VSRC} \
+          --json "$OUT/gdnbench.json" > "$OUT/gdnbench.txt" 2>&1 || rc=1
+        cat "$OUT/gdnbench.txt"
+        [ "${NCU:-1}" = 0 ] || for m in "verify 8" "decode 1"; do
+          for r in "" $REF; do
+            timeout 120 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+              --section LaunchStats --section MemoryWorkloadAnalysis -k regex:gdn_step \
+              python3 tools/gdn_step_bench.py --once $m ${r:+--ref $r} > "$OUT/gdnncu_${m// /}${r:+_ref}.txt" 2>&1 || rc=1
+            echo "--- ncu $m ${r:-head}"; grep -E "^    (Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Issued Warp|Eligible Warps|No Eligible|Block Limit|L1/TEX Hit|Mem Pipes|Memory Throughput|Grid Size)" "$OUT/gdnncu_${m// /}${r:+_ref}.txt" | head -20
+            grep -iE "stall|cycles being stalled" "$OUT/gdnncu_${m// /}${r:+_ref}.txt" | head -4
+          done
         done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -101,9 +101,10 @@ GATED_A8_MAX_DV = 1024  # gated_rmsnorm_a8: value head dims it stages (one block
 DQ_WARPS = 8  # warps per expansion CTA, one (tile, chunk) block each
 DQ_LD = 72  # bf16 per staged row (64 + 8 pad: 16-byte aligned rows, no bank conflicts)
 
-# ---------------------------------------------------------------- GDN prefill (cuda/gdn.cu gdn_prefill_*)
-GDN_PF_COLS = 4  # value columns per warp
-GDN_PF_WARPS = 4  # warps per CTA
+# ---------------------------------------------------------------- GDN recurrence (cuda/gdn.cu gdn_step_*)
+GDN_ST_LPC = 4  # lanes per value column (cuda/gdn.cu's butterfly layout): a warp carries 32 / LPC columns
+GDN_ST_WARPS = 4  # warps per CTA, on consecutive columns of one head
+GDN_ST_TILE = 16  # tokens staged in shared memory per burst (>= the verify width: one burst per round)
 # ---------------------------------------------------------------- fused GDN decode (cuda/gdn_decode.cu)
 GDN_FD_COLS = 4  # value columns per warp (the recurrence of each exactly as gdn_step's)
 GDN_FD_WARPS = 8  # warps per block by default: 32 columns, so a 128-column head spans 4 blocks

@@ -510,15 +510,22 @@ def gdn_conv_commit(window, window_stride: int, raw, ldr: int, raw_stride: int, 
                           n_dev, i32(n)))
 
 
+def _gdn_step_kernel(dk: int, suffix: str = "") -> str:
+    kpl = -(-dk // 32)
+    if kpl > 4:
+        raise ValueError(f"GDN key head dim {dk} > 128 is not supported by the fast path")
+    return f"gdn_step{suffix}_k{4 if kpl > 2 else kpl}"
+
+
+def gdn_column_blocks(hv: int, dv: int) -> int:
+    """CTAs per layer of the recurrence: each GDN_ST_WARPS warps x 32 / GDN_ST_LPC columns of one head."""
+    return hv * -(-dv // (32 // C.GDN_ST_LPC * C.GDN_ST_WARPS))
+
+
 def gdn_step(state, state_stride: int, qkvn, qkvn_stride: int, gb, gb_stride: int, out, ldo: int, h: int, hv: int,
              dk: int, dv: int, nlanes: int, layers: int = 1, n_dev=None, emit: bool = True,
              write_state: bool = False) -> None:
-    kpl = -(-dk // 32)
-    kernel = {1: "gdn_step_k1", 2: "gdn_step_k2", 3: "gdn_step_k4", 4: "gdn_step_k4"}[kpl] if kpl <= 4 else None
-    if kernel is None:
-        raise ValueError(f"GDN key head dim {dk} > 128 is not supported by the fast path")
-    warps = hv * dv
-    Runtime.get().launch("gdn", kernel, (-(-warps // 4), layers), 128,
+    Runtime.get().launch("gdn", _gdn_step_kernel(dk), (gdn_column_blocks(hv, dv), layers), 32 * C.GDN_ST_WARPS,
                          (state, i64(state_stride), qkvn, i64(qkvn_stride), gb, i64(gb_stride), out, i32(ldo), i32(h),
                           i32(hv), i32(dk), i32(dv), i32(nlanes), n_dev, i32(1 if emit else 0),
                           i32(1 if write_state else 0)))
@@ -547,11 +554,8 @@ def gdn_conv_commit_lanes(lanes, win_off: int, raw, ldr: int, channels: int, kw:
 def gdn_step_lanes(lanes, state_off: int, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int,
                    nlanes: int) -> None:
     """gdn_step(emit, write_state) of one token per lane, lane b on its own state's S (+ state_off bytes)."""
-    kpl = -(-dk // 32)
-    kernel = {1: "gdn_step_lanes_k1", 2: "gdn_step_lanes_k2", 3: "gdn_step_lanes_k4", 4: "gdn_step_lanes_k4"}.get(kpl)
-    if kernel is None:
-        raise ValueError(f"GDN key head dim {dk} > 128 is not supported by the fast path")
-    Runtime.get().launch("gdn", kernel, (-(-(hv * dv) // 4), nlanes), 128,
+    Runtime.get().launch("gdn", _gdn_step_kernel(dk, "_lanes"), (gdn_column_blocks(hv, dv), nlanes),
+                         32 * C.GDN_ST_WARPS,
                          (lanes, i64(state_off), qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dk), i32(dv), i32(1),
                           i32(1), i32(1)))
 
@@ -626,17 +630,13 @@ _GDN_FUSED: bool | None = None
 
 
 def gdn_prefill_supported(dk: int, dv: int) -> bool:
-    return dk <= 128 and dv % C.GDN_PF_COLS == 0
+    return dk <= 128
 
 
 def gdn_prefill(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int) -> None:
-    """gdn_step(emit=True, write_state=True) for a long run of lanes, bitwise equal to it: four value
-    columns per warp, so the warps fit one wave and the per-token chains overlap (cuda/gdn.cu)."""
-    kpl = -(-dk // 32)
-    kernel = {1: "gdn_prefill_k1", 2: "gdn_prefill_k2", 3: "gdn_prefill_k4", 4: "gdn_prefill_k4"}[kpl]
-    warps = hv * dv // C.GDN_PF_COLS
-    Runtime.get().launch("gdn", kernel, -(-warps // C.GDN_PF_WARPS), 32 * C.GDN_PF_WARPS,
-                         (state, qkvn, gb, out, i32(ldo), i32(h), i32(hv), i32(dk), i32(dv), i32(nlanes)))
+    """The sequential prefill route: gdn_step(emit=True, write_state=True) over a long run of lanes
+    (the kernel stages GDN_ST_TILE tokens per burst, so a long run is one launch)."""
+    gdn_step(state, 0, qkvn, 0, gb, 0, out, ldo, h, hv, dk, dv, nlanes, emit=True, write_state=True)
 
 
 # Chunked (WY / UT) GDN prefill on tensor cores (cuda/gdn_chunk.cu, cuda/gdn_chunk2.cu; spec
