@@ -162,6 +162,12 @@ class EngineConfig:
     # fixed 384): gap p50 87 ms (94), but max 188 ms (130), long TTFT 9.0 s (8.2), short TTFT 183 ms
     # (130) -- worse on three of four, so fixed pieces stay the default (docs/PERF.md).
     interleave_halving: int = 0
+    # ... and the piece adapts so that a round beside decoding slots (their wait between tokens) takes
+    # about this long: after each such round the scheduler scales the next piece by budget / the
+    # round's wall time (damped: x0.5-2 per round, between interleave_chunk / 8 and 4x), and while
+    # two prompts prefill only the shorter one takes a piece (a title-sized request does not stack
+    # on the long one's piece). 0 = fixed pieces; None = auto (cuda: GPU_INTERLEAVE_BUDGET_MS; cpu: 0).
+    interleave_budget_ms: float | None = None
     # cuda: FastModel.decode_batch runs up to 16 sequences' next tokens in one weight sweep (lane
     # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards: 81
     # GPU tests, run c6). Off: max_batch = 1, every sequence its own forward.
@@ -176,6 +182,14 @@ class EngineConfig:
         if self.interleave_chunk is None:
             return GPU_INTERLEAVE_CHUNK if self.device == "cuda" else 0
         return int(self.interleave_chunk)
+
+    def interleave_budget(self) -> float:
+        """interleave_budget_ms with auto resolved for this device (0 where pieces are off)."""
+        if self.interleave() <= 0:
+            return 0.0
+        if self.interleave_budget_ms is None:
+            return GPU_INTERLEAVE_BUDGET_MS if self.device == "cuda" else 0.0
+        return float(self.interleave_budget_ms)
 
     def slots(self, sized: int | None = None) -> int:
         """Requests generating at once: max_slots, or for "auto" the count the model sized from
@@ -204,10 +218,14 @@ class EngineConfig:
             raise ConfigError(f"interleave_halving must be a token count >= 0 (0 = fixed pieces), not {self.interleave_halving!r}")
         if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int) or self.interleave_chunk < 0):
             raise ConfigError(f"interleave_chunk must be a token count >= 0 (0 = off), not {self.interleave_chunk!r}")
+        b = self.interleave_budget_ms
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not b >= 0):
+            raise ConfigError(f"interleave_budget_ms must be milliseconds >= 0 (0 = fixed pieces), not {b!r}")
 
 
 CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto" off CUDA)
 GPU_INTERLEAVE_CHUNK = 384  # interleave_chunk's cuda auto: prefill tokens per round beside decoding slots
+GPU_INTERLEAVE_BUDGET_MS = 0.0  # interleave_budget_ms's cuda auto (0: fixed pieces until measured)
 # Slots on the CPU path: each slot runs its own forward in turn (no shared weight sweep there), so
 # slots divide one core's tokens/s between streams rather than add to it. 4 covers what agent
 # clients run at once (a session, a sub-agent, title generation, one more) with each stream kept at
@@ -344,6 +362,7 @@ ENV_VARS = {
     "Q27_BATCH_SPEC": ("engine", "batch_spec", str),
     "Q27_INTERLEAVE_CHUNK": ("engine", "interleave_chunk", int),
     "Q27_INTERLEAVE_HALVING": ("engine", "interleave_halving", int),
+    "Q27_INTERLEAVE_BUDGET_MS": ("engine", "interleave_budget_ms", float),
     "Q27_BATCH_SWEEP": ("engine", "batch_sweep", parse_switch),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),

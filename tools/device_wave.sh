@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -99,6 +99,12 @@ for stage in "$@"; do
             echo "--- ncu $m ${r:-head}"; grep -E "^    (Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Issued Warp|Eligible Warps|No Eligible|Block Limit|L1/TEX Hit|Mem Pipes|Memory Throughput|Grid Size)" "$OUT/gdnncu_${m// /}${r:+_ref}.txt" | head -20
             grep -iE "stall|cycles being stalled" "$OUT/gdnncu_${m// /}${r:+_ref}.txt" | head -4
           done
+        done ;;
+    budget)  # EngineConfig.interleave_budget_ms: the gap beside a 32K prefill, fixed pieces vs adaptive budgets
+        for b in ${BUDGETS:-0 70 85}; do
+          Q27_INTERLEAVE_BUDGET_MS=$b timeout 240 python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 \
+            --tokens 64 --json > "$OUT/budget$b.json" 2> "$OUT/budget$b.txt" || rc=1
+          echo "--- budget $b ms"; grep -E "^mixed" "$OUT/budget$b.txt" | tail -2
         done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

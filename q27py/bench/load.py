@@ -206,6 +206,7 @@ def mixed_run(engine, prompts: Prompts, prompt_tokens: int, long_tokens: int) ->
     return {
         "slots": sched.max_slots, "prefill_chunk": getattr(engine.decoder, "prefill_chunk", None),
         "interleave_chunk": getattr(engine, "interleave_chunk", 0),
+        "interleave_budget_ms": getattr(engine, "interleave_budget_ms", 0), "piece_at_end": sched.piece,
         "running_prompt_tokens": prompt_tokens, "long_prompt_tokens": long_tokens,
         "short_prompt_tokens": SHORT_PROMPT, "short_gen_tokens": SHORT_TOKENS,
         "running_itl_before_p50_s": pct(before, 50),
@@ -306,7 +307,8 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
             f"{(m['running_itl_during_prefill_p50_s'] or 0) * 1000:.1f} ms, max "
             f"{(m['running_itl_during_prefill_max_s'] or 0) * 1000:.1f} ms ({m['running_deliveries_during_prefill']} "
             f"deliveries; before {(m['running_itl_before_p50_s'] or 0) * 1000:.1f} ms); long TTFT "
-            f"{m['long_ttft_s']:.2f} s; short request TTFT {m['short_ttft_s'] * 1000:.0f} ms")
+            f"{m['long_ttft_s']:.2f} s; short request TTFT {m['short_ttft_s'] * 1000:.0f} ms; pieces "
+            f"{m['interleave_chunk']} tokens, budget {m['interleave_budget_ms'] or 0:.0f} ms, {m['piece_at_end']} at the end")
     out["memory"] = memory(engine)
     mem = out["memory"]
     log(f"memory per slot {mem['memory_per_slot_bytes'] / 2**20:.1f} MiB (state {mem['state_bytes'] / 2**20:.1f} MiB"

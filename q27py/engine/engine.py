@@ -78,6 +78,7 @@ class LocalEngine:
         # prefill tokens per round beside decoding slots (0: off, full chunks always)
         self.interleave_chunk = cfg.engine.interleave()
         self.interleave_halving = int(cfg.engine.interleave_halving)  # the piece shrinks with the context
+        self.interleave_budget_ms = cfg.engine.interleave_budget()  # the piece adapts to a round budget
         # requests the scheduler may interleave (engine/scheduler.py); "auto" on cuda: the count the
         # model sized from free memory at load (gpu/forward.py size_context_to_memory)
         sized = getattr(model, "sized_slots", None)

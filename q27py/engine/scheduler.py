@@ -29,7 +29,13 @@ decode round or its end), else prefilling.
   the CPU path's cpu_prefill_chunk), or, while other slots are decoding and
   EngineConfig.interleave_chunk is set, at most that many tokens, so running streams
   wait one small piece per round instead of a whole chunk (engine/decoder.py
-  prefill_steps: the pieces tile the full chunks' grid).
+  prefill_steps: the pieces tile the full chunks' grid). With a round budget
+  (EngineConfig.interleave_budget_ms) the piece adapts: after each round that ran a piece
+  beside decoding slots, the next piece is scaled by budget / that round's wall time (damped),
+  so the running streams' wait holds near the budget as the prompt's context (its attention)
+  grows, on any card. And while two or more prompts prefill beside decoding slots, only the
+  shortest takes a piece that round: a title-sized request's prefill never stacks on a long
+  prompt's piece in one wait (the long one resumes next round).
 
 So a running stream waits at most one round between two of its steps, and a round
 costs one shared decode (or one decode round per slot) plus one prefill piece per
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
@@ -97,7 +104,7 @@ class Scheduler:
 
     def __init__(self, engine, max_slots: int | None = None,
                  open_tap: Callable[[Job], object | None] | None = None,
-                 on_change: Callable[[], None] | None = None):
+                 on_change: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter):
         self.engine = engine
         self.max_slots = max(1, int(max_slots)) if max_slots is not None else engine_slots(engine)
         # LocalEngine.steps yields after every bounded unit; an engine with generate() only
@@ -108,6 +115,11 @@ class Scheduler:
         self._shares = self._paced and bool(getattr(engine, "shares_rounds", False))
         self._interleave = int(getattr(engine, "interleave_chunk", 0) or 0) if self._paced else 0
         self._halving = int(getattr(engine, "interleave_halving", 0) or 0) if self._paced else 0
+        # the adaptive piece (module docstring): its budget in seconds (0: fixed pieces) and current size
+        budget = float(getattr(engine, "interleave_budget_ms", 0) or 0) if self._interleave else 0.0
+        self._budget = budget / 1000.0
+        self.piece = self._interleave  # prefill tokens per piece beside decoding slots (adapts with a budget)
+        self._clock = clock
         self.batched_rounds = 0  # rounds whose shared forward ran two or more lanes
         self.batched_lanes = 0  # lanes those rounds ran
         self._open_tap = open_tap
@@ -165,15 +177,33 @@ class Scheduler:
                 self._step(slot)
         self._admit()
         active = self._active()
-        self._advance(active)
+        t0 = self._clock()
+        paced_piece = self._advance(active)
+        if paced_piece and self._budget > 0:
+            self._adapt(self._clock() - t0)
         return len(active)
 
-    def _advance(self, slots: list[Slot]) -> None:
+    # the adaptive piece's bounds, as fractions / multiples of interleave_chunk, and its damping
+    PIECE_MIN_FRACTION, PIECE_MAX_MULTIPLE, PIECE_STEP = 8, 4, 2.0
+
+    def _adapt(self, elapsed: float) -> None:
+        """Scale the next piece by budget / elapsed (one round that ran a piece beside decoding slots)."""
+        f = min(self.PIECE_STEP, max(1 / self.PIECE_STEP, self._budget / max(elapsed, 1e-6)))
+        lo = max(1, self._interleave // self.PIECE_MIN_FRACTION)
+        self.piece = int(min(self._interleave * self.PIECE_MAX_MULTIPLE, max(lo, round(self.piece * f))))
+
+    def _advance(self, slots: list[Slot]) -> bool:
         """Move every active slot by one step: a shared round for the decoding slots when two or more
-        are, else their own rounds; one prefill piece for each prefilling slot (module docstring)."""
+        are, else their own rounds; one prefill piece for each prefilling slot, or, beside decoding
+        slots with pieces on, for the shortest prompt only (module docstring). True when a prefill
+        piece ran beside decoding slots (the round the adaptive piece measures)."""
         decoding = [s for s in slots if s.decoding]
         prefilling = [s for s in slots if not s.decoding]
-        piece = self._interleave if decoding else 0  # smaller pieces only while others wait on tokens
+        piece = self.piece if decoding else 0  # smaller pieces only while others wait on tokens
+        if piece and len(prefilling) > 1:  # the shortest prompt first; the rest resume next round
+            first = min(prefilling, key=lambda s: (s.tokens, s.index))
+            slots = [s for s in slots if s.decoding or s is first]
+            prefilling = [first]
         for slot in slots:
             if slot.pace is not None:
                 slot.pace.shared = False
@@ -185,6 +215,7 @@ class Scheduler:
         for slot in slots:
             if self._slots[slot.index] is slot:  # not ended earlier in this round
                 self._step(slot)
+        return bool(piece and prefilling)
 
     def _shared_round(self, slots: list[Slot]) -> None:
         """One decode_batch for every decoding slot: collect a lane from each, run them together, then

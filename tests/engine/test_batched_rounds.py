@@ -493,3 +493,112 @@ def test_interleave_pieces_shrink_with_the_context():
     assert shrinking[0] == 64 and max(shrinking[-5:]) < 32, shrinking  # ~64 / (1 + 900 / 256) at the end
     assert {256, 512, 768, 1000} <= set(np.cumsum(shrinking)), "a full chunk's cut was moved"
     assert sum(shrinking) == 1000
+
+
+def _cost_clock(probe, fixed_ms=10.0, per_token_ms=1.0, decode_ms=5.0):
+    """A clock that advances with the model work the probe saw: a prefill piece of n tokens costs
+    fixed + n x per_token ms, a decode forward or a decode_batch decode_ms (the GPU's shape: a piece
+    pays a fixed cost, e.g. the bf16 expansion, plus its tokens)."""
+    def clock():
+        ms = 0.0
+        for c in probe.calls:
+            if c[0] == "forward":
+                ms += fixed_ms + per_token_ms * c[2] if c[2] > 1 else decode_ms
+            else:
+                ms += decode_ms
+        return ms / 1000.0
+    return clock
+
+
+def test_interleave_budget_adapts_the_piece_to_the_round_budget(fast, tok):
+    """interleave_budget_ms: each round that runs a piece beside a decoding stream scales the next
+    piece by budget / the round's time, so the rounds (the running stream's wait) settle at the
+    budget: here 5 ms decode + 10 ms fixed + 1 ms per token against 55 ms -> 40-token pieces."""
+    probe = Probe(fast)
+    engine = make_engine(probe, tok, 2, spec=False, cpu_prefill_chunk=4096, interleave_chunk=16,
+                         interleave_budget_ms=55.0)
+    assert engine.interleave_budget_ms == 55.0
+    clock = _cost_clock(probe)
+    sched, log = Scheduler(engine, clock=clock), []
+    run = Job("run", GenerationRequest(ids_of(tok, TEXTS[0]), 60), log)
+    sched.submit(run)
+    sched.round()
+    sched.round()
+    long_ids = ids_of(tok, "word soup and more words ", 600)
+    long = Job("long", GenerationRequest(long_ids, 2), log)
+    sched.submit(long)
+    rounds = []
+    while long.finish is None:
+        t0 = clock()
+        sched.round()
+        rounds.append(clock() - t0)
+    long_state = next(c[1] for c in probe.calls if c[0] == "forward" and c[2] > 16)
+    pieces = _pieces(probe, long_state)
+    assert pieces[:5] == [16, 28, 36, 39, 40], pieces  # x (55 / 31), x (55 / 43), ... damped, to the fixed point
+    assert all(p == 40 for p in pieces[4:-1]), pieces
+    assert all(abs(r - 0.055) < 0.002 for r in rounds[4 : len(pieces) - 1]), str([round(r * 1e3, 1) for r in rounds])
+    assert run.finish is None, "the running stream decoded through the whole prefill"
+    drain(sched)
+    assert long.tokens == alone(fast, tok, GenerationRequest(long_ids, 2), spec=False, cpu_prefill_chunk=4096).tokens
+    # without a budget the pieces stay fixed
+    probe.calls.clear()
+    fixed = make_engine(probe, tok, 2, spec=False, cpu_prefill_chunk=4096, interleave_chunk=16)
+    sched = Scheduler(fixed, clock=clock)
+    run2 = Job("run", GenerationRequest(ids_of(tok, TEXTS[0]), 60))
+    sched.submit(run2)
+    sched.round()
+    sched.round()
+    sched.submit(Job("long", GenerationRequest(long_ids[:100], 2)))
+    for _ in range(4):
+        sched.round()
+    states = [c[1] for c in probe.calls if c[0] == "forward" and c[2] == 16]
+    assert len(states) == 4 and sched.piece == 16
+
+
+def test_beside_decoders_only_the_shortest_prompt_takes_a_piece(fast, tok):
+    """Two prompts prefilling beside a decoding stream: the shorter runs its piece alone that round
+    (its prefill does not stack on the long prompt's piece in one wait); the long one resumes the
+    round after. Tokens are each request's solo tokens."""
+    probe = Probe(fast)
+    engine = make_engine(probe, tok, 3, spec=False, cpu_prefill_chunk=4096, interleave_chunk=16)
+    sched, log = Scheduler(engine), []
+    run = Job("run", GenerationRequest(ids_of(tok, TEXTS[0]), 40), log)
+    sched.submit(run)
+    sched.round()
+    sched.round()
+    long_ids, short_ids = ids_of(tok, "word soup and more words ", 120), ids_of(tok, TEXTS[1])
+    long = Job("long", GenerationRequest(long_ids, 2), log)
+    sched.submit(long)
+    sched.round()  # the long prompt's first piece
+    short = Job("short", GenerationRequest(short_ids, 4), log)
+    sched.submit(short)
+    n = len(probe.calls)
+    sched.round()  # admitted: its piece runs, the long prompt's does not
+    pieces = [c[2] for c in probe.calls[n:] if c[0] == "forward" and c[2] > 1]
+    assert pieces == [min(16, len(short_ids))], pieces
+    assert len(short_ids) <= 16 and short.tokens, "the short prompt's single piece gave its first token"
+    n = len(probe.calls)
+    sched.round()  # the short one decodes now (a shared round), and the long one has its piece again
+    assert [c[2] for c in probe.calls[n:] if c[0] == "forward" and c[2] > 1] == [16]
+    drain(sched)
+    assert long.tokens == alone(fast, tok, GenerationRequest(long_ids, 2), spec=False, cpu_prefill_chunk=4096).tokens
+    assert short.tokens == alone(fast, tok, GenerationRequest(short_ids, 4), spec=False).tokens
+
+
+def test_interleave_budget_config():
+    cfg = apply_env(Q27Config(), {"Q27_INTERLEAVE_BUDGET_MS": "70"})
+    assert cfg.engine.interleave_budget_ms == 70.0
+    d = Q27Config().engine
+    assert d.interleave_budget_ms is None and d.interleave_budget() == 0.0  # cpu: no pieces, no budget
+    d.device = "cuda"
+    from q27py.config import GPU_INTERLEAVE_BUDGET_MS
+    assert d.interleave_budget() == GPU_INTERLEAVE_BUDGET_MS
+    d.interleave_chunk = 0  # pieces off: no budget either
+    assert d.interleave_budget() == 0.0
+    d.interleave_chunk, d.interleave_budget_ms = 256, 40
+    assert d.interleave_budget() == 40.0
+    for bad in (-1.0, "fast", True):
+        e = Q27Config().engine
+        e.interleave_budget_ms = bad
+        with pytest.raises(ConfigError):
+            e.check_batching()

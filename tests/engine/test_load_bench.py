@@ -20,7 +20,7 @@ MIXED_KEYS = {"slots", "prefill_chunk", "interleave_chunk", "running_prompt_toke
               "running_itl_during_prefill_p99_s", "running_itl_during_prefill_max_s",
               "running_deliveries_during_prefill", "long_ttft_s", "short_ttft_s", "short_done_s",
               "short_first_before_long", "running_finish", "rounds", "max_running", "batched_rounds",
-              "batched_lanes"}
+              "batched_lanes", "interleave_budget_ms", "piece_at_end"}
 TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "batch_rounds", "interleave_chunk",
             "prompt_tokens", "gen_tokens", "concurrency", "aggregate_over_c1", "mixed", "memory"}
 
