@@ -167,6 +167,10 @@ class EngineConfig:
     # round's wall time (damped: x0.5-2 per round, between interleave_chunk / 8 and 4x), and while
     # two prompts prefill only the shorter one takes a piece (a title-sized request does not stack
     # on the long one's piece). 0 = fixed pieces; None = auto (cuda: GPU_INTERLEAVE_BUDGET_MS; cpu: 0).
+    # Measured beside a 32K prefill (runs e10-e12, docs/PERF.md): a 75 ms budget held the gap p50 at
+    # 75 ms but not its max (117 ms against 106 for fixed 384-token pieces), and the long prompt's TTFT
+    # went 8.3 -> 12.5 s. At 32K context a piece's attention runs under one wave whatever its size
+    # (320 / 352 / 384 tokens: p50 89 / 92 / 94 ms), so smaller pieces only add pieces. Off by default.
     interleave_budget_ms: float | None = None
     # cuda: FastModel.decode_batch runs up to 16 sequences' next tokens in one weight sweep (lane
     # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards: 81
@@ -225,7 +229,7 @@ class EngineConfig:
 
 CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto" off CUDA)
 GPU_INTERLEAVE_CHUNK = 384  # interleave_chunk's cuda auto: prefill tokens per round beside decoding slots
-GPU_INTERLEAVE_BUDGET_MS = 0.0  # interleave_budget_ms's cuda auto (0: fixed pieces until measured)
+GPU_INTERLEAVE_BUDGET_MS = 0.0  # interleave_budget_ms's cuda auto: fixed pieces (measured: see the field)
 # Slots on the CPU path: each slot runs its own forward in turn (no shared weight sweep there), so
 # slots divide one core's tokens/s between streams rather than add to it. 4 covers what agent
 # clients run at once (a session, a sub-agent, title generation, one more) with each stream kept at
