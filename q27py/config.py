@@ -86,6 +86,11 @@ class EngineConfig:
     # runs (two weight buffers, ~2 x 356 MB on the 27B) instead of taking turns (q27py/gpu/blas.py
     # ExpandAhead). Off until measured on the device: same launches, same bits.
     prefill_expand_ahead: bool = False
+    # cuda, cuBLAS route: keep up to this many GiB of the bf16 expansions resident (one per matrix,
+    # in first-use order; the 27B's all take 54 GB), so chunks and interleaved pieces after the first
+    # skip the ~20 ms expansion (q27py/gpu/blas.py ExpansionCache). The auto slot / context sizing
+    # reserves it. 0 = off (the default: most cards have no room; an H200 serving few slots does).
+    prefill_weight_cache_gb: float = 0.0
     cpu_prefill_chunk: int = 256  # at most this on the CPU path: the cancel flag is checked between chunks
     # cuda: GDN prefill runs through the chunked tensor-core kernel ("chunked", chunks aligned to
     # absolute positions; within fp32 rounding of the sequential kernel), the three-kernel chunked
@@ -222,6 +227,9 @@ class EngineConfig:
             raise ConfigError(f"interleave_halving must be a token count >= 0 (0 = fixed pieces), not {self.interleave_halving!r}")
         if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int) or self.interleave_chunk < 0):
             raise ConfigError(f"interleave_chunk must be a token count >= 0 (0 = off), not {self.interleave_chunk!r}")
+        w = self.prefill_weight_cache_gb
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
+            raise ConfigError(f"prefill_weight_cache_gb must be GiB >= 0 (0 = off), not {w!r}")
         b = self.interleave_budget_ms
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not b >= 0):
             raise ConfigError(f"interleave_budget_ms must be milliseconds >= 0 (0 = fixed pieces), not {b!r}")
@@ -362,6 +370,7 @@ ENV_VARS = {
     "Q27_PDL": ("engine", "pdl", str),
     "Q27_PREFILL_GEMM": ("engine", "prefill_gemm", str),
     "Q27_PREFILL_EXPAND_AHEAD": ("engine", "prefill_expand_ahead", parse_switch),
+    "Q27_PREFILL_WEIGHT_CACHE_GB": ("engine", "prefill_weight_cache_gb", float),
     "Q27_BATCH_ROUNDS": ("engine", "batch_rounds", parse_switch),
     "Q27_BATCH_SPEC": ("engine", "batch_spec", str),
     "Q27_INTERLEAVE_CHUNK": ("engine", "interleave_chunk", int),

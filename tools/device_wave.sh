@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -105,6 +105,16 @@ for stage in "$@"; do
           Q27_INTERLEAVE_BUDGET_MS=$b timeout 240 python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 \
             --tokens 64 --json > "$OUT/budget$b.json" 2> "$OUT/budget$b.txt" || rc=1
           echo "--- budget $b ms"; grep -E "^mixed" "$OUT/budget$b.txt" | tail -2
+        done ;;
+    cache)  # EngineConfig.prefill_weight_cache_gb (blas.ExpansionCache): bits, then prefill / the gap / warm turns off vs on
+        timeout 200 $PYTEST tests/gpu/test_prefill_blas.py -k "resident or expand" > "$OUT/cache.txt" 2>&1 || rc=1
+        tail -3 "$OUT/cache.txt"
+        for g in 0 ${CACHE_GB:-60}; do
+          Q27_PREFILL_WEIGHT_CACHE_GB=$g timeout 200 python3 tools/prefill_compare.py --tokens 512 2048 8192 --gdn chunked2 \
+            > "$OUT/cache_prefill$g.txt" 2>&1 || rc=1; echo "--- weight cache $g GB"; grep "^prefill" "$OUT/cache_prefill$g.txt"
+          Q27_PREFILL_WEIGHT_CACHE_GB=$g timeout 200 python3 -m q27py bench load --random-weights 27b --tier q4s \
+            --streams 1 2 --tokens 64 --json > "$OUT/cache_load$g.json" 2> "$OUT/cache_load$g.txt" || rc=1
+          grep -E "^mixed|^load" "$OUT/cache_load$g.txt" | tail -2
         done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

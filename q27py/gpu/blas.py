@@ -234,6 +234,93 @@ def set_expand_ahead(on: bool) -> None:
     _EXPAND_AHEAD_SET = True
 
 
+class ExpansionCache:
+    """EngineConfig.prefill_weight_cache_gb: bf16 expansions kept resident, one per matrix, so the
+    prefill chunks and interleaved pieces after a matrix's first skip its expansion.
+
+    Why: the expansion is ~20 ms per 27B pass (13.7 GB read, 54 GB written), paid by every chunk and
+    every interleaved piece; beside a 32K prefill a 384-token piece is ~85 ms, of which ~20 is the
+    expansion, and expanding ahead on a side stream did not overlap it (both kernels fill the GPU:
+    docs/PERF.md, e2). On a card with room (the 27B's 54 GB of expansions on an H200) the cost goes.
+    Matrices are admitted in first-use order until the budget is full (every matrix runs once per
+    chunk, so any set of that size saves the same); nothing is evicted; a matrix that is freed (its
+    model dropped) frees its expansion; an allocation that fails stops admission (the route falls
+    back to the scratch). A cached expansion is the same launch into a different buffer: same bits.
+    alloc / expand are the device calls (CPU tests pass stand-ins)."""
+
+    def __init__(self, budget_bytes: int, alloc=None, expand=None):
+        self.budget = max(0, int(budget_bytes))
+        self.used = 0
+        self.full = False  # an allocation failed: admit nothing more
+        self.hits = self.misses = 0
+        self._entries: dict[int, tuple] = {}  # id(matrix) -> (weakref to it, buffer, bytes)
+        self._alloc = alloc or self._device_alloc
+        self._expand = expand or (lambda m, out: dequantize_to_bf16(m, out=out))
+
+    @staticmethod
+    def _device_alloc(nbytes: int):
+        cp = Runtime.get().cp
+        try:
+            return cp.empty(max(nbytes, 16) // 2 + 8, dtype=cp.uint16)
+        except cp.cuda.memory.OutOfMemoryError:
+            return None
+
+    def get(self, m):
+        """m's resident expansion (made now if it fits), or None: expand into the scratch as before."""
+        e = self._entries.get(id(m))
+        if e is not None and e[0]() is m:
+            self.hits += 1
+            return e[1]
+        self.misses += 1
+        n = expanded_bytes(m)
+        if self.full or self.used + n > self.budget:
+            return None
+        buf = self._alloc(n)
+        if buf is None:
+            self.full = True
+            return None
+        self._expand(m, buf)
+        key = id(m)
+        self._entries[key] = (weakref.ref(m, lambda _ref, key=key: self._drop(key)), buf, n)
+        self.used += n
+        return buf
+
+    def _drop(self, key: int) -> None:
+        e = self._entries.pop(key, None)
+        if e is not None:
+            self.used -= e[2]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_WEIGHT_CACHE: ExpansionCache | None = None
+_WEIGHT_CACHE_SET = False
+
+
+def weight_cache() -> ExpansionCache | None:
+    """The process's ExpansionCache, or None when off. Models built directly (benches, tests) get
+    EngineConfig.prefill_weight_cache_gb (env Q27_PREFILL_WEIGHT_CACHE_GB) as its budget, read once;
+    load_fast_model sets it from the engine's config, capped at the model's expansions."""
+    if not _WEIGHT_CACHE_SET:
+        from q27py.config import Q27Config, apply_env
+
+        set_weight_cache(weight_cache_budget(apply_env(Q27Config()).engine.prefill_weight_cache_gb, 1 << 62))
+    return _WEIGHT_CACHE
+
+
+def weight_cache_budget(gb: float, total_bytes: int) -> int:
+    """The bytes EngineConfig.prefill_weight_cache_gb reserves: at most every expansion's (total_bytes)."""
+    return min(int(float(gb) * (1 << 30)), int(total_bytes)) if gb and gb > 0 else 0
+
+
+def set_weight_cache(budget_bytes: int) -> None:
+    """Start the process's expansion cache with this budget (0: off; replaces an existing one)."""
+    global _WEIGHT_CACHE, _WEIGHT_CACHE_SET
+    _WEIGHT_CACHE = ExpansionCache(budget_bytes) if budget_bytes > 0 else None
+    _WEIGHT_CACHE_SET = True
+
+
 def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None) -> None:
     """The GEMM kernel's contract (kernels.gemm) through cuBLAS: MODE_STORE, MODE_ADD or MODE_SWIGLU.
 
@@ -242,6 +329,11 @@ def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None) -> None:
     sh = m.shape
     if x_bf16 is None:
         x_bf16 = to_bf16(x, ldx, ntok, sh.kpad)
+    cache = weight_cache()
+    resident = cache.get(m) if cache is not None else None
+    if resident is not None:
+        _gemm_expanded(m, resident, x_bf16, ntok, y, ldy)
+        return
     ahead = expand_ahead()
     if ahead is not None:
         w, slot = ahead.weights(m)

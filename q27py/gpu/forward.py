@@ -1318,6 +1318,8 @@ def load_fast_model(cfg) -> FastModel:
     from q27py.gpu import blas
 
     blas.set_expand_ahead(e.prefill_expand_ahead)
+    blas.set_weight_cache(blas.weight_cache_budget(
+        e.prefill_weight_cache_gb, sum(blas.expanded_bytes(m) for m in weights.matrices() if K.gemm_supported(m))))
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
@@ -1357,11 +1359,21 @@ def graph_bytes_per_state(model: FastModel, e) -> int:
     return int(e.graph_bytes_per_layer) * (model.cfg.num_hidden_layers + (1 if model.has_mtp else 0))
 
 
+def expansion_cache_reserve() -> int:
+    """Device bytes the prefill's resident bf16 expansions will take (blas.ExpansionCache; filled
+    lazily by the first prefill, after the sizing, so the sizing sets them aside)."""
+    from q27py.gpu import blas
+
+    cache = blas.weight_cache()
+    return cache.budget - cache.used if cache is not None else 0
+
+
 def size_context_to_memory(model: FastModel, e) -> None:
     """--max-context auto and --max-slots auto: the window and the slot count the free memory holds
     once weights and scratch are resident (q27py/model/kvbudget.py plan_slots: every slot owns one
     sequence state, KV window + GDN state + the graphs captured for it; the model-level batch graphs
-    are reserved once, batch_graph_reserve). A fixed --max-context keeps
+    are reserved once, batch_graph_reserve, and so are the resident prefill expansions not yet made,
+    expansion_cache_reserve). A fixed --max-context keeps
     its window (only the slots are sized); a fixed --max-slots keeps its count."""
     import sys
 
@@ -1376,7 +1388,8 @@ def size_context_to_memory(model: FastModel, e) -> None:
                       max_slots=e.max_slots, max_context=e.max_context if isinstance(e.max_context, int) else "auto",
                       max_sequences=e.max_sequences, fixed_per_sequence=fixed,
                       graph_bytes_per_state=graph_bytes_per_state(model, e), margin_bytes=e.kv_safety_margin_bytes,
-                      scratch_bytes=batch_graph_reserve(model.max_batch), max_positions=model.max_pos,
+                      scratch_bytes=batch_graph_reserve(model.max_batch) + expansion_cache_reserve(),
+                      max_positions=model.max_pos,
                       cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
     model.max_pos = plan.budget.window  # states are allocated later, at this size
     model.context_budget = plan.budget

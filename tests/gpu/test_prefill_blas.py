@@ -155,3 +155,48 @@ def test_expand_ahead_gives_the_same_bits(cp):
         blas._EXPAND_AHEAD, blas._EXPAND_AHEAD_SET = saved
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
+
+
+def test_resident_expansions_give_the_same_bits(cp):
+    """EngineConfig.prefill_weight_cache_gb: GEMMs on resident bf16 expansions give exactly the
+    scratch route's outputs; the repeat passes hit the cache (no expansion), a matrix past the
+    budget keeps the scratch route, and with expand-ahead on as well the bits stay."""
+    from q27py.gpu import blas
+    from q27py.gpu import kernels as K
+
+    rng = np.random.default_rng(71)
+    cols, ntok = 640, 160
+    shapes = [(300, L.FMT_Q4, K.MODE_STORE), (520, L.FMT_Q8, K.MODE_ADD), (2 * 140, L.FMT_Q4, K.MODE_SWIGLU)]
+    mats = []
+    for rows, fmt, mode in shapes:
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        mats.append(K.upload_packed(L.pack_matrix(w, fmt), mode=mode, out_rows=rows // 2 if mode == K.MODE_SWIGLU else None))
+    x = cp.asarray(rng.standard_normal((ntok, cols)).astype(np.float32))
+    order = mats * 3
+
+    def run():
+        outs = []
+        for m in order:
+            y = cp.full((ntok, m.nout), 0.5, dtype=cp.float32)
+            blas.prefill_gemm(m, x, cols, ntok, y, m.nout)
+            outs.append(y)
+        cp.cuda.get_current_stream().synchronize()
+        return [o.get() for o in outs]
+
+    saved = (blas._WEIGHT_CACHE, blas._WEIGHT_CACHE_SET, blas._EXPAND_AHEAD, blas._EXPAND_AHEAD_SET)
+    try:
+        blas.set_expand_ahead(False)
+        blas.set_weight_cache(0)
+        want = run()
+        room = sum(blas.expanded_bytes(m) for m in mats[:2])  # the third does not fit
+        blas.set_weight_cache(room)
+        got = run()
+        cache = blas.weight_cache()
+        assert len(cache) == 2 and cache.used == room and cache.hits == 4 and cache.misses == 5
+        blas.set_expand_ahead(True)
+        got_ahead = run()
+    finally:
+        blas._WEIGHT_CACHE, blas._WEIGHT_CACHE_SET, blas._EXPAND_AHEAD, blas._EXPAND_AHEAD_SET = saved
+    for a, b, c in zip(want, got, got_ahead):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
