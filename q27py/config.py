@@ -174,8 +174,9 @@ class EngineConfig:
     # on the long one's piece). 0 = fixed pieces; None = auto (cuda: GPU_INTERLEAVE_BUDGET_MS; cpu: 0).
     # Measured beside a 32K prefill (runs e10-e12, docs/PERF.md): a 75 ms budget held the gap p50 at
     # 75 ms but not its max (117 ms against 106 for fixed 384-token pieces), and the long prompt's TTFT
-    # went 8.3 -> 12.5 s. At 32K context a piece's attention runs under one wave whatever its size
-    # (320 / 352 / 384 tokens: p50 89 / 92 / 94 ms), so smaller pieces only add pieces. Off by default.
+    # went 8.3 -> 12.5 s: a piece is mostly fixed cost (~60 ms at 32K context: 320 / 352 / 384 tokens
+    # gave p50 89 / 92 / 94 ms; the bf16 expansion is ~20 of it), so smaller pieces only add pieces.
+    # Off by default; worth a re-measure with prefill_weight_cache_gb on.
     interleave_budget_ms: float | None = None
     # cuda: FastModel.decode_batch runs up to 16 sequences' next tokens in one weight sweep (lane
     # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards: 81
