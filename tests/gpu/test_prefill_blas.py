@@ -117,6 +117,34 @@ def test_gdn_prefill_is_bitwise_the_step_kernel(cp, dk, dv, h, hv):
     assert not np.isnan(ob.get()).any()
 
 
+BLAS_COLS, BLAS_TOKENS = 640, 160
+
+
+def _blas_mats(cp, rng):
+    """Three small packed matrices, one per output mode (store q4, add q8, SwiGLU q4), and x."""
+    from q27py.gpu import kernels as K
+
+    shapes = [(300, L.FMT_Q4, K.MODE_STORE), (520, L.FMT_Q8, K.MODE_ADD), (2 * 140, L.FMT_Q4, K.MODE_SWIGLU)]
+    mats = []
+    for rows, fmt, mode in shapes:
+        w = rng.standard_normal((rows, BLAS_COLS)).astype(np.float32) * 0.05
+        mats.append(K.upload_packed(L.pack_matrix(w, fmt), mode=mode, out_rows=rows // 2 if mode == K.MODE_SWIGLU else None))
+    return mats, cp.asarray(rng.standard_normal((BLAS_TOKENS, BLAS_COLS)).astype(np.float32))
+
+
+def _run_prefill_gemms(cp, order, x):
+    """blas.prefill_gemm over the matrices in order; their outputs (host copies)."""
+    from q27py.gpu import blas
+
+    outs = []
+    for m in order:
+        y = cp.full((BLAS_TOKENS, m.nout), 0.5, dtype=cp.float32)
+        blas.prefill_gemm(m, x, BLAS_COLS, BLAS_TOKENS, y, m.nout)
+        outs.append(y)
+    cp.cuda.get_current_stream().synchronize()
+    return [o.get() for o in outs]
+
+
 def test_expand_ahead_gives_the_same_bits(cp):
     """EngineConfig.prefill_expand_ahead: the prefill GEMMs with the next matrix expanded on a side
     stream (two weight buffers) give exactly the outputs of expansion and GEMM taking turns, over
@@ -126,24 +154,12 @@ def test_expand_ahead_gives_the_same_bits(cp):
     from q27py.gpu import kernels as K
 
     rng = np.random.default_rng(70)
-    cols, ntok = 640, 160
-    shapes = [(300, L.FMT_Q4, K.MODE_STORE), (520, L.FMT_Q8, K.MODE_ADD), (2 * 140, L.FMT_Q4, K.MODE_SWIGLU)]
-    mats = []
-    for rows, fmt, mode in shapes:
-        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
-        mats.append(K.upload_packed(L.pack_matrix(w, fmt), mode=mode, out_rows=rows // 2 if mode == K.MODE_SWIGLU else None))
-    big = K.upload_packed(L.pack_matrix(rng.standard_normal((1500, cols)).astype(np.float32) * 0.05, L.FMT_Q4))
-    x = cp.asarray(rng.standard_normal((ntok, cols)).astype(np.float32))
+    mats, x = _blas_mats(cp, rng)
+    big = K.upload_packed(L.pack_matrix(rng.standard_normal((1500, BLAS_COLS)).astype(np.float32) * 0.05, L.FMT_Q4))
     order = mats * 3 + [mats[2], mats[0], big, mats[1], mats[0]]
 
     def run():
-        outs = []
-        for m in order:
-            y = cp.full((ntok, m.nout), 0.5, dtype=cp.float32)
-            blas.prefill_gemm(m, x, cols, ntok, y, m.nout)
-            outs.append(y)
-        cp.cuda.get_current_stream().synchronize()
-        return [o.get() for o in outs]
+        return _run_prefill_gemms(cp, order, x)
 
     saved = (blas._EXPAND_AHEAD, blas._EXPAND_AHEAD_SET)
     try:
@@ -162,26 +178,12 @@ def test_resident_expansions_give_the_same_bits(cp):
     scratch route's outputs; the repeat passes hit the cache (no expansion), a matrix past the
     budget keeps the scratch route, and with expand-ahead on as well the bits stay."""
     from q27py.gpu import blas
-    from q27py.gpu import kernels as K
 
-    rng = np.random.default_rng(71)
-    cols, ntok = 640, 160
-    shapes = [(300, L.FMT_Q4, K.MODE_STORE), (520, L.FMT_Q8, K.MODE_ADD), (2 * 140, L.FMT_Q4, K.MODE_SWIGLU)]
-    mats = []
-    for rows, fmt, mode in shapes:
-        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
-        mats.append(K.upload_packed(L.pack_matrix(w, fmt), mode=mode, out_rows=rows // 2 if mode == K.MODE_SWIGLU else None))
-    x = cp.asarray(rng.standard_normal((ntok, cols)).astype(np.float32))
+    mats, x = _blas_mats(cp, np.random.default_rng(71))
     order = mats * 3
 
     def run():
-        outs = []
-        for m in order:
-            y = cp.full((ntok, m.nout), 0.5, dtype=cp.float32)
-            blas.prefill_gemm(m, x, cols, ntok, y, m.nout)
-            outs.append(y)
-        cp.cuda.get_current_stream().synchronize()
-        return [o.get() for o in outs]
+        return _run_prefill_gemms(cp, order, x)
 
     saved = (blas._WEIGHT_CACHE, blas._WEIGHT_CACHE_SET, blas._EXPAND_AHEAD, blas._EXPAND_AHEAD_SET)
     try:
