@@ -94,7 +94,27 @@ def run(traces: Path = TRACES, tier: str = "q4s", context: int = 2048, seed: int
     plain_tps = n_plain / plain_s
 
     # ---- speculative rounds replayed from the traces
-    def replay(rounds_of_prompts, timed: bool) -> tuple[float, int, int]:
+    import cupy as cp
+
+    prof: dict[str, list[float]] = {}
+
+    def mark(name: str, t0: float, ev0=None) -> tuple[float, object]:
+        """Profile pass: host seconds since t0 under `name`, and (with ev0) a device interval."""
+        t1 = time.perf_counter()
+        prof.setdefault("host_" + name, []).append(t1 - t0)
+        ev1 = None
+        if ev0 is not None:
+            ev1 = cp.cuda.Event()
+            ev1.record(m.stream)
+            prof.setdefault("_dev_" + name, []).append((ev0, ev1))
+        return t1, ev1
+
+    def event():
+        ev = cp.cuda.Event()
+        ev.record(m.stream)
+        return ev
+
+    def replay(rounds_of_prompts, timed: bool, profile: bool = False) -> tuple[float, int, int]:
         reset()
         ladder = MTPLadder(m, st.mtp_kv)
         suffix = SuffixIndex(key_len=4)
@@ -107,6 +127,8 @@ def run(traces: Path = TRACES, tier: str = "q4s", context: int = 2048, seed: int
         t0 = time.perf_counter()
         for rounds_ in rounds_of_prompts:
             for r in rounds_:
+                tp = time.perf_counter()
+                ev = event() if profile else None
                 d = len(r["drafts"])
                 if r["source"] == "mtp" and d:
                     steps = max(d, int(r.get("mtp_steps", d)))
@@ -116,34 +138,63 @@ def run(traces: Path = TRACES, tier: str = "q4s", context: int = 2048, seed: int
                     draft = [int(x) for x in r["drafts"]]
                 else:
                     draft = []
+                if profile:  # the draft: its chain on the device, its host call (ids read back inside)
+                    tp, _ = mark("draft", tp, ev)
+                    ev = event()
                 lanes = [pending] + draft
                 out = m.forward(st, lanes, logits_rows="all", verify=True)
+                if profile:
+                    tp, _ = mark("verify_launch", tp)
                 ids = out.greedy_ids()
+                if profile:  # the verify forward on the device; the host's wait for its ids
+                    tp, _ = mark("verify_wait", tp, ev)
                 n = min(int(r["accepted"]), len(lanes))
                 new = [int(x) for x in ids[:n]]
                 hidden = np.array(out.hidden[:n])
+                if profile:
+                    tp, _ = mark("hidden_copy", tp)
+                    ev = event()
                 m.commit(st, out.trace, n)
+                if profile:
+                    tp, _ = mark("commit_launch", tp, ev)
                 ladder.defer(hidden, new)
                 suffix.extend(new)
                 det.add(new)
                 pending = new[-1]
                 tokens += n
                 rounds += 1
+                if profile:
+                    mark("bookkeeping", tp)
         m.stream.synchronize()
         return time.perf_counter() - t0, tokens, rounds
 
     replay(prompts, timed=False)  # warm: every graph shape the traces use is captured before the timed pass
     spec_s, spec_tokens, spec_rounds = replay(prompts, timed=True)
     spec_tps = spec_tokens / spec_s
+    # A third pass with CUDA events and perf_counter marks at the phase boundaries: where a round's
+    # time goes (ms per round; not the timed figure). host_X: the host's time in phase X. device_X:
+    # the GPU timeline from the event before X's launch to the event after it (for the draft and the
+    # verify that includes reading their ids back, i.e. the GPU waiting on the host inside the phase).
+    # outside: the round's wall time in none of those brackets (hidden copy, bookkeeping, launches).
+    prof_s, _, _ = replay(prompts, timed=False, profile=True)
+    profile = {}
+    for k, v in prof.items():
+        if k.startswith("_dev_"):
+            profile["device_" + k[5:]] = sum(cp.cuda.get_elapsed_time(a, b) for a, b in v) / spec_rounds
+        else:
+            profile[k] = sum(v) * 1e3 / spec_rounds
+    profile["round_wall"] = prof_s * 1e3 / spec_rounds
+    profile["outside"] = profile["round_wall"] - sum(v for k, v in profile.items() if k.startswith("device_"))
     res = {
         "device": b.rt.describe(), "tier": tier, "context": context, "traces": str(traces), "trace_model": meta.get("model"),
         "plain_tokens": n_plain, "plain_s": plain_s, "plain_tokens_per_s": plain_tps,
         "spec_tokens": spec_tokens, "spec_rounds": spec_rounds, "tokens_per_round": spec_tokens / spec_rounds,
         "spec_s": spec_s, "spec_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps, "bar": 2.5,
-        "graph_captures": m.graphs.captures,
+        "graph_captures": m.graphs.captures, "profile_ms_per_round": profile,
     }
     log(f"spec replay ({meta.get('model')} traces, {spec_rounds} rounds, {res['tokens_per_round']:.2f} tokens/round, "
         f"ctx {context}): plain {plain_tps:.1f} t/s, speculative {spec_tps:.1f} t/s = {res['speedup']:.2f}x (host time included)")
+    log("  per round (ms, profile pass): " + ", ".join(f"{k} {v:.3f}" for k, v in profile.items()))
     return res
 
 
