@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -116,6 +116,13 @@ for stage in "$@"; do
             --streams 1 2 --tokens 64 --json > "$OUT/cache_load$g.json" 2> "$OUT/cache_load$g.txt" || rc=1
           grep -E "^mixed|^load" "$OUT/cache_load$g.txt" | tail -2
         done ;;
+    pending)  # what session e left unmeasured: the spec replay's per-phase profile, the batch sweep with the
+              # new GDN lanes kernel; then run the cache stage
+        timeout 200 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \
+          q27py/bench/data/spec_traces_code.json --json > "$OUT/pending_spec.json" 2> "$OUT/pending_spec.txt" || rc=1
+        grep -E "spec replay|per round" "$OUT/pending_spec.txt"
+        timeout 150 python3 -m q27py.bench.batch_probe --reps 10 --json "$OUT/pending_batch.json" \
+          > "$OUT/pending_batch.txt" 2>&1 || rc=1; tail -7 "$OUT/pending_batch.txt" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done
