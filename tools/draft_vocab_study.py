@@ -8,7 +8,9 @@ Method (nothing in the repo is modified; the engine's own pieces are reused):
 
 1. For every prompt, plain greedy decoding with the model (reference numpy path by default), keeping
    every main-model hidden row; the prompt is prefilled in the engine's chunks and its MTP rows are
-   warmed as SpecDecoder warms them.
+   warmed as SpecDecoder warms them. Generation ends after the model's eos ids (as the server runs
+   it); --no-stop runs without stop ids, as tools/record_traces.py recorded the traces (then the
+   tiny models repeat <|im_end|> after an answer, positions no drafter is ever right about).
 2. At every generated position P (pending token x_P), the MTP ladder exactly as MTPLadder.draft runs
    it: step 0 = MTP row (h_{P-1}, x_P); step k feeds the MTP's post-norm output and draft k at
    position P-1+k. Two chains of depth D (default 3 = SpecConfig.max_depth) are run:
@@ -25,7 +27,8 @@ Method (nothing in the repo is modified; the engine's own pieces are reused):
    ladder (round starts follow acceptance); (c) the engine's default round policy replayed exactly
    (DraftPlanner "agree" arbitration with the real SuffixIndex, the real DepthController, width 8,
    max_tokens), which is what tools/record_traces.py records (tokens/round as DecodeStats counts
-   it: the prefill is round one).
+   it: the prefill is round one). With --no-stop --backend fast the full-vocabulary replay gives
+   the recorded traces' tokens/round (q27py/bench/data/spec_traces*.json) for all 12 of their prompts.
 4. --check K: for the first K prompts, the real SpecDecoder is run with model.mtp_forward wrapped
    so its logits outside S are -inf (a wrapper, no repo edit), for a few variants; its round trace
    must equal the replay's of (c), and its output plain decoding's.
@@ -50,8 +53,10 @@ q27py/bench/data/spec_traces*.json) + held-out ones in the same style written he
 function requests, code prefixes cut from scipy sources (held out of the models' training data), and
 agent-style tool prompts rendered with the official template.
 
-    OMP_NUM_THREADS=1 python3 tools/draft_vocab_study.py --model /work/shared/models/q36-tiny-code \
-        [--max-tokens 128] [--depth 3] [--check 3] [--real-vocab] [--json out.json]
+    OMP_NUM_THREADS=1 python3 tools/draft_vocab_study.py --model ../shared/models/q36-tiny-code \
+        [--max-tokens 128] [--depth 3] [--check 4] [--real-vocab] [--no-stop] [--backend fast] [--json out.json]
+
+About 3 minutes per model on a 2-core machine (30 eval + 22 build prompts, 128 tokens).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -235,10 +240,10 @@ def load(model_dir: Path, backend: str):
     return ReferenceModel.load(model_dir)
 
 
-def greedy_with_hidden(model, ids: list[int], n_new: int, chunk: int, mtp_kv=None):
-    """Plain greedy decoding (no stop ids, as tools/record_traces.py runs). Returns (generated ids,
-    hidden rows [len(ids)+n_new-1, H]: row t = post-norm hidden at position t). With mtp_kv, the
-    prompt's MTP rows 0..n-2 are written chunk by chunk as SpecDecoder's warm() writes them."""
+def greedy_with_hidden(model, ids: list[int], n_new: int, chunk: int, mtp_kv=None, stops=frozenset()):
+    """Plain greedy decoding of up to n_new tokens, ending after the first stop id (the engine emits
+    it). Returns (generated ids, hidden rows: row t = post-norm hidden at position t). With mtp_kv,
+    the prompt's MTP rows 0..n-2 are written chunk by chunk as SpecDecoder's warm() writes them."""
     st = model.new_state()
     hidden_rows = []
     n = len(ids)
@@ -252,7 +257,7 @@ def greedy_with_hidden(model, ids: list[int], n_new: int, chunk: int, mtp_kv=Non
             if known > 0:
                 model.mtp_forward(mtp_kv, hid[:known], ids[s + 1 : s + 1 + known], mtp_kv.length, logits_rows="none")
     gen = [int(np.argmax(last))]
-    while len(gen) < n_new:
+    while len(gen) < n_new and gen[-1] not in stops:
         out = model.forward(st, [gen[-1]], logits_rows="all")
         hidden_rows.append(np.array(out.hidden))
         gen.append(int(np.argmax(out.logits[-1])))
@@ -273,20 +278,24 @@ def restricted_argmax(logits: np.ndarray, v: Variant) -> int:
     return int(v.ids[int(np.argmax(logits[v.ids]))])
 
 
-def study_prompt(model, ids, max_tokens: int, depth: int, chunk: int, variants: list[Variant]):
+def study_prompt(model, ids, max_tokens: int, depth: int, chunk: int, variants: list[Variant], stops=frozenset()):
     """Per position j (pending = generated[j]), for each variant: the teacher-forced restricted drafts
     (len depth) and whether the restricted ladder equals the full ladder (first draft, whole chain)."""
     st0 = model.new_state()
     kv = st0.mtp_kv
-    gen, hidden, _ = greedy_with_hidden(model, ids, max_tokens + depth, chunk, mtp_kv=kv)
-    n = len(ids)
+    gen, hidden, _ = greedy_with_hidden(model, ids, max_tokens + depth, chunk, mtp_kv=kv, stops=stops)
+    n, L = len(ids), len(gen)
     assert kv.length == n - 1
     nv = len(variants)
-    tf = np.zeros((max_tokens, nv, depth), dtype=np.int64)  # teacher-forced restricted argmax
+    tf = np.full((max_tokens, nv, depth), -1, dtype=np.int64)  # teacher-forced restricted argmax (-1: none)
     eq_first = np.zeros((max_tokens, nv), dtype=bool)
     eq_chain = np.zeros((max_tokens, nv), dtype=bool)
     full_chain = np.zeros((max_tokens, depth), dtype=np.int64)
-    for j in range(max_tokens):
+    npos = 0
+    for j in range(min(max_tokens - 1, L - 1)):  # a pending token at max_tokens-1 starts no round
+        if gen[j] in stops:
+            break
+        npos += 1
         P = n + j  # the pending token's position
         assert kv.length == P - 1
         lg0, hm0 = model.mtp_forward(kv, hidden[P - 1 : P], [gen[j]], P - 1, logits_rows="last")
@@ -305,17 +314,19 @@ def study_prompt(model, ids, max_tokens: int, depth: int, chunk: int, variants: 
         # greedy tokens its inputs are the full chain's (same numbers, reused); from the first
         # mismatch m it is run on: KV rows of steps 1..m kept, the greedy token fed instead.
         m = 0
-        while m < depth - 1 and d[m] == gen[j + 1 + m]:
+        while m < depth - 1 and j + 1 + m < L and d[m] == gen[j + 1 + m]:
             m += 1
         tf_logits = chain_logits[: m + 1]
         kv.truncate(warm + m)
         h = chain_h[m]
         for k in range(m + 1, depth):
+            if j + k >= L:  # past the end of the generation: no greedy token to feed
+                break
             lg, h = model.mtp_forward(kv, h, [gen[j + k]], P - 1 + k)
             tf_logits.append(lg[0])
         kv.truncate(warm)
         for vi, v in enumerate(variants):
-            tf[j, vi] = [restricted_argmax(tf_logits[k], v) for k in range(depth)]
+            tf[j, vi, : len(tf_logits)] = [restricted_argmax(lg, v) for lg in tf_logits]
             eq_first[j, vi] = restricted_argmax(l0, v) == d[0]
             ok = True
             for k in range(depth):
@@ -323,31 +334,43 @@ def study_prompt(model, ids, max_tokens: int, depth: int, chunk: int, variants: 
                     ok = False
                     break
             eq_chain[j, vi] = ok
-    return {"gen": gen, "tf": tf, "eq_first": eq_first, "eq_chain": eq_chain, "full_chain": full_chain}
+    return {"gen": gen, "tf": tf, "eq_first": eq_first, "eq_chain": eq_chain, "full_chain": full_chain,
+            "positions": npos}
 
 
-def accepted_at(tf_row: np.ndarray, gen: list[int], j: int, k_max: int) -> int:
+def walk(drafts, gen, j: int, stops=frozenset()) -> tuple[int, int]:
+    """SpecDecoder._round's accept walk (greedy): lane t emits the main model's token gen[j+1+t] and
+    continues only while it equals draft t and is no stop id. Returns (tokens emitted, drafts accepted)."""
+    n = acc = 0
+    for t in range(len(drafts) + 1):
+        tok = gen[j + 1 + t]
+        n += 1
+        match = t < len(drafts) and tok == int(drafts[t])
+        if match:
+            acc += 1
+        if tok in stops or not match:
+            break
+    return n, acc
+
+
+def accepted_at(tf_row: np.ndarray, gen: list[int], j: int, k_max: int, stops=frozenset()) -> int:
     """Accepted drafts of a ladder of k_max drafts at pending index j (teacher-forced drafts)."""
-    a = 0
-    while a < k_max and int(tf_row[a]) == gen[j + 1 + a]:
-        a += 1
-    return a
+    return walk(tf_row[:k_max], gen, j, stops)[1]
 
 
-def replay_fixed_depth(tf_v: np.ndarray, gen, max_tokens: int, depth: int) -> tuple[int, int]:
+def replay_fixed_depth(tf_v: np.ndarray, gen, max_tokens: int, depth: int, stops=frozenset()) -> tuple[int, int]:
     """MTP-only ladder of fixed depth: (tokens generated, verify rounds)."""
     j, produced, rounds = 0, 1, 0
-    while produced < max_tokens:
+    while produced < max_tokens and gen[j] not in stops:
         k = min(depth, max_tokens - produced - 1)
-        a = accepted_at(tf_v[j], gen, j, k) if k > 0 else 0
-        n = a + 1
+        n, _ = walk(tf_v[j][:k], gen, j, stops)
         produced += n
         j += n
         rounds += 1
     return produced, rounds
 
 
-def replay_engine(tf_v: np.ndarray, gen, prompt_ids, max_tokens: int, cfg: SpecConfig) -> list[dict]:
+def replay_engine(tf_v: np.ndarray, gen, prompt_ids, max_tokens: int, cfg: SpecConfig, stops=frozenset()) -> list[dict]:
     """SpecDecoder's rounds with the default DraftPlanner policy, replayed from the teacher-forced drafts.
     Returns a trace in DecodeStats' format (source, accepted = tokens emitted, lanes, mtp_steps, and
     the accepted draft count). Draft tokens after the first mismatch are not known here (they are
@@ -361,25 +384,22 @@ def replay_engine(tf_v: np.ndarray, gen, prompt_ids, max_tokens: int, cfg: SpecC
     width = cfg.max_verify_width
     trace = [{"source": NONE, "accepted": 1, "lanes": 0, "mtp_steps": 0, "accepted_drafts": 0}]
     j, produced = 0, 1
-    while produced < max_tokens:
+    while produced < max_tokens and gen[j] not in stops:
         max_drafts = min(width - 1, max_tokens - produced - 1)
-        source, drafts_n, mtp_steps, matched = NONE, 0, 0, 0
+        source, drafts, mtp_steps = NONE, [], 0
         if max_drafts > 0:
             proposal = []
             if suffix is not None:
                 proposal, _ = suffix.propose(max_drafts, cfg.suffix_min_match)
             depth = min(max_drafts, ctrl.depth)
-            first = int(tf_v[j][0])
+            first = int(tf_v[j][0])  # the ladder's first draft (the restricted argmax)
             if proposal and first == proposal[0]:
-                # "agree": one MTP pass, then the suffix proposal
-                source, mtp_steps = SUFFIX, 1
-                drafts_n = len(proposal)
-                while matched < drafts_n and proposal[matched] == gen[j + 1 + matched]:
-                    matched += 1
+                # "agree": the ladder stopped after its first pass; the suffix proposal is verified
+                source, mtp_steps, drafts = SUFFIX, 1, list(proposal)
             else:
-                source, mtp_steps, drafts_n = MTP, depth, depth
-                matched = accepted_at(tf_v[j], gen, j, depth)
-        n = matched + 1  # greedy, no stop ids: emit the matched drafts + the correction / bonus token
+                source, mtp_steps, drafts = MTP, depth, tf_v[j][:depth]
+        drafts_n = len(drafts)
+        n, matched = walk(drafts, gen, j, stops)
         new = gen[j + 1 : j + 1 + n]
         if source == MTP:
             ctrl.observe(drafts_n, matched)
@@ -439,7 +459,8 @@ def frequency_ranking(vocab: int, gen_counts: collections.Counter, text_counts: 
 # cross-check against the real SpecDecoder
 
 
-def check_with_spec_decoder(model, prompt_ids, max_tokens: int, v: Variant, chunk: int, cfg: SpecConfig):
+def check_with_spec_decoder(model, prompt_ids, max_tokens: int, v: Variant, chunk: int, cfg: SpecConfig,
+                            stops=frozenset()):
     """Run the engine's SpecDecoder with the MTP logits masked to the subset (a wrapper on the model
     instance; no repo file changed). Returns (generated ids, DecodeStats.trace)."""
     from q27py.engine.api import SamplingParams
@@ -459,7 +480,7 @@ def check_with_spec_decoder(model, prompt_ids, max_tokens: int, v: Variant, chun
     try:
         dec = SpecDecoder(model, replace(cfg, trace=True), prefill_chunk=chunk)
         stats = DecodeStats(record_trace=True)
-        out = [t for c in dec.run(model.new_state(), prompt_ids, max_tokens, SamplingParams(), frozenset(),
+        out = [t for c in dec.run(model.new_state(), prompt_ids, max_tokens, SamplingParams(), frozenset(stops),
                                   stats=stats) for t in c]
     finally:
         if v.ids is not None:
@@ -539,8 +560,11 @@ def main(argv=None) -> int:
     ap.add_argument("--scipy-eval", type=int, default=6)
     ap.add_argument("--scipy-build", type=int, default=8)
     ap.add_argument("--limit", type=int, default=0, help="evaluate only the first N eval prompts (0 = all)")
-    ap.add_argument("--check", type=int, default=3, help="SpecDecoder cross-check on the first K prompts")
+    ap.add_argument("--check", type=int, default=3, help="SpecDecoder cross-check on K prompts spread over the eval set")
     ap.add_argument("--check-variants", default="full,first-8192,freq-2048+sp,first-16384")
+    ap.add_argument("--no-stop", action="store_true",
+                    help="no stop ids (as tools/record_traces.py recorded the traces); default: stop at the "
+                         "model's eos ids, as the server does")
     ap.add_argument("--real-vocab", action="store_true", help="add the real-vocabulary text proxy")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -558,16 +582,18 @@ def main(argv=None) -> int:
     chunk = Q27Config().engine.prefill_chunk  # the chunk tools/record_traces.py's SpecDecoder used
     spec_cfg = SpecConfig()
     depth = args.depth
+    stops = frozenset() if args.no_stop else frozenset(tok.eos_ids)
     ev, bd, corpus = build_prompt_sets(tok, args.model, args.scipy_eval, args.scipy_build)
     if args.limit:
         ev = ev[: args.limit]
     log(f"model {args.model} ({args.backend}), vocab {vocab}, {len(specials)} specials; "
-        f"{len(ev)} eval prompts, {len(bd)} build prompts, {args.max_tokens} tokens, depth {depth}")
+        f"{len(ev)} eval prompts, {len(bd)} build prompts, {args.max_tokens} tokens, depth {depth}, "
+        f"stop ids {sorted(stops)}")
 
     # ---- frequency ranking from the build prompts (disjoint from the eval prompts)
     gen_counts: collections.Counter = collections.Counter()
     for name, ids in bd:
-        g, _, _ = greedy_with_hidden(model, ids, args.max_tokens, chunk)
+        g, _, _ = greedy_with_hidden(model, ids, args.max_tokens, chunk, stops=stops)
         gen_counts.update(g)
     text_counts = collections.Counter(tok.encode(corpus))
     ranking = frequency_ranking(vocab, gen_counts, text_counts)
@@ -583,11 +609,11 @@ def main(argv=None) -> int:
     per_prompt = []
     for name, ids in ev:
         t0 = time.perf_counter()
-        r = study_prompt(model, ids, args.max_tokens, depth, chunk, variants)
+        r = study_prompt(model, ids, args.max_tokens, depth, chunk, variants, stops)
         r["name"], r["ids"] = name, ids
         per_prompt.append(r)
-        acc_full = np.mean([accepted_at(r["tf"][j, 0], r["gen"], j, depth) for j in range(args.max_tokens - depth)])
-        log(f"{name:26s} prompt {len(ids):4d}  full-vocab mean accepted/position {acc_full:.2f}  "
+        acc_full = np.mean([accepted_at(r["tf"][j, 0], r["gen"], j, depth, stops) for j in range(r["positions"])])
+        log(f"{name:26s} prompt {len(ids):4d}  generated {min(len(r['gen']), args.max_tokens):4d}  full-vocab mean accepted/position {acc_full:.2f}  "
             f"{time.perf_counter() - t0:.1f}s")
 
     # ---- aggregate
@@ -605,18 +631,19 @@ def main(argv=None) -> int:
             inset[v.ids] = True
         for r in per_prompt:
             gen = r["gen"]
-            for j in range(M - D):  # positions with a full-depth chain and targets inside the window
-                pos_acc.append(accepted_at(r["tf"][j, vi], gen, j, D))
+            for j in range(r["positions"]):  # every position a round could start at
+                pos_acc.append(accepted_at(r["tf"][j, vi], gen, j, D, stops))
                 first_ok.append(r["eq_first"][j, vi])
                 chain_ok.append(r["eq_chain"][j, vi])
                 if r["tf"][j, 0, 0] == gen[j + 1] and not inset[gen[j + 1]]:
                     full_acc_out += 1
-            outside += int((~inset[np.array(gen[1:M])]).sum())
-            gen_tok += M - 1
-            t, n = replay_fixed_depth(r["tf"][:, vi], gen, M, D)
+            emitted = np.array(gen[1:M], dtype=np.int64)  # the tokens verification chose (after the prefill's)
+            outside += int((~inset[emitted]).sum())
+            gen_tok += emitted.size
+            t, n = replay_fixed_depth(r["tf"][:, vi], gen, M, D, stops)
             fixed_tok += t
             fixed_rounds += n + 1  # + the prefill round
-            tr = replay_engine(r["tf"][:, vi], gen, r["ids"], M, spec_cfg)
+            tr = replay_engine(r["tf"][:, vi], gen, r["ids"], M, spec_cfg, stops)
             r.setdefault("engine_traces", {})[v.name] = tr
             eng_tok += sum(x["accepted"] for x in tr)
             eng_rounds += len(tr)
@@ -646,8 +673,9 @@ def main(argv=None) -> int:
     for v in variants:
         if v.name not in args.check_variants.split(","):
             continue
-        for r in per_prompt[: args.check]:
-            out, trace = check_with_spec_decoder(model, r["ids"], M, v, chunk, spec_cfg)
+        picks = sorted({int(round(x)) for x in np.linspace(0, len(per_prompt) - 1, args.check)}) if args.check else []
+        for r in [per_prompt[i] for i in picks]:
+            out, trace = check_with_spec_decoder(model, r["ids"], M, v, chunk, spec_cfg, stops)
             mine = r["engine_traces"][v.name]
             same_out = out == r["gen"][:M]
             same_rounds = [(x["source"], x["accepted"], x["lanes"], x["mtp_steps"]) for x in trace] == \
@@ -660,13 +688,15 @@ def main(argv=None) -> int:
     real = None
     if args.real_vocab:
         texts = [tok.decode(r["gen"][:M]) for r in per_prompt]
-        real = real_vocab_proxy(texts, [8192, 16384, 32768, 65536], log)
+        real = real_vocab_proxy(texts, [8192, 16384, 32768, 65536, 98304, 131072], log)
 
     # ---- report
     base = results["full"]
+    gen_total = sum(min(len(r["gen"]), M) for r in per_prompt)
     print()
-    print(f"model {args.model.name}: {len(per_prompt)} prompts x {M} greedy tokens, MTP depth {D}, "
-          f"{base['positions']} positions; backend {args.backend}")
+    print(f"model {args.model.name}: {len(per_prompt)} prompts x up to {M} greedy tokens "
+          f"({gen_total} generated), MTP depth {D}, {base['positions']} positions; backend {args.backend}; "
+          f"stop ids {sorted(stops) or 'none'}")
     print("| variant | lm_head rows | draft1 = full | chain = full | acc@1 | mean accepted/pos (d=3) | "
           "tok/round fixed d=3 | vs full | tok/round engine default | vs full | greedy outside subset | accept hist 0/1/2/3 |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|")
@@ -694,6 +724,10 @@ def main(argv=None) -> int:
             "eval_prompts": [r["name"] for r in per_prompt], "build_prompts": [n for n, _ in bd],
             "results": results, "checks": checks, "real_vocab_proxy": real, "seconds": seconds,
             "ranking_head": ranking[:64].tolist(),
+            "per_prompt": [{"name": r["name"], "prompt_tokens": len(r["ids"]), "generated": min(len(r["gen"]), M),
+                            "engine_tokens_per_round": {k: sum(x["accepted"] for x in tr) / len(tr)
+                                                        for k, tr in r["engine_traces"].items()}}
+                           for r in per_prompt],
         }, indent=1))
     return 0
 
