@@ -44,12 +44,37 @@ class GpuUnavailable(Q27Error):
     """No usable CUDA device (no cupy, no GPU, or compute capability below sm_80)."""
 
 
+# Kernel scalar arguments. An eager prefill forward makes ~2,750 launches of ~16 arguments each, and
+# a numpy scalar costs ~0.4 us to build, so the values (dimensions, strides, offsets: a few hundred
+# distinct ones) are kept once built -- numpy scalars are immutable, so sharing them is safe.
+_SCALAR_CACHE_MAX = 1 << 14
+_NULL = np.uint64(0)  # a null pointer argument
+_I32: dict = {}
+_I64: dict = {}
+
+
 def i32(v) -> np.int32:
-    return np.int32(v)
+    try:
+        s = _I32.get(v)
+    except TypeError:  # an unhashable value (a 0-d array): built each time
+        return np.int32(v)
+    if s is None:
+        s = np.int32(v)
+        if len(_I32) < _SCALAR_CACHE_MAX:
+            _I32[v] = s
+    return s
 
 
 def i64(v) -> np.int64:
-    return np.int64(v)
+    try:
+        s = _I64.get(v)
+    except TypeError:  # an unhashable value (a 0-d array): built each time
+        return np.int64(v)
+    if s is None:
+        s = np.int64(v)
+        if len(_I64) < _SCALAR_CACHE_MAX:
+            _I64[v] = s
+    return s
 
 
 def f32(v) -> np.float32:
@@ -223,6 +248,9 @@ class Runtime:
 
     @classmethod
     def get(cls) -> "Runtime":
+        inst = cls._instance  # every kernel wrapper calls this: no lock once it exists
+        if inst is not None:
+            return inst
         with cls._lock:
             if cls._instance is None:
                 cls._instance = Runtime()
@@ -246,11 +274,11 @@ class Runtime:
 
     def launch(self, module: str, kernel: str, grid, block, args, shared_mem: int = 0, cluster: int = 1) -> None:
         """cluster > 1: launch as thread-block clusters of that many CTAs (sm_90+, grid divisible)."""
-        grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
-        block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
+        grid = tuple(map(int, grid)) if isinstance(grid, tuple) else (int(grid),)
+        block = tuple(map(int, block)) if isinstance(block, tuple) else (int(block),)
         if min(grid) <= 0:
             return
-        args = tuple(np.uint64(0) if a is None else a for a in args)  # null pointers
+        args = tuple([_NULL if a is None else a for a in args])  # null pointers
         f = self.fn(module, kernel)
         if shared_mem > 48 * 1024:
             self._allow_shared(module, kernel, f, int(shared_mem))
