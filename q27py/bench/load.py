@@ -271,9 +271,12 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
     # and each smaller concurrency once: a shared sweep's graph is keyed by its width, and C streams
     # that finish together never pass through the widths below C (d14: the C=2 row of a 1 / 2 / 16 run
     # paid the width-2 captures, 203 t/s against 230 warmed)
-    for c in sorted({min(engine.max_slots, c) for c in streams} - {warm, 1}):
-        concurrency_run(engine, prompts, c, prompt_tokens, min(gen_tokens, 16))
     chunk = getattr(engine.decoder, "prefill_chunk", None)
+    widths = {min(engine.max_slots, c) for c in streams}
+    if mixed and chunk and engine.max_slots >= 2:
+        widths.add(2)  # the mixed run's running + short streams share rounds of width 2 (e10: up to 538 ms unwarmed)
+    for c in sorted(widths - {warm, 1}):
+        concurrency_run(engine, prompts, c, prompt_tokens, min(gen_tokens, 16))
     if mixed and chunk and engine.max_slots >= 2:
         # and one full prefill chunk, so the long prompt's first chunk pays no first-launch costs
         # (cuBLAS workspaces, the bf16 expansion path) that a server warmed by traffic would not

@@ -148,3 +148,22 @@ def test_warmup_runs_every_concurrency(monkeypatch, fast, tok):
     run_load(e, tok, streams=(1, 2, 4), prompt_tokens=16, gen_tokens=3, mixed=False, log=lambda *a: None)
     assert calls[:3] == [4, 4, 2], calls  # warm-up: 4 twice, then 2; then the timed rows 1, 2, 4
     assert calls[3:] == [1, 2, 4], calls
+
+
+def test_the_mixed_run_warms_width_two(monkeypatch, fast, tok):
+    """With the mixed run on, the warm-up also runs two streams even when --streams is 1 alone: the
+    mixed run's running and short streams share rounds of width 2, and unwarmed their first shared
+    round paid the width-2 captures (e10 on the GPU: a 538 ms gap beside the 32K prefill)."""
+    import q27py.bench.load as load
+
+    calls = []
+    real = load.concurrency_run
+
+    def spy(engine_, prompts, c, prompt_tokens, gen_tokens, **kw):
+        calls.append((c, prompt_tokens))
+        return real(engine_, prompts, c, prompt_tokens, gen_tokens, **kw)
+
+    monkeypatch.setattr(load, "concurrency_run", spy)
+    e = engine(fast, tok, slots=3)
+    run_load(e, tok, streams=(1,), prompt_tokens=16, gen_tokens=3, long_tokens=80, log=lambda *a: None)
+    assert [c for c, p in calls if p == 16][:3] == [1, 1, 2], calls  # warm 1 twice, then width 2; then the timed row
