@@ -53,28 +53,24 @@ _I32: dict = {}
 _I64: dict = {}
 
 
-def i32(v) -> np.int32:
+def _scalar(cache: dict, make, v):
     try:
-        s = _I32.get(v)
+        s = cache.get(v)
     except TypeError:  # an unhashable value (a 0-d array): built each time
-        return np.int32(v)
+        return make(v)
     if s is None:
-        s = np.int32(v)
-        if len(_I32) < _SCALAR_CACHE_MAX:
-            _I32[v] = s
+        s = make(v)
+        if len(cache) < _SCALAR_CACHE_MAX:
+            cache[v] = s
     return s
+
+
+def i32(v) -> np.int32:
+    return _scalar(_I32, np.int32, v)
 
 
 def i64(v) -> np.int64:
-    try:
-        s = _I64.get(v)
-    except TypeError:  # an unhashable value (a 0-d array): built each time
-        return np.int64(v)
-    if s is None:
-        s = np.int64(v)
-        if len(_I64) < _SCALAR_CACHE_MAX:
-            _I64[v] = s
-    return s
+    return _scalar(_I64, np.int64, v)
 
 
 def f32(v) -> np.float32:
