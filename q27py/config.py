@@ -89,8 +89,11 @@ class EngineConfig:
     # cuda, cuBLAS route: keep up to this many GiB of the bf16 expansions resident (one per matrix,
     # in first-use order; the 27B's all take 54 GB), so chunks and interleaved pieces after the first
     # skip the ~20 ms expansion (q27py/gpu/blas.py ExpansionCache). The auto slot / context sizing
-    # reserves it. 0 = off (the default: most cards have no room; an H200 serving few slots does).
-    prefill_weight_cache_gb: float = 0.0
+    # reserves it. 0 = off. "auto" (the default): whatever is left once the window the card would give
+    # without it holds max(max_sequences, the slot floor) states (forward.auto_weight_cache_bytes): a
+    # small card keeps its window and slots and gets none; an H200 gets all 54 GB and fewer extra slots.
+    prefill_weight_cache_gb: float | str = "auto"
+
     cpu_prefill_chunk: int = 256  # at most this on the CPU path: the cancel flag is checked between chunks
     # cuda: GDN prefill runs through the chunked tensor-core kernel ("chunked", chunks aligned to
     # absolute positions; within fp32 rounding of the sequential kernel), the three-kernel chunked
@@ -229,8 +232,8 @@ class EngineConfig:
         if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int) or self.interleave_chunk < 0):
             raise ConfigError(f"interleave_chunk must be a token count >= 0 (0 = off), not {self.interleave_chunk!r}")
         w = self.prefill_weight_cache_gb
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
-            raise ConfigError(f"prefill_weight_cache_gb must be GiB >= 0 (0 = off), not {w!r}")
+        if w != "auto" and (isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0):
+            raise ConfigError(f"prefill_weight_cache_gb must be GiB >= 0 (0 = off) or 'auto', not {w!r}")
         b = self.interleave_budget_ms
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not b >= 0):
             raise ConfigError(f"interleave_budget_ms must be milliseconds >= 0 (0 = fixed pieces), not {b!r}")
@@ -290,6 +293,16 @@ def parse_max_slots(value) -> int | str:
     if n < 1:
         raise ValueError(f"max slots must be >= 1 or 'auto', not {value!r}")
     return n
+
+
+def parse_weight_cache_gb(value) -> float | str:
+    """A Q27_PREFILL_WEIGHT_CACHE_GB value: GiB >= 0 (0 = off), or "auto" (EngineConfig says what)."""
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    gb = float(value)
+    if not gb >= 0:
+        raise ValueError(f"prefill weight cache must be GiB >= 0 or 'auto', not {value!r}")
+    return gb
 
 
 def parse_kv(value: str) -> str:
@@ -371,7 +384,7 @@ ENV_VARS = {
     "Q27_PDL": ("engine", "pdl", str),
     "Q27_PREFILL_GEMM": ("engine", "prefill_gemm", str),
     "Q27_PREFILL_EXPAND_AHEAD": ("engine", "prefill_expand_ahead", parse_switch),
-    "Q27_PREFILL_WEIGHT_CACHE_GB": ("engine", "prefill_weight_cache_gb", float),
+    "Q27_PREFILL_WEIGHT_CACHE_GB": ("engine", "prefill_weight_cache_gb", parse_weight_cache_gb),
     "Q27_BATCH_ROUNDS": ("engine", "batch_rounds", parse_switch),
     "Q27_BATCH_SPEC": ("engine", "batch_spec", str),
     "Q27_INTERLEAVE_CHUNK": ("engine", "interleave_chunk", int),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -116,6 +116,19 @@ for stage in "$@"; do
             --streams 1 2 --tokens 64 --json > "$OUT/cache_load$g.json" 2> "$OUT/cache_load$g.txt" || rc=1
           grep -E "^mixed|^load" "$OUT/cache_load$g.txt" | tail -2
         done ;;
+    defaults)  # the shipped defaults (prefill_weight_cache_gb auto, every module compiled at load): the
+               # compile cost cold and cached, the slot / cache tests, the gap beside a 32K prefill, the warm turn
+        for c in ${WARM_RUNS:-"cold 0" "cached 0"}; do read -r kind w <<< "$c"
+          if [ "$kind" = cold ]; then export CUPY_CACHE_DIR=$(mktemp -d); else unset CUPY_CACHE_DIR; fi
+          python3 -c "import time; from q27py.gpu.runtime import Runtime
+t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($kind, workers $w; 0 = default): %.2f s' % (time.time() - t))"; done
+        unset CUPY_CACHE_DIR
+        timeout 240 $PYTEST tests/gpu/test_slots_gpu.py tests/gpu/test_expansion_cache.py tests/gpu/test_prefill_blas.py \
+          > "$OUT/defaults.txt" 2>&1 || rc=1; tail -3 "$OUT/defaults.txt"
+        timeout 200 python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 2 --tokens 64 --json \
+          > "$OUT/defaults_load.json" 2> "$OUT/defaults_load.txt" || rc=1; grep -E "^q27py|^mixed|^C=" "$OUT/defaults_load.txt"
+        timeout 250 python3 -m q27py bench replay --random-weights 27b --tier q4s --system-tokens 20000 --turns 10 --json \
+          > "$OUT/defaults_replay.json" 2> "$OUT/defaults_replay.txt" || rc=1; grep -E "^q27py|reuse" "$OUT/defaults_replay.txt" | tail -3 ;;
     pending)  # what session e left unmeasured: the spec replay's per-phase profile, the batch sweep with the
               # new GDN lanes kernel; then run the cache stage
         timeout 200 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \

@@ -119,14 +119,16 @@ def _replay(args, log) -> dict:
     apply_overrides(cfg.engine, {"model_dir": args.model, "device": device, "tier": args.tier,
                                  "max_context": args.system_tokens + 2048 * args.turns + 4096})
     if args.random_weights:
-        from q27py.gpu.forward import FastModel
+        from q27py.gpu.forward import FastModel, configure_memory
         from q27py.gpu.weights import random_weights
         from q27py.model.config import qwen36_27b_config
         from q27py.model.tiny import FULL_TOKENIZER
 
         model = FastModel(random_weights(qwen36_27b_config(), args.tier or "q4s", args.seed),
                           max_context=cfg.engine.max_context, kv_dtype="bf16", chunk=cfg.engine.gpu_prefill_chunk)
+        configure_memory(model, cfg.engine)  # the server's slots and weight cache at this window
         model.enable_graphs()
+        model.rt.warm_all()
         tokenizer = Tokenizer.from_file(FULL_TOKENIZER)
     else:
         model = load_model(cfg)
@@ -166,7 +168,7 @@ def _load(args, log) -> dict:
     over["interleave_chunk"] = args.interleave_chunk  # None (absent) keeps the env's / the default
     apply_overrides(cfg.engine, over)
     if args.random_weights:
-        from q27py.gpu.forward import FastModel, size_context_to_memory
+        from q27py.gpu.forward import FastModel, configure_memory
         from q27py.gpu.weights import random_weights
         from q27py.model.config import qwen36_27b_config
         from q27py.model.tiny import FULL_TOKENIZER
@@ -174,9 +176,9 @@ def _load(args, log) -> dict:
         cfg.spec.enabled = False  # random weights accept no drafts: plain greedy rounds, the honest cost
         model = FastModel(random_weights(qwen36_27b_config(), args.tier or "q4s", args.seed),
                           max_context=window, kv_dtype="bf16", chunk=cfg.engine.gpu_prefill_chunk)
-        if not isinstance(cfg.engine.max_slots, int):
-            size_context_to_memory(model, cfg.engine)  # the server's --max-slots auto at this window
+        configure_memory(model, cfg.engine)  # the server's --max-slots auto at this window, and its weight cache
         model.enable_graphs()
+        model.rt.warm_all()  # as load_fast_model: no compile inside a timed row
         engine = LocalEngine(cfg, model, Tokenizer.from_file(FULL_TOKENIZER))
     else:
         engine = LocalEngine.load(cfg)

@@ -310,7 +310,11 @@ def weight_cache() -> ExpansionCache | None:
 
 
 def weight_cache_budget(gb: float, total_bytes: int) -> int:
-    """The bytes EngineConfig.prefill_weight_cache_gb reserves: at most every expansion's (total_bytes)."""
+    """The bytes EngineConfig.prefill_weight_cache_gb reserves: at most every expansion's (total_bytes).
+    "auto" is 0 here: forward.configure_memory sizes it with the slots (models built directly, as the
+    benches and tests build them, keep it off unless they ask)."""
+    if gb == "auto":
+        return 0
     return min(int(float(gb) * (1 << 30)), int(total_bytes)) if gb and gb > 0 else 0
 
 

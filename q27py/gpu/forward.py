@@ -1318,17 +1318,19 @@ def load_fast_model(cfg) -> FastModel:
     from q27py.gpu import blas
 
     blas.set_expand_ahead(e.prefill_expand_ahead)
-    blas.set_weight_cache(blas.weight_cache_budget(
-        e.prefill_weight_cache_gb, sum(blas.expanded_bytes(m) for m in weights.matrices() if K.gemm_supported(m))))
+    # "auto" starts at 0 and is sized with the slots (configure_memory), once the states' size is known
+    blas.set_weight_cache(blas.weight_cache_budget(e.prefill_weight_cache_gb, expansions_bytes(weights)))
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused,
                       batch_sweep=e.batch_sweep)
-    if not isinstance(e.max_context, int) or not isinstance(e.max_slots, int):
-        size_context_to_memory(model, e)
+    configure_memory(model, e)
     model.enable_graphs()
+    # every kernel module compiled now, not inside the first request that needs it (the first short
+    # request beside a long prefill waited 911 ms for one in a fresh process: docs/PERF.md, f2)
+    model.rt.warm_all()
     return model
 
 
@@ -1359,6 +1361,41 @@ def graph_bytes_per_state(model: FastModel, e) -> int:
     return int(e.graph_bytes_per_layer) * (model.cfg.num_hidden_layers + (1 if model.has_mtp else 0))
 
 
+def expansions_bytes(weights) -> int:
+    """Every bf16 expansion the cuBLAS prefill route can keep resident (ExpansionCache's ceiling)."""
+    from q27py.gpu import blas
+
+    return sum(blas.expanded_bytes(m) for m in weights.matrices() if K.gemm_supported(m))
+
+
+def auto_weight_cache_bytes(free_bytes: int, reserved_bytes: int, expansions: int) -> int:
+    """EngineConfig.prefill_weight_cache_gb "auto": what free memory has left once `reserved_bytes`
+    (the states the card keeps without the cache, graphs, scratch and margin) are set aside, up to
+    every expansion. Never negative."""
+    return max(0, min(int(expansions), int(free_bytes) - int(reserved_bytes)))
+
+
+def configure_memory(model: FastModel, e) -> None:
+    """The load-time memory plan: --max-context / --max-slots auto sized to free memory
+    (size_context_to_memory, which also sizes an "auto" expansion cache), or, both fixed, an "auto"
+    cache sized beside the fixed states."""
+    if not isinstance(e.max_context, int) or not isinstance(e.max_slots, int):
+        size_context_to_memory(model, e)
+        return
+    if e.prefill_weight_cache_gb != "auto":
+        return
+    from q27py.gpu import blas
+    from q27py.model.kvbudget import batch_graph_reserve
+
+    cp = model.rt.cp
+    cp.get_default_memory_pool().free_all_blocks()
+    free, _total = cp.cuda.runtime.memGetInfo()
+    states = max(1, e.max_sequences, e.max_slots)
+    state = model.memory_per_sequence(model.max_pos) + graph_bytes_per_state(model, e)
+    reserved = states * state + batch_graph_reserve(model.max_batch) + e.kv_safety_margin_bytes
+    blas.set_weight_cache(auto_weight_cache_bytes(free, reserved, expansions_bytes(model.w)))
+
+
 def expansion_cache_reserve() -> int:
     """Device bytes the prefill's resident bf16 expansions will take (blas.ExpansionCache; filled
     lazily by the first prefill, after the sizing, so the sizing sets them aside)."""
@@ -1384,13 +1421,26 @@ def size_context_to_memory(model: FastModel, e) -> None:
     cp.get_default_memory_pool().free_all_blocks()
     free, _total = cp.cuda.runtime.memGetInfo()
     fixed = model.memory_per_sequence(0)
-    plan = plan_slots(free, model.memory_per_sequence(1) - fixed, kv_format=model.kv_name,
-                      max_slots=e.max_slots, max_context=e.max_context if isinstance(e.max_context, int) else "auto",
-                      max_sequences=e.max_sequences, fixed_per_sequence=fixed,
-                      graph_bytes_per_state=graph_bytes_per_state(model, e), margin_bytes=e.kv_safety_margin_bytes,
-                      scratch_bytes=batch_graph_reserve(model.max_batch) + expansion_cache_reserve(),
-                      max_positions=model.max_pos,
-                      cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
+    graphs = batch_graph_reserve(model.max_batch)
+
+    def plan_for(scratch: int):
+        return plan_slots(free, model.memory_per_sequence(1) - fixed, kv_format=model.kv_name,
+                          max_slots=e.max_slots, max_context=e.max_context if isinstance(e.max_context, int) else "auto",
+                          max_sequences=e.max_sequences, fixed_per_sequence=fixed,
+                          graph_bytes_per_state=graph_bytes_per_state(model, e), margin_bytes=e.kv_safety_margin_bytes,
+                          scratch_bytes=scratch, max_positions=model.max_pos,
+                          cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
+
+    if e.prefill_weight_cache_gb == "auto":
+        from q27py.gpu import blas
+
+        # The window and the states the card keeps without the cache come first (the floor's, or
+        # a fixed --max-slots'); the cache takes only what would have become extra slots.
+        plan0 = plan_for(graphs)
+        keep = max(1, e.max_sequences, e.max_slots if isinstance(e.max_slots, int) else GPU_AUTO_MIN_SLOTS)
+        reserved = graphs + e.kv_safety_margin_bytes + keep * plan0.state_bytes
+        blas.set_weight_cache(auto_weight_cache_bytes(free, reserved, expansions_bytes(model.w)))
+    plan = plan_for(graphs + expansion_cache_reserve())
     model.max_pos = plan.budget.window  # states are allocated later, at this size
     model.context_budget = plan.budget
     model.slot_plan = plan

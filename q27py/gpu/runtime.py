@@ -14,6 +14,7 @@ Typed arguments: CuPy passes a Python int as a 64-bit value, which silently corr
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections import Counter
 from contextlib import contextmanager
@@ -333,10 +334,24 @@ class Runtime:
             self.cp.cuda.driver.funcSetAttribute(f.kernel.ptr, 8, nbytes)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self._shared_set[key] = nbytes
 
-    def warm_all(self) -> None:
-        """Compile every module now (startup), so no compile lands inside a timed region or a capture."""
-        for name in KERNEL_FILES:
-            self.module(name)
+    def warm_all(self, workers: int | None = None) -> None:
+        """Compile every module now (startup), so no compile lands inside a timed region, a capture or
+        a request. NVRTC runs outside the GIL, so the modules compile on `workers` threads (default:
+        the CPU count, at most 8); a cold start on a fresh machine is the compile (CuPy's disk cache
+        keeps the cubins for later processes)."""
+        todo = [name for name in KERNEL_FILES if name not in self._modules]
+        n = workers if workers is not None else min(8, os.cpu_count() or 1)
+        if n <= 1 or len(todo) <= 1:
+            for name in todo:
+                self.module(name)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        # the longest sources first, so the pool does not end waiting on one late big compile
+        todo.sort(key=lambda name: -len(source_text(name)))
+        with ThreadPoolExecutor(max_workers=min(n, len(todo))) as pool:
+            for _ in pool.map(self.module, todo):
+                pass
 
     def describe(self) -> dict:
         return {"name": self.name, "arch": self.arch, "sms": self.sm_count, "l2_bytes": self.l2_bytes,

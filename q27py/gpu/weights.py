@@ -89,6 +89,14 @@ class ModelWeights:
     mtp: MtpW | None = None
     info: dict = field(default_factory=dict)
 
+    def matrices(self) -> list[K.GpuMatrix]:
+        """Every matrix a prefill chunk multiplies (the layers', the MTP head's fc and layer; not the
+        lm_head, which prefill runs as a GEMV over the rows it wants): the expansion cache's set."""
+        mats = [m for lw in self.layers for m in lw.matrices()]
+        if self.mtp is not None:
+            mats += [self.mtp.fc] + self.mtp.layer.matrices()
+        return mats
+
     def stream_bytes(self) -> int:
         """Weight bytes one full forward streams (every layer matrix + lm_head; no embedding table)."""
         return sum(m.nbytes for lw in self.layers for m in lw.matrices()) + self.lm_head.nbytes

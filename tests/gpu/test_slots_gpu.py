@@ -155,3 +155,22 @@ def test_graph_cache_counts_bytes_per_state(model, tok):
     assert sum(g.bytes_by_state.values()) < model.memory_per_sequence(4096) * 64  # sane: not the whole card
     g.drop_id(sid)
     assert sid not in g.bytes_by_state and sid not in g.graphs_per_state()
+
+
+def test_load_compiles_every_module_and_sizes_the_weight_cache(model):
+    """load_fast_model compiles every kernel module before serving (before: modules compiled on first
+    use, and a short request beside a long prefill waited 911 ms for one in a fresh process, run f2),
+    and EngineConfig.prefill_weight_cache_gb "auto" (the default) sizes the expansion cache beside
+    the fixed states: a bf16 load has nothing to expand (its matrices stay on the GEMV), and the
+    bundled model's q4s expansions all fit on a card that runs these tests."""
+    from q27py.gpu import blas
+    from q27py.gpu.forward import expansions_bytes, load_fast_model
+    from q27py.gpu.runtime import KERNEL_FILES
+
+    assert set(KERNEL_FILES) <= set(model.rt._modules)
+    assert expansions_bytes(model.w) == 0
+    cfg = _cfg(slots=2, spec=False)
+    cfg.engine.tier = "q4s"
+    m = load_fast_model(cfg)
+    cache = blas.weight_cache()
+    assert cache is not None and cache.budget == expansions_bytes(m.w) > 0

@@ -244,7 +244,7 @@ def test_model_level_batch_graphs_are_reserved_once():
         model = SimpleNamespace(rt=SimpleNamespace(cp=cp), kv_name="bf16", max_pos=MPE, cfg=qwen36_27b_config(),
                                 has_mtp=True, max_batch=max_batch,
                                 memory_per_sequence=lambda positions: GDN_27B + positions * kv)
-        size_context_to_memory(model, EngineConfig())
+        size_context_to_memory(model, EngineConfig(prefill_weight_cache_gb=0))
         return model.slot_plan
 
     solo, batched = plan_for(1), plan_for(16)
