@@ -37,6 +37,15 @@ class SpecConfig:
     # 16, the reference path's row-independent size (wider verifies would not be bitwise plain decoding)
     arbitration: str = "agree"  # per-round drafter choice: agree | suffix_first | mtp
     # (engine/drafters.py DraftPlanner; "agree" measured above "suffix_first" in tokens/round and lanes)
+    # Pause the MTP ladder after this many ladder rounds in a row accepted no draft (0 = never): each
+    # such round paid an MTP pass and a verify lane for nothing, and under "agree" the ladder's
+    # disagreement vetoed the suffix drafter (the tiny agent model's traces end in a loop of 30+ such
+    # rounds that the suffix drafter would have taken 8 tokens at a time; docs/PERF.md f6). Paused
+    # rounds take the suffix proposal alone, or decode plainly without one; every pause_probe_every-th
+    # runs a one-draft ladder round (arbitrated as usual), and an accepted draft ends the pause.
+    # Greedy output is unchanged (drafts never change it).
+    pause_after: int = 4
+    pause_probe_every: int = 4
     trace: bool = False  # record every round's drafter, drafts and accepted count in the stats
 
 

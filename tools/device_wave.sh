@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -129,6 +129,10 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
           > "$OUT/defaults_load.json" 2> "$OUT/defaults_load.txt" || rc=1; grep -E "^q27py|^mixed|^C=" "$OUT/defaults_load.txt"
         timeout 250 python3 -m q27py bench replay --random-weights 27b --tier q4s --system-tokens 20000 --turns 10 --json \
           > "$OUT/defaults_replay.json" 2> "$OUT/defaults_replay.txt" || rc=1; grep -E "^q27py|reuse" "$OUT/defaults_replay.txt" | tail -3 ;;
+    prefill)  # where prefill goes with the defaults (resident expansions: CACHE_GB, default 60): tok/s at 2K / 8K /
+              # 32K and the per-family breakdown (tools/device_prefill.py, the engine's attention kernel)
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 300 python3 tools/device_prefill.py --no-routes --attn-prefill v2 \
+          > "$OUT/prefill.txt" 2>&1 || rc=1; grep -E "^prefill" "$OUT/prefill.txt" ;;
     pending)  # what session e left unmeasured: the spec replay's per-phase profile, the batch sweep with the
               # new GDN lanes kernel; then run the cache stage
         timeout 200 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \

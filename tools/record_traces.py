@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     spec.trace = True
     dec = SpecDecoder(model, spec, prefill_chunk=cfg.engine.prefill_chunk)
     out = {"model": args.model.name, "max_tokens": args.max_tokens, "spec": {k: getattr(spec, k) for k in
-           ("max_verify_width", "max_depth", "suffix", "arbitration")}, "prompts": []}
+           ("max_verify_width", "max_depth", "suffix", "arbitration", "pause_after", "pause_probe_every")}, "prompts": []}
     for name, ids in prompts(tok):
         st = model.new_state()
         stats = DecodeStats(record_trace=True)

@@ -305,6 +305,15 @@ class DraftPlanner:
         self.ladder = ladder
         self.suffix = suffix if cfg.suffix and cfg.arbitration != "mtp" else None
         self.depth = DepthController(cfg.max_depth, cfg.adaptive_depth) if ladder is not None else None
+        # SpecConfig.pause_after: ladder rounds in a row that accepted no draft; at pause_after the
+        # ladder pauses (plain rounds, a one-draft probe every pause_probe_every-th round)
+        self.misses = 0
+        self.idle = 0  # rounds planned since the pause began
+        self.pauses = 0  # pauses begun (stats)
+
+    @property
+    def paused(self) -> bool:
+        return self.cfg.pause_after > 0 and self.misses >= self.cfg.pause_after
 
     def plan(self, max_drafts: int, position: int) -> Draft:
         """Drafts for the token positions after `position` (the pending token's), at most max_drafts."""
@@ -318,6 +327,15 @@ class DraftPlanner:
         if self.ladder is None:
             return Draft(SUFFIX, proposal) if proposal else Draft(NONE)
         depth = min(max_drafts, self.depth.depth)
+        if self.paused:
+            self.idle += 1
+            if self.idle % self.cfg.pause_probe_every:
+                # The ladder would pay a pass and a lane for a draft it keeps missing, and under "agree"
+                # its disagreement would veto the suffix drafter's proposal, which is what a loop or a
+                # verbatim copy needs (the tiny agent model's recorded tail: 4.72 tokens per round
+                # with the proposal taken alone, 2.74 with the veto; docs/PERF.md f6).
+                return Draft(SUFFIX, proposal) if proposal else Draft(NONE)
+            depth = 1  # the probe: one draft, the cheapest round that can end the pause
         if not proposal:
             return self.ladder.draft(depth, self.cfg.confidence_margin, position)
         # "agree": the ladder's first step decides; when it agrees the ladder stops there.
@@ -330,3 +348,11 @@ class DraftPlanner:
     def observe(self, draft: Draft, accepted_drafts: int) -> None:
         if draft.source == MTP and self.depth is not None and not draft.gated:
             self.depth.observe(len(draft.tokens), accepted_drafts)
+        if draft.source != SUFFIX and draft.mtp_steps > 0:  # a round the ladder itself drafted
+            if accepted_drafts:
+                self.misses = self.idle = 0
+            else:
+                self.misses += 1
+                if self.misses == self.cfg.pause_after:
+                    self.pauses += 1
+                    self.idle = 0

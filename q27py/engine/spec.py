@@ -68,6 +68,9 @@ class SpecDecoder:
             raise ConfigError(f"spec.max_verify_width must be in 1..{MAX_VERIFY_WIDTH}, got {spec.max_verify_width}")
         if not 1 <= spec.max_depth <= 7:
             raise ConfigError(f"spec.max_depth must be in 1..7, got {spec.max_depth}")
+        if spec.pause_after < 0 or spec.pause_probe_every < 1:
+            raise ConfigError(f"spec.pause_after must be >= 0 and spec.pause_probe_every >= 1, got "
+                              f"{spec.pause_after} / {spec.pause_probe_every}")
         if spec.suffix_min_match < 1:
             raise ConfigError(f"spec.suffix_min_match must be >= 1, got {spec.suffix_min_match}")
         if spec.arbitration not in DraftPlanner.POLICIES:

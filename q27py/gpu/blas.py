@@ -33,6 +33,7 @@ from q27py.gpu.runtime import Runtime, i32, i64
 _OP_N, _OP_T = 0, 1
 _R_32F, _R_16BF = 0, 14
 _COMPUTE_32F = 68
+_COMPUTE_32F_PEDANTIC = 69  # fp32 FMA only: never TF32, whatever the handle's math mode
 _GEMM_DEFAULT = -1
 
 MIN_TOKENS = 128  # below this the mma.sync GEMM (no expansion pass) is faster: measured, docs/PERF.md
@@ -358,6 +359,49 @@ def _gemm_expanded(m, w, x_bf16, ntok: int, y, ldy: int) -> None:
                              (z, i32(nrows), i32(m.nout), y, i32(ldy)))
     else:
         gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, m.nout, sh.kpad, y, ldy, accumulate=m.mode == C.MODE_ADD)
+
+
+# ---------------------------------------------------------------- small bf16 matrices: an fp32 GEMM
+# The GDN gates' [in_proj_b; in_proj_a] (96 x 5120) stay bf16 in every tier and on the GEMV, whose hi + lo
+# activations keep fp32-grade products, because the decay / beta gates are sensitive. A prefill chunk
+# used to run them as the GEMV in blocks of 16 lanes: 256 launches per 4,096-token chunk and layer
+# (~12K per chunk on the 27B, ~60 ms). An exact fp32 copy of the weights and one fp32 GEMM (fp32 FMA,
+# never TF32) is at least as exact and one launch. Only matrices up to F32_MAX_BYTES get a copy (the
+# bf16 tier's big matrices stay on the GEMV: their fp32 copies would double the model).
+F32_MAX_BYTES = 64 << 20
+_F32: dict[int, tuple] = {}  # id(matrix) -> (weakref to it, fp32 [row_tiles * 16, kpad])
+
+
+def f32_route(m) -> bool:
+    """Whether a bf16 matrix's prefill GEMM can take prefill_gemm_f32."""
+    sh = m.shape
+    return sh.fmt == L.FMT_BF16 and m.mode != C.MODE_SWIGLU and sh.row_tiles * 16 * sh.kpad * 4 <= F32_MAX_BYTES
+
+
+def weights_f32(m):
+    """The matrix as fp32 [row_tiles * 16, kpad] (bf16 -> fp32 is exact), made once per matrix."""
+    e = _F32.get(id(m))
+    if e is not None and e[0]() is m:
+        return e[1]
+    cp = Runtime.get().cp
+    sh = m.shape
+    bits = dequantize_to_bf16(m)[: sh.row_tiles * 16 * sh.kpad].reshape(sh.row_tiles * 16, sh.kpad)
+    w = (bits.astype(cp.uint32) << 16).view(cp.float32)
+    key = id(m)
+    _F32[key] = (weakref.ref(m, lambda _ref, key=key: _F32.pop(key, None)), w)
+    return w
+
+
+def prefill_gemm_f32(m, x, ldx: int, ntok: int, y, ldy: int) -> None:
+    """y[t] (+)= W x[t] for a small bf16 matrix (f32_route): fp32 operands and math (MODE_STORE / MODE_ADD)."""
+    assert f32_route(m), "prefill_gemm_f32 takes small bf16 matrices without the SwiGLU epilogue"
+    sh = m.shape
+    w = weights_f32(m)
+    cublas, h = _handle()
+    beta = _ONE if m.mode == C.MODE_ADD else _ZERO
+    cublas.gemmEx(h, _OP_T, _OP_N, int(m.nout), int(ntok), int(sh.kpad), _ONE.ctypes.data, int(w.data.ptr), _R_32F,
+                  int(sh.kpad), int(x.data.ptr), _R_32F, int(ldx), beta.ctypes.data, int(y.data.ptr), _R_32F,
+                  int(ldy), _COMPUTE_32F_PEDANTIC, _GEMM_DEFAULT)
 
 
 # ---------------------------------------------------------------- fp8 route (EngineConfig.prefill_gemm "fp8")

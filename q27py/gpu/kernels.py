@@ -219,6 +219,10 @@ class GemvPlan:
         self.mats = mats
         self.kpad = mats[0].shape.kpad
         self.workspace = workspace
+        from q27py.gpu import blas
+
+        self._has_bf16 = any(m.shape.fmt == L.FMT_BF16 for m in mats)
+        self._bf16_f32 = self._has_bf16 and all(blas.f32_route(m) for m in mats if m.shape.fmt == L.FMT_BF16)
         self.outputs = outputs
         v2 = self.impl == "v2"
         if v2:
@@ -293,10 +297,21 @@ class GemvPlan:
         assert not prequantized or (self.fuses_quant(nlanes) and lane0 == 0)
         rt = Runtime.get()
         use_gemm = allow_gemm and nlanes >= GEMM_MIN_TOKENS
+        bf16_done = False  # the plan's bf16 matrices went through blas.prefill_gemm_f32 (every one of them)
         if use_gemm:
+            xs = x[lane0:] if lane0 else x
             for m, (y, ldy) in zip(self.mats, self.outputs):
                 if gemm_supported(m):
-                    gemm(m, x[lane0:] if lane0 else x, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
+                    gemm(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
+            if self._bf16_f32 and gemm_f32_route(nlanes):
+                from q27py.gpu import blas
+
+                for m, (y, ldy) in zip(self.mats, self.outputs):
+                    if m.shape.fmt == L.FMT_BF16:
+                        blas.prefill_gemm_f32(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
+                bf16_done = True
+            if bf16_done or not self._has_bf16:
+                return  # nothing is left for the GEMV
         done = 0
         while done < nlanes:
             n = min(GEMV_MAX_LANES, nlanes - done)
@@ -330,6 +345,15 @@ class GemvPlan:
 
 # ---------------------------------------------------------------- prefill GEMM
 GEMM_MIN_TOKENS = 32  # below this the GEMV (16 lanes per weight pass) is as good
+
+
+def gemm_f32_route(ntok: int) -> bool:
+    """Whether a prefill chunk of ntok tokens runs its small bf16 matrices as one fp32 cuBLAS GEMM
+    (blas.prefill_gemm_f32) instead of the GEMV in blocks of 16 lanes: the chunks the cuBLAS route
+    takes (the prefill tolerance class), never the gates' short prompts or the verify lanes."""
+    from q27py.gpu import blas
+
+    return PREFILL_GEMM != "kernel" and ntok >= blas.MIN_TOKENS and blas.available()
 
 
 def gemm_supported(m: GpuMatrix) -> bool:

@@ -7,7 +7,7 @@ import pytest
 
 from markov_model import MarkovModel
 from q27py.config import SpecConfig
-from q27py.engine.drafters import MTP, NONE, SUFFIX, DepthController, DraftPlanner, MTPLadder, SuffixIndex, top2_margin
+from q27py.engine.drafters import MTP, NONE, SUFFIX, DepthController, Draft, DraftPlanner, MTPLadder, SuffixIndex, top2_margin
 from q27py.model.reference import ReferenceModel
 
 
@@ -254,3 +254,80 @@ def test_arbitration_policies():
     d = planner.plan(5, pos)
     assert d.source == SUFFIX and d.tokens == [3, 4, 5, 0, 1] and d.mtp_steps == 1
     assert planner.plan(0, pos).source == NONE
+
+
+# ----------------------------------------------------------------------------- the ladder's pause
+
+
+class _Ladder:
+    """A stand-in ladder: drafts `depth` copies of token 7, counts its calls and depths."""
+
+    def __init__(self):
+        self.depths: list[int] = []
+
+    def draft(self, depth, margin, position, stop_if_first=None):
+        self.depths.append(depth)
+        return Draft(MTP, [7] * depth, mtp_steps=depth)
+
+
+def test_ladder_pauses_after_rounds_that_accept_nothing_and_probes():
+    """SpecConfig.pause_after ladder rounds in a row with no accepted draft pause the ladder: plain
+    rounds, a one-draft probe every pause_probe_every-th round; an accepted probe resumes it."""
+    ladder = _Ladder()
+    planner = DraftPlanner(SpecConfig(suffix=False, max_depth=3, adaptive_depth=False, pause_after=3,
+                                      pause_probe_every=4), ladder, None)
+    for _ in range(3):  # three misses at depth 3
+        d = planner.plan(7, 0)
+        assert d.source == MTP and len(d.tokens) == 3
+        planner.observe(d, 0)
+    assert planner.paused and planner.pauses == 1 and ladder.depths == [3, 3, 3]
+    sources = []
+    for _ in range(8):  # paused: three plain rounds, then a one-draft probe (missed), and again
+        d = planner.plan(7, 0)
+        sources.append((d.source, len(d.tokens)))
+        planner.observe(d, 0)
+    assert sources == [(NONE, 0)] * 3 + [(MTP, 1)] + [(NONE, 0)] * 3 + [(MTP, 1)]
+    assert ladder.depths == [3, 3, 3, 1, 1] and planner.pauses == 1
+    for _ in range(3):
+        planner.observe(planner.plan(7, 0), 0)
+    d = planner.plan(7, 0)  # the next probe is accepted: the pause ends, full depth again
+    assert (d.source, len(d.tokens)) == (MTP, 1)
+    planner.observe(d, 1)
+    assert not planner.paused
+    d = planner.plan(7, 0)
+    assert d.source == MTP and len(d.tokens) == 3
+
+
+def test_ladder_never_pauses_when_off_or_when_drafts_land():
+    ladder = _Ladder()
+    off = DraftPlanner(SpecConfig(suffix=False, adaptive_depth=False, pause_after=0), ladder, None)
+    for _ in range(20):
+        d = off.plan(7, 0)
+        assert d.source == MTP
+        off.observe(d, 0)
+    on = DraftPlanner(SpecConfig(suffix=False, adaptive_depth=False, pause_after=2), _Ladder(), None)
+    for i in range(20):  # every other round accepts: never two misses in a row
+        d = on.plan(7, 0)
+        assert d.source == MTP
+        on.observe(d, i % 2)
+    assert on.pauses == 0
+
+
+def test_paused_ladder_leaves_the_suffix_proposal_alone():
+    """Paused: a suffix proposal goes out without the ladder's veto (under "agree" the ladder ran a
+    pass and, disagreeing, replaced it); probe rounds still arbitrate as usual."""
+    stream = [1, 2, 3, 4, 5, 0, 1, 2]  # tail "1 2" repeats: the suffix proposes 3, 4, 5, 0, 1
+    idx = SuffixIndex(key_len=2)
+    idx.extend(stream)
+    ladder = _Ladder()  # drafts 7: never the suffix's 3
+    planner = DraftPlanner(SpecConfig(suffix_min_match=2, adaptive_depth=False, pause_after=2, pause_probe_every=3),
+                           ladder, idx)
+    for _ in range(2):
+        d = planner.plan(5, 0)
+        assert d.source == MTP and d.tokens[0] == 7  # the veto, before the pause
+        planner.observe(d, 0)
+    assert planner.paused
+    got = [planner.plan(5, 0) for _ in range(3)]
+    assert [(d.source, d.tokens) for d in got[:2]] == [(SUFFIX, [3, 4, 5, 0, 1])] * 2
+    assert got[2].source == MTP and got[2].tokens == [7]  # the probe: one draft, still arbitrated
+    assert ladder.depths == [3, 3, 1]

@@ -91,6 +91,49 @@ def test_cublas_prefill_gemm(cp, fmt, mode):
     assert rel(y.get(), y2.get()) < 4e-3
 
 
+@pytest.mark.parametrize("mode", ["store", "add"])
+def test_small_bf16_matrices_take_one_fp32_gemm(cp, mode):
+    """A prefill chunk's small bf16 matrices (the GDN gates' ab) go through one fp32 cuBLAS GEMM
+    (blas.prefill_gemm_f32) beside the plan's q4 matrix, not the GEMV in blocks of 16 lanes (before:
+    13 GEMV launches for 200 tokens, 256 per 4,096-token chunk). fp32 operands and math: within
+    1e-6 of float64 on the exact weights, and within the GEMV's hi + lo rounding of it."""
+    from q27py.gpu import blas
+    from q27py.gpu import kernels as K
+    from q27py.gpu.runtime import Runtime
+
+    rng = np.random.default_rng(70)
+    cols, ntok = 640, 200
+    kmode = K.MODE_ADD if mode == "add" else K.MODE_STORE
+    wa = rng.standard_normal((96, cols)).astype(np.float32) * 0.05
+    wq = rng.standard_normal((300, cols)).astype(np.float32) * 0.05
+    pa, pq = L.pack_matrix(wa, L.FMT_BF16), L.pack_matrix(wq, L.FMT_Q4)
+    ma, mq = K.upload_packed(pa, mode=kmode), K.upload_packed(pq)
+    assert blas.f32_route(ma) and not blas.f32_route(mq)
+    x = rng.standard_normal((ntok, pa.shape.kpad)).astype(np.float32)
+    base = rng.standard_normal((ntok, 96)).astype(np.float32)
+
+    def run(prefill_gemm):
+        ya = cp.asarray(base) if mode == "add" else cp.full((ntok, 96), np.nan, dtype=cp.float32)
+        yq = cp.full((ntok, 300), np.nan, dtype=cp.float32)
+        saved = K.PREFILL_GEMM
+        K.PREFILL_GEMM = prefill_gemm
+        try:
+            with Runtime.get().count_launches() as n:
+                K.GemvPlan([mq, ma], [(yq, 300), (ya, 96)], K.Workspace()).run(cp.asarray(x), pa.shape.kpad, ntok)
+        finally:
+            K.PREFILL_GEMM = saved
+        return ya.get(), sum(v for (mod, _k), v in n.items() if mod == "gemv")
+
+    got, gemv_launches = run("auto")
+    assert gemv_launches == 0
+    wb = L.bf16_to_f32(L.bf16_bits(wa)).astype(np.float64)
+    ref = x[:, :cols].astype(np.float64) @ wb.T + (base if mode == "add" else 0)
+    assert rel(got, ref) < 1e-6
+    gemv, gemv_launches = run("kernel")  # the GEMV route it replaces
+    assert gemv_launches == -(-ntok // 16)
+    assert rel(got, gemv) < 1e-5
+
+
 @pytest.mark.parametrize("dk,dv,h,hv", [(128, 128, 4, 8), (64, 32, 2, 4), (32, 64, 1, 3)])
 def test_gdn_prefill_is_bitwise_the_step_kernel(cp, dk, dv, h, hv):
     """The 4-columns-per-warp prefill kernel gives the decode kernel's bits (state and outputs)."""
