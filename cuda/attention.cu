@@ -307,20 +307,6 @@ __device__ __forceinline__ int attd_split_size(int pos0, int span, int nsplit) {
     return max(ATTD_MIN_SPLIT, (need + ATTD_KT - 1) / ATTD_KT * ATTD_KT);
 }
 
-__device__ __forceinline__ u32 attd_saddr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-// 16 bytes global -> shared, zero-filled when !ok (src-size 0: nothing is read)
-__device__ __forceinline__ void attd_cp16(u32 dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void attd_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void attd_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 __device__ __forceinline__ void ldsm_x4(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -395,10 +381,11 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
                 const bool ok = p < end;
                 const unsigned char* src = (which ? vb : kb) + (i64)(ok ? p : start) * (HD * EB) + c * 16;
                 const int cs = FP8 ? c : (c ^ (r & SWZ));  // fp8 codes are re-laid out by the conversion
-                attd_cp16(attd_saddr(st + which * TILE * EB + r * (HD * EB) + cs * 16), src, ok);
+                // zero-filled past end (src-size 0: nothing is read)
+                cp_async_cg16_zfill_mem(smem_addr(st + which * TILE * EB + r * (HD * EB) + cs * 16), src, ok ? 16 : 0);
             }
         }
-        attd_commit();
+        cp_async_commit_mem();
     };
 #pragma unroll 1
     for (int s = 0; s < ATTD_STAGES - 1; s++) issue(s);
@@ -448,7 +435,7 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
 
 #pragma unroll 1
     for (int tile = 0; tile < ntiles; tile++) {
-        attd_wait<ATTD_STAGES - 2>();
+        cp_async_wait_mem<ATTD_STAGES - 2>();
         __syncthreads();  // tile's copies landed for every thread; every warp is done with tile - 1
         issue(tile + ATTD_STAGES - 1);
         const unsigned char* st = attd_sm + (tile % ATTD_STAGES) * STAGE_BYTES;
@@ -490,8 +477,8 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
         // ldmatrix addresses: row r's chunk c sits at chunk c ^ (r & SWZ), and r & SWZ = lane & SWZ for
         // every row this lane addresses, so a k-step's offset is a per-thread pattern over G / 2 steps
         // plus an immediate (keeps the address math out of the register budget)
-        const u32 k_row = attd_saddr(kt) + 2 * HD * (lane & 15);
-        const u32 v_row = attd_saddr(kt + TILE) + 2 * HD * ((lane & 7) + ((lane >> 4) << 3));
+        const u32 k_row = smem_addr(kt) + 2 * HD * (lane & 15);
+        const u32 v_row = smem_addr(kt + TILE) + 2 * HD * ((lane & 7) + ((lane >> 4) << 3));
         if (active) {
             const int p0 = start + tile * KT;
 #pragma unroll 1  // unrolled, the two steps' live ranges overlap past the 168-register bound
@@ -571,7 +558,7 @@ __device__ __forceinline__ void attn_mma_body(const float* __restrict__ q, int l
             }
         }
     }
-    attd_wait<0>();  // the trailing groups are empty; nothing is in flight when the CTA exits
+    cp_async_wait_mem<0>();  // the trailing groups are empty; nothing is in flight when the CTA exits
 
     if (!active) return;
 #pragma unroll

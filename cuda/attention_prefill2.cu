@@ -28,16 +28,6 @@
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void pf2_cp16(u32 dst, const void* src, bool ok) {
-    // src-size 0 zero-fills the 16 bytes: keys past the CTA's last row read as zeros, never past
-    // max_pos and never stale data (0 x V would still be NaN on a NaN row).
-    const int n = ok ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void pf2_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void pf2_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
@@ -146,10 +136,13 @@ __device__ __forceinline__ void prefill2_body(const float* __restrict__ q, int l
             const bool ok = key <= pos_max;
             const i64 src = (i64)(ok ? key : 0) * HD * EB + c * 16;
             const int dst = FP8 ? (kr * HD + c * 16) : 2 * S::off(kr, c);
-            pf2_cp16(smem_u32(st + dst), kg + src, ok);
-            pf2_cp16(smem_u32(st + LY::KV_BYTES + dst), vg + src, ok);
+            // src-size 0 zero-fills the 16 bytes: keys past the CTA's last row read as zeros, never
+            // past max_pos and never stale data (0 x V would still be NaN on a NaN row).
+            const int n = ok ? 16 : 0;
+            cp_async_cg16_zfill(smem_u32(st + dst), kg + src, n);
+            cp_async_cg16_zfill(smem_u32(st + LY::KV_BYTES + dst), vg + src, n);
         }
-        pf2_commit();
+        cp_async_commit();
     };
     load_tile(0);
 
@@ -189,9 +182,9 @@ __device__ __forceinline__ void prefill2_body(const float* __restrict__ q, int l
     for (int kt = 0; kt < ntk; kt++) {
         if (kt + 1 < ntk) {
             load_tile(kt + 1);
-            pf2_wait<1>();
+            cp_async_wait<1>();
         } else {
-            pf2_wait<0>();
+            cp_async_wait<0>();
         }
         __syncthreads();  // tile kt (and, first pass, the Q stores) visible to every warp
         const int k0 = kb0 + kt * NK;

@@ -153,6 +153,59 @@ __device__ __forceinline__ u32 hash_u32(unsigned long long x) {
     return (u32)(x ^ (x >> 32));
 }
 
+// ---------------------------------------------------------------- cp.async (sm_80+)
+// Asynchronous global -> shared copies, one set for every kernel file. dst is a 32-bit shared-memory
+// address: smem_addr (inline PTX) or (u32)__cvta_generic_to_shared (the builtin, in gdn.cu and
+// attention_prefill2.cu) -- the same value, not always the same schedule, so each file keeps the
+// conversion it had. .cg caches in L2 only (16 bytes only); .ca in L1 too (4, 8 or 16 bytes).
+// commit closes the copies issued so far into a group; wait<N> returns once at most N groups are
+// still in flight, wait_all once none is. The plain forms carry no "memory" clobber (the compiler
+// may move ordinary loads and stores across them); the _mem forms add one (attention.cu's decode
+// ring, gdn.cu's staging). Each kernel keeps the forms it was built and measured with.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async_cg16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+// 16 bytes with the first src_bytes read and the rest zero-filled (0: nothing is read, but src must
+// still be a valid address)
+__device__ __forceinline__ void cp_async_cg16_zfill(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_ca4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_ca8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_ca16(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+// the same with dst a pointer into shared memory (converted after the arguments are evaluated)
+__device__ __forceinline__ void cp_async_cg16(void* dst, const void* src) { cp_async_cg16(smem_addr(dst), src); }
+__device__ __forceinline__ void cp_async_cg16_zfill(void* dst, const void* src, int src_bytes) {
+    cp_async_cg16_zfill(smem_addr(dst), src, src_bytes);
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;"); }
+// the same with a "memory" clobber
+__device__ __forceinline__ void cp_async_cg16_zfill_mem(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit_mem() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_mem() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all_mem() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // ---------------------------------------------------------------- fp8 e4m3 KV (q27py/model/kvformat.py)
 // Codes: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; max 448; S.1111.111 = NaN. Each
 // (position, kv head) row carries an int8 exponent e: value = e4m3(code) * 2^e, chosen so the row's

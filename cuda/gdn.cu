@@ -25,13 +25,6 @@ static_assert(GDN_ST_LPC == 1 || GDN_ST_LPC == 2 || GDN_ST_LPC == 4 || GDN_ST_LP
 constexpr int GDN_ST_V = 32 / GDN_ST_LPC;                // virtual lanes per thread = columns per warp
 constexpr int GDN_ST_CB = GDN_ST_V * GDN_ST_WARPS;       // columns per CTA
 
-__device__ __forceinline__ void gdn_cp16(float* dst, const float* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
-}
-__device__ __forceinline__ void gdn_cp4(float* dst, const float* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
-}
-
 // Copy tokens t0 .. t0 + nt - 1's inputs into shared memory (cp.async: every copy in flight at
 // once, no register round trip): q / k rows of key head kh (KS floats per row, zero past dk: the
 // chain reads the whole row), v of the block's ncols columns, g, beta. Each thread has fixed
@@ -54,9 +47,9 @@ __device__ __forceinline__ void gdn_stage_tile(const float* __restrict__ qkvn, c
             float* dst = (isk ? sk : sq) + e;
             for (int tt = r0; tt < nt; tt += rs) {
                 if (vec)
-                    gdn_cp16(dst + tt * KS, src + (i64)tt * C);
+                    cp_async_ca16((u32)__cvta_generic_to_shared(dst + tt * KS), src + (i64)tt * C);
                 else
-                    gdn_cp4(dst + tt * KS, src + (i64)tt * C);
+                    cp_async_ca4((u32)__cvta_generic_to_shared(dst + tt * KS), src + (i64)tt * C);
             }
         }
     }
@@ -69,13 +62,14 @@ __device__ __forceinline__ void gdn_stage_tile(const float* __restrict__ qkvn, c
         const int c = tid % GDN_ST_CB, vr = tid / GDN_ST_CB, vrs = nth / GDN_ST_CB;
         if (c < ncols)
             for (int tt = vr; tt < nt; tt += vrs)
-                gdn_cp4(sv + tt * GDN_ST_CB + c, base + (i64)tt * C + 2 * H * dk + h * dv + jb + c);
+                cp_async_ca4((u32)__cvta_generic_to_shared(sv + tt * GDN_ST_CB + c),
+                             base + (i64)tt * C + 2 * H * dk + h * dv + jb + c);
     }
     if (tid < nt) {
-        gdn_cp4(sg + tid, gb + (i64)(t0 + tid) * 2 * HV + h);
-        gdn_cp4(sb + tid, gb + (i64)(t0 + tid) * 2 * HV + HV + h);
+        cp_async_ca4((u32)__cvta_generic_to_shared(sg + tid), gb + (i64)(t0 + tid) * 2 * HV + h);
+        cp_async_ca4((u32)__cvta_generic_to_shared(sb + tid), gb + (i64)(t0 + tid) * 2 * HV + HV + h);
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    cp_async_wait_all_mem();
 }
 
 // The 32-wide xor butterfly of virtual lanes g + LPC m (p[m]): offsets 16 .. LPC in registers (m

@@ -100,22 +100,6 @@ __device__ __forceinline__ void warp_mma_std(float (&d)[NT][4], const float* A, 
     }
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
-}
-// 16 bytes, or 16 zero bytes when !ok (src must still be a valid address)
-__device__ __forceinline__ void cp16z(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
 // Swizzles of dense [C][D] fp32 tiles (D a multiple of 32) that make the fragment reads
 // conflict-free without padding (both keep 4-float groups whole, so cp.async 16-byte copies work):
 //   sw_row: float2 reads of (row base + g, col 8s + 2t): XOR bits 3-4 of the column with row & 3
@@ -370,15 +354,16 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
         const float* w = wsc + ((i64)h * nchunks + ci) * C * DK;
         for (int idx = tid; idx < C * DK / 4; idx += NW * 32) {
             const int i = idx / (DK / 4), c = (idx - i * (DK / 4)) * 4;
-            cp16(base + L::W + i * DK + sw_row(i, c), w + i * DK + c);
+            cp_async_cg16(base + L::W + i * DK + sw_row(i, c), w + i * DK + c);
             const bool ok = i < n;
-            cp16z(base + L::K + i * DK + sw_col(i, c), kbase + (ok ? (i64)(c0 + i) * ldq + c : 0), ok);
+            // 16 zero bytes past the chunk's last row (src still a valid address)
+            cp_async_cg16_zfill(base + L::K + i * DK + sw_col(i, c), kbase + (ok ? (i64)(c0 + i) * ldq + c : 0), ok ? 16 : 0);
         }
         const float* u = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C;
-        for (int idx = tid; idx < C * BV / 4; idx += NW * 32) cp16(base + L::U + idx * 4, u + idx * 4);
+        for (int idx = tid; idx < C * BV / 4; idx += NW * 32) cp_async_cg16(base + L::U + idx * 4, u + idx * 4);
         const float* e = gsc + ((i64)h * nchunks + ci) * GDN2_GATES * C + 2 * C;  // ED, EG
-        for (int idx = tid; idx < 2 * C / 4; idx += NW * 32) cp16(base + L::E + idx * 4, e + idx * 4);
-        cp_commit();
+        for (int idx = tid; idx < 2 * C / 4; idx += NW * 32) cp_async_cg16(base + L::E + idx * 4, e + idx * 4);
+        cp_async_commit();
     };
 
     // S^T rows j0 + 16 warp + (g, g + 8), key dims 8s + 2t (+1): C fragments, fp32, for the whole run
@@ -397,12 +382,12 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
         const int st = STAGES == 2 ? ci & 1 : 0;
         if (STAGES == 2 && ci + 1 < nchunks) {
             issue(ci + 1, st ^ 1);  // its stage was last read in chunk ci - 1 (barrier at that chunk's end)
-            cp_wait<1>();
+            cp_async_wait<1>();
         } else {
             // one stage: chunk ci goes in after chunk ci - 1's closing barrier (issued here rather than
             // at the end of the previous iteration: the same order, and ptxas keeps it spill-free)
             if (STAGES == 1 && ci > 0) issue(ci, 0);
-            cp_wait<0>();
+            cp_async_wait<0>();
         }
         __syncthreads();
         const float* sW = smem + st * L::STAGE + L::W;

@@ -11,20 +11,6 @@
 #include "common.cuh"
 
 
-__device__ __forceinline__ u32 gm_smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void gm_cp16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void gm_cp4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void gm_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void gm_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 __device__ __forceinline__ u32 gm_q4_pair(u32 q) {
     return fma_bf16x2((q & 0x000F000Fu) | 0x43004300u, 0x3F803F80u, 0xC308C308u);
@@ -57,12 +43,12 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ w, const u32* _
     const u8* wb = w + (i64)rtc * kch * CB + lane * 16;
     const u32* sb = sc + (i64)rtc * ngroups * 8 + g;
     // stage layout: [word j][thread] 16-byte weight words, then [thread] 4-byte scale words
-    const u32 rbase = gm_smem_addr(ring);
+    const u32 rbase = smem_addr(ring);
     auto issue = [&](int stage, int c) {
         const u32 d = rbase + stage * 256 * SLOT;
 #pragma unroll
-        for (int j = 0; j < WPC; j++) gm_cp16(d + (j * 256 + tid) * 16, wb + (i64)c * CB + j * 512);
-        gm_cp4(d + WPC * 256 * 16 + tid * 4, sb + (((unsigned)c / GSC) << 3));
+        for (int j = 0; j < WPC; j++) cp_async_cg16(d + (j * 256 + tid) * 16, wb + (i64)c * CB + j * 512);
+        cp_async_ca4(d + WPC * 256 * 16 + tid * 4, sb + (((unsigned)c / GSC) << 3));
     };
     // activation tile loader: thread covers 16 consecutive floats of one token row
     const int xt = tid >> 2, xk = (tid & 3) * 16;
@@ -84,7 +70,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ w, const u32* _
 #pragma unroll
     for (int k = 0; k < GM_STAGES - 1; k++) {
         if (k < kch) issue(k, k);
-        gm_commit();
+        cp_async_commit();
     }
     load_x(0);
     store_x(0);
@@ -97,14 +83,14 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ w, const u32* _
     for (int c = 0; c < kch; c++) {
         const int buf = c & 1;
         if (c + 1 < kch) load_x(c + 1);  // global loads in flight during the math
-        gm_wait<GM_STAGES - 2>();
+        cp_async_wait<GM_STAGES - 2>();
         uint4 wv[WPC];
         const u8* st = ring + rd * 256 * SLOT;
 #pragma unroll
         for (int j = 0; j < WPC; j++) wv[j] = *reinterpret_cast<const uint4*>(st + (j * 256 + tid) * 16);
         const u32 sv = *reinterpret_cast<const u32*>(st + WPC * 256 * 16 + tid * 4);
         if (c + GM_STAGES - 1 < kch) issue(wr, c + GM_STAGES - 1);
-        gm_commit();
+        cp_async_commit();
         rd = rd + 1 == GM_STAGES ? 0 : rd + 1;
         wr = wr + 1 == GM_STAGES ? 0 : wr + 1;
 
@@ -142,7 +128,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ w, const u32* _
         if (c + 1 < kch) store_x(buf ^ 1);
         __syncthreads();  // next tile visible; this tile free for chunk c + 2
     }
-    gm_wait<0>();
+    cp_async_wait<0>();
     if (rt >= row_tiles) return;
 #pragma unroll
     for (int j = 0; j < 8; j++)

@@ -145,20 +145,6 @@ __host__ __device__ constexpr int ring_bytes() {
     return Ring<FMT>::STAGES * GEMV_R * (FmtInfo<FMT>::WPC * 16 + 4) * GEMV_WARPS * 32;
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // Slot layout [stage][tile][word][thread] (uint4) then [stage][tile][thread] (scale word): a
 // warp's 32 threads touch 512 consecutive bytes, conflict-free.
@@ -172,8 +158,8 @@ __device__ __forceinline__ void issue_stage(u32 wslot, u32 sslot, const u8* wc, 
 #pragma unroll
     for (int i = 0; i < GEMV_R; i++) {
 #pragma unroll
-        for (int j = 0; j < F::WPC; j++) cp_async16(wslot + (i * F::WPC + j) * T * 16, wc + i * tstride + j * 512);
-        if (FMT != FMT_BF16) cp_async4(sslot + i * T * 4, scc + i * sstride);
+        for (int j = 0; j < F::WPC; j++) cp_async_cg16(wslot + (i * F::WPC + j) * T * 16, wc + i * tstride + j * 512);
+        if (FMT != FMT_BF16) cp_async_ca4(sslot + i * T * 4, scc + i * sstride);
     }
 }
 
@@ -392,24 +378,17 @@ struct RingCfg {
     };
 };
 
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src));
-}
-// through L1 (.ca): every CTA reads the same activation bytes, and below 8 lanes the threads of a
-// warp repeat rows (the clamp in gemv_body): L1 serves the repeats (with .cg each went to L2 and
-// the 1-lane launches lost 40%, device run 2026-12-01 night)
-__device__ __forceinline__ void cp_async16_ca(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-
-// a8 ACT: this thread's activation fragments and scales of chunk c into a stage's slots
+// a8 ACT: this thread's activation fragments and scales of chunk c into a stage's slots, through
+// L1 (.ca): every CTA reads the same activation bytes, and below 8 lanes the threads of a warp
+// repeat rows (the clamp in gemv_body): L1 serves the repeats (with .cg each went to L2 and the
+// 1-lane launches lost 40%, device run 2026-12-01 night)
 template <int NT>
 __device__ __forceinline__ void a8_issue_act(u32 qslot, u32 xslot, const Act<NT>& xa, int c) {
     constexpr int T = GEMV_WARPS * 32;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
-        cp_async16_ca(qslot + nt * T * 16, xa.xq[nt] + c * 4);
-        cp_async8(xslot + nt * T * 8, xa.xs + c * GEMV_MAX_LANES + nt * 8);
+        cp_async_ca16(qslot + nt * T * 16, xa.xq[nt] + c * 4);
+        cp_async_ca8(xslot + nt * T * 8, xa.xs + c * GEMV_MAX_LANES + nt * 8);
     }
 }
 
