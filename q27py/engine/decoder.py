@@ -124,6 +124,9 @@ class Pace:
 
     shared: bool = False
     prefill_chunk: int | None = None
+    # written by the stepper: prompt tokens still to prefill (None until its prefill has started);
+    # the scheduler ranks prefilling slots by it (a warm turn restored from the prefix cache has few)
+    prefill_left: int | None = None
     # prefill_chunk is the piece at position 0; at position p it is prefill_chunk / (1 + p / halving)
     # (0: the same everywhere). A piece's attention grows with the keys it reads, so this keeps the
     # piece's time -- the other slots' wait -- about flat over a long prompt (EngineConfig.interleave_halving).
@@ -215,6 +218,8 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
     marks = sorted(p for p in (breaks or {}) if start < p < end)
     last, done = None, start
     while done < end:
+        if pace is not None:
+            pace.prefill_left = end - done
         if done > start:
             yield
             if cancel is not None and cancel.is_set():
@@ -236,6 +241,8 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
         done = cut
         if breaks and cut in breaks:
             breaks[cut](state)
+    if pace is not None:
+        pace.prefill_left = 0
     return last
 
 

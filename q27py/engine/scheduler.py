@@ -34,8 +34,10 @@ decode round or its end), else prefilling.
   beside decoding slots, the next piece is scaled by budget / that round's wall time (damped),
   so the running streams' wait holds near the budget as the prompt's context (its attention)
   grows, on any card. And while two or more prompts prefill beside decoding slots, only the
-  shortest takes a piece that round: a title-sized request's prefill never stacks on a long
-  prompt's piece in one wait (the long one resumes next round).
+  one with the least prefill left takes a piece that round (a new one first, once, to learn
+  what its prefix restore left): a title-sized request's prefill never stacks on a long
+  prompt's piece in one wait (the long one resumes next round), and a warm turn with little
+  left is not held behind a cold prompt that is shorter in all.
 
 So a running stream waits at most one round between two of its steps, and a round
 costs one shared decode (or one decode round per slot) plus one prefill piece per
@@ -92,6 +94,16 @@ class Slot:
     rounds: int = 0  # steps taken
     pace: Pace | None = None  # what the next resume asks of the stepper (None: an engine without pace)
     decoding: bool = False  # has delivered a token: the next step is a decode round (or the end)
+
+
+def _prefill_left(slot: Slot) -> int:
+    """Prompt tokens a prefilling slot still has to run, as its stepper last wrote it (Pace.prefill_left).
+    Unknown (not yet started: the prefix restore decides it) ranks first, so a new request's first
+    piece runs at once and then it takes its place: a warm turn with 800 of 25K tokens left goes
+    before a cold 8K prompt. An engine without pace ranks by its prompt length."""
+    if slot.pace is None:
+        return slot.tokens
+    return 0 if slot.pace.prefill_left is None else slot.pace.prefill_left
 
 
 def engine_slots(engine) -> int:
@@ -200,8 +212,8 @@ class Scheduler:
         decoding = [s for s in slots if s.decoding]
         prefilling = [s for s in slots if not s.decoding]
         piece = self.piece if decoding else 0  # smaller pieces only while others wait on tokens
-        if piece and len(prefilling) > 1:  # the shortest prompt first; the rest resume next round
-            first = min(prefilling, key=lambda s: (s.tokens, s.index))
+        if piece and len(prefilling) > 1:  # the least prefill left first; the rest resume next round
+            first = min(prefilling, key=lambda s: (_prefill_left(s), s.index))
             slots = [s for s in slots if s.decoding or s is first]
             prefilling = [first]
         for slot in slots:

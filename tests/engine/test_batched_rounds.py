@@ -585,6 +585,40 @@ def test_beside_decoders_only_the_shortest_prompt_takes_a_piece(fast, tok):
     assert short.tokens == alone(fast, tok, GenerationRequest(short_ids, 4), spec=False).tokens
 
 
+def test_beside_decoders_the_least_prefill_left_goes_first(fast, tok):
+    """Ranked by prefill left, not by prompt length: a long prompt with 24 tokens to go keeps its
+    pieces ahead of a new 60-token prompt (44 to go after its first piece, which a new request gets
+    at once). Before, the shorter prompt in all always went first: a warm turn restored from the
+    prefix cache waited behind any shorter cold prompt."""
+    probe = Probe(fast)
+    engine = make_engine(probe, tok, 3, spec=False, cpu_prefill_chunk=4096, interleave_chunk=16)
+    sched = Scheduler(engine)
+    run = Job("run", GenerationRequest(ids_of(tok, TEXTS[0]), 60))
+    sched.submit(run)
+    sched.round()
+    sched.round()
+    long_ids = ids_of(tok, "word soup and more words ", 200)[:120]
+    mid_ids = ids_of(tok, "another prompt entirely, of middling size ", 80)[:60]
+    long = Job("long", GenerationRequest(long_ids, 2))
+    sched.submit(long)
+    for _ in range(6):  # 6 pieces of 16: 24 tokens left
+        sched.round()
+    long_state = next(c[1] for c in probe.calls if c[0] == "forward" and c[2] == 16)
+    assert sum(_pieces(probe, long_state)) == 96
+    mid = Job("mid", GenerationRequest(mid_ids, 2))
+    sched.submit(mid)
+    n = len(probe.calls)
+    sched.round()  # new: its first piece runs (what is left is unknown until it starts)
+    first = [c for c in probe.calls[n:] if c[0] == "forward" and c[2] > 1]
+    assert len(first) == 1 and first[0][1] != long_state and first[0][2] == 16
+    n = len(probe.calls)
+    sched.round()  # 24 left beats 44 left
+    assert [(c[1], c[2]) for c in probe.calls[n:] if c[0] == "forward" and c[2] > 1] == [(long_state, 16)]
+    drain(sched)
+    assert long.tokens == alone(fast, tok, GenerationRequest(long_ids, 2), spec=False, cpu_prefill_chunk=4096).tokens
+    assert mid.tokens == alone(fast, tok, GenerationRequest(mid_ids, 2), spec=False, cpu_prefill_chunk=4096).tokens
+
+
 def test_interleave_budget_config():
     cfg = apply_env(Q27Config(), {"Q27_INTERLEAVE_BUDGET_MS": "70"})
     assert cfg.engine.interleave_budget_ms == 70.0
