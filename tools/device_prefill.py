@@ -2,7 +2,7 @@
 bf16 linear ceiling, prefill tok/s at 2K/8K/32K (optionally 128K) and the per-family breakdown,
 27B shapes with seeded random weights. Prints a short table; full JSON to $OUT/prefill.json.
 
-    PYTHONPATH=. python3 tools/device_prefill.py [--tier q4s] [--chunk 4096] [--long] [--attn-prefill v2]
+    PYTHONPATH=. python3 tools/device_prefill.py [--tier q4s] [--chunk 4096] [--long] [--attn-prefill v1|v2]
 """
 
 from __future__ import annotations
@@ -24,10 +24,15 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, nargs="+", default=[4096])
     ap.add_argument("--long", action="store_true", help="also 128K")
     ap.add_argument("--no-routes", action="store_true")
-    ap.add_argument("--attn-prefill", default="v1", help="prefill attention kernel (EngineConfig.attn_prefill)")
+    ap.add_argument("--attn-prefill", default=None,
+                    help="prefill attention kernel (default: EngineConfig.attn_prefill, what the engine runs)")
     args = ap.parse_args()
     from q27py.gpu import kernels as K
 
+    if args.attn_prefill is None:
+        from q27py.config import EngineConfig
+
+        args.attn_prefill = EngineConfig().attn_prefill
     K.ATTN_PREFILL = K.attn_prefill_mode(args.attn_prefill)
     lens = [2048, 8192, 32768] + ([131072] if args.long else [])
     res = {"copy": copy_bandwidth(1 << 30)}
