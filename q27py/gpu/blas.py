@@ -239,17 +239,18 @@ class ExpansionCache:
     """EngineConfig.prefill_weight_cache_gb: bf16 expansions kept resident, one per matrix, so the
     prefill chunks and interleaved pieces after a matrix's first skip its expansion.
 
-    Why: the expansion is ~20 ms per 27B pass (13.7 GB read, 54 GB written), paid by every chunk and
+    Why: the expansion is ~20 ms per 27B pass (13.7 GB read, 49.5 GB written), paid by every chunk and
     every interleaved piece; beside a 32K prefill a 384-token piece is ~85 ms, of which ~20 is the
     expansion, and expanding ahead on a side stream did not overlap it (both kernels fill the GPU:
-    docs/PERF.md, e2). On a card with room (the 27B's 54 GB of expansions on an H200) the cost goes.
+    docs/PERF.md, e2). On a card with room (the 27B's 49.5 GB = 46.1 GiB of expansions on an H200) the cost goes.
     Matrices are admitted in first-use order until the budget is full (every matrix runs once per
     chunk, so any set of that size saves the same); nothing is evicted; a matrix that is freed (its
     model dropped) frees its expansion; an allocation that fails stops admission (the route falls
     back to the scratch). A cached expansion is the same launch into a different buffer: same bits.
-    alloc / expand are the device calls (CPU tests pass stand-ins)."""
+    alloc / expand are the device calls (CPU tests pass stand-ins); size is a matrix's buffer bytes
+    (the bf16 expansion's; the fp32 copies of prefill_gemm_f32 pass their own)."""
 
-    def __init__(self, budget_bytes: int, alloc=None, expand=None):
+    def __init__(self, budget_bytes: int, alloc=None, expand=None, size=None):
         self.budget = max(0, int(budget_bytes))
         self.used = 0
         self.full = False  # an allocation failed: admit nothing more
@@ -257,6 +258,7 @@ class ExpansionCache:
         self._entries: dict[int, tuple] = {}  # id(matrix) -> (weakref to it, buffer, bytes)
         self._alloc = alloc or self._device_alloc
         self._expand = expand or (lambda m, out: dequantize_to_bf16(m, out=out))
+        self._size = size or expanded_bytes
 
     @staticmethod
     def _device_alloc(nbytes: int):
@@ -273,7 +275,7 @@ class ExpansionCache:
             self.hits += 1
             return e[1]
         self.misses += 1
-        n = expanded_bytes(m)
+        n = self._size(m)
         if self.full or self.used + n > self.budget:
             return None
         buf = self._alloc(n)
@@ -369,27 +371,38 @@ def _gemm_expanded(m, w, x_bf16, ntok: int, y, ldy: int) -> None:
 # never TF32) is at least as exact and one launch. Only matrices up to F32_MAX_BYTES get a copy (the
 # bf16 tier's big matrices stay on the GEMV: their fp32 copies would double the model).
 F32_MAX_BYTES = 64 << 20
-_F32: dict[int, tuple] = {}  # id(matrix) -> (weakref to it, fp32 [row_tiles * 16, kpad])
+
+
+def _f32_bytes(m) -> int:
+    return m.shape.row_tiles * 16 * m.shape.kpad * 4
 
 
 def f32_route(m) -> bool:
     """Whether a bf16 matrix's prefill GEMM can take prefill_gemm_f32."""
-    sh = m.shape
-    return sh.fmt == L.FMT_BF16 and m.mode != C.MODE_SWIGLU and sh.row_tiles * 16 * sh.kpad * 4 <= F32_MAX_BYTES
+    return m.shape.fmt == L.FMT_BF16 and m.mode != C.MODE_SWIGLU and _f32_bytes(m) <= F32_MAX_BYTES
+
+
+def _expand_f32(m, out) -> None:
+    """out (a uint16 buffer of _f32_bytes(m)) <- the matrix as fp32 [row_tiles * 16, kpad] (exact)."""
+    cp = Runtime.get().cp
+    n = m.shape.row_tiles * 16 * m.shape.kpad
+    bits = dequantize_to_bf16(m)[:n]
+    out[: 2 * n].view(cp.uint32)[...] = bits.astype(cp.uint32) << 16
+
+
+# every small bf16 matrix once (94 MB for the 27B's 48); an allocation that fails leaves the rest to
+# the scratch (weights_f32)
+_F32_CACHE = ExpansionCache(1 << 62, expand=_expand_f32, size=_f32_bytes)
 
 
 def weights_f32(m):
-    """The matrix as fp32 [row_tiles * 16, kpad] (bf16 -> fp32 is exact), made once per matrix."""
-    e = _F32.get(id(m))
-    if e is not None and e[0]() is m:
-        return e[1]
-    cp = Runtime.get().cp
+    """The matrix as fp32 [row_tiles * 16, kpad] (bf16 -> fp32 is exact), kept once made."""
     sh = m.shape
-    bits = dequantize_to_bf16(m)[: sh.row_tiles * 16 * sh.kpad].reshape(sh.row_tiles * 16, sh.kpad)
-    w = (bits.astype(cp.uint32) << 16).view(cp.float32)
-    key = id(m)
-    _F32[key] = (weakref.ref(m, lambda _ref, key=key: _F32.pop(key, None)), w)
-    return w
+    buf = _F32_CACHE.get(m)
+    if buf is None:  # no room for another resident copy: a scratch one, made again each call
+        buf = _SCRATCH.get("w32", _f32_bytes(m))
+        _expand_f32(m, buf)
+    return buf[: 2 * sh.row_tiles * 16 * sh.kpad].view(Runtime.get().cp.float32).reshape(sh.row_tiles * 16, sh.kpad)
 
 
 def prefill_gemm_f32(m, x, ldx: int, ntok: int, y, ldy: int) -> None:

@@ -1375,6 +1375,15 @@ def auto_weight_cache_bytes(free_bytes: int, reserved_bytes: int, expansions: in
     return max(0, min(int(expansions), int(free_bytes) - int(reserved_bytes)))
 
 
+def _size_auto_cache(model: FastModel, e, free: int, keep: int, state_bytes: int, graphs: int) -> None:
+    """Start the "auto" expansion cache with what `free` leaves beside `keep` states of state_bytes,
+    the model-level graphs and the margin."""
+    from q27py.gpu import blas
+
+    reserved = keep * state_bytes + graphs + e.kv_safety_margin_bytes
+    blas.set_weight_cache(auto_weight_cache_bytes(free, reserved, expansions_bytes(model.w)))
+
+
 def configure_memory(model: FastModel, e) -> None:
     """The load-time memory plan: --max-context / --max-slots auto sized to free memory
     (size_context_to_memory, which also sizes an "auto" expansion cache), or, both fixed, an "auto"
@@ -1384,16 +1393,14 @@ def configure_memory(model: FastModel, e) -> None:
         return
     if e.prefill_weight_cache_gb != "auto":
         return
-    from q27py.gpu import blas
     from q27py.model.kvbudget import batch_graph_reserve
 
     cp = model.rt.cp
     cp.get_default_memory_pool().free_all_blocks()
     free, _total = cp.cuda.runtime.memGetInfo()
-    states = max(1, e.max_sequences, e.max_slots)
-    state = model.memory_per_sequence(model.max_pos) + graph_bytes_per_state(model, e)
-    reserved = states * state + batch_graph_reserve(model.max_batch) + e.kv_safety_margin_bytes
-    blas.set_weight_cache(auto_weight_cache_bytes(free, reserved, expansions_bytes(model.w)))
+    _size_auto_cache(model, e, free, max(1, e.max_sequences, e.max_slots),
+                     model.memory_per_sequence(model.max_pos) + graph_bytes_per_state(model, e),
+                     batch_graph_reserve(model.max_batch))
 
 
 def expansion_cache_reserve() -> int:
@@ -1432,14 +1439,10 @@ def size_context_to_memory(model: FastModel, e) -> None:
                           cap=GPU_AUTO_MAX_SLOTS, floor=GPU_AUTO_MIN_SLOTS)
 
     if e.prefill_weight_cache_gb == "auto":
-        from q27py.gpu import blas
-
         # The window and the states the card keeps without the cache come first (the floor's, or
         # a fixed --max-slots'); the cache takes only what would have become extra slots.
-        plan0 = plan_for(graphs)
         keep = max(1, e.max_sequences, e.max_slots if isinstance(e.max_slots, int) else GPU_AUTO_MIN_SLOTS)
-        reserved = graphs + e.kv_safety_margin_bytes + keep * plan0.state_bytes
-        blas.set_weight_cache(auto_weight_cache_bytes(free, reserved, expansions_bytes(model.w)))
+        _size_auto_cache(model, e, free, keep, plan_for(graphs).state_bytes, graphs)
     plan = plan_for(graphs + expansion_cache_reserve())
     model.max_pos = plan.budget.window  # states are allocated later, at this size
     model.context_budget = plan.budget

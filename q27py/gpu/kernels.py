@@ -297,20 +297,17 @@ class GemvPlan:
         assert not prequantized or (self.fuses_quant(nlanes) and lane0 == 0)
         rt = Runtime.get()
         use_gemm = allow_gemm and nlanes >= GEMM_MIN_TOKENS
-        bf16_done = False  # the plan's bf16 matrices went through blas.prefill_gemm_f32 (every one of them)
         if use_gemm:
             xs = x[lane0:] if lane0 else x
+            f32 = self._bf16_f32 and gemm_f32_route(nlanes)  # every bf16 matrix as one fp32 GEMM
             for m, (y, ldy) in zip(self.mats, self.outputs):
                 if gemm_supported(m):
                     gemm(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
-            if self._bf16_f32 and gemm_f32_route(nlanes):
-                from q27py.gpu import blas
+                elif f32:
+                    from q27py.gpu import blas
 
-                for m, (y, ldy) in zip(self.mats, self.outputs):
-                    if m.shape.fmt == L.FMT_BF16:
-                        blas.prefill_gemm_f32(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
-                bf16_done = True
-            if bf16_done or not self._has_bf16:
+                    blas.prefill_gemm_f32(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
+            if f32 or not self._has_bf16:
                 return  # nothing is left for the GEMV
         done = 0
         while done < nlanes:

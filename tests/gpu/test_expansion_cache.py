@@ -185,3 +185,40 @@ def test_model_weights_list_every_prefill_matrix():
     # the bf16 gate matrix stays on the GEMV: no expansion for it
     want = sum(m.shape.row_tiles * 16 * 64 * 2 for m in mats if m.shape.fmt != L.FMT_BF16)
     assert forward.expansions_bytes(w) == want == (32 + 16 + 48 + 16) * 128 + 2 * (32 + 16 + 16 + 32 + 16) * 128 + 16 * 128
+
+
+def test_fp32_copies_ride_the_same_cache(monkeypatch):
+    """prefill_gemm_f32's weights (blas.weights_f32): the bf16 bits widened exactly to fp32, made once
+    and kept in an ExpansionCache sized by their own bytes, or made in the scratch each call when no
+    allocation succeeds. numpy stands in for CuPy (same slicing and view semantics)."""
+    from q27py.gpu import layout as L
+
+    rng = np.random.default_rng(3)
+    m = Mat(2, 64)
+    m.shape.fmt, m.mode = L.FMT_BF16, 0
+    bits = L.bf16_bits(rng.standard_normal((32, 64)).astype(np.float32)).reshape(-1)
+    calls = []
+
+    def dequant(mat, out=None):
+        calls.append(mat)
+        return bits.copy()
+
+    class Scratch:
+        def get(self, name, nbytes):
+            return np.zeros(nbytes // 2 + 8, np.uint16)
+
+    monkeypatch.setattr(blas, "dequantize_to_bf16", dequant)
+    monkeypatch.setattr(blas, "_SCRATCH", Scratch())
+    monkeypatch.setattr(blas.Runtime, "get", staticmethod(lambda: SimpleNamespace(cp=np)))
+    want = L.bf16_to_f32(bits.reshape(32, 64))
+    for room in (True, False):
+        cache = blas.ExpansionCache(1 << 40, alloc=(lambda n: np.zeros(n // 2 + 8, np.uint16)) if room else (lambda n: None),
+                                    expand=blas._expand_f32, size=blas._f32_bytes)
+        monkeypatch.setattr(blas, "_F32_CACHE", cache)
+        calls.clear()
+        for _ in range(2):
+            w = blas.weights_f32(m)
+            assert w.dtype == np.float32 and w.shape == (32, 64)
+            np.testing.assert_array_equal(w, want)
+        assert len(calls) == (1 if room else 2)
+        assert cache.used == (32 * 64 * 4 if room else 0)
