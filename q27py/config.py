@@ -96,11 +96,11 @@ class EngineConfig:
     # ExpandAhead). Off until measured on the device: same launches, same bits.
     prefill_expand_ahead: bool = False
     # cuda, cuBLAS route: keep up to this many GiB of the bf16 expansions resident (one per matrix,
-    # in first-use order; the 27B's all take 54 GB), so chunks and interleaved pieces after the first
+    # in first-use order; the 27B's all take 49.5 GB = 46.1 GiB), so chunks and interleaved pieces after the first
     # skip the ~20 ms expansion (q27py/gpu/blas.py ExpansionCache). The auto slot / context sizing
     # reserves it. 0 = off. "auto" (the default): whatever is left once the window the card would give
     # without it holds max(max_sequences, the slot floor) states (forward.auto_weight_cache_bytes): a
-    # small card keeps its window and slots and gets none; an H200 gets all 54 GB and fewer extra slots.
+    # small card keeps its window and slots and gets none; an H200 gets all of them and fewer extra slots.
     prefill_weight_cache_gb: float | str = "auto"
 
     cpu_prefill_chunk: int = 256  # at most this on the CPU path: the cancel flag is checked between chunks
