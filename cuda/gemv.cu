@@ -395,10 +395,13 @@ __device__ __forceinline__ void a8_issue_act(u32 qslot, u32 xslot, const Act<NT>
 // A warp walks its n chunks cstart, cstart+cstep, ... through the ring. Iteration k waits for
 // chunk k, copies it to registers, refills the slot read in iteration k-1 (its values are
 // consumed, so the overwrite is safe) with chunk k+STAGES-1, then computes chunk k.
+// pf_dst / pf_word: the next-launch prefetch word this thread loaded at entry (gemv_body), stored
+// to shared memory once the prologue's copies are issued, so its load latency hides behind them.
 template <int FMT, int NT, bool A8>
 __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_ptr, const u8* __restrict__ w,
                                           const u32* __restrict__ sc, int kch, int ngroups, int rg, int cstart,
-                                          int cstep, int n, const Act<NT>& xa, int lane) {
+                                          int cstep, int n, const Act<NT>& xa, int lane,
+                                          unsigned long long* pf_dst, unsigned long long pf_word) {
     typedef FmtInfo<FMT> F;
     typedef RingCfg<FMT, NT, A8> RC;
     constexpr bool ACT = RC::ACT;
@@ -423,6 +426,7 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
                              sb + (((unsigned)c / GSC) << 3), tstride, sstride);
         if constexpr (!ACT) cp_async_commit();
     }
+    if (pf_dst) *pf_dst = pf_word;
     // The weights are constants: their first S-1 stages are in flight before the wait on the
     // kernel that wrote this launch's activations (PDL; a no-op without it). Trigger after the
     // wait, so the kernels launched early never reach past this GEMV.
@@ -489,6 +493,39 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
     GSTAMP(4);  // warp 0 done streaming
 }
 
+// ---- next-launch L2 prefetch (q27py/gpu/kernels.py link_prefetch). A launch's CTA streams the
+// weights nothing else needs, then the DRAM sits idle through its reduction, the ticket, the
+// launch's wave tail, the norm / GDN / attention kernels between two GEMVs and the next GEMV's
+// descriptor reads and ring fill (tools/gemv_trace.py: ~3-5 us per launch at 1 lane). The host
+// gives each CTA of the last wave up to GEMV_PF_PER L2 ranges: the first chunks of the tiles the
+// next launch's first-wave CTAs read first. Its last warp issues them once its own stream has
+// landed, so that launch starts on L2 hits. A hint only: the data and the math do not change.
+// Word: bits 0..47 the global address (16-byte aligned), 48..63 the length in 16-byte units.
+__device__ __forceinline__ void gemv_prefetch(const unsigned long long* s_pf, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // one bulk prefetch per range (the copy engine walks it; the lane does not wait)
+    if (lane < GEMV_PF_PER) {
+        const unsigned long long wd = s_pf[lane];
+        if (wd) {
+            const unsigned long long a = wd & 0xFFFFFFFFFFFFull;
+            const u32 nb = (u32)(wd >> 48) * 16u;
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(nb) : "memory");
+        }
+    }
+#else
+    // sm_80 / 86 / 89: one prefetch per 128-byte line, the warp's lanes striding each range
+    __syncwarp();
+    for (int j = 0; j < GEMV_PF_PER; j++) {
+        const unsigned long long wd = s_pf[j];
+        if (!wd) continue;
+        const unsigned long long a = wd & 0xFFFFFFFFFFFFull;
+        const u32 nb = (u32)(wd >> 48) * 16u;
+        for (u32 off = (u32)lane * 128u; off < nb; off += 32u * 128u)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a + off));
+    }
+#endif
+}
+
 // A CTA owns one unit = (row group of 64 rows, K split); its 8 warps interleave over the
 // unit's chunks (short per-warp streams, so even small matrices finish fast), then reduce
 // through shared memory in fixed warp order. A unit with splits > 1 writes its partial tile;
@@ -497,10 +534,12 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
 template <int FMT, int NT, bool A8>
 __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x,
                                           int ldx, const u8* __restrict__ xq, int ldq, const float* __restrict__ xs,
-                                          u32 sgn, int nlanes, int lane0) {
+                                          u32 sgn, int nlanes, int lane0,
+                                          const unsigned long long* __restrict__ pf) {
     extern __shared__ __align__(16) u8 dyn_smem[];
     constexpr int COLS = NT * 8, E = GEMV_R * 16 * COLS;
     __shared__ int s_last;
+    __shared__ unsigned long long s_pf[GEMV_PF_PER];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, tid = threadIdx.x;
     Act<NT> xa;
     if constexpr (A8) {
@@ -518,6 +557,9 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
 
     GSTAMP(0);
     const int u = blockIdx.x;
+    // the prefetch words are constants (written before the graph): loaded before the PDL wait
+    const bool pf_lane = pf != nullptr && warp == GEMV_WARPS - 1 && lane < GEMV_PF_PER;
+    const unsigned long long pf_word = pf_lane ? __ldg(pf + (i64)u * GEMV_PF_PER + lane) : 0ull;
     int m = 0;
     for (int i = 1; i < nmat; i++)
         if (u >= (int)desc[i * D_NFIELDS + D_CTA0]) m = i;
@@ -539,7 +581,9 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
     for (int i = 0; i < GEMV_R; i++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
-    gemv_loop<FMT, NT, A8>(acc, dyn_smem, w, sc, kch, ngroups, rg, cs, GEMV_WARPS, n, xa, lane);
+    gemv_loop<FMT, NT, A8>(acc, dyn_smem, w, sc, kch, ngroups, rg, cs, GEMV_WARPS, n, xa, lane,
+                           pf_lane ? &s_pf[lane] : nullptr, pf_word);
+    if (pf != nullptr && warp == GEMV_WARPS - 1) gemv_prefetch(s_pf, lane);
     __syncthreads();  // every warp is done with its ring before it becomes the reduction buffer
     GSTAMP(5);
 
@@ -635,17 +679,18 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
 #define GEMV_KERNEL(NAME, FMT, NT, MINB)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                                \
         NAME(const i64* __restrict__ desc, int nmat, int units, const float* __restrict__ x, int ldx,       \
-             int nlanes, int lane0) {                                                                      \
-        gemv_body<FMT, NT, false>(desc, nmat, units, x, ldx, nullptr, 0, nullptr, 0u, nlanes, lane0);      \
+             int nlanes, int lane0, const unsigned long long* __restrict__ pf) {                           \
+        gemv_body<FMT, NT, false>(desc, nmat, units, x, ldx, nullptr, 0, nullptr, 0u, nlanes, lane0, pf);  \
     }
 
 // a8: xq int8 codes [nlanes][ldq bytes] in fragment order, xs chunk scales [kch][GEMV_MAX_LANES],
-// sgn = 0x80808080 (q4_lo8)
+// sgn = 0x80808080 (q4_lo8). pf (both kinds): [units][GEMV_PF_PER] next-launch prefetch words, or null.
 #define GEMV8_KERNEL(NAME, FMT, NT, MINB)                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,          \
-             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                 \
-        gemv_body<FMT, NT, true>(desc, nmat, units, nullptr, 0, xq, ldq, xs, sgn, nlanes, lane0);            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0,                                   \
+             const unsigned long long* __restrict__ pf) {                                                    \
+        gemv_body<FMT, NT, true>(desc, nmat, units, nullptr, 0, xq, ldq, xs, sgn, nlanes, lane0, pf);        \
     }
 
 GEMV_KERNEL(gemv_q4_nt1, FMT_Q4, 1, V1_CTAS_NT1)

@@ -125,6 +125,11 @@ class EngineConfig:
     # (cuda/gemv2.cu). a8 is its own tolerance class, the default since its quality gate held on the
     # trained model (tools/a8_quality.py: greedy equal, NLL within 0.001, KL 2.5e-4; docs/QUANT.md)
     gemv: str = "a8"
+    # cuda, v1 / a8 GEMV: each decode-step GEMV's last wave prefetches into L2 the first bytes
+    # (MiB, summed over the next launch's first-wave tiles) that the next GEMV of the step reads, so
+    # the DRAM streams through the gap between them (cuda/gemv.cu gemv_prefetch). 0 = off. A hint:
+    # the bits never change. Capped at a third of the card's L2.
+    gemv_prefetch_mb: float = 16.0
     # cuda: the GDN decode / verify step (conv, gates, delta rule, gated norm, window commit) as one
     # kernel (cuda/gdn_decode.cu, bitwise the kernel chain) instead of four launches. Off until the
     # device run has held it bitwise and measured it (docs/PERF.md).
@@ -384,6 +389,7 @@ ENV_VARS = {
     "Q27_MAX_SLOTS": ("engine", "max_slots", parse_max_slots),
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
     "Q27_GEMV": ("engine", "gemv", str),
+    "Q27_GEMV_PREFETCH_MB": ("engine", "gemv_prefetch_mb", float),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),
     "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),

@@ -544,6 +544,21 @@ class FastModel:
             m = self.w.mtp
             self.mtp_fc_plan = K.GemvPlan([m.fc], [(self.h, self.hp)], ws)
             self.mtp_layer_plan = self._layer_plan(m.layer, None)
+        self.set_gemv_prefetch(K.gemv_prefetch_default())
+
+    def set_gemv_prefetch(self, mb: float) -> None:
+        """Link each GEMV of a step to the next for the L2 prefetch (cuda/gemv.cu gemv_prefetch),
+        mb MiB per gap (0: off). In place: graphs captured before keep working with the new ranges.
+        Order: a decode step's plans (per layer in, out, up, down; then the lm_head, followed by the
+        next step's first layer); the MTP head's chain (fc, its layer) ends in the same lm_head."""
+        self.gemv_prefetch_mb = float(mb)
+        budget = K.prefetch_budget_bytes(mb, Runtime.get().l2_bytes)
+        order = ("in", "out", "up", "down")
+        main = [p[k] for p in self.layer_plans for k in order] + [self.lm_plan]
+        K.link_prefetch(main, budget)
+        if self.has_mtp:
+            K.link_prefetch([self.mtp_fc_plan] + [self.mtp_layer_plan[k] for k in order] + [self.lm_plan], budget,
+                            cyclic=False)
 
     def _layer_plan(self, lw: LayerW, gi: int | None) -> dict:
         ws = self.ws

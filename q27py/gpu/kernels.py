@@ -269,6 +269,11 @@ class GemvPlan:
             # so graphs captured with this plan stay valid)
             self.xq, self.xs = workspace.xq, workspace.xs
         ws_base, cnt_base = int(ptr(workspace.ws)), int(ptr(workspace.cnt))
+        # host copies of the descriptors (link_prefetch reads the next plan's tiles from them)
+        self.desc_host = [(fmt, desc.copy(), units) for fmt, desc, units, _ in rows]
+        # next-launch L2 prefetch words of this plan's last launch ([units][GEMV_PF_PER] uint64, a
+        # device array written in place by link_prefetch so captured graphs see every relink), or None
+        self.pf = None
         self.launches = []
         self.clusters = []  # per launch: CTAs per thread-block cluster (1: none)
         for fmt, desc, units, cluster in rows:
@@ -310,28 +315,31 @@ class GemvPlan:
             if f32 or not self._has_bf16:
                 return  # nothing is left for the GEMV
         done = 0
+        last = len(self.launches) - 1
         while done < nlanes:
             n = min(GEMV_MAX_LANES, nlanes - done)
             nt = 1 if n <= 8 else 2
+            final = done + n >= nlanes  # only the last 16-lane block precedes the next plan
             if self.a8 and not use_gemm and not prequantized:
                 kch = self.kpad // L.CHUNK_K
                 rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
                            i32(self.xq.shape[1]), self.xs))
-            for (fmt, desc, nmat, units), cluster in zip(self.launches, self.clusters):
+            for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
+                pf = self.pf if (final and li == last and not use_gemm) else None
                 if self.a8 and fmt != L.FMT_BF16:
                     rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
                               (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
-                               np.uint32(0x80808080), i32(n), i32(lane0 + done)),
+                               np.uint32(0x80808080), i32(n), i32(lane0 + done), pf),
                               shared_mem=gemv_shared_bytes(fmt, nt, a8=True), cluster=cluster)
                 elif self.impl == "v2":
                     rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
                               (desc, i32(nmat), x, i32(ldx), i32(n), i32(lane0 + done)))
                 else:
                     rt.launch("gemv", f"gemv_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
-                              (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(lane0 + done)),
+                              (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(lane0 + done), pf),
                               shared_mem=gemv_shared_bytes(fmt, nt), cluster=cluster)
             done += n
 
@@ -342,6 +350,82 @@ class GemvPlan:
 
 # ---------------------------------------------------------------- prefill GEMM
 GEMM_MIN_TOKENS = 32  # below this the GEMV (16 lanes per weight pass) is as good
+
+
+# ---------------------------------------------------------------- next-launch L2 prefetch
+PF_MAX_UNITS16 = 0xFFFF  # a range's length field: 16-bit count of 16-byte units (<= 1 MiB)
+
+
+def gemv_slots(sm_count: int) -> int:
+    """Resident v1 / a8 GEMV CTAs of the 1-lane kernels (their launch bounds: 2 per SM)."""
+    return C.A8_CTAS_NT1 * sm_count
+
+
+def prefetch_ranges(next_desc: list[tuple[int, np.ndarray, int]], budget: int, slots: int) -> list[tuple[int, int]]:
+    """The L2 ranges (address, bytes) worth prefetching for the launches of the next plan, in their
+    run order: for each launch, its first-wave CTAs (the first `slots` units: they start first),
+    and of each such unit's GEMV_R tiles the first chunks of its K range, the ones its warps'
+    rings fill first (cuda/gemv.cu gemv_loop reads each tile from its split's first chunk on).
+    Every tile gets the same number of chunks, sized so the total stays within `budget` bytes."""
+    tiles = []  # (tile start address of the unit's K range, chunk bytes, chunks in the range)
+    for fmt, desc, _units in next_desc:
+        cb = L.CHUNK_BYTES[fmt]
+        for f in desc:
+            s, kch, rts = int(f[C.D_SPLITS]), int(f[C.D_KCH]), int(f[C.D_RT])
+            cta0, nunits = int(f[C.D_CTA0]), int(f[C.D_RG]) * int(f[C.D_SPLITS])
+            for v in range(min(nunits, max(0, slots - cta0))):
+                rg, sp = divmod(v, s)
+                c0, c1 = sp * kch // s, (sp + 1) * kch // s
+                for i in range(GEMV_R):
+                    t = rg * GEMV_R + i
+                    if t < rts:
+                        tiles.append((int(f[C.D_W]) + t * kch * cb + c0 * cb, cb, c1 - c0))
+    if not tiles or budget <= 0:
+        return []
+    # the same number of chunks per tile: the largest that keeps the total within budget
+    per_tile = budget / len(tiles)
+    out = []
+    for a, cb, nch in tiles:
+        k = min(nch, int(per_tile // cb), PF_MAX_UNITS16 * 16 // cb)
+        if k > 0:
+            out.append((a, k * cb))
+    return out
+
+
+def prefetch_words(ranges: list[tuple[int, int]], units: int, slots: int) -> np.ndarray:
+    """[units][GEMV_PF_PER] uint64 words for a launch of `units` CTAs: the ranges dealt round-robin
+    to its last wave (the CTAs that finish last, so the prefetch fills the launch's tail and the
+    kernels after it). A word is address | (bytes / 16) << 48; ranges past the capacity are dropped."""
+    words = np.zeros((units, C.GEMV_PF_PER), dtype=np.uint64)
+    first = max(0, units - slots)
+    issuers = units - first
+    for j, (a, nb) in enumerate(ranges[: issuers * C.GEMV_PF_PER]):
+        assert a % 16 == 0 and nb % 16 == 0 and 0 < nb // 16 <= PF_MAX_UNITS16 and a < 1 << 48
+        words[first + j % issuers, j // issuers] = np.uint64(a | (nb // 16) << 48)
+    return words
+
+
+def link_prefetch(plans: list["GemvPlan"], budget_bytes: int, cyclic: bool = True) -> None:
+    """Each plan's last launch prefetches into L2 the first bytes the next plan's launches read
+    (plans in the order a decode step runs them; cyclic: the last one is followed by the first,
+    else it is left as it is). budget 0 clears it. v2 plans neither issue nor receive (their kernels take no prefetch list). Writes
+    the words in place, so graphs captured before a relink see the new ranges."""
+    rt = Runtime.get()
+    slots = gemv_slots(rt.sm_count)
+    n = len(plans)
+    for i, p in enumerate(plans):
+        if p.impl == "v2" or (not cyclic and i == n - 1):
+            continue
+        nxt = plans[(i + 1) % n]
+        _fmt, _desc, units = p.desc_host[-1]
+        ranges = [] if nxt.impl == "v2" or budget_bytes <= 0 else prefetch_ranges(nxt.desc_host, budget_bytes, slots)
+        words = prefetch_words(ranges, units, slots)
+        if p.pf is None:
+            if not ranges:
+                continue
+            p.pf = rt.cp.asarray(words)
+        else:
+            p.pf.set(words)
 
 
 def gemm_f32_route(ntok: int) -> bool:
@@ -635,6 +719,25 @@ def gdn_decode_fused_lanes(raw, ldr: int, lanes, win_off: int, state_off: int, c
                           i32(h), i32(hv), i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn,
                           gb, out, i32(ldo), norm_w, f32(eps), y, i32(ldy), tickets),
                          shared_mem=4 * gdn_fused_shared_floats(1, dk, warps))
+
+
+def gemv_prefetch_default() -> float:
+    """EngineConfig.gemv_prefetch_mb (env Q27_GEMV_PREFETCH_MB), read once."""
+    global _GEMV_PREFETCH_MB
+    if _GEMV_PREFETCH_MB is None:
+        from q27py.config import Q27Config, apply_env
+
+        _GEMV_PREFETCH_MB = float(apply_env(Q27Config()).engine.gemv_prefetch_mb)
+    return _GEMV_PREFETCH_MB
+
+
+_GEMV_PREFETCH_MB: float | None = None
+
+
+def prefetch_budget_bytes(mb: float, l2_bytes: int) -> int:
+    """The prefetch budget in bytes: mb MiB, at most a third of the L2 (the next launch's first
+    wave must still find its ranges there after the current launch's last stream)."""
+    return int(min(max(0.0, mb) * (1 << 20), l2_bytes / 3))
 
 
 def gdn_fused_default() -> bool:
