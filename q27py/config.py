@@ -128,8 +128,9 @@ class EngineConfig:
     # cuda, v1 / a8 GEMV: each decode-step GEMV's last wave prefetches into L2 the first bytes
     # (MiB, summed over the next launch's first-wave tiles) that the next GEMV of the step reads, so
     # the DRAM streams through the gap between them (cuda/gemv.cu gemv_prefetch). 0 = off. A hint:
-    # the bits never change. Capped at a third of the card's L2.
-    gemv_prefetch_mb: float = 16.0
+    # the bits never change. Capped at a third of the card's L2. Off: measured on the H200 (device
+    # run g1, docs/PERF.md) 8 MiB neutral, 16-32 MiB 3-4% slower at decode 2K.
+    gemv_prefetch_mb: float = 0.0
     # cuda: the GDN decode / verify step (conv, gates, delta rule, gated norm, window commit) as one
     # kernel (cuda/gdn_decode.cu, bitwise the kernel chain) instead of four launches. Off until the
     # device run has held it bitwise and measured it (docs/PERF.md).

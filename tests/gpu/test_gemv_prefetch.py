@@ -143,7 +143,7 @@ def test_config_knob_maps_from_env():
     from q27py.config import Q27Config, apply_env
 
     assert apply_env(Q27Config(), {"Q27_GEMV_PREFETCH_MB": "0"}).engine.gemv_prefetch_mb == 0.0
-    assert Q27Config().engine.gemv_prefetch_mb > 0
+    assert apply_env(Q27Config(), {"Q27_GEMV_PREFETCH_MB": "8"}).engine.gemv_prefetch_mb == 8.0
 
 
 def test_kernel_word_layout_matches_the_host():
