@@ -28,7 +28,12 @@ def main() -> int:
     ap.add_argument("--mb", type=float, nargs="+", default=[0, 16, 8, 32, 24, 0, 16])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE",
+                    help="constants-table overrides before anything compiles or plans (e.g. GEMV_TAIL_SPLIT=0)")
     args = ap.parse_args()
+    from q27py.bench.gemv_probe import _apply_overrides
+
+    _apply_overrides(args.set)
     probe = copy_bandwidth(1 << 30)
     b = Bench(tier=args.tier, max_context=32768 + 64, log=lambda *a: print(*a, flush=True))
     m, st, s = b.model, b.state, b.stream
@@ -110,7 +115,7 @@ def main() -> int:
         print(f"  {r['mb']:5.1f} MiB: decode 2K {1e3 / r['decode2k']:.1f} t/s = {gbs:.0f} GB/s = {gbs / read:.1%} of read; "
               f"W8/W1 {r['verify8'] / r['decode2k']:.3f} (vs decode), W16/W8 {r['verify16'] / r['verify8']:.3f}; "
               f"B={args.batch} {args.batch * 1e3 / r[f'batch{args.batch}']:.0f} t/s")
-    out = {"probe": probe, "rows": rows, "device": b.rt.describe(), "decode2k_bytes": step}
+    out = {"set": args.set, "probe": probe, "rows": rows, "device": b.rt.describe(), "decode2k_bytes": step}
     path = args.json or (os.path.join(os.environ["OUT"], "prefetch_ab.json") if os.environ.get("OUT") else None)
     if path:
         Path(path).write_text(json.dumps(out, indent=1))

@@ -83,6 +83,25 @@ ITEM_BYTES = {fmt: 4 * cb + (0 if fmt == L.FMT_BF16 else 64 * 2 * L.CHUNK_K // L
               for fmt, cb in L.CHUNK_BYTES.items()}  # one row group x one chunk, codes + scales
 
 
+def tail_split(row_groups: int, kchunks: int, splits: int, sm_count: int) -> list[tuple[int, int, int]]:
+    """v1 / a8: (first row group, row groups, K splits) pieces of one matrix. A matrix of one split
+    whose row groups overrun the resident CTAs by a thin last wave (gate_up: 544 row groups on 264
+    slots, a third wave of 16 CTAs that ran alone for ~9 of its ~38 us, tools/gemv_trace.py) runs
+    that remainder split over K instead: its units are short and fill the slots the second wave
+    frees. A function of the shape and the SM count only, never the lane count (lane bits stay
+    width-invariant); the remainder's rows sum in split order, so their bits differ from one split.
+    GEMV_TAIL_SPLIT = 0 keeps every matrix whole."""
+    slots = gemv_slots(sm_count)
+    whole = [(0, row_groups, splits)]
+    if not C.GEMV_TAIL_SPLIT or splits != 1 or row_groups <= slots:
+        return whole
+    r = row_groups % slots
+    s = min(kchunks // C.GEMV_WARPS, slots // max(r, 1))  # each warp keeps >= 1 chunk of its split
+    if r == 0 or r > slots // 4 or s < 2:
+        return whole
+    return [(0, row_groups - r, 1), (row_groups - r, r, s)]
+
+
 def choose_partition(row_groups: int, kchunks: int, sm_count: int, fmt: int) -> tuple[int, int]:
     """v2 (row groups per CTA, K splits) from the matrix shape only, so lane bits never depend on
     the launch width. A small cost model, best score wins:
@@ -243,24 +262,41 @@ class GemvPlan:
         # one's prologue and weight prefetch then overlap it (PDL) instead of it waiting for the
         # big one's tail (tools/gemv_trace.py: ~2.6 us); independent outputs, same bits
         for fmt, idx in sorted(groups.items(), key=lambda kv: sum(mats[j].nbytes for j in kv[1])):
-            blocks = {j: -(-mats[j].row_groups // self.rgb[j]) for j in idx}
-            # largest matrices first: their CTAs start earliest
-            idx = sorted(idx, key=lambda j: -blocks[j] * self.splits[j])
-            desc = np.zeros((len(idx), D_NFIELDS), dtype=np.int64)
+            # pieces (matrix, first row group, row groups, splits): a matrix whose last wave would be a
+            # thin tail runs that tail split over K (tail_split), as a second descriptor row
+            pieces = []
+            for j in idx:
+                m = mats[j]
+                if v2 or self.rgb[j] != 1:
+                    pieces.append((j, 0, m.row_groups, self.splits[j], False))
+                    continue
+                for k, (g0, ng, s) in enumerate(tail_split(m.row_groups, m.shape.kchunks, self.splits[j], rt.sm_count)):
+                    pieces.append((j, g0, ng, s, k > 0))
+            blocks = {(j, g0): -(-ng // self.rgb[j]) for j, g0, ng, _, _ in pieces}
+            # largest matrices first (their CTAs start earliest), split tails last
+            pieces.sort(key=lambda q: (q[4], -blocks[(q[0], q[1])] * q[3]))
+            desc = np.zeros((len(pieces), D_NFIELDS), dtype=np.int64)
             cta = 0
-            for r, j in enumerate(idx):
-                m, (y, ldy), s, rgb = mats[j], outputs[j], self.splits[j], self.rgb[j]
+            for r, (j, g0, ng, s, _tail) in enumerate(pieces):
+                m, (y, ldy), rgb = mats[j], outputs[j], self.rgb[j]
+                sh = m.shape
+                t0 = g0 * GEMV_R  # first row tile of the piece
+                # outputs before the piece: 8 per row tile for SwiGLU (gate / up row pairs), else 16
+                o0 = t0 * (8 if m.mode == MODE_SWIGLU else 16)
                 f = desc[r]
-                f[C.D_W], f[C.D_S], f[C.D_Y] = int(ptr(m.codes)), int(ptr(m.scales)), int(ptr(y))
-                f[C.D_WS], f[C.D_CNT], f[C.D_LDY], f[C.D_NOUT] = ws_need, cnt_need, ldy, m.nout
-                f[C.D_KCH], f[C.D_RT], f[C.D_FMT], f[C.D_MODE] = m.shape.kchunks, m.shape.row_tiles, m.shape.fmt, m.mode
-                f[C.D_SPLITS], f[C.D_RG], f[C.D_CTA0] = s, m.row_groups, cta
-                f[C.D_GSC], f[C.D_NGROUPS], f[C.D_RGB] = m.shape.group_chunks, m.shape.groups, rgb
-                cta += blocks[j] * s
+                f[C.D_W] = int(ptr(m.codes)) + t0 * sh.kchunks * L.CHUNK_BYTES[sh.fmt]
+                f[C.D_S] = int(ptr(m.scales)) + (t0 * sh.groups * 8 * 4 if m.scales is not None else 0)
+                f[C.D_Y] = int(ptr(y)) + o0 * 4
+                f[C.D_WS], f[C.D_CNT], f[C.D_LDY], f[C.D_NOUT] = ws_need, cnt_need, ldy, m.nout - o0
+                f[C.D_KCH], f[C.D_RT], f[C.D_FMT], f[C.D_MODE] = sh.kchunks, sh.row_tiles - t0, sh.fmt, m.mode
+                f[C.D_SPLITS], f[C.D_RG], f[C.D_CTA0] = s, ng, cta
+                f[C.D_GSC], f[C.D_NGROUPS], f[C.D_RGB] = sh.group_chunks, sh.groups, rgb
+                nb = blocks[(j, g0)]
+                cta += nb * s
                 if s > 1:
-                    ws_need += blocks[j] * s * rgb * e
-                    cnt_need += blocks[j]
-            rows.append((fmt, desc, cta, self._cluster([self.splits[j] for j in idx], rt)))
+                    ws_need += nb * s * rgb * e
+                    cnt_need += nb
+            rows.append((fmt, desc, cta, self._cluster([int(x) for x in desc[:, C.D_SPLITS]], rt)))
         workspace.reserve(ws_need, cnt_need)
         self.a8 = self.impl == "a8" and any(m.shape.fmt != L.FMT_BF16 for m in mats)
         if self.a8:

@@ -54,3 +54,27 @@ def test_gemv_impl_comes_from_the_config(monkeypatch):
             K.set_gemv_impl("v3")
     finally:
         K._GEMV_IMPL = old
+
+
+@pytest.mark.parametrize("sms", [132, 82, 170, 28])
+@pytest.mark.parametrize("rows,cols,fmt", SHAPES)
+def test_tail_split_pieces_cover_the_matrix_and_fill_the_last_wave(rows, cols, fmt, sms, monkeypatch):
+    sh = L.matrix_shape(rows, cols, fmt)
+    rg = sh.row_tiles // C.GEMV_R
+    splits = K.choose_splits(rg, sh.kchunks, sms)
+    pieces = K.tail_split(rg, sh.kchunks, splits, sms)
+    assert pieces[0][0] == 0 and sum(n for _, n, _ in pieces) == rg
+    assert all(a + n == b for (a, n, _), (b, _, _) in zip(pieces, pieces[1:])), "contiguous, in order"
+    slots = K.gemv_slots(sms)
+    if len(pieces) == 2:
+        (_, full, s0), (_, tail, s1) = pieces
+        assert s0 == 1 and full % slots == 0, "the whole waves stay whole"
+        assert 2 <= s1 <= sh.kchunks // C.GEMV_WARPS and tail * s1 <= slots, "the tail fits one wave, a chunk per warp"
+    monkeypatch.setattr(C, "GEMV_TAIL_SPLIT", 0)
+    assert K.tail_split(rg, sh.kchunks, splits, sms) == [(0, rg, splits)]
+
+
+def test_tail_split_takes_gate_ups_third_wave():
+    """The 27B's gate_up (544 row groups, 80 chunks) on an H200 (264 slots): 528 whole + 16 x 10 splits."""
+    assert K.tail_split(544, 80, 1, 132) == [(0, 528, 1), (528, 16, 10)]
+    assert K.tail_split(3880, 80, 1, 132) == [(0, 3880, 1)]  # lm_head: a thick last wave (184 of 264)

@@ -673,3 +673,51 @@ def test_gemv_cluster_split_reduction_is_bitwise_the_ticket(cp, K, monkeypatch, 
             for a, b in zip(got[0], got[8]):
                 assert np.isfinite(a).all()
                 np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["a8", "v1"])
+@pytest.mark.parametrize("fmt", [L.FMT_Q4, L.FMT_BF16])
+@pytest.mark.parametrize("mode", ["store", "add", "swiglu"])
+def test_gemv_tail_split_matches_float64(cp, K, impl, fmt, mode):
+    """A matrix whose row groups overrun the resident CTAs by a thin last wave runs that tail as a
+    K-split second descriptor row (kernels.tail_split): every row, the tail's included, still
+    matches float64, in each epilogue, with the outputs and scales offset to the tail's rows."""
+    from q27py.gpu.runtime import Runtime
+
+    slots = K.gemv_slots(Runtime.get().sm_count)
+    rng = np.random.default_rng(40 + fmt)
+    cols, tail = 1024, 5
+    rows_w = (slots + tail) * 64  # packed rows: tail row groups past the slots
+    if mode == "swiglu":
+        inter = rows_w // 2 - 3  # ragged: the last tile's outputs are partly past nout
+        w = L.interleave_gate_up(rng.standard_normal((inter, cols)).astype(np.float32) * 0.05,
+                                 rng.standard_normal((inter, cols)).astype(np.float32) * 0.05)
+        pm = L.pack_matrix(w, fmt)
+        m = K.upload_packed(pm, mode=K.MODE_SWIGLU, out_rows=inter)
+        nout = inter
+    else:
+        pm = L.pack_matrix(rng.standard_normal((rows_w - 7, cols)).astype(np.float32) * 0.05, fmt)
+        m = K.upload_packed(pm, mode=K.MODE_ADD if mode == "add" else K.MODE_STORE)
+        nout = rows_w - 7
+    pieces = K.tail_split(m.row_groups, m.shape.kchunks, 1, Runtime.get().sm_count)
+    assert len(pieces) == 2 and pieces[1][1] == tail and pieces[1][2] >= 2, pieces
+    wd = L.unpack(pm).astype(np.float64)
+    for n in (1, 9, 16):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        base = rng.standard_normal((n, nout)).astype(np.float32)
+        y = cp.asarray(base) if mode == "add" else poisoned(cp, (n, nout))
+        plan = K.GemvPlan([m], [(y, nout)], K.Workspace(), impl=impl)
+        assert sum(d.shape[0] for _, d, _ in plan.desc_host) == 2, "the tail is its own descriptor row"
+        plan.run(padded_x(cp, x, pm.shape.kpad), pm.shape.kpad, n)
+        got = y.get()
+        assert np.isfinite(got).all(), f"unwritten outputs at n={n}"
+        ref = quantized_x(x, fmt, impl).astype(np.float64) @ wd.T
+        if mode == "swiglu":
+            tiles = ref.reshape(n, -1, 2, 8)
+            g, u = tiles[:, :, 0, :].reshape(n, -1)[:, :nout], tiles[:, :, 1, :].reshape(n, -1)[:, :nout]
+            ref = ops.silu(g) * u
+        elif mode == "add":
+            ref = base + ref
+        assert rel(got, ref) < 2e-5, (n, rel(got, ref))
+        t0 = (nout // 64 - tail) * 64 if mode != "swiglu" else (m.row_groups - tail) * 32
+        assert rel(got[:, t0:], ref[:, t0:]) < 2e-5, "the tail rows"
