@@ -42,8 +42,9 @@ A8_CTAS_NT1, A8_CTAS_NT2 = 2, 2
 # sm_90: a split row group's CTAs run as one thread-block cluster and reduce through DSMEM
 # (cuda/gemv.cu; same bits as the ticket path), for splits up to this many (0: always the ticket)
 GEMV_CLUSTER_MAX = 0  # 8 measured slower: clusters of 3 halve the resident CTAs (docs/PERF.md)
-# v1 / a8: a matrix's thin last wave of CTAs runs split over K (kernels.tail_split); 0: off (A/B)
-GEMV_TAIL_SPLIT = 1
+# v1 / a8: 1 runs a matrix's thin last wave of CTAs split over K (kernels.tail_split). 0 (default):
+# measured slower on the H200 (device run g2: decode 2K 7.151 -> 7.325 ms; docs/PERF.md)
+GEMV_TAIL_SPLIT = 0
 # next-launch L2 prefetch (cuda/gemv.cu gemv_prefetch, kernels.link_prefetch): L2 ranges one CTA of
 # a launch may prefetch for the launch after it (its last warp's lanes 0..GEMV_PF_PER-1, one each)
 GEMV_PF_PER = 8

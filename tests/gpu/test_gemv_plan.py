@@ -59,6 +59,7 @@ def test_gemv_impl_comes_from_the_config(monkeypatch):
 @pytest.mark.parametrize("sms", [132, 82, 170, 28])
 @pytest.mark.parametrize("rows,cols,fmt", SHAPES)
 def test_tail_split_pieces_cover_the_matrix_and_fill_the_last_wave(rows, cols, fmt, sms, monkeypatch):
+    monkeypatch.setattr(C, "GEMV_TAIL_SPLIT", 1)
     sh = L.matrix_shape(rows, cols, fmt)
     rg = sh.row_tiles // C.GEMV_R
     splits = K.choose_splits(rg, sh.kchunks, sms)
@@ -74,7 +75,10 @@ def test_tail_split_pieces_cover_the_matrix_and_fill_the_last_wave(rows, cols, f
     assert K.tail_split(rg, sh.kchunks, splits, sms) == [(0, rg, splits)]
 
 
-def test_tail_split_takes_gate_ups_third_wave():
-    """The 27B's gate_up (544 row groups, 80 chunks) on an H200 (264 slots): 528 whole + 16 x 10 splits."""
+def test_tail_split_takes_gate_ups_third_wave(monkeypatch):
+    """The 27B's gate_up (544 row groups, 80 chunks) on an H200 (264 slots): 528 whole + 16 x 10 splits
+    when on; off by default, every matrix stays whole."""
+    assert K.tail_split(544, 80, 1, 132) == [(0, 544, 1)]
+    monkeypatch.setattr(C, "GEMV_TAIL_SPLIT", 1)
     assert K.tail_split(544, 80, 1, 132) == [(0, 528, 1), (528, 16, 10)]
     assert K.tail_split(3880, 80, 1, 132) == [(0, 3880, 1)]  # lm_head: a thick last wave (184 of 264)

@@ -678,12 +678,14 @@ def test_gemv_cluster_split_reduction_is_bitwise_the_ticket(cp, K, monkeypatch, 
 @pytest.mark.parametrize("impl", ["a8", "v1"])
 @pytest.mark.parametrize("fmt", [L.FMT_Q4, L.FMT_BF16])
 @pytest.mark.parametrize("mode", ["store", "add", "swiglu"])
-def test_gemv_tail_split_matches_float64(cp, K, impl, fmt, mode):
+def test_gemv_tail_split_matches_float64(cp, K, impl, fmt, mode, monkeypatch):
     """A matrix whose row groups overrun the resident CTAs by a thin last wave runs that tail as a
     K-split second descriptor row (kernels.tail_split): every row, the tail's included, still
     matches float64, in each epilogue, with the outputs and scales offset to the tail's rows."""
+    from q27py.gpu import constants as C
     from q27py.gpu.runtime import Runtime
 
+    monkeypatch.setattr(C, "GEMV_TAIL_SPLIT", 1)  # off by default (measured slower): the path stays right
     slots = K.gemv_slots(Runtime.get().sm_count)
     rng = np.random.default_rng(40 + fmt)
     cols, tail = 1024, 5
