@@ -6,9 +6,26 @@
 // grid (rows), block 256..1024. A thread keeps its (up to 8) elements in registers between
 // the two passes, so the row is read once and every load is issued before the first use.
 // ys (optional, shared): the normed row is also kept there (the a8 variant quantizes from it).
+// The norm weights are constants: a kernel loads this thread's (w + add_one) into registers
+// before its PDL wait, so a norm launched early beside the GEMV before it (programmatic dependent
+// launch) has them when that GEMV's output lands, and its critical path is the row alone. Same
+// fp32 sum as before, so the same bits.
+__device__ __forceinline__ void norm_weights_preload(const float* __restrict__ w, float add_one, int H,
+                                                     float (&wv)[NORM_PER_THREAD]) {
+#pragma unroll
+    for (int i = 0; i < NORM_PER_THREAD; i++) {
+        const int k = threadIdx.x + i * blockDim.x;
+        wv[i] = k < H ? w[k] + add_one : 0.f;
+    }
+}
+// gated norms: one weight per thread (a value column of the head)
+__device__ __forceinline__ float gated_weight_preload(const float* __restrict__ w, int dv) {
+    return (int)threadIdx.x < dv ? w[threadIdx.x] : 0.f;
+}
+
 __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x, int ldx, const float* __restrict__ w,
-                                            float add_one, float eps, int H, float* __restrict__ y, int ldy,
-                                            float* red, float* ys = nullptr) {
+                                            const float (&wv)[NORM_PER_THREAD], float add_one, float eps, int H,
+                                            float* __restrict__ y, int ldy, float* red, float* ys = nullptr) {
     const float* xr = x + (i64)blockIdx.x * ldx;
     float v[NORM_PER_THREAD];
     float ss = 0.f;
@@ -27,7 +44,7 @@ __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x, int ldx
     for (int i = 0; i < NORM_PER_THREAD; i++) {
         const int k = threadIdx.x + i * blockDim.x;
         if (k < H) {
-            const float o = (v[i] / den) * (w[k] + add_one);
+            const float o = (v[i] / den) * wv[i];
             yr[k] = o;
             if (ys) ys[k] = o;
         }
@@ -41,9 +58,11 @@ __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x, int ldx
 
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, const float* __restrict__ w, float add_one,
                                         float eps, int H, float* __restrict__ y, int ldy) {
+    float wv[NORM_PER_THREAD];
+    norm_weights_preload(w, add_one, H, wv);
     pdl_entry();
     __shared__ float red[32];
-    rmsnorm_row(x, ldx, w, add_one, eps, H, y, ldy, red);
+    rmsnorm_row(x, ldx, w, wv, add_one, eps, H, y, ldy, red);
 }
 
 // rmsnorm_rows, then the row's a8 GEMV input (act8_quantize_chunk over its kch chunks, from the
@@ -55,11 +74,13 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, int ldx, co
 extern "C" __global__ void rmsnorm_rows_a8(const float* __restrict__ x, int ldx, const float* __restrict__ w,
                                            float add_one, float eps, int H, float* __restrict__ y, int ldy, int kch,
                                            u8* __restrict__ xq, int ldq, float* __restrict__ xs) {
+    float wv[NORM_PER_THREAD];
+    norm_weights_preload(w, add_one, H, wv);
     pdl_entry();
     __shared__ float red[32];
     __shared__ __align__(16) float ys[NORM_A8_MAX_K];
     const bool staged = kch * 64 <= NORM_A8_MAX_K;
-    rmsnorm_row(x, ldx, w, add_one, eps, H, y, ldy, red, staged ? ys : nullptr);
+    rmsnorm_row(x, ldx, w, wv, add_one, eps, H, y, ldy, red, staged ? ys : nullptr);
     if (staged)  // the padded tail of the last chunk reads as zero, as the fp32 rows' pads do
         for (int k = H + threadIdx.x; k < kch * 64; k += blockDim.x) ys[k] = 0.f;
     __syncthreads();  // the block's row writes are visible to the block after the barrier
@@ -72,6 +93,7 @@ extern "C" __global__ void rmsnorm_rows_a8(const float* __restrict__ x, int ldx,
 // grid (nlanes, HV), block = dv rounded up to 32 (dv <= 1024).
 extern "C" __global__ void gated_rmsnorm(const float* __restrict__ o, int ldo, const float* __restrict__ z, int ldz,
                                          const float* __restrict__ w, float eps, int dv, float* __restrict__ y, int ldy) {
+    const float wj = gated_weight_preload(w, dv);
     pdl_entry();
     __shared__ float red[32];
     const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
@@ -80,7 +102,7 @@ extern "C" __global__ void gated_rmsnorm(const float* __restrict__ o, int ldo, c
     if (j >= dv) return;
     const float den = sqrtf(ss / (float)dv + eps);
     const float zz = z[(i64)t * ldz + h * dv + j];
-    y[(i64)t * ldy + h * dv + j] = (v / den) * w[j] * (zz * sigmoid_f(zz));
+    y[(i64)t * ldy + h * dv + j] = (v / den) * wj * (zz * sigmoid_f(zz));
 }
 
 // gated_rmsnorm, then the row's a8 GEMV input for this head's chunks (dv % 64 == 0: a head owns
@@ -89,6 +111,7 @@ extern "C" __global__ void gated_rmsnorm(const float* __restrict__ o, int ldo, c
 extern "C" __global__ void gated_rmsnorm_a8(const float* __restrict__ o, int ldo, const float* __restrict__ z, int ldz,
                                             const float* __restrict__ w, float eps, int dv, float* __restrict__ y,
                                             int ldy, u8* __restrict__ xq, int ldq, float* __restrict__ xs) {
+    const float wj = gated_weight_preload(w, dv);
     pdl_entry();
     __shared__ float red[32];
     __shared__ __align__(16) float ys[GATED_A8_MAX_DV];
@@ -98,7 +121,7 @@ extern "C" __global__ void gated_rmsnorm_a8(const float* __restrict__ o, int ldo
     if (j < dv) {
         const float den = sqrtf(ss / (float)dv + eps);
         const float zz = z[(i64)t * ldz + h * dv + j];
-        const float out = (v / den) * w[j] * (zz * sigmoid_f(zz));
+        const float out = (v / den) * wj * (zz * sigmoid_f(zz));
         y[(i64)t * ldy + h * dv + j] = out;
         ys[j] = out;
     }
