@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from q27py.bench.random_weights import Bench, _time_graph, captured, copy_bandwidth
+    from q27py.bench.random_weights import Bench, _time_graph, captured, copy_bandwidth, time_eager
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tier", default="q4s")
@@ -83,18 +83,6 @@ def main() -> int:
     for _ in range(3):
         batch_round()
     s.synchronize()
-    cp = b.cp
-
-    def time_batch(reps=15):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        batch_round()
-        e0.record(s)
-        for _ in range(reps):
-            batch_round()
-        e1.record(s)
-        e1.synchronize()
-        return cp.cuda.get_elapsed_time(e0, e1) / reps
-
     rows = []
     for mb in args.mb:
         m.set_gemv_prefetch(mb)
@@ -103,7 +91,7 @@ def main() -> int:
         for name, g in graphs.items():
             sets[name]()
             row[name] = _time_graph(g, s, 30)
-        row[f"batch{args.batch}"] = time_batch()
+        row[f"batch{args.batch}"] = time_eager(batch_round, s, reps=15)
         rows.append(row)
         print(f"prefetch {mb:5.1f} MiB: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "mb"), flush=True)
     sb = b.weights.stream_bytes()
