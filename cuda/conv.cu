@@ -10,35 +10,11 @@
 // Conv + SiLU (+ l2 norm for q / k) of one lane's channel c of head slot `slot`. Taps: t + j in
 // [window (K-1 rows) ; raw rows 0..t]; the lane's outputs go to qkvn_row / gb_row, its b / a
 // gates come from ab_row.
-// The layer's constants one thread of gdn_conv uses: its channel's conv taps (up to CONV_PRE_TAPS of
-// them in registers) and, for a v head's thread 0, that head's -A and dt bias. A kernel loads them
-// before its PDL wait (they are weights, never written by a kernel), so when the in-projection
-// before it lands the conv reads only the raw row and the window (norm.cu's preload, measured there).
-struct ConvConsts {
-    float w[CONV_PRE_TAPS];
-    float neg_a, dt_bias;
-};
-__device__ __forceinline__ ConvConsts conv_consts_preload(const float* __restrict__ convw, const float* __restrict__ neg_a,
-                                                          const float* __restrict__ dt_bias, int H, int dk, int dv,
-                                                          int KW) {
-    ConvConsts k;
-    const int slot = blockIdx.y, c = threadIdx.x;
-    const bool is_qk = slot < 2 * H;
-    const int d = is_qk ? dk : dv;
-    const int ch = is_qk ? slot * dk + c : 2 * H * dk + (slot - 2 * H) * dv + c;
-#pragma unroll
-    for (int j = 0; j < CONV_PRE_TAPS; j++) k.w[j] = (c < d && j < KW) ? convw[(i64)ch * KW + j] : 0.f;
-    const int h = slot - 2 * H;
-    k.neg_a = (!is_qk && c == 0) ? neg_a[h] : 0.f;
-    k.dt_bias = (!is_qk && c == 0) ? dt_bias[h] : 0.f;
-    return k;
-}
-
 __device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int ldr, const float* __restrict__ window,
-                                              const float* __restrict__ convw, const ConvConsts& kc,
-                                              const float* __restrict__ ab_row, int H, int HV, int dk, int dv, int KW,
-                                              float q_scale, int t, float* __restrict__ qkvn_row,
-                                              float* __restrict__ gb_row) {
+                                              const float* __restrict__ convw, const float* __restrict__ ab_row,
+                                              const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+                                              int H, int HV, int dk, int dv, int KW, float q_scale, int t,
+                                              float* __restrict__ qkvn_row, float* __restrict__ gb_row) {
     __shared__ float red[32];
     const int slot = blockIdx.y, c = threadIdx.x;
     const int C = 2 * H * dk + HV * dv;
@@ -48,17 +24,8 @@ __device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int
     float y = 0.f;
     if (c < d) {
         float acc = 0.f;
-        // the same products and sums in the same order as one loop over KW taps
-#pragma unroll
-        for (int j = 0; j < CONV_PRE_TAPS; j++) {
-            if (j < KW) {
-                const int idx = t + j;  // position in [window ; raw rows]
-                const float xv = idx < KW - 1 ? window[(i64)idx * C + ch] : raw[(i64)(idx - (KW - 1)) * ldr + ch];
-                acc = __fadd_rn(acc, __fmul_rn(kc.w[j], xv));
-            }
-        }
-        for (int j = CONV_PRE_TAPS; j < KW; j++) {  // taps past the preloaded ones (none for Qwen's 4)
-            const int idx = t + j;
+        for (int j = 0; j < KW; j++) {
+            const int idx = t + j;  // position in [window ; raw rows]
             const float xv = idx < KW - 1 ? window[(i64)idx * C + ch] : raw[(i64)(idx - (KW - 1)) * ldr + ch];
             acc = __fadd_rn(acc, __fmul_rn(convw[(i64)ch * KW + j], xv));
         }
@@ -73,7 +40,7 @@ __device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int
     if (!is_qk && c == 0) {
         const int h = slot - 2 * H;
         const float b = ab_row[h], a = ab_row[HV + h];
-        gb_row[h] = kc.neg_a * softplus_f(a + kc.dt_bias);
+        gb_row[h] = neg_a[h] * softplus_f(a + dt_bias[h]);
         gb_row[HV + h] = sigmoid_f(b);
     }
 }
@@ -88,10 +55,9 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ raw, int ldr,  // 
                                     int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,  // [lane][C]
                                     float* __restrict__ gb)                                              // [lane][2HV]
 {
-    const ConvConsts kc = conv_consts_preload(convw, neg_a, dt_bias, H, dk, dv, KW);
     pdl_entry();
     const int t = blockIdx.x;
-    gdn_conv_body(raw, ldr, window, convw, kc, ab + (i64)t * ldab, H, HV, dk, dv, KW, q_scale, t,
+    gdn_conv_body(raw, ldr, window, convw, ab + (i64)t * ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, t,
                   qkvn + (i64)t * (2 * H * dk + HV * dv), gb + (i64)t * 2 * HV);
 }
 
@@ -103,11 +69,10 @@ extern "C" __global__ void gdn_conv_lanes(const float* __restrict__ raw, int ldr
                                           int ldab, const float* __restrict__ neg_a,
                                           const float* __restrict__ dt_bias, int H, int HV, int dk, int dv, int KW,
                                           float q_scale, float* __restrict__ qkvn, float* __restrict__ gb) {
-    const ConvConsts kc = conv_consts_preload(convw, neg_a, dt_bias, H, dk, dv, KW);
     pdl_entry();
     const int b = blockIdx.x;
-    gdn_conv_body(raw + (i64)b * ldr, ldr, lane_ptr<const float>(lanes, b, LT_WIN, win_off), convw, kc,
-                  ab + (i64)b * ldab, H, HV, dk, dv, KW, q_scale, 0, qkvn + (i64)b * (2 * H * dk + HV * dv),
+    gdn_conv_body(raw + (i64)b * ldr, ldr, lane_ptr<const float>(lanes, b, LT_WIN, win_off), convw, ab + (i64)b * ldab,
+                  neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, 0, qkvn + (i64)b * (2 * H * dk + HV * dv),
                   gb + (i64)b * 2 * HV);
 }
 

@@ -99,7 +99,6 @@ PF2_WARPS_C, PF2_NK_C = 4, 32
 
 # ---------------------------------------------------------------- tables, norms, sampling
 TAB_F32, TAB_BF16, TAB_Q8 = 0, 1, 2
-CONV_PRE_TAPS = 4  # cuda/conv.cu: conv taps a gdn_conv thread loads before its PDL wait (Qwen's kernel is 4 wide)
 NORM_PER_THREAD = 8  # row elements a rmsnorm thread keeps in registers
 NORM_A8_MAX_K = 8192  # rmsnorm_rows_a8 quantizes from a shared copy of rows up to this long (32 KB)
 GATED_A8_MAX_DV = 1024  # gated_rmsnorm_a8: value head dims it stages (one block of dv threads)
