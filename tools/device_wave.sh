@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill all
+# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -133,6 +133,11 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
               # 32K and the per-family breakdown (tools/device_prefill.py, the engine's attention kernel)
         Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 300 python3 tools/device_prefill.py --no-routes --attn-prefill v2 \
           > "$OUT/prefill.txt" 2>&1 || rc=1; grep -E "^prefill" "$OUT/prefill.txt" ;;
+    profile)  # per-kernel device time (Runtime.profile_kernels) of 8K / 32K prefills and of the warm agent turn
+              # (807 new tokens on 24,471, through the engine as `bench replay` runs it); resident expansions:
+              # CACHE_GB (default 60); PROFILE_ARGS go to tools/prefill_profile.py; JSON: $OUT/prefill_profile.json
+        OUT="$OUT" timeout 540 python3 tools/prefill_profile.py --cache-gb ${CACHE_GB:-60} ${PROFILE_ARGS:-} \
+          > "$OUT/profile.txt" 2>&1 || rc=1; tail -100 "$OUT/profile.txt" ;;
     pending)  # what session e left unmeasured: the spec replay's per-phase profile, the batch sweep with the
               # new GDN lanes kernel; then run the cache stage
         timeout 200 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \

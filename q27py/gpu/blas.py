@@ -27,7 +27,7 @@ import numpy as np
 
 from q27py.gpu import constants as C
 from q27py.gpu import layout as L
-from q27py.gpu.runtime import Runtime, i32, i64
+from q27py.gpu.runtime import Runtime, i32, i64, profile_mark
 
 # cublas / CUDA enums (cublas_api.h, library_types.h)
 _OP_N, _OP_T = 0, 1
@@ -37,6 +37,19 @@ _COMPUTE_32F_PEDANTIC = 69  # fp32 FMA only: never TF32, whatever the handle's m
 _GEMM_DEFAULT = -1
 
 MIN_TOKENS = 128  # below this the mma.sync GEMM (no expansion pass) is faster: measured, docs/PERF.md
+# ... unless the matrix's expansion is resident (ExpansionCache): then no expansion pass is paid and
+# cuBLAS streams the bf16 weights (~12 ms for the 27B) where the mma.sync GEMM ran a 41-token warm-turn
+# chunk in 53.5 ms (tools/prefill_profile.py, device run g5)
+MIN_TOKENS_RESIDENT = 32
+
+
+def resident_route(m, ntok: int) -> bool:
+    """A chunk of MIN_TOKENS_RESIDENT..MIN_TOKENS tokens takes cuBLAS when m's expansion is served
+    by the weight cache."""
+    if not MIN_TOKENS_RESIDENT <= ntok < MIN_TOKENS:
+        return False
+    c = weight_cache()
+    return c is not None and c.serves(m)
 _ONE = np.ones(1, dtype=np.float32)
 _ZERO = np.zeros(1, dtype=np.float32)
 
@@ -119,6 +132,7 @@ def gemm_bf16(w_bf16, ldw: int, x_bf16, ldx: int, ntok: int, nrows: int, k: int,
     cublas.gemmEx(h, _OP_T, _OP_N, int(nrows), int(ntok), int(k), _ONE.ctypes.data, int(w_bf16.data.ptr), _R_16BF,
                   int(ldw), int(x_bf16.data.ptr), _R_16BF, int(ldx), beta.ctypes.data, int(y.data.ptr), _R_32F,
                   int(ldy), _COMPUTE_32F, _GEMM_DEFAULT)
+    profile_mark("cublas:gemm_bf16", 2.0 * nrows * ntok * k)  # FLOPs as run (padded rows / k)
 
 
 class ExpandAhead:
@@ -288,6 +302,14 @@ class ExpansionCache:
         self.used += n
         return buf
 
+    def serves(self, m) -> bool:
+        """Whether get(m) returns a resident expansion (held now, or admitted on this call), with no
+        side effect: the route choice below depends on it, not on which requests came before."""
+        e = self._entries.get(id(m))
+        if e is not None and e[0]() is m:
+            return True
+        return not self.full and self.used + self._size(m) <= self.budget
+
     def _drop(self, key: int) -> None:
         e = self._entries.pop(key, None)
         if e is not None:
@@ -388,6 +410,7 @@ def _expand_f32(m, out) -> None:
     n = m.shape.row_tiles * 16 * m.shape.kpad
     bits = dequantize_to_bf16(m)[:n]
     out[: 2 * n].view(cp.uint32)[...] = bits.astype(cp.uint32) << 16
+    profile_mark("blas:expand")  # the CuPy ops above are no launch() of ours
 
 
 # every small bf16 matrix once (94 MB for the 27B's 48); an allocation that fails leaves the rest to
@@ -415,6 +438,7 @@ def prefill_gemm_f32(m, x, ldx: int, ntok: int, y, ldy: int) -> None:
     cublas.gemmEx(h, _OP_T, _OP_N, int(m.nout), int(ntok), int(sh.kpad), _ONE.ctypes.data, int(w.data.ptr), _R_32F,
                   int(sh.kpad), int(x.data.ptr), _R_32F, int(ldx), beta.ctypes.data, int(y.data.ptr), _R_32F,
                   int(ldy), _COMPUTE_32F_PEDANTIC, _GEMM_DEFAULT)
+    profile_mark("cublas:gemm_f32", 2.0 * m.nout * ntok * sh.kpad)
 
 
 # ---------------------------------------------------------------- fp8 route (EngineConfig.prefill_gemm "fp8")
@@ -481,6 +505,7 @@ def prefill_gemm_fp8(m, x, ldx: int, ntok: int, y, ldy: int, x8=None) -> None:
         nrows = sh.row_tiles * 16
         z = _SCRATCH.get("z", ntok * nrows * 4).view(rt.cp.float32)
         lt.matmul_fp8(w8, sh.kpad, codes, sh.kpad, nrows, ntok, sh.kpad, z, nrows, alpha, accumulate=False)
+        profile_mark("cublas:gemm_fp8", 2.0 * nrows * ntok * sh.kpad)
         rt.launch("dequant", "swiglu_tiles_scaled", (-(-m.nout // 256), ntok), 256,
                   (z, i32(nrows), i32(m.nout), y, i32(ldy), scale))
         return
@@ -489,4 +514,5 @@ def prefill_gemm_fp8(m, x, ldx: int, ntok: int, y, ldy: int, x8=None) -> None:
     if add:  # y + s D = s (y / s + D): exact for powers of two, so the residual keeps its bits
         rt.launch("dequant", "fp8_scale_rows", grid, 256, (y, i32(ldy), i32(m.nout), scale, i32(1)))
     lt.matmul_fp8(w8, sh.kpad, codes, sh.kpad, m.nout, ntok, sh.kpad, y, ldy, alpha, accumulate=add)
+    profile_mark("cublas:gemm_fp8", 2.0 * m.nout * ntok * sh.kpad)
     rt.launch("dequant", "fp8_scale_rows", grid, 256, (y, i32(ldy), i32(m.nout), scale, i32(0)))

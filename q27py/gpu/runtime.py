@@ -242,6 +242,7 @@ class Runtime:
         self._tally: Counter | None = None  # (module, kernel) -> launches while count_launches() is open
         self._pdl_capture = False  # inside pdl_capture(): PDL_MODULES launch through PdlLauncher
         self._pdl_launcher: PdlLauncher | None = None
+        self._prof: KernelProfile | None = None  # open profile_kernels(): an event after each eager launch
 
     @classmethod
     def get(cls) -> "Runtime":
@@ -289,6 +290,8 @@ class Runtime:
         self.launches += 1
         if self._tally is not None:
             self._tally[(module, kernel)] += 1
+        if self._prof is not None:
+            self._prof.record(f"{module}:{kernel}")
 
     @property
     def pdl_supported(self) -> bool:
@@ -323,6 +326,28 @@ class Runtime:
             if saved is not None:
                 saved.update(inner)
 
+    @contextmanager
+    def profile_kernels(self, stream=None):
+        """Per-kernel device time of eager work: yields a KernelProfile whose .result (filled on exit,
+        after one synchronize) maps "module:kernel" (and profile_mark labels) -> {"count", "ms"}, plus
+        "flops" where marks gave them. stream: the stream the work runs on (default: the current
+        one); the entry event is recorded there and only launches made while it is current are timed."""
+        if self._prof is not None:
+            raise RuntimeError("profile_kernels() is already open")
+        prof = KernelProfile(self.cp, stream if stream is not None else self.cp.cuda.get_current_stream())
+        self._prof = prof
+        try:
+            yield prof
+        finally:
+            self._prof = None
+        prof.finish()
+
+    def profile_mark(self, label: str, flops: float = 0) -> None:
+        """Time the work enqueued since the previous event under `label` (cuBLAS calls and other
+        non-launch() work) while profile_kernels() is open; a no-op otherwise."""
+        if self._prof is not None:
+            self._prof.record(label, flops)
+
     def _allow_shared(self, module: str, kernel: str, f, nbytes: int) -> None:
         """Raise the kernel's dynamic shared-memory limit above the 48 KB default (once)."""
         key = (module, kernel)
@@ -356,6 +381,68 @@ class Runtime:
     def describe(self) -> dict:
         return {"name": self.name, "arch": self.arch, "sms": self.sm_count, "l2_bytes": self.l2_bytes,
                 "total_mem": self.total_mem}
+
+
+def profile_mark(label: str, flops: float = 0) -> None:
+    """Runtime.profile_mark on the process's runtime if one exists (no Runtime.get(): the CPU tests
+    stand a fake in for it, and a mark must never build one)."""
+    rt = Runtime._instance
+    if rt is not None and rt._prof is not None:
+        rt._prof.record(label, flops)
+
+
+class KernelProfile:
+    """Runtime.profile_kernels()'s record: events[0] is recorded at entry, events[i + 1] right after
+    the work labelled labels[i], so that label's time is elapsed(events[i], events[i + 1]). An
+    interval holds whatever the stream ran since the previous event: besides the kernel itself,
+    any CuPy op or copy enqueued before it, and idle time where the host fell behind; whatever ran
+    after the last event is the "(tail)" entry. Elapsed times are read only in finish()."""
+
+    TAIL = "(tail)"
+
+    def __init__(self, cp, stream):
+        self.cp = cp
+        self.stream = stream
+        self.labels: list[str] = []
+        self.events: list = [self._event()]
+        self.flops: Counter = Counter()  # label -> FLOPs the marks reported
+        self.off_stream: Counter = Counter()  # launches on another stream (a side stream): not timed
+        self.captured = 0  # launches recorded into a graph capture: not timed (no eager work)
+        self.total_ms = 0.0
+        self.result: dict[str, dict] | None = None
+
+    def _event(self):
+        ev = self.cp.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def record(self, label: str, flops: float = 0) -> None:
+        cur = self.cp.cuda.get_current_stream()
+        if cur.is_capturing():
+            self.captured += 1
+            return
+        if cur.ptr != self.stream.ptr:
+            self.off_stream[label] += 1
+            return
+        self.events.append(self._event())
+        self.labels.append(label)
+        if flops:
+            self.flops[label] += flops
+
+    def finish(self) -> None:
+        end = self._event()
+        end.synchronize()
+        elapsed = self.cp.cuda.get_elapsed_time
+        res: dict[str, dict] = {}
+        for label, a, b in zip(self.labels + [self.TAIL], self.events, self.events[1:] + [end]):
+            r = res.setdefault(label, {"count": 0, "ms": 0.0})
+            r["count"] += 1
+            r["ms"] += elapsed(a, b)
+        for label, f in self.flops.items():
+            res[label]["flops"] = f
+        self.total_ms = elapsed(self.events[0], end)
+        self.result = res
+        self.events = []  # the events are spent: give them back
 
 
 def available() -> bool:

@@ -222,3 +222,23 @@ def test_fp32_copies_ride_the_same_cache(monkeypatch):
             np.testing.assert_array_equal(w, want)
         assert len(calls) == (1 if room else 2)
         assert cache.used == (32 * 64 * 4 if room else 0)
+
+
+def test_serves_predicts_get_without_side_effects(monkeypatch):
+    """The resident route's choice (blas.resident_route) asks serves(), which must say what get()
+    would do (held, or admitted now) and change nothing: the route of a 32-127-token chunk then does
+    not depend on which requests ran before while the cache has room."""
+    a, b, c = Mat(2, 64), Mat(4, 64), Mat(1, 64)  # 4096, 8192, 2048 bytes
+    cache, expanded, _ = make(4096 + 8192)
+    assert cache.serves(a) and cache.serves(b) and cache.serves(c)
+    assert expanded == [] and cache.used == 0 and (cache.hits, cache.misses) == (0, 0)
+    cache.get(a), cache.get(b)
+    assert cache.serves(a) and not cache.serves(c)  # held / no room left
+    monkeypatch.setattr(blas, "_WEIGHT_CACHE", cache)
+    monkeypatch.setattr(blas, "_WEIGHT_CACHE_SET", True)
+    assert blas.resident_route(a, blas.MIN_TOKENS_RESIDENT) and blas.resident_route(a, blas.MIN_TOKENS - 1)
+    assert not blas.resident_route(a, blas.MIN_TOKENS_RESIDENT - 1), "short chunks keep the GEMM kernel"
+    assert not blas.resident_route(a, blas.MIN_TOKENS), "long chunks take cuBLAS anyway"
+    assert not blas.resident_route(c, 64), "a matrix the cache cannot serve keeps the kernel"
+    monkeypatch.setattr(blas, "_WEIGHT_CACHE", None)
+    assert not blas.resident_route(a, 64)
