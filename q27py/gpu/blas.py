@@ -37,9 +37,10 @@ _COMPUTE_32F_PEDANTIC = 69  # fp32 FMA only: never TF32, whatever the handle's m
 _GEMM_DEFAULT = -1
 
 MIN_TOKENS = 128  # below this the mma.sync GEMM (no expansion pass) is faster: measured, docs/PERF.md
-# ... unless the matrix's expansion is resident (ExpansionCache): then no expansion pass is paid and
-# cuBLAS streams the bf16 weights (~12 ms for the 27B) where the mma.sync GEMM ran a 41-token warm-turn
-# chunk in 53.5 ms (tools/prefill_profile.py, device run g5)
+# resident_route: the same for 32-127-token chunks when the matrix's expansion is resident. Measured
+# (device run g6, tools/prefill_profile.py): the warm turn's 105-token piece went 53.5 ms (mma.sync
+# GEMM) -> 44 ms (cuBLAS at ~1.1 TB/s on these thin shapes), TTFT 206.0 -> 205.7 ms: not wired in
+# (kernels.gemm keeps MIN_TOKENS), kept with its test for the next study of thin-chunk GEMMs.
 MIN_TOKENS_RESIDENT = 32
 
 

@@ -490,7 +490,7 @@ def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int) -> None:
     or through cuBLAS (q27py/gpu/blas.py) for large chunks."""
     from q27py.gpu import blas
 
-    if PREFILL_GEMM != "kernel" and (ntok >= blas.MIN_TOKENS or (PREFILL_GEMM == "auto" and blas.resident_route(m, ntok))) and blas.available():
+    if PREFILL_GEMM != "kernel" and ntok >= blas.MIN_TOKENS and blas.available():
         if PREFILL_GEMM == "fp8" and blas.fp8_available():
             blas.prefill_gemm_fp8(m, x, ldx, ntok, y, ldy)
         else:
