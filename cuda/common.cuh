@@ -120,6 +120,14 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+// float -> bf16 bits, round to nearest even: pack_bf16x2's conversion of one value, so a producer that
+// writes the bf16 copy of its output element by element gives f32_to_bf16_rows' bytes (dequant.cu)
+__device__ __forceinline__ u16 bf16_rn(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
 __device__ __forceinline__ float bf16x2_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16x2_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 

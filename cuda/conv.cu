@@ -109,3 +109,90 @@ extern "C" __global__ void gdn_conv_commit_lanes(const i64* __restrict__ lanes, 
     const int b = blockIdx.y;
     conv_commit_body(lane_ptr<float>(lanes, b, LT_WIN, win_off), raw + (i64)b * ldr, ldr, C, KW, 1, ch);
 }
+
+// gdn_conv for prefill chunks: CONV_ROWS consecutive tokens of one head slot per block, KW a compile-time
+// tap count. Why: gdn_conv is one block per (token, slot), 327,680 blocks of 128 threads for a
+// 4,096-token chunk of the 27B, each loading its KW taps per channel again and paying two barriers
+// for the l2 norm (device run g5: 39 ms of an 8K prefill, ~10x its bytes). Here a thread slides its
+// channel's taps along the block's tokens in registers, so each raw value is loaded once; per token
+// the same products summed in the same order (__fmul_rn / __fadd_rn), the same SiLU, and for q / k
+// slots the same block-wide sum of squares as gdn_conv at this block size (each warp's warp_sum, then
+// the warp_sum of the warp sums): the same bits. grid (ceil(T / CONV_ROWS), 2H + HV), block as gdn_conv.
+template <int KW>
+__device__ __forceinline__ void gdn_conv_rows_body(const float* __restrict__ raw, int ldr,
+                                                   const float* __restrict__ window, const float* __restrict__ convw,
+                                                   const float* __restrict__ ab, int ldab,
+                                                   const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+                                                   int H, int HV, int dk, int dv, float q_scale, int T,
+                                                   float* __restrict__ qkvn, float* __restrict__ gb) {
+    __shared__ float red[CONV_ROWS][32];
+    const int slot = blockIdx.y, c = threadIdx.x, lane = c & 31, warp = c >> 5, nw = blockDim.x >> 5;
+    const int C = 2 * H * dk + HV * dv;
+    const bool is_qk = slot < 2 * H;
+    const int d = is_qk ? dk : dv;
+    const int ch = is_qk ? slot * dk + c : 2 * H * dk + (slot - 2 * H) * dv + c;
+    const bool live = c < d;
+    const int t0 = blockIdx.x * CONV_ROWS;
+    // position p of [window (KW - 1 rows) ; raw rows] for this channel (0 past the chunk or the head)
+    auto at = [&](int p) -> float {
+        if (!live) return 0.f;
+        if (p < KW - 1) return window[(i64)p * C + ch];
+        const int r = p - (KW - 1);
+        return r < T ? raw[(i64)r * ldr + ch] : 0.f;
+    };
+    float wt[KW], tap[KW], y[CONV_ROWS];
+#pragma unroll
+    for (int j = 0; j < KW; j++) wt[j] = live ? convw[(i64)ch * KW + j] : 0.f;
+#pragma unroll
+    for (int j = 0; j < KW - 1; j++) tap[j] = at(t0 + j);
+#pragma unroll
+    for (int r = 0; r < CONV_ROWS; r++) {
+        tap[KW - 1] = at(t0 + r + KW - 1);  // token t0 + r taps positions t0 + r .. t0 + r + KW - 1
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < KW; j++) acc = __fadd_rn(acc, __fmul_rn(wt[j], tap[j]));
+        y[r] = live ? acc * sigmoid_f(acc) : 0.f;
+#pragma unroll
+        for (int j = 0; j < KW - 1; j++) tap[j] = tap[j + 1];
+    }
+    if (is_qk) {  // block-uniform: the slot is the block's
+#pragma unroll
+        for (int r = 0; r < CONV_ROWS; r++) {
+            const float s = warp_sum(y[r] * y[r]);
+            if (lane == 0) red[r][warp] = s;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < CONV_ROWS; r++) {
+            const float ss = warp_sum(lane < nw ? red[r][lane] : 0.f);
+            y[r] = y[r] / sqrtf(ss + 1e-6f);
+            if (slot < H) y[r] *= q_scale;
+        }
+    }
+    if (live) {
+#pragma unroll
+        for (int r = 0; r < CONV_ROWS; r++)
+            if (t0 + r < T) qkvn[(i64)(t0 + r) * C + ch] = y[r];
+    }
+    if (!is_qk) {
+        const int h = slot - 2 * H;
+        for (int r = c; r < CONV_ROWS; r += blockDim.x) {
+            const int t = t0 + r;
+            if (t >= T) break;
+            const float b = ab[(i64)t * ldab + h], a = ab[(i64)t * ldab + HV + h];
+            gb[(i64)t * 2 * HV + h] = neg_a[h] * softplus_f(a + dt_bias[h]);
+            gb[(i64)t * 2 * HV + HV + h] = sigmoid_f(b);
+        }
+    }
+}
+
+// the model family's conv kernel size (linear_conv_kernel_dim = 4); kernels.gdn_conv_rows falls back to
+// gdn_conv for any other
+extern "C" __global__ void gdn_conv_rows_k4(const float* __restrict__ raw, int ldr, const float* __restrict__ window,
+                                            const float* __restrict__ convw, const float* __restrict__ ab, int ldab,
+                                            const float* __restrict__ neg_a, const float* __restrict__ dt_bias, int H,
+                                            int HV, int dk, int dv, float q_scale, int T, float* __restrict__ qkvn,
+                                            float* __restrict__ gb) {
+    pdl_entry();
+    gdn_conv_rows_body<4>(raw, ldr, window, convw, ab, ldab, neg_a, dt_bias, H, HV, dk, dv, q_scale, T, qkvn, gb);
+}

@@ -123,6 +123,25 @@ extern "C" __global__ void swiglu_tiles(const float* __restrict__ z, int ldz, in
     y[(i64)tok * ldy + o] = gt * sigmoid_f(gt) * up;
 }
 
+// swiglu_tiles writing the bf16 copy of its rows only (the down projection's cuBLAS input): the same
+// product per output, rounded as f32_to_bf16_rows rounds swiglu_tiles' fp32 rows. Why: the fp32 rows
+// were written, read back and converted for nothing else (device run g5: SwiGLU + conversions 65 ms of
+// an 8K prefill). Two outputs per thread (o even: both in one 8-row group, float2 loads).
+// grid (ceil(nout / 512), ntok), block 256.
+extern "C" __global__ void swiglu_tiles_bf16(const float* __restrict__ z, int ldz, int nout, u16* __restrict__ y,
+                                             int ldy) {
+    const int tok = blockIdx.y, o = (blockIdx.x * 256 + threadIdx.x) * 2;
+    if (o >= nout) return;
+    const float* zr = z + (i64)tok * ldz + (o >> 3) * 16 + (o & 7);
+    const float2 gt = *reinterpret_cast<const float2*>(zr), up = *reinterpret_cast<const float2*>(zr + 8);
+    const float a = gt.x * sigmoid_f(gt.x) * up.x;
+    u16* yr = y + (i64)tok * ldy + o;
+    if (o + 1 < nout)
+        *reinterpret_cast<u32*>(yr) = pack_bf16x2(a, gt.y * sigmoid_f(gt.y) * up.y);
+    else
+        yr[0] = bf16_rn(a);
+}
+
 // ---------------------------------------------------------------- fp8 prefill route (blas.prefill_gemm_fp8)
 // The 8-bit activation path of issue 14: weights and activations as e4m3 codes, multiplied by
 // cuBLASLt's fp8 tensor-core GEMM (fp32 accumulate and output). Every scale is a power of two, so

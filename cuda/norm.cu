@@ -132,3 +132,118 @@ extern "C" __global__ void gated_rmsnorm_a8(const float* __restrict__ o, int ldo
         act8_quantize_pair(pv, (h * dv) / 64 + warp, xq + (i64)t * ldq, xs + t, lane);
     }
 }
+
+// ---------------------------------------------------------------- prefill rows (many tokens per launch)
+// Both kernels below compute exactly what their one-row / one-(token, head) forms above compute, with the
+// same products and the same reduction tree, so the same bits; they only hold more rows per SM, and
+// they can write the bf16 copy of their output (the cuBLAS route's input: f32_to_bf16_rows' bytes of
+// the fp32 rows) instead of, or beside, the fp32 rows. Either output pointer may be null.
+
+// rmsnorm_rows for prefill chunks: the arithmetic of rmsnorm_rows at a block of 256 R threads
+// (kernels.rmsnorm: 1024 for rows of >= 2048, else 256) run by 256 threads. Why: rmsnorm_rows keeps
+// 48 registers per thread (its preloaded weights), so a 1024-thread block is one row per SM in
+// flight, and a prefill chunk's thousands of rows moved ~1.6 of the card's 4.5 TB/s (device run g5:
+// 26 ms of an 8K prefill). Thread tid plays the wide block's threads tid + 256 r (r < R): their
+// elements tid + 256 r + 256 R i in the same fmaf order, and warp w's lanes hold exactly the wide
+// block's warp w + 8 r, so each warp_sum, and the final warp_sum over the wide block's 8 R warp sums,
+// are the wide block's. grid rows, block 256.
+template <int R>
+__device__ __forceinline__ void rmsnorm_row_wide(const float* __restrict__ x, int ldx, const float* __restrict__ w,
+                                                 float add_one, float eps, int H, float* __restrict__ y, int ldy,
+                                                 u16* __restrict__ yb, int ldyb) {
+    constexpr int VB = 256 * R;  // the wide block's threads
+    __shared__ float red[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* xr = x + (i64)blockIdx.x * ldx;
+    float v[R][NORM_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = 0; i < NORM_PER_THREAD; i++) {
+            const int k = tid + 256 * r + VB * i;
+            v[r][i] = k < H ? xr[k] : 0.f;
+        }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < NORM_PER_THREAD; i++) ss = fmaf(v[r][i], v[r][i], ss);
+        for (int k = tid + 256 * r + NORM_PER_THREAD * VB; k < H; k += VB) ss = fmaf(xr[k], xr[k], ss);
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp + 8 * r] = ss;
+    }
+    __syncthreads();
+    const float ss = warp_sum(lane < VB / 32 ? red[lane] : 0.f);
+    const float den = sqrtf(ss / (float)H + eps);
+    float* yr = y ? y + (i64)blockIdx.x * ldy : nullptr;
+    u16* br = yb ? yb + (i64)blockIdx.x * ldyb : nullptr;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+        for (int i = 0; i < NORM_PER_THREAD; i++) {
+            const int k = tid + 256 * r + VB * i;
+            if (k < H) {
+                const float o = (v[r][i] / den) * (w[k] + add_one);
+                if (yr) yr[k] = o;
+                if (br) br[k] = bf16_rn(o);
+            }
+        }
+        for (int k = tid + 256 * r + NORM_PER_THREAD * VB; k < H; k += VB) {
+            const float o = (xr[k] / den) * (w[k] + add_one);
+            if (yr) yr[k] = o;
+            if (br) br[k] = bf16_rn(o);
+        }
+    }
+}
+
+// wide: the block size rmsnorm_rows would run this row length with (1024 or 256)
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_rows_wide(const float* __restrict__ x, int ldx,
+                                                                    const float* __restrict__ w, float add_one,
+                                                                    float eps, int H, int wide, float* __restrict__ y,
+                                                                    int ldy, u16* __restrict__ yb, int ldyb) {
+    pdl_entry();
+    if (wide == 1024)
+        rmsnorm_row_wide<4>(x, ldx, w, add_one, eps, H, y, ldy, yb, ldyb);
+    else
+        rmsnorm_row_wide<1>(x, ldx, w, add_one, eps, H, y, ldy, yb, ldyb);
+}
+
+// gated_rmsnorm for prefill chunks: GATED_ROWS tokens of one value head per block. Why: gated_rmsnorm is
+// one block per (token, head), 196,608 blocks of 128 threads for a 4,096-token chunk of the 27B, each a
+// load, two barriers and a store (device run g5: 23 ms of an 8K prefill, ~3.6x its bytes). Per token
+// the same block-wide sum as gated_rmsnorm at this block size (each warp's warp_sum of its lanes'
+// squares, then the warp_sum of the warp sums) and the same expression: the same bits.
+// grid (ceil(T / GATED_ROWS), HV), block = dv rounded up to 32.
+extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, int ldo, const float* __restrict__ z,
+                                              int ldz, const float* __restrict__ w, float eps, int dv, int T,
+                                              float* __restrict__ y, int ldy, u16* __restrict__ yb, int ldyb) {
+    pdl_entry();
+    __shared__ float red[GATED_ROWS][32];
+    const int h = blockIdx.y, j = threadIdx.x, lane = j & 31, warp = j >> 5, nw = blockDim.x >> 5;
+    const int t0 = blockIdx.x * GATED_ROWS;
+    const float wj = j < dv ? w[j] : 0.f;
+    float v[GATED_ROWS], zz[GATED_ROWS];
+#pragma unroll
+    for (int r = 0; r < GATED_ROWS; r++) {
+        const bool ok = t0 + r < T && j < dv;
+        v[r] = ok ? o[(i64)(t0 + r) * ldo + h * dv + j] : 0.f;
+        zz[r] = ok ? z[(i64)(t0 + r) * ldz + h * dv + j] : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < GATED_ROWS; r++) {
+        const float s = warp_sum(v[r] * v[r]);
+        if (lane == 0) red[r][warp] = s;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < GATED_ROWS; r++) {
+        const float ss = warp_sum(lane < nw ? red[r][lane] : 0.f);
+        if (t0 + r < T && j < dv) {
+            const float den = sqrtf(ss / (float)dv + eps);
+            const float out = (v[r] / den) * wj * (zz[r] * sigmoid_f(zz[r]));
+            const i64 t = t0 + r;
+            if (y) y[t * ldy + h * dv + j] = out;
+            if (yb) yb[t * ldyb + h * dv + j] = bf16_rn(out);
+        }
+    }
+}

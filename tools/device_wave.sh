@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile all
+# short tail). Stages: rows replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -138,6 +138,15 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
               # CACHE_GB (default 60); PROFILE_ARGS go to tools/prefill_profile.py; JSON: $OUT/prefill_profile.json
         OUT="$OUT" timeout 540 python3 tools/prefill_profile.py --cache-gb ${CACHE_GB:-60} ${PROFILE_ARGS:-} \
           > "$OUT/profile.txt" 2>&1 || rc=1; tail -100 "$OUT/profile.txt" ;;
+    rows)  # the prefill-chunk kernels (rows forms + bf16 rows from the producers): their bits against the
+           # kernels they replace, the forward both ways, the GEMM / GDN / prefix tests, the gates
+        timeout 400 $PYTEST tests/gpu/test_prefill_rows.py tests/gpu/test_prefill_blas.py \
+          tests/gpu/test_kernels.py -k "not gemv and not attention" > "$OUT/rows.txt" 2>&1 || rc=1; tail -4 "$OUT/rows.txt"
+        timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py tests/gpu/test_gates.py \
+          > "$OUT/rows_model.txt" 2>&1 || rc=1; tail -4 "$OUT/rows_model.txt" ;;
+    replay)  # warm / cold agent turns (bench replay, the shipped defaults)
+        timeout 400 python3 -m q27py bench replay --random-weights 27b --tier q4s --system-tokens 20000 --turns 10 \
+          --json > "$OUT/replay.json" 2> "$OUT/replay.txt" || rc=1; grep -E "^turn|^q27py|reuse|warm|cold" "$OUT/replay.txt" | tail -14 ;;
     pending)  # what session e left unmeasured: the spec replay's per-phase profile, the batch sweep with the
               # new GDN lanes kernel; then run the cache stage
         timeout 200 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \

@@ -351,10 +351,13 @@ def set_weight_cache(budget_bytes: int) -> None:
     _WEIGHT_CACHE_SET = True
 
 
-def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None) -> None:
+def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None, y_bf16=None) -> None:
     """The GEMM kernel's contract (kernels.gemm) through cuBLAS: MODE_STORE, MODE_ADD or MODE_SWIGLU.
 
-    x_bf16: the activations already converted (matrices of one plan share them), else converted here.
+    x_bf16: the activations already as bf16 rows of kpad (their producer wrote them, or the plan
+    converted once for all its matrices), else converted here. y_bf16 (MODE_SWIGLU only): a 2-D
+    uint16 array whose rows receive the SwiGLU output as bf16 (the down projection's input) instead
+    of y: the bytes to_bf16 would make of y's rows.
     """
     sh = m.shape
     if x_bf16 is None:
@@ -362,26 +365,31 @@ def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None) -> None:
     cache = weight_cache()
     resident = cache.get(m) if cache is not None else None
     if resident is not None:
-        _gemm_expanded(m, resident, x_bf16, ntok, y, ldy)
+        _gemm_expanded(m, resident, x_bf16, ntok, y, ldy, y_bf16)
         return
     ahead = expand_ahead()
     if ahead is not None:
         w, slot = ahead.weights(m)
     else:
         w = dequantize_to_bf16(m)
-    _gemm_expanded(m, w, x_bf16, ntok, y, ldy)
+    _gemm_expanded(m, w, x_bf16, ntok, y, ldy, y_bf16)
     if ahead is not None:
         ahead.release(slot, m)
 
 
-def _gemm_expanded(m, w, x_bf16, ntok: int, y, ldy: int) -> None:
+def _gemm_expanded(m, w, x_bf16, ntok: int, y, ldy: int, y_bf16=None) -> None:
     sh = m.shape
+    assert y_bf16 is None or m.mode == C.MODE_SWIGLU, "only the SwiGLU epilogue writes bf16 rows"
     if m.mode == C.MODE_SWIGLU:
         nrows = sh.row_tiles * 16
         z = _SCRATCH.get("z", ntok * nrows * 4).view(Runtime.get().cp.float32)
         gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, nrows, sh.kpad, z, nrows, accumulate=False)
-        Runtime.get().launch("dequant", "swiglu_tiles", (-(-m.nout // 256), ntok), 256,
-                             (z, i32(nrows), i32(m.nout), y, i32(ldy)))
+        if y_bf16 is not None:
+            Runtime.get().launch("dequant", "swiglu_tiles_bf16", (-(-m.nout // 512), ntok), 256,
+                                 (z, i32(nrows), i32(m.nout), y_bf16, i32(y_bf16.shape[1])))
+        else:
+            Runtime.get().launch("dequant", "swiglu_tiles", (-(-m.nout // 256), ntok), 256,
+                                 (z, i32(nrows), i32(m.nout), y, i32(ldy)))
     else:
         gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, m.nout, sh.kpad, y, ldy, accumulate=m.mode == C.MODE_ADD)
 

@@ -493,6 +493,11 @@ class FastModel:
         # MLP
         self.ld_act = L.round_up(cfg.intermediate_size, 64)
         self.act = z(T, self.ld_act)
+        # prefill chunks: bf16 rows of the GEMM inputs, written by their producers (the norms, the GDN
+        # output norm, the SwiGLU epilogue) for the matrices on cuBLAS's bf16 route instead of fp32 rows
+        # converted afterwards (GemvPlan.gemm_inputs; same bytes). Pads stay zero (never written).
+        zb = lambda *shape: cp.zeros(shape, dtype=cp.uint16) if T > VERIFY_SPAN else None  # noqa: E731
+        self.xb, self.xob, self.actb = zb(T, self.hp), zb(T, self.ld_xo), zb(T, self.ld_act)
         # logits + argmax. Rows are stored compactly (the i-th requested row of a launch in row i),
         # so a long prefill chunk does not need T x vocab floats (4 GB at T = 4096 on the 27B).
         self.vocab = cfg.vocab_size
@@ -857,7 +862,8 @@ class FastModel:
             else:
                 self._gdn(state, lw, plan, t, commit=not verify)
             self._mlp(lw, plan, t)
-        K.rmsnorm(self.h, hp, self.w.final_norm, eps, h, self.hidden, hp, t)
+        norm = K.rmsnorm_rows if t > VERIFY_SPAN else K.rmsnorm  # same bits; the rows form for prefill chunks
+        norm(self.h, hp, self.w.final_norm, eps, h, self.hidden, hp, t)
         self._logits_rows(self.hidden, rows)
 
     def enqueue_batch(self, n: int, offs: tuple[int, int, int, int]) -> None:
@@ -902,8 +908,9 @@ class FastModel:
         h, hp = cfg.hidden_size, self.hp
         eps = cfg.rms_norm_eps
         K.embed(self.mtp_ids, t, self.w.embed, h, self.x, hp)
-        K.rmsnorm(self.x, hp, m.pre_e, eps, h, self.cat, self.ld_cat, t)
-        K.rmsnorm(self.mtp_hidden_in, hp, m.pre_h, eps, h, self.cat[:, h:], self.ld_cat, t)
+        norm = K.rmsnorm_rows if t > VERIFY_SPAN else K.rmsnorm  # same bits; the rows form for prefill chunks
+        norm(self.x, hp, m.pre_e, eps, h, self.cat, self.ld_cat, t)
+        norm(self.mtp_hidden_in, hp, m.pre_h, eps, h, self.cat[:, h:], self.ld_cat, t)
         self.mtp_fc_plan.run(self.cat, self.ld_cat, t)
         lw = m.layer
         plan = self.mtp_layer_plan
@@ -911,7 +918,7 @@ class FastModel:
         self._attention(state, lw, plan, t, state.mtp_k, state.mtp_v, ptr(state.ctl, 4), max(VERIFY_SPAN, t),
                         *state.side_rows(None), pos0=pos0)
         self._mlp(lw, plan, t)
-        K.rmsnorm(self.h, hp, m.norm, eps, h, self.mtp_out, hp, t)
+        norm(self.h, hp, m.norm, eps, h, self.mtp_out, hp, t)
         self._logits_rows(self.mtp_out, select_rows(t, rows))
 
     # ------------------------------------------------------------------ blocks
@@ -926,7 +933,7 @@ class FastModel:
         else:  # decode / verify: this layer's records
             raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
         if t > VERIFY_SPAN:
-            plan["in_big"].run(self.x, self.hp, t)
+            plan["in_big"].run(self.x, self.hp, t, x_bf16=self._bf16_rows(plan["in_big"], t, self.xb))
         else:  # _input_norm wrote an a8 plan's int8 activations
             plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t))
         if self.gdn_fused and t <= VERIFY_SPAN and K.gdn_fused_supported(hk, hv, dk, dv, kw, t, self.gdn_fused_warps):
@@ -937,8 +944,9 @@ class FastModel:
                                warps=self.gdn_fused_warps)
             plan["out"].run(self.xo, self.ld_xo, t)
             return
-        K.gdn_conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv,
-                   dk, dv, kw, qkvn, gb, t)
+        conv = K.gdn_conv_rows if t > VERIFY_SPAN else K.gdn_conv  # same bits; the rows form for prefill chunks
+        conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv,
+             kw, qkvn, gb, t)
         if commit:
             K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
         if commit and t > VERIFY_SPAN and K.gdn_prefill_supported(dk, dv):
@@ -947,6 +955,13 @@ class FastModel:
         else:
             K.gdn_step(state.gdn[gi], 0, qkvn, 0, gb, 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
                        emit=True, write_state=commit)
+        if t > VERIFY_SPAN:  # prefill chunk: the rows form, writing what the out plan reads
+            xob = self._bf16_rows(plan["out"], t, self.xob)
+            K.gated_rmsnorm_rows(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv,
+                                 self.xo if xob is None or plan["out"].gemm_inputs(t)[1] else None, self.ld_xo, xob,
+                                 0 if xob is None else xob.shape[1])
+            plan["out"].run(self.xo, self.ld_xo, t, x_bf16=xob)
+            return
         fuse = K.gated_rmsnorm_fuses(plan["out"], t, hv, dv)
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv, self.xo,
                         self.ld_xo, a8=plan["out"] if fuse else None)
@@ -1030,7 +1045,8 @@ class FastModel:
         if self.kv_bits is not None:  # k5v3 / k3v3: its own store and kernels
             self._attention_rotated(lw, plan, t, kc, vc, pos0_dev, span, kx, vx)
             return
-        plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t))
+        plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t),
+                       x_bf16=self._bf16_rows(plan["in"], t, self.xb))
         if kx is not None:  # fp8 KV (codes + row exponents): quantize on store, dequantize in attention
             K.qk_norm_rope_store_fp8(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                      cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
@@ -1077,7 +1093,8 @@ class FastModel:
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         kbits, vbits = self.kv_bits
         kt, vt = self.kv_tables[kbits], self.kv_tables[vbits]
-        plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t))
+        plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t),
+                       x_bf16=self._bf16_rows(plan["in"], t, self.xb))
         K.qk_norm_rope_store_rot(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                  cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
                                  nq * hd, kc, vc, kn, vn, kbits, vbits, kt, vt, self.max_pos, t)
@@ -1089,21 +1106,42 @@ class FastModel:
                                 hd, pos0_dev, span, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
         plan["out"].run(self.xa, self.ld_xa, t)
 
-    def _input_norm(self, plan: dict, lw: LayerW, t: int) -> None:
-        """The layer's input norm into self.x; for an a8 "in" plan at GEMV widths it also writes the
-        plan's int8 activations (the plan then runs prequantized: see _gdn / _attention)."""
+    def _bf16_rows(self, plan: "K.GemvPlan", t: int, buf):
+        """buf when a prefill chunk of t lanes feeds `plan` bf16 rows of its input (GemvPlan.gemm_inputs):
+        the producer of that input writes them there, and the plan's run() reads them; else None. One
+        rule for both sides, so they always agree."""
+        return buf if t > VERIFY_SPAN and buf is not None and plan.gemm_inputs(t)[0] else None
+
+    def _norm(self, w, plan: "K.GemvPlan", t: int) -> None:
+        """self.x = rmsnorm(self.h) * (1 + w), the input of `plan`: at GEMV widths with the plan's a8
+        activations when it fuses them (the plan then runs prequantized); for a prefill chunk through
+        the rows kernel (the same bits), as the fp32 and / or bf16 rows the plan reads."""
         cfg = self.cfg
-        pin = plan["in"]
-        K.rmsnorm(self.h, self.hp, lw.input_ln, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp, t,
-                  a8=pin if pin.fuses_quant(t) else None)
+        if t > VERIFY_SPAN:
+            xb = self._bf16_rows(plan, t, self.xb)
+            K.rmsnorm_rows(self.h, self.hp, w, cfg.rms_norm_eps, cfg.hidden_size,
+                           self.x if xb is None or plan.gemm_inputs(t)[1] else None, self.hp, t, xb,
+                           0 if xb is None else xb.shape[1])
+            return
+        K.rmsnorm(self.h, self.hp, w, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp, t,
+                  a8=plan if plan.fuses_quant(t) else None)
+
+    def _input_norm(self, plan: dict, lw: LayerW, t: int) -> None:
+        """The layer's input norm into self.x (_norm), for the plan that reads it: a GDN layer's prefill
+        chunks run "in_big"."""
+        self._norm(lw.input_ln, plan["in_big"] if t > VERIFY_SPAN and "in_big" in plan else plan["in"], t)
 
     def _mlp(self, lw: LayerW, plan: dict, t: int) -> None:
-        cfg = self.cfg
-        up = plan["up"]
-        K.rmsnorm(self.h, self.hp, lw.post_ln, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp, t,
-                  a8=up if up.fuses_quant(t) else None)
+        up, down = plan["up"], plan["down"]
+        self._norm(lw.post_ln, up, t)
+        if t > VERIFY_SPAN:
+            # the SwiGLU rows as bf16 only when down reads nothing else (same bytes as converting them)
+            actb = self._bf16_rows(down, t, self.actb) if up.swiglu_bf16(t) and not down.gemm_inputs(t)[1] else None
+            up.run(self.x, self.hp, t, x_bf16=self._bf16_rows(up, t, self.xb), y_bf16=actb)
+            down.run(self.act, self.ld_act, t, x_bf16=actb)
+            return
         up.run(self.x, self.hp, t, prequantized=up.fuses_quant(t))
-        plan["down"].run(self.act, self.ld_act, t)
+        down.run(self.act, self.ld_act, t)
 
     def _logits_rows(self, src, rows: np.ndarray) -> None:
         """lm_head + argmax for the given lanes (contiguous runs become one GEMV each).

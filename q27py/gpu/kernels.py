@@ -330,20 +330,44 @@ class GemvPlan:
         """Whether x's producer may write this plan's int8 activations (then run(prequantized=True))."""
         return self.a8 and nlanes <= GEMV_MAX_LANES
 
+    def gemm_inputs(self, nlanes: int) -> tuple[bool, bool]:
+        """(bf16, f32): which rows of x run(nlanes) reads -- bf16 ones for the matrices on cuBLAS's bf16
+        route (gemm_bf16_route), the fp32 ones for any other (GEMV, mma.sync GEMM, fp32 / fp8 routes).
+        A producer that writes x for this plan writes those (then run(x_bf16=...))."""
+        bf = [gemm_bf16_route(m, nlanes) for m in self.mats]
+        return any(bf), not all(bf)
+
+    def swiglu_bf16(self, nlanes: int) -> bool:
+        """Whether run(nlanes) may write its output as bf16 rows only (run(y_bf16=...)): one SwiGLU
+        matrix on cuBLAS's bf16 route."""
+        return len(self.mats) == 1 and self.mats[0].mode == MODE_SWIGLU and gemm_bf16_route(self.mats[0], nlanes)
+
     def run(self, x, ldx: int, nlanes: int, lane0: int = 0, allow_gemm: bool = True,
-            prequantized: bool = False) -> None:
+            prequantized: bool = False, x_bf16=None, y_bf16=None) -> None:
         """y[lane0 + t] for t < nlanes: the prefill GEMM for many tokens (q4/q8 matrices), else
         the GEMV in blocks of at most 16 lanes. prequantized: x's producer already wrote this plan's
-        a8 activations (kernels.rmsnorm(a8=plan)), so no quant_act8 launch."""
+        a8 activations (kernels.rmsnorm(a8=plan)), so no quant_act8 launch. x_bf16: x's producer
+        also (or only) wrote bf16 rows [lanes, kpad] of it (gemm_inputs says when); without them the
+        matrices on the bf16 route share one conversion. y_bf16 (swiglu_bf16): the output as bf16 rows."""
         assert not prequantized or (self.fuses_quant(nlanes) and lane0 == 0)
         rt = Runtime.get()
         use_gemm = allow_gemm and nlanes >= GEMM_MIN_TOKENS
+        assert (x_bf16 is None or (use_gemm and x_bf16.shape[1] == self.kpad)) and (
+            y_bf16 is None or (use_gemm and self.swiglu_bf16(nlanes)))
         if use_gemm:
             xs = x[lane0:] if lane0 else x
+            routes = [gemm_bf16_route(m, nlanes) for m in self.mats]
+            if x_bf16 is not None:
+                x_bf16 = x_bf16[lane0:] if lane0 else x_bf16
+            elif sum(routes) > 1:  # one conversion for every matrix of the plan (e.g. attention's q and kv)
+                from q27py.gpu import blas
+
+                x_bf16 = blas.to_bf16(xs, ldx, nlanes, self.kpad)
             f32 = self._bf16_f32 and gemm_f32_route(nlanes)  # every bf16 matrix as one fp32 GEMM
-            for m, (y, ldy) in zip(self.mats, self.outputs):
+            for m, (y, ldy), bf in zip(self.mats, self.outputs, routes):
                 if gemm_supported(m):
-                    gemm(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
+                    gemm(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy, x_bf16=x_bf16 if bf else None,
+                         y_bf16=y_bf16)
                 elif f32:
                     from q27py.gpu import blas
 
@@ -485,16 +509,28 @@ def gemm_supported(m: GpuMatrix) -> bool:
 PREFILL_GEMM = "auto"
 
 
-def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int) -> None:
-    """Y[t] (mode)= W x[t] for ntok tokens, tensor-core tiles of 128 rows x 64 tokens (cuda/gemm.cu),
-    or through cuBLAS (q27py/gpu/blas.py) for large chunks."""
+def gemm_bf16_route(m: GpuMatrix, ntok: int) -> bool:
+    """Whether GemvPlan.run multiplies m for a chunk of ntok tokens through cuBLAS on bf16 activations
+    (gemm's cuBLAS branch, not its fp8 one, nor the mma.sync kernel): x's producer may then write the
+    bf16 rows itself (GemvPlan.gemm_inputs) and a SwiGLU matrix may write bf16 rows (swiglu_bf16)."""
     from q27py.gpu import blas
 
+    return (gemm_supported(m) and ntok >= max(GEMM_MIN_TOKENS, blas.MIN_TOKENS) and PREFILL_GEMM != "kernel"
+            and blas.available() and not (PREFILL_GEMM == "fp8" and blas.fp8_available()))
+
+
+def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None, y_bf16=None) -> None:
+    """Y[t] (mode)= W x[t] for ntok tokens, tensor-core tiles of 128 rows x 64 tokens (cuda/gemm.cu),
+    or through cuBLAS (q27py/gpu/blas.py) for large chunks. x_bf16 / y_bf16: blas.prefill_gemm's (only
+    where gemm_bf16_route holds)."""
+    from q27py.gpu import blas
+
+    assert (x_bf16 is None and y_bf16 is None) or gemm_bf16_route(m, ntok)
     if PREFILL_GEMM != "kernel" and ntok >= blas.MIN_TOKENS and blas.available():
         if PREFILL_GEMM == "fp8" and blas.fp8_available():
             blas.prefill_gemm_fp8(m, x, ldx, ntok, y, ldy)
         else:
-            blas.prefill_gemm(m, x, ldx, ntok, y, ldy)
+            blas.prefill_gemm(m, x, ldx, ntok, y, ldy, x_bf16=x_bf16, y_bf16=y_bf16)
         return
     fmt = m.shape.fmt
     slot = GEMV_WPC[fmt] * 16 + 4  # weight words + scale word per thread and stage
@@ -616,6 +652,27 @@ def rmsnorm(x, ldx: int, w, eps: float, hidden: int, y, ldy: int, nlanes: int, a
                          args + (i32(a8.kpad // L.CHUNK_K), a8.xq, i32(a8.xq.shape[1]), a8.xs))
 
 
+def rmsnorm_rows(x, ldx: int, w, eps: float, hidden: int, y, ldy: int, nlanes: int, yb=None, ldyb: int = 0,
+                 add_one: bool = True) -> None:
+    """rmsnorm for prefill chunks (norm.cu rmsnorm_rows_wide): the bits rmsnorm writes, more rows per SM
+    in flight; y (fp32) and / or yb (bf16 bits, the cuBLAS route's input) -- either may be None."""
+    assert y is not None or yb is not None
+    wide = 1024 if hidden >= 2048 else 256  # rmsnorm's block for this row length: the tree to reproduce
+    Runtime.get().launch("norm", "rmsnorm_rows_wide", nlanes, 256,
+                         (x, i32(ldx), w, f32(1.0 if add_one else 0.0), f32(eps), i32(hidden), i32(wide), y, i32(ldy),
+                          yb, i32(ldyb)))
+
+
+def gated_rmsnorm_rows(o, ldo: int, z, ldz: int, w, eps: float, nlanes: int, hv: int, dv: int, y, ldy: int,
+                       yb=None, ldyb: int = 0) -> None:
+    """gated_rmsnorm for prefill chunks (norm.cu gated_rmsnorm_rows): its bits, C.GATED_ROWS tokens of a
+    head per block; y (fp32) and / or yb (bf16 bits) -- either may be None."""
+    assert y is not None or yb is not None
+    block = max(32, -(-dv // 32) * 32)
+    Runtime.get().launch("norm", "gated_rmsnorm_rows", (-(-nlanes // C.GATED_ROWS), hv), block,
+                         (o, i32(ldo), z, i32(ldz), w, f32(eps), i32(dv), i32(nlanes), y, i32(ldy), yb, i32(ldyb)))
+
+
 def gated_rmsnorm_fuses(plan: "GemvPlan", nlanes: int, hv: int, dv: int) -> bool:
     """Whether gated_rmsnorm can write `plan`'s a8 activations itself (then plan.run(prequantized=True)):
     each value head owns whole 64-k chunks and the plan's K is exactly the heads."""
@@ -642,6 +699,19 @@ def gdn_conv(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias, h: int
     Runtime.get().launch("conv", "gdn_conv", (nlanes, 2 * h + hv), block,
                          (raw, i32(ldr), window, convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv), i32(dk),
                           i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb))
+
+
+def gdn_conv_rows(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int, dv: int,
+                  kw: int, qkvn, gb, nlanes: int) -> None:
+    """gdn_conv for prefill chunks (conv.cu gdn_conv_rows_k4): its bits, C.CONV_ROWS tokens of a head slot
+    per block with the taps slid in registers; gdn_conv itself for a tap count other than 4."""
+    if kw != 4:
+        gdn_conv(raw, ldr, window, convw, ab, ldab, neg_a, dt_bias, h, hv, dk, dv, kw, qkvn, gb, nlanes)
+        return
+    block = max(32, -(-max(dk, dv) // 32) * 32)
+    Runtime.get().launch("conv", "gdn_conv_rows_k4", (-(-nlanes // C.CONV_ROWS), 2 * h + hv), block,
+                         (raw, i32(ldr), window, convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv), i32(dk),
+                          i32(dv), f32(np.float32(dk) ** np.float32(-0.5)), i32(nlanes), qkvn, gb))
 
 
 def gdn_conv_commit(window, window_stride: int, raw, ldr: int, raw_stride: int, channels: int, kw: int, layers: int,

@@ -297,7 +297,8 @@ class _Plan:
     def fuses_quant(self, nlanes):
         return nlanes <= C.GEMV_MAX_LANES
 
-    def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False):
+    def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False, x_bf16=None, y_bf16=None):
+        assert x_bf16 is None and y_bf16 is None, "bf16 rows are for prefill chunks only"
         self.rec.calls.append(types.SimpleNamespace(module="plan", kernel=self.name, grid=(nlanes, lane0),
                                                     block=prequantized, args=(), smem=0))
 
@@ -331,6 +332,7 @@ def _fake_model(rec, kv: str, mma: bool, fused: bool):
     for name in ("h", "x", "hidden", "qg", "kvp", "qbuf", "xa", "ab", "o_gdn", "xo", "act", "cat"):
         setattr(m, name, z(16, 64))
     m.proj, m.qkvn, m.gb = z(2, 16, m.ld_proj), z(2, 16, c), z(2, 16, 2 * hv)
+    m.xb = m.xob = m.actb = None  # prefill chunks' bf16 rows (none at these widths)
     m.logits, m.top2_part, m.tok, m.top1, m.margin, m.part, m.inv_freq = z(16, 8), x, x, x, x, x, x
     m.ids, m.gdn_tickets, m.gdn_tickets_lanes, m.lane_table, m.lane_ids = x, x, x, x, x
     m.kv_bits, m.kv_name, m.kv_bf16, m.max_pos, m.chunk, m.logit_rows = None, kv, kv == "bf16", 4096, 64, 16
