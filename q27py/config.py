@@ -118,6 +118,13 @@ class EngineConfig:
     # default since device run 3 (2.3-3x v1: docs/PERF.md "attention prefill v2"); v1 stays selectable.
     attn_prefill: str = "v2"
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
+    # ... but a grid checkpoint that would cut a prefill piece shorter than this many tokens (after the
+    # resume point, before the prompt's end, or beside a system / stable boundary) is taken at that
+    # boundary instead (engine/prefix_cache.py snapshot_positions): a warm turn resumed 105 tokens
+    # before a grid point runs as one forward, not 105 + the rest (a cuda piece under 128 tokens
+    # misses the cuBLAS route, gpu/blas.py MIN_TOKENS, and each piece adds a host sync). 0 = off:
+    # every checkpoint cuts at its grid position. Boundary (system / stable) marks never move.
+    checkpoint_min_piece: int = 128
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30
     # cuda fast path GEMV: "a8" (cuda/gemv.cu gemv8_*: int8 activations per 64-k chunk on q4/q8 weights,
@@ -252,6 +259,13 @@ class EngineConfig:
         b = self.interleave_budget_ms
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not b >= 0):
             raise ConfigError(f"interleave_budget_ms must be milliseconds >= 0 (0 = fixed pieces), not {b!r}")
+
+    def check_prefix_reuse(self) -> None:
+        """Reject prefix-reuse settings with no meaning (the engine calls this when it is built)."""
+        for name in ("checkpoint_every", "checkpoint_min_piece"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be a token count >= 0 (0 = off), not {v!r}")
 
 
 CPU_MAX_CONTEXT = 32768  # the reference path's fixed window (max_context "auto" off CUDA)
@@ -389,6 +403,7 @@ ENV_VARS = {
     "Q27_KV": ("engine", "kv", parse_kv),
     "Q27_MAX_SLOTS": ("engine", "max_slots", parse_max_slots),
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
+    "Q27_CHECKPOINT_MIN_PIECE": ("engine", "checkpoint_min_piece", int),
     "Q27_GEMV": ("engine", "gemv", str),
     "Q27_GEMV_PREFETCH_MB": ("engine", "gemv_prefetch_mb", float),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),

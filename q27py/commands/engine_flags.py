@@ -37,6 +37,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, serving: bool = False) -
         pre.add_argument("--prefix-cache-gb", type=float, default=None, help="size cap of --prefix-cache (LRU)")
         pre.add_argument("--checkpoint-every", type=int, metavar="N", default=None,
                          help="save GDN state every N prefill tokens so edited history rewinds there (0 = off)")
+        pre.add_argument("--checkpoint-min-piece", type=int, metavar="N", default=None,
+                         help="a checkpoint that would cut a prefill piece under N tokens is taken at the "
+                              "nearest boundary instead (resume point, prompt end, system / stable mark; "
+                              "default 128, 0 = off)")
         pre.add_argument("--max-sequences", type=int, metavar="N", default=None,
                          help="live sequences kept for reuse (at least --max-slots)")
         p.add_argument("--max-slots", type=_max_slots, metavar="N|auto", default=None,
@@ -79,7 +83,8 @@ def apply_engine_arguments(cfg, args) -> None:
         "model_dir": get("model"), "device": get("device"), "backend": get("backend"), "dtype": get("dtype"), "tier": get("tier"),
         "max_context": get("max_context"), "kv": get("kv"), "prefix_cache_dir": get("prefix_cache"),
         "prefix_cache_max_bytes": int(get("prefix_cache_gb") * (1 << 30)) if get("prefix_cache_gb") else None,
-        "checkpoint_every": get("checkpoint_every"), "max_sequences": get("max_sequences"),
+        "checkpoint_every": get("checkpoint_every"), "checkpoint_min_piece": get("checkpoint_min_piece"),
+        "max_sequences": get("max_sequences"),
         "max_slots": get("max_slots"),
     })
     apply_overrides(cfg.spec, {"enabled": get("spec"), "max_depth": get("max_depth"), "suffix": get("suffix")})

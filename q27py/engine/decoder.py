@@ -185,7 +185,8 @@ def prefill(model, state: SequenceState, ids: list[int], chunk: int,
     """Feed ids at state.position.. in chunks; returns the logits row after the last one.
 
     Chunks also end at every position in `breaks`, whose callback then sees the
-    state there (prefix-reuse snapshots). on_chunk(start, chunk_ids, hidden) sees
+    state there (prefix-reuse snapshots); a break at the start position runs before the
+    first chunk, one at the end after the last. on_chunk(start, chunk_ids, hidden) sees
     every chunk's post-norm hidden states (the MTP warm-up). Both decoders prefill
     through here, so their first logits are the same bits. `cancel` is checked between
     chunks, so a disconnect during a long prefill frees the engine after one chunk
@@ -205,7 +206,10 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
     after a chunk's callbacks and before the cancel check of the next one: a paused
     prefill holds no pending model work.
 
-    Cuts: every `chunk` tokens from the start, and at every break. pace.prefill_chunk (read
+    Cuts: every `chunk` tokens from the start, and at every break strictly inside the
+    prompt. A break at the start position runs first, on the state as it stands (a snapshot of
+    the resume point: no piece, no pause); a break at the end runs after the last piece, on
+    the state that holds the whole prompt. pace.prefill_chunk (read
     before each piece: the scheduler sets it while other slots are decoding) cuts a piece
     shorter; the next piece resumes there and the full-chunk cuts stay where they were, so an
     unpaced run's cuts are always among a paced run's.
@@ -216,6 +220,8 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
     chunk = min(chunk, getattr(model, "chunk", chunk))
     start, end = state.position, state.position + len(ids)
     marks = sorted(p for p in (breaks or {}) if start < p < end)
+    if breaks and start in breaks:
+        breaks[start](state)  # the resume point itself (a checkpoint snapped there): before any forward
     last, done = None, start
     while done < end:
         if pace is not None:

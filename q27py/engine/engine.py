@@ -71,6 +71,7 @@ class LocalEngine:
         self.max_context = min(int(window), self.model_config.max_position_embeddings)
         self.has_mtp = bool(getattr(model, "has_mtp", False))
         cfg.engine.check_batching()
+        cfg.engine.check_prefix_reuse()
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False
         # Batched decode rounds (scheduler.py): asked for, and the model has the batched step. A model
         # without one (test doubles, older paths) keeps solo rounds.
@@ -85,7 +86,8 @@ class LocalEngine:
         self.max_slots = cfg.engine.slots(sized)
         # every slot holds its own live sequence, so the cache keeps at least that many
         self.prefix = PrefixCache(model, max_sequences=cfg.engine.live_sequences(sized),
-                                  checkpoint_every=cfg.engine.checkpoint_every, disk=self._disk_cache(cfg))
+                                  checkpoint_every=cfg.engine.checkpoint_every,
+                                  checkpoint_min_piece=cfg.engine.checkpoint_min_piece, disk=self._disk_cache(cfg))
         # Output constraints: the vocabulary index (about 1.5 s for the 248K vocabulary) is built
         # when the server starts (serve calls constraints.prepare(), then gc.freeze), else on the first constrained
         # request; compiled grammars and their masks are kept.
@@ -234,8 +236,11 @@ class LocalEngine:
 
     def _prefill_breaks(self, seq, prompt: list[int], stable_len: int | None, system_len: int | None) -> dict:
         """Callbacks at the positions where prefill must stop and save GDN state. The caller
-        says where the shared blocks end (token offsets); the engine knows no chat layout."""
-        marks = self.prefix.snapshot_positions(seq.state.position, prompt, stable_len, system_len)
+        says where the shared blocks end (token offsets); the engine knows no chat layout.
+        A checkpoint snapped to the resume point (seq.state.position) saves the restored state
+        before the first piece; one snapped to the prompt's end, the state after the last."""
+        marks = self.prefix.snapshot_positions(seq.state.position, prompt, stable_len, system_len,
+                                               taken=seq.snapshots)
 
         def saver(kind):
             def save(state):

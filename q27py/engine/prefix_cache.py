@@ -8,7 +8,10 @@ summary that can only be resumed where it was saved. So reuse is designed in:
   conv state, plus the post-norm hidden of the last token, which the MTP head needs
   to warm its next row) at chosen positions: the renderer's stable boundary (end of
   the last complete turn: what the next request re-sends), the end of the shared
-  system+tools block, and every `checkpoint_every` prefill tokens.
+  system+tools block, and every `checkpoint_every` positions (an absolute grid). A grid
+  checkpoint that would cut a prefill piece shorter than `checkpoint_min_piece` tokens
+  is taken at the nearest piece boundary instead (the resume point, the prompt's end,
+  or a system / stable mark): see `PrefixCache.snapshot_positions`.
 - A new request restores, across all live sequences, the longest snapshot whose
   tokens are a prefix of its prompt, cuts KV rows back to it, and prefills only the
   rest. Snapshots past the restore point are dropped: their KV rows get overwritten.
@@ -108,10 +111,11 @@ class PrefixCache:
     """The live sequences and their snapshots (host memory), plus the optional disk tier."""
 
     def __init__(self, model, max_sequences: int = 4, checkpoint_every: int = 4096,
-                 max_snapshots: int = 16, disk: "DiskCache | None" = None):
+                 max_snapshots: int = 16, disk: "DiskCache | None" = None, checkpoint_min_piece: int = 128):
         self.model = model
         self.max_sequences = max(1, max_sequences)
         self.checkpoint_every = checkpoint_every
+        self.checkpoint_min_piece = checkpoint_min_piece  # EngineConfig.checkpoint_min_piece (0 = no snapping)
         self.max_snapshots = max_snapshots
         self.disk = disk
         self.slots: list[LiveSequence] = []
@@ -173,17 +177,43 @@ class PrefixCache:
             seq.state = self.model.new_state()
             seq.tokens, seq.snapshots = [], {}
 
-    def snapshot_positions(self, start: int, prompt: list[int], stable_len: int | None, system_len: int | None) -> dict[int, str]:
-        """Where, in the prefill of prompt[start:], to stop and save GDN state."""
+    def snapshot_positions(self, start: int, prompt: list[int], stable_len: int | None, system_len: int | None,
+                           taken=()) -> dict[int, str]:
+        """Where, in the prefill of prompt[start:], to stop and save GDN state: position -> kind.
+
+        The boundary marks ("system": the end of the shared system+tools block, "stable": the end
+        of the last complete turn) sit exactly where the caller says. "checkpoint" marks sit on the
+        grid of multiples of checkpoint_every, except that a grid point p closer than
+        m = checkpoint_min_piece to another piece boundary -- the resume point `start`, the
+        prompt's end, or a boundary mark -- would cut a piece shorter than m (on cuda such a piece
+        misses the cuBLAS GEMM route and costs a host sync), so its snapshot is taken at the
+        nearest of those boundaries instead (ties: the earlier one), still within m of p:
+          - at `start`: the restored state itself, before the first forward (prefill_steps runs a
+            break at its start position first); not at 0 (a fresh state needs no snapshot), nor
+            where `taken` (the positions the sequence already holds snapshots at) has one;
+          - at the prompt's end: the state after the last piece (unless a stable mark is there);
+          - at a boundary mark: that mark's own snapshot serves; nothing is added.
+        m = 0 keeps every grid point. Grid points are checkpoint_every apart, so only a grid
+        finer than m leaves pieces shorter than m between two checkpoints.
+        """
+        end = len(prompt)
         marks: dict[int, str] = {}
-        if self.checkpoint_every > 0:
-            first = (start // self.checkpoint_every + 1) * self.checkpoint_every
-            for p in range(first, len(prompt), self.checkpoint_every):
-                marks[p] = "checkpoint"
-        if system_len and start < system_len < len(prompt):
+        if system_len and start < system_len < end:
             marks[system_len] = "system"
-        if stable_len and start < stable_len <= len(prompt):
+        if stable_len and start < stable_len <= end:
             marks[stable_len] = "stable"
+        if self.checkpoint_every <= 0:
+            return marks
+        m = max(0, int(self.checkpoint_min_piece))
+        edges = sorted({start, end, *marks})  # the boundaries a checkpoint may snap to
+        first = (start // self.checkpoint_every + 1) * self.checkpoint_every
+        for p in range(first, end, self.checkpoint_every):
+            to = min(edges, key=lambda e: (abs(e - p), e))
+            if abs(to - p) >= m:
+                to = p  # far enough from every boundary: cut on the grid
+            elif to == start and (start == 0 or start in taken):
+                continue  # nothing to save at a fresh state, or the snapshot is already there
+            marks.setdefault(to, "checkpoint")  # a boundary mark at `to` is that snapshot already
         return marks
 
     def save(self, seq: LiveSequence, kind: str) -> None:
