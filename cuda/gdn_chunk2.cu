@@ -70,6 +70,14 @@ __device__ __forceinline__ void mma3(float (&d)[4], const u32 (&ah)[4], const u3
     mma_tf32(d, ah, bh0, bh1);
 }
 
+// mma3 with b already split (hi / lo as from split_tf32): the same three products in the same order
+__device__ __forceinline__ void mma3_split_b(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], u32 bh0, u32 bl0,
+                                             u32 bh1, u32 bl1) {
+    mma_tf32(d, al, bh0, bh1);
+    mma_tf32(d, ah, bl0, bl1);
+    mma_tf32(d, ah, bh0, bh1);
+}
+
 // A fragment (split) from four row-fragment values in a0..a3 order
 __device__ __forceinline__ void split_a(float a0, float a1, float a2, float a3, u32 (&h)[4], u32 (&l)[4]) {
     split_tf32(a0, h[0], l[0]);
@@ -516,6 +524,19 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         }
     }
     __syncthreads();
+    // Q split once per CTA for the product below (tf32 hi in place, lo in K's place: K is dead once M
+    // is built). Why: every warp reads every Q element there as its B operand, and splitting it at
+    // each use was 8 warps x 2 splits per mma3 -- most of the product's instructions. The same
+    // split_tf32 of the same values, so the same products and bits.
+    u32* sQh = reinterpret_cast<u32*>(sQ);
+    u32* sQl = reinterpret_cast<u32*>(sK);
+    for (int idx = tid; idx < C * DK; idx += NW * 32) {
+        u32 hi, lo;
+        split_tf32(sQ[idx], hi, lo);
+        sQh[idx] = hi;
+        sQl[idx] = lo;
+    }
+    __syncthreads();
     // O^T = S_c^T Q^T diag(e^G) + V_new^T (M o Q K^T)^T on [16 j x C tokens] per warp
     float o[CT][4];
 #pragma unroll
@@ -528,9 +549,9 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         split_a(f.x, f.z, f.y, f.w, ah, al);  // split_ctile order
 #pragma unroll
         for (int nt = 0; nt < CT; nt++) {
-            const int row = nt * 8 + g;
-            const float2 b = *reinterpret_cast<const float2*>(sQ + row * DK + sw_row(row, 8 * s + 2 * t));
-            mma3(o[nt], ah, al, b.x, b.y);
+            const int row = nt * 8 + g, at = row * DK + sw_row(row, 8 * s + 2 * t);
+            const uint2 bh = *reinterpret_cast<const uint2*>(sQh + at), bl = *reinterpret_cast<const uint2*>(sQl + at);
+            mma3_split_b(o[nt], ah, al, bh.x, bl.x, bh.y, bl.y);
         }
     }
 #pragma unroll

@@ -1,0 +1,114 @@
+"""A/B of a kernel module's source against an earlier copy on the device (one call): the GDN chunked2
+pipeline (cuda/gdn_chunk2.cu) at the 27B head shape and a small one, both sources on the same inputs --
+outputs and final states compared BITWISE -- and each of its three kernels timed (CUDA events, median
+of --reps) under both. For changes meant to keep the bits (e.g. splitting an operand once per CTA).
+
+    git show REV:cuda/gdn_chunk2.cu > .ab/gdn_chunk2.cu     # here; carry .ab
+    PYTHONPATH=. python3 tools/kernel_ab.py --old .ab/gdn_chunk2.cu [--tokens 4096] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@contextmanager
+def module_source(rt, name: str, path: Path):
+    """Inside: module `name` is compiled from `path` (common.cuh spliced, the same options)."""
+    from q27py.gpu.runtime import CUDA_DIR, compile_options
+
+    header = (CUDA_DIR / "common.cuh").read_text(encoding="utf-8").replace("#pragma once", "")
+    text = path.read_text(encoding="utf-8").replace('#include "common.cuh"', header)
+    saved_mod = rt._modules.get(name)
+    saved_fns = {k: v for k, v in rt._functions.items() if k[0] == name}
+    mod = rt.cp.RawModule(code=text, options=compile_options())
+    mod.compile()
+    rt._modules[name] = mod
+    for k in saved_fns:
+        del rt._functions[k]
+    try:
+        yield
+    finally:
+        for k in [k for k in rt._functions if k[0] == name]:
+            del rt._functions[k]
+        rt._functions.update(saved_fns)
+        if saved_mod is None:
+            rt._modules.pop(name, None)
+        else:
+            rt._modules[name] = saved_mod
+
+
+def gdn_inputs(rng, t: int, h: int, hv: int, dk: int, dv: int) -> dict:
+    q = rng.standard_normal((t, h, dk))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * dk ** 0.5
+    k = rng.standard_normal((t, h, dk))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((t, hv, dv))
+    g = -np.exp(rng.standard_normal((t, hv)) * 0.5) * 0.3
+    beta = 1 / (1 + np.exp(-rng.standard_normal((t, hv))))
+    s0 = rng.standard_normal((hv, dv, dk)) * 0.3  # device layout, K-last
+    qkvn = np.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=1).astype(np.float32)
+    return {"qkvn": qkvn, "gb": np.concatenate([g, beta], axis=1).astype(np.float32), "s0": s0.astype(np.float32)}
+
+
+def run_gdn(cp, K, d: dict, h: int, hv: int, dk: int, dv: int, t: int, pos0: int, reps: int):
+    """(out, state, median ms of prep / state / out) of the chunked2 pipeline on these inputs."""
+    qkvn, gb = cp.asarray(d["qkvn"]), cp.asarray(d["gb"])
+    scratch = cp.empty(K.gdn2_scratch_floats(K.gdn2_nchunks(t, pos0), hv, dk, dv), dtype=cp.float32)
+    times = []
+    for r in range(reps + 1):
+        state = cp.asarray(d["s0"])
+        out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
+        ev = [cp.cuda.Event() for _ in range(4)]
+        K.gdn_prefill_chunked2(state, qkvn, gb, out, hv * dv, h, hv, dk, dv, t, pos0=pos0, scratch=scratch, events=ev)
+        ev[3].synchronize()
+        if r:  # the first run compiles and warms
+            times.append([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(3)])
+    return out.get(), state.get(), np.median(np.array(times), axis=0).tolist()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", type=Path, required=True, help="the earlier cuda/gdn_chunk2.cu")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    import cupy as cp
+
+    from q27py.gpu import kernels as K
+    from q27py.gpu.runtime import Runtime
+
+    rt = Runtime.get()
+    cases = [("27b", dict(h=16, hv=48, dk=128, dv=128), args.tokens, 0),
+             ("27b-ragged", dict(h=16, hv=48, dk=128, dv=128), 1000, 37),
+             ("small", dict(h=2, hv=6, dk=64, dv=64), 1000, 5)]
+    res, ok = [], True
+    for name, s, t, pos0 in cases:
+        d = gdn_inputs(np.random.default_rng(t + pos0), t, **s)
+        new = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps)
+        with module_source(rt, "gdn_chunk2", args.old):
+            old = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps)
+        same = bool(np.array_equal(new[0].view(np.uint32), old[0].view(np.uint32))
+                    and np.array_equal(new[1].view(np.uint32), old[1].view(np.uint32)))
+        ok &= same and not np.isnan(new[0]).any()
+        row = {"case": name, "tokens": t, "pos0": pos0, "bitwise": same, "ms_new": new[2], "ms_old": old[2]}
+        res.append(row)
+        print(f"gdn_chunk2 {name} T={t} pos0={pos0}: bitwise {'SAME' if same else 'DIFFERENT'}; ms prep / state / out "
+              f"new {' / '.join(f'{x:.3f}' for x in new[2])}  old {' / '.join(f'{x:.3f}' for x in old[2])}", flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "kernel_ab.json").write_text(json.dumps(res, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
