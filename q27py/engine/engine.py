@@ -239,8 +239,11 @@ class LocalEngine:
         says where the shared blocks end (token offsets); the engine knows no chat layout.
         A checkpoint snapped to the resume point (seq.state.position) saves the restored state
         before the first piece; one snapped to the prompt's end, the state after the last."""
+        # the prefill's own chunk cuts (prefill_steps: every chunk tokens from the resume point) are
+        # boundaries a checkpoint may snap to as well
+        chunk = min(self.decoder.prefill_chunk, getattr(self.model, "chunk", self.decoder.prefill_chunk))
         marks = self.prefix.snapshot_positions(seq.state.position, prompt, stable_len, system_len,
-                                               taken=seq.snapshots)
+                                               taken=seq.snapshots, chunk=chunk)
 
         def saver(kind):
             def save(state):

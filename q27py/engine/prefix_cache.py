@@ -178,7 +178,7 @@ class PrefixCache:
             seq.tokens, seq.snapshots = [], {}
 
     def snapshot_positions(self, start: int, prompt: list[int], stable_len: int | None, system_len: int | None,
-                           taken=()) -> dict[int, str]:
+                           taken=(), chunk: int = 0) -> dict[int, str]:
         """Where, in the prefill of prompt[start:], to stop and save GDN state: position -> kind.
 
         The boundary marks ("system": the end of the shared system+tools block, "stable": the end
@@ -192,7 +192,9 @@ class PrefixCache:
             break at its start position first); not at 0 (a fresh state needs no snapshot), nor
             where `taken` (the positions the sequence already holds snapshots at) has one;
           - at the prompt's end: the state after the last piece (unless a stable mark is there);
-          - at a boundary mark: that mark's own snapshot serves; nothing is added.
+          - at a boundary mark: that mark's own snapshot serves; nothing is added;
+          - at a chunk cut (chunk > 0: prefill_steps cuts every `chunk` tokens from `start`): the state
+            after the piece that ends there (a mark on an existing cut adds no cut).
         m = 0 keeps every grid point. Grid points are checkpoint_every apart, so only a grid
         finer than m leaves pieces shorter than m between two checkpoints.
         """
@@ -205,7 +207,8 @@ class PrefixCache:
         if self.checkpoint_every <= 0:
             return marks
         m = max(0, int(self.checkpoint_min_piece))
-        edges = sorted({start, end, *marks})  # the boundaries a checkpoint may snap to
+        cuts = range(start + chunk, end, chunk) if chunk > 0 else ()
+        edges = sorted({start, end, *marks, *cuts})  # the boundaries a checkpoint may snap to
         first = (start // self.checkpoint_every + 1) * self.checkpoint_every
         for p in range(first, end, self.checkpoint_every):
             to = min(edges, key=lambda e: (abs(e - p), e))

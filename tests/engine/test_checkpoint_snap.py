@@ -273,11 +273,13 @@ def test_snapshot_positions_properties():
         stable = rng.choice([None, 0, rng.randint(1, n)])
         system = rng.choice([None, rng.randint(1, n)])
         taken = {start} if rng.random() < 0.3 else set()
-        got = _cache(every, m).snapshot_positions(start, [0] * n, stable, system, taken=taken)
+        chunk = rng.choice([0, 0, 100, 256, 1000])
+        got = _cache(every, m).snapshot_positions(start, [0] * n, stable, system, taken=taken, chunk=chunk)
         old = _old_positions(every, start, n, stable, system)
-        where = f"every={every} m={m} n={n} start={start} stable={stable} system={system} taken={taken}"
+        where = f"every={every} m={m} n={n} start={start} stable={stable} system={system} taken={taken} chunk={chunk}"
         if m == 0:
             assert got == old, where
+        chunk_cuts = set(range(start + chunk, n, chunk)) if chunk else set()
         # boundary marks exactly where they were, with their kinds
         assert {p: k for p, k in got.items() if k != "checkpoint"} == {p: k for p, k in old.items() if k != "checkpoint"}, where
         grid = list(range((start // every + 1) * every, n, every)) if every else []
@@ -288,8 +290,29 @@ def test_snapshot_positions_properties():
                 assert p != start or (start > 0 and start not in taken), where
         # no checkpoint cuts a piece shorter than m next to the start, the end or a boundary mark
         # (a checkpoint at the start or the end cuts nothing)
-        cuts = sorted({start, n, *got})
-        inner = {p for p, k in got.items() if k == "checkpoint" and start < p < n}
+        cuts = sorted({start, n, *got, *chunk_cuts})
+        inner = {p for p, k in got.items() if k == "checkpoint" and start < p < n and p not in chunk_cuts}
         for a, b in zip(cuts, cuts[1:]):
             if b - a < m and every >= m:
                 assert a not in inner and b not in inner, where
+
+
+def test_snapshot_positions_snap_to_the_prefills_own_chunk_cuts():
+    """prefill_steps cuts every `chunk` tokens from the resume point, off the absolute grid: a long
+    warm turn (24,471 + 8,000 tokens, 4,096-token chunks) cuts at 28,567, 105 tokens before the grid
+    point 28,672 -- without the chunk cuts as edges that checkpoint stays and leaves a 105-token piece."""
+    prompt = [0] * 32471
+    cache = _cache(4096, 128)
+    without = cache.snapshot_positions(24471, prompt, None, None)
+    assert 28672 in without  # the thin piece [28567, 28672) the chunk grid would leave
+    got = cache.snapshot_positions(24471, prompt, None, None, chunk=4096)
+    assert got == {24471: "checkpoint", 28567: "checkpoint"}  # 24,576 snaps to the start, 28,672 to the cut
+    assert 28672 not in got and 28567 in got
+    cuts = sorted({24471, 32471, *range(24471 + 4096, 32471, 4096), *got})
+    assert min(b - a for a, b in zip(cuts, cuts[1:])) >= 128
+    # far from every cut the grid point stays: resumed at 20,000, the grid point 24,576 is 480 tokens
+    # past the chunk cut 24,096
+    assert 24576 in cache.snapshot_positions(20000, [0] * 26000, None, None, chunk=4096)
+    # chunk 0 (or a chunk longer than the prompt) is the old behaviour
+    assert cache.snapshot_positions(24471, prompt, None, None, chunk=0) == without
+    assert cache.snapshot_positions(24471, prompt, None, None, chunk=1 << 20) == without
