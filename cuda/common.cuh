@@ -88,6 +88,25 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return warp_sum(t);
 }
 
+// block_sum of R values per thread at once, with one barrier for all of them: block_sums_post writes each
+// warp's warp_sum of x[r] to red[r][warp] and waits; block_total(red[r]) is then block_sum(x[r]) -- the
+// same warp_sum of the warp sums (lanes past the warps add 0), so the same bits as R block_sum calls.
+// red: R rows of 32 floats of shared memory (not reused before every thread has read its totals).
+template <int R>
+__device__ __forceinline__ void block_sums_post(const float (&x)[R], float (*red)[32]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const float s = warp_sum(x[r]);
+        if (lane == 0) red[r][warp] = s;
+    }
+    __syncthreads();
+}
+__device__ __forceinline__ float block_total(const float* red_row) {
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    return warp_sum(lane < nw ? red_row[lane] : 0.f);
+}
+
 // fp16 bits -> float
 __device__ __forceinline__ float half_to_float(u16 h) {
     float f;

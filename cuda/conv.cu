@@ -126,7 +126,7 @@ __device__ __forceinline__ void gdn_conv_rows_body(const float* __restrict__ raw
                                                    int H, int HV, int dk, int dv, float q_scale, int T,
                                                    float* __restrict__ qkvn, float* __restrict__ gb) {
     __shared__ float red[CONV_ROWS][32];
-    const int slot = blockIdx.y, c = threadIdx.x, lane = c & 31, warp = c >> 5, nw = blockDim.x >> 5;
+    const int slot = blockIdx.y, c = threadIdx.x;
     const int C = 2 * H * dk + HV * dv;
     const bool is_qk = slot < 2 * H;
     const int d = is_qk ? dk : dv;
@@ -156,16 +156,13 @@ __device__ __forceinline__ void gdn_conv_rows_body(const float* __restrict__ raw
         for (int j = 0; j < KW - 1; j++) tap[j] = tap[j + 1];
     }
     if (is_qk) {  // block-uniform: the slot is the block's
+        float sq[CONV_ROWS];
+#pragma unroll
+        for (int r = 0; r < CONV_ROWS; r++) sq[r] = y[r] * y[r];
+        block_sums_post<CONV_ROWS>(sq, red);
 #pragma unroll
         for (int r = 0; r < CONV_ROWS; r++) {
-            const float s = warp_sum(y[r] * y[r]);
-            if (lane == 0) red[r][warp] = s;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int r = 0; r < CONV_ROWS; r++) {
-            const float ss = warp_sum(lane < nw ? red[r][lane] : 0.f);
-            y[r] = y[r] / sqrtf(ss + 1e-6f);
+            y[r] = y[r] / sqrtf(block_total(red[r]) + 1e-6f);
             if (slot < H) y[r] *= q_scale;
         }
     }

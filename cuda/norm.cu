@@ -219,7 +219,7 @@ extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, int l
                                               float* __restrict__ y, int ldy, u16* __restrict__ yb, int ldyb) {
     pdl_entry();
     __shared__ float red[GATED_ROWS][32];
-    const int h = blockIdx.y, j = threadIdx.x, lane = j & 31, warp = j >> 5, nw = blockDim.x >> 5;
+    const int h = blockIdx.y, j = threadIdx.x;
     const int t0 = blockIdx.x * GATED_ROWS;
     const float wj = j < dv ? w[j] : 0.f;
     float v[GATED_ROWS], zz[GATED_ROWS];
@@ -229,15 +229,13 @@ extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, int l
         v[r] = ok ? o[(i64)(t0 + r) * ldo + h * dv + j] : 0.f;
         zz[r] = ok ? z[(i64)(t0 + r) * ldz + h * dv + j] : 0.f;
     }
+    float sq[GATED_ROWS];
+#pragma unroll
+    for (int r = 0; r < GATED_ROWS; r++) sq[r] = v[r] * v[r];
+    block_sums_post<GATED_ROWS>(sq, red);
 #pragma unroll
     for (int r = 0; r < GATED_ROWS; r++) {
-        const float s = warp_sum(v[r] * v[r]);
-        if (lane == 0) red[r][warp] = s;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < GATED_ROWS; r++) {
-        const float ss = warp_sum(lane < nw ? red[r][lane] : 0.f);
+        const float ss = block_total(red[r]);
         if (t0 + r < T && j < dv) {
             const float den = sqrtf(ss / (float)dv + eps);
             const float out = (v[r] / den) * wj * (zz[r] * sigmoid_f(zz[r]));

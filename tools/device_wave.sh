@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows gdnab gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile all
+# short tail). Stages: rows rowsq gdnab gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -144,6 +144,8 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
           tests/gpu/test_kernels.py -k "not gemv and not attention" > "$OUT/rows.txt" 2>&1 || rc=1; tail -4 "$OUT/rows.txt"
         timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py tests/gpu/test_gates.py \
           > "$OUT/rows_model.txt" 2>&1 || rc=1; tail -4 "$OUT/rows_model.txt" ;;
+    rowsq)  # the prefill rows kernels' bitwise tests alone
+        timeout 200 $PYTEST tests/gpu/test_prefill_rows.py > "$OUT/rowsq.txt" 2>&1 || rc=1; tail -3 "$OUT/rowsq.txt" ;;
     gdnab)  # cuda/gdn_chunk2.cu against the copy in .ab/ (carry it): bits and per-kernel times, then its tests
         OUT="$OUT" timeout 200 python3 tools/kernel_ab.py --old .ab/gdn_chunk2.cu > "$OUT/gdnab.txt" 2>&1 || rc=1
         cat "$OUT/gdnab.txt" | tail -5
