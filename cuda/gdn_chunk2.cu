@@ -335,13 +335,33 @@ __device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const 
 
 // ------------------------------------------------------------------------------------------------
 // 2. State recurrence: one CTA (GDN2_BV / 16 warps) per (64 value columns, value head).
+// PRESPLIT (where shared memory holds one more 2 C DK-float buffer: sm_90 with two stages, sm_80 with
+// one): after a chunk's stage lands, the CTA splits its W and K into tf32 hi (in place) and lo (the
+// extra buffer) once, instead of every warp splitting every B operand at each use (4 warps x 2 splits
+// per mma3: 512 splits per lane and chunk, most of the loop's non-mma instructions). The same
+// split_tf32 of the same values feeding the same products in the same order: bitwise the plain form.
+// K's hi / lo are stored as row pairs (K[r0][c], K[r0 + 1][c]) so the update reads each B fragment
+// pair with one 8-byte load (see k_pair_slot).
 template <int DK>
 struct StateSmem {
     static constexpr int C = GDN2_C;
     static constexpr int W = 0, K = W + C * DK, U = K + C * DK, E = U + C * GDN2_BV, STAGE = E + 2 * C;
+    static constexpr int LO = 2 * C * DK;  // the presplit lo buffer: W lo at W, K lo at K (offsets as a stage)
 };
 
-template <int DK, int STAGES>
+// K's presplit pair layout. Rows r0 (even) and r0 + 1, column octet o (logical columns 8o .. 8o + 7):
+// their 16 floats live in 4 16-byte slots (row r0 / r0 + 1 x logical columns 8o / 8o + 4, each at its
+// sw_col position); slot q holds the pairs of columns 8o + 2q and 8o + 2q + 1, as
+// (K[r0][c], K[r0 + 1][c], K[r0][c + 1], K[r0 + 1][c + 1]). The float offset of column c's pair:
+__device__ __forceinline__ int k_pair_at(int r0, int c, int dk) {
+    const int q = (c & 7) >> 1;
+    return (r0 + (q >> 1)) * dk + sw_col(r0, (c & ~7) + 4 * (q & 1)) + 2 * (c & 1);
+}
+// Why conflict-free: a half warp (g < 4 or g >= 4, t = 0..3) reads for each t the two slots of one row
+// (8 consecutive banks after the swizzle), and the swizzle gives the 4 values of t 4 distinct 8-bank
+// groups ((r0 >> 1) & 3 == t for r0 = 8m + 2t).
+
+template <int DK, int STAGES, bool PRESPLIT>
 __device__ __forceinline__ void state_body(float* __restrict__ state, const float* __restrict__ qkvn,
                                            const float* __restrict__ wsc, float* __restrict__ usc,
                                            float* __restrict__ ssc, const float* __restrict__ gsc, int H, int HV,
@@ -402,6 +422,46 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
         const float* sK = smem + st * L::STAGE + L::K;
         const float* sU = smem + st * L::STAGE + L::U;
         const float* sE = smem + st * L::STAGE + L::E;
+        const u32* sWl = reinterpret_cast<const u32*>(smem + STAGES * L::STAGE + L::W);
+        const u32* sKl = reinterpret_cast<const u32*>(smem + STAGES * L::STAGE + L::K);
+        if constexpr (PRESPLIT) {
+            // W elementwise, 16 bytes at a time (the split keeps positions: sw_row reads are unchanged)
+            u32* wh = reinterpret_cast<u32*>(smem + st * L::STAGE + L::W);
+            u32* wl = const_cast<u32*>(sWl);
+            for (int idx = tid * 4; idx < C * DK; idx += NW * 32 * 4) {
+                const float4 v = *reinterpret_cast<const float4*>(wh + idx);
+                uint4 hi, lo;
+                split_tf32(v.x, hi.x, lo.x);
+                split_tf32(v.y, hi.y, lo.y);
+                split_tf32(v.z, hi.z, lo.z);
+                split_tf32(v.w, hi.w, lo.w);
+                *reinterpret_cast<uint4*>(wh + idx) = hi;
+                *reinterpret_cast<uint4*>(wl + idx) = lo;
+            }
+            // K by (row pair, column octet): 4 slots read, the same 4 written as pairs (k_pair_at)
+            u32* kh = reinterpret_cast<u32*>(smem + st * L::STAGE + L::K);
+            u32* kl = const_cast<u32*>(sKl);
+            for (int u = tid; u < (C / 2) * (DK / 8); u += NW * 32) {
+                const int r0 = 2 * (u / (DK / 8)), c = 8 * (u - (u / (DK / 8)) * (DK / 8));
+                const int a0 = r0 * DK + sw_col(r0, c), a1 = r0 * DK + sw_col(r0, c + 4);
+                const float4 x0 = *reinterpret_cast<const float4*>(kh + a0), x1 = *reinterpret_cast<const float4*>(kh + a1);
+                const float4 y0 = *reinterpret_cast<const float4*>(kh + a0 + DK), y1 = *reinterpret_cast<const float4*>(kh + a1 + DK);
+                const float pr[4][4] = {{x0.x, y0.x, x0.y, y0.y}, {x0.z, y0.z, x0.w, y0.w},
+                                        {x1.x, y1.x, x1.y, y1.y}, {x1.z, y1.z, x1.w, y1.w}};
+                const int at[4] = {a0, a1, a0 + DK, a1 + DK};  // slot q = (row r0 + q / 2, octet half q % 2)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    uint4 hi, lo;
+                    split_tf32(pr[q][0], hi.x, lo.x);
+                    split_tf32(pr[q][1], hi.y, lo.y);
+                    split_tf32(pr[q][2], hi.z, lo.z);
+                    split_tf32(pr[q][3], hi.w, lo.w);
+                    *reinterpret_cast<uint4*>(kh + at[q]) = hi;
+                    *reinterpret_cast<uint4*>(kl + at[q]) = lo;
+                }
+            }
+            __syncthreads();
+        }
         // the chunk's start state for the output pass, fragment-native [dv/16][KT][32][4]
         float* sc = ssc + (((i64)h * nchunks + ci) * (dv / 16) + j0 / 16 + warp) * KT * 128 + lane * 4;
 #pragma unroll
@@ -417,9 +477,15 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
             split_ctile(S[s], ah, al);
 #pragma unroll
             for (int nt = 0; nt < CT; nt++) {
-                const int row = nt * 8 + g;
-                const float2 b = *reinterpret_cast<const float2*>(sW + row * DK + sw_row(row, 8 * s + 2 * t));
-                mma3(p[nt], ah, al, b.x, b.y);
+                const int row = nt * 8 + g, at = row * DK + sw_row(row, 8 * s + 2 * t);
+                if constexpr (PRESPLIT) {
+                    const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sW) + at);
+                    const uint2 bl = *reinterpret_cast<const uint2*>(sWl + at);
+                    mma3_split_b(p[nt], ah, al, bh.x, bl.x, bh.y, bl.y);
+                } else {
+                    const float2 b = *reinterpret_cast<const float2*>(sW + at);
+                    mma3(p[nt], ah, al, b.x, b.y);
+                }
             }
         }
         // V_new^T = U^T - P (to scratch over U, for the output pass), then scaled by ED per token
@@ -445,8 +511,15 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
             const int r0 = m * 8 + 2 * t;
 #pragma unroll
             for (int s = 0; s < KT; s++) {
-                const int col = sw_col(r0, 8 * s + g);  // rows r0 and r0 + 1 share the swizzle
-                mma3(S[s], ah, al, sK[r0 * DK + col], sK[(r0 + 1) * DK + col]);
+                if constexpr (PRESPLIT) {
+                    const int at = k_pair_at(r0, 8 * s + g, DK);
+                    const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sK) + at);
+                    const uint2 bl = *reinterpret_cast<const uint2*>(sKl + at);
+                    mma3_split_b(S[s], ah, al, bh.x, bl.x, bh.y, bl.y);
+                } else {
+                    const int col = sw_col(r0, 8 * s + g);  // rows r0 and r0 + 1 share the swizzle
+                    mma3(S[s], ah, al, sK[r0 * DK + col], sK[(r0 + 1) * DK + col]);
+                }
             }
         }
         __syncthreads();  // every warp is done with this stage
@@ -593,12 +666,22 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
     extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
         gdn2_state_d##D##_s2(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,           \
                              const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {        \
-        state_body<D, 2>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                      \
+        state_body<D, 2, false>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);               \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
         gdn2_state_d##D##_s1(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,           \
                              const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {        \
-        state_body<D, 1>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                      \
+        state_body<D, 1, false>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);               \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
+        gdn2_state_d##D##_s2p(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,          \
+                              const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {       \
+        state_body<D, 2, true>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
+        gdn2_state_d##D##_s1p(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,          \
+                              const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {       \
+        state_body<D, 1, true>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(D * 2, 2)                                                        \
         gdn2_out_d##D(const float* qkvn, const float* usc, const float* ssc, const float* gsc, float* out,        \

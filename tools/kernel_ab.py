@@ -60,8 +60,9 @@ def gdn_inputs(rng, t: int, h: int, hv: int, dk: int, dv: int) -> dict:
     return {"qkvn": qkvn, "gb": np.concatenate([g, beta], axis=1).astype(np.float32), "s0": s0.astype(np.float32)}
 
 
-def run_gdn(cp, K, d: dict, h: int, hv: int, dk: int, dv: int, t: int, pos0: int, reps: int):
-    """(out, state, median ms of prep / state / out) of the chunked2 pipeline on these inputs."""
+def run_gdn(cp, K, d: dict, h: int, hv: int, dk: int, dv: int, t: int, pos0: int, reps: int, presplit=None):
+    """(out, state, median ms of prep / state / out) of the chunked2 pipeline on these inputs (presplit:
+    the state pass's variant, None = the card's default)."""
     qkvn, gb = cp.asarray(d["qkvn"]), cp.asarray(d["gb"])
     scratch = cp.empty(K.gdn2_scratch_floats(K.gdn2_nchunks(t, pos0), hv, dk, dv), dtype=cp.float32)
     times = []
@@ -69,7 +70,8 @@ def run_gdn(cp, K, d: dict, h: int, hv: int, dk: int, dv: int, t: int, pos0: int
         state = cp.asarray(d["s0"])
         out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
         ev = [cp.cuda.Event() for _ in range(4)]
-        K.gdn_prefill_chunked2(state, qkvn, gb, out, hv * dv, h, hv, dk, dv, t, pos0=pos0, scratch=scratch, events=ev)
+        K.gdn_prefill_chunked2(state, qkvn, gb, out, hv * dv, h, hv, dk, dv, t, pos0=pos0, scratch=scratch,
+                               presplit=presplit, events=ev)
         ev[3].synchronize()
         if r:  # the first run compiles and warms
             times.append([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(3)])
@@ -95,15 +97,19 @@ def main() -> int:
     for name, s, t, pos0 in cases:
         d = gdn_inputs(np.random.default_rng(t + pos0), t, **s)
         new = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps)
-        with module_source(rt, "gdn_chunk2", args.old):
-            old = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps)
-        same = bool(np.array_equal(new[0].view(np.uint32), old[0].view(np.uint32))
-                    and np.array_equal(new[1].view(np.uint32), old[1].view(np.uint32)))
+        plain = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps, presplit=False)
+        with module_source(rt, "gdn_chunk2", args.old):  # an old source may predate the presplit variants
+            old = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps, presplit=False)
+        same = bool(all(np.array_equal(x[0].view(np.uint32), old[0].view(np.uint32))
+                        and np.array_equal(x[1].view(np.uint32), old[1].view(np.uint32)) for x in (new, plain)))
         ok &= same and not np.isnan(new[0]).any()
-        row = {"case": name, "tokens": t, "pos0": pos0, "bitwise": same, "ms_new": new[2], "ms_old": old[2]}
+        variant = K.gdn2_state_variant(s["dk"], s["dv"])
+        row = {"case": name, "tokens": t, "pos0": pos0, "bitwise": same, "variant": variant, "ms_new": new[2],
+               "ms_new_plain_state": plain[2], "ms_old": old[2]}
         res.append(row)
+        ms = lambda r: " / ".join(f"{x:.3f}" for x in r[2])  # noqa: E731
         print(f"gdn_chunk2 {name} T={t} pos0={pos0}: bitwise {'SAME' if same else 'DIFFERENT'}; ms prep / state / out "
-              f"new {' / '.join(f'{x:.3f}' for x in new[2])}  old {' / '.join(f'{x:.3f}' for x in old[2])}", flush=True)
+              f"new {ms(new)} (state variant {variant})  new, plain state {ms(plain)}  old {ms(old)}", flush=True)
     out = os.environ.get("OUT")
     if out:
         Path(out, "kernel_ab.json").write_text(json.dumps(res, indent=1))

@@ -963,40 +963,54 @@ def gdn2_scratch_floats(nchunks: int, hv: int, dk: int, dv: int) -> int:
     return hv * nchunks * (c * dk + c * dv + dv * dk + C.GDN2_GATES * c)
 
 
-def gdn2_smem_floats(dk: int, dv: int, stages: int) -> dict[str, int]:
-    """Shared-memory floats of each kernel's block (PrepSmem / StateSmem / OutSmem in cuda/gdn_chunk2.cu)."""
+def gdn2_smem_floats(dk: int, dv: int, stages: int, presplit: bool = False) -> dict[str, int]:
+    """Shared-memory floats of each kernel's block (PrepSmem / StateSmem / OutSmem in cuda/gdn_chunk2.cu);
+    presplit: the state pass's extra buffer of W and K tf32 lo halves (StateSmem::LO)."""
     c = C.GDN2_C
     return {"prep": c * (dk + dv + 8) + c * (c + 4) + c * 20 + 4 * c,
-            "state": stages * (2 * c * dk + c * C.GDN2_BV + 2 * c),
+            "state": stages * (2 * c * dk + c * C.GDN2_BV + 2 * c) + (2 * c * dk if presplit else 0),
             "out": 2 * c * dk + c * (c + 8) + 3 * c}
 
 
-def gdn2_stages(dk: int, dv: int) -> int:
-    """cp.async stages of the state pass: 2 (next chunk in flight) where two fit (sm_80 / sm_90), else 1;
-    0 when the card cannot run the pipeline for this shape (callers take another route)."""
+def gdn2_state_variant(dk: int, dv: int) -> tuple[int, bool]:
+    """(cp.async stages, presplit) of the state pass on this card: two stages (next chunk in flight) where
+    they fit, and the once-per-CTA operand split where its buffer fits beside them (sm_90: both; sm_80:
+    two stages, no presplit; sm_86 / 89 / 120: one stage). (0, False) when the card cannot run the
+    pipeline for this shape (callers take another route)."""
     if dk != dv or dk not in GDN2_D:
-        return 0
+        return 0, False
     rt = Runtime.get()
     if rt.cc < (8, 0):  # mma.sync tf32 needs sm_80
-        return 0
-    for stages in (2, 1):
-        if 4 * max(gdn2_smem_floats(dk, dv, stages).values()) <= rt.smem_optin:
-            return stages
-    return 0
+        return 0, False
+    for stages, presplit in ((2, True), (2, False), (1, True), (1, False)):
+        if 4 * max(gdn2_smem_floats(dk, dv, stages, presplit).values()) <= rt.smem_optin:
+            return stages, presplit
+    return 0, False
+
+
+def gdn2_stages(dk: int, dv: int) -> int:
+    """cp.async stages of the state pass (gdn2_state_variant); 0: no chunked2 pipeline on this card."""
+    return gdn2_state_variant(dk, dv)[0]
 
 
 def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
-                         pos0: int = 0, scratch=None, stages: int | None = None, events=None) -> None:
+                         pos0: int = 0, scratch=None, stages: int | None = None, presplit: bool | None = None,
+                         events=None) -> None:
     """gdn_prefill's contract through the three-kernel pipeline; chunk boundaries at absolute
     multiples of GDN2_C (pieces split there give the bits of one run). scratch: a float32 device
     buffer of at least gdn2_scratch_floats(gdn2_nchunks(nlanes, pos0), hv, dk, dv) floats
     (allocated here when None). Matches the sequential kernel within fp32 rounding (3xTF32).
+    stages / presplit: the state pass's variant (default gdn2_state_variant; every variant gives the same bits).
     events: four CUDA events recorded around the three launches (the bench's per-kernel split)."""
     import cupy as cp
 
     if nlanes <= 0:
         return
-    stages = stages or gdn2_stages(dk, dv)
+    if stages is None:
+        stages, best = gdn2_state_variant(dk, dv)
+        presplit = best if presplit is None else presplit
+    elif presplit is None:  # the split buffer where it fits beside the stages asked for
+        presplit = 4 * gdn2_smem_floats(dk, dv, stages, True)["state"] <= Runtime.get().smem_optin
     if not stages:
         raise ValueError(f"no chunked2 GDN kernels for dk={dk}, dv={dv} on this card")
     if not gdn_chunk_aligned(qkvn, h, hv, dk, dv):
@@ -1013,14 +1027,14 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
     o2 = o1 + hv * nc * c * dv
     o3 = o2 + hv * nc * dv * dk
     wsc, usc, ssc, gsc = flat[:o1], flat[o1:o2], flat[o2:o3], flat[o3:need]
-    smem = gdn2_smem_floats(dk, dv, stages)
+    smem = gdn2_smem_floats(dk, dv, stages, presplit)
     rt = Runtime.get()
     mark = (lambda i: events[i].record()) if events else (lambda i: None)  # noqa: E731
     mark(0)
     rt.launch("gdn_chunk2", f"gdn2_prep_d{dk}", (nc, hv), 256,
               (qkvn, gb, wsc, usc, gsc, i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)), shared_mem=4 * smem["prep"])
     mark(1)
-    rt.launch("gdn_chunk2", f"gdn2_state_d{dk}_s{stages}", (dv // C.GDN2_BV, hv), 2 * C.GDN2_BV,
+    rt.launch("gdn_chunk2", f"gdn2_state_d{dk}_s{stages}{'p' if presplit else ''}", (dv // C.GDN2_BV, hv), 2 * C.GDN2_BV,
               (state, qkvn, wsc, usc, ssc, gsc, i32(h), i32(hv), i32(dv), i32(nlanes), i32(pos0), i32(nc)),
               shared_mem=4 * smem["state"])
     mark(2)

@@ -48,6 +48,27 @@ def sw_col(row, col):
     return col ^ (((row >> 1) & 3) << 3)
 
 
+def k_pair_at(r0, c, dk):
+    """Where the presplit state pass keeps the pair (K[r0][c], K[r0 + 1][c]) (cuda k_pair_at)."""
+    q = (c & 7) >> 1
+    return (r0 + (q >> 1)) * dk + sw_col(r0, (c & ~7) + 4 * (q & 1)) + 2 * (c & 1)
+
+
+def k_pairs(sK, DK):
+    """The presplit state pass's K split loop, values left whole (the split is elementwise and the same
+    split_tf32 at use): each (row pair, column octet) unit's 4 slots rewritten as column pairs."""
+    out = np.full_like(sK, np.nan)
+    for u in range((C // 2) * (DK // 8)):
+        r0, c = 2 * (u // (DK // 8)), 8 * (u % (DK // 8))
+        a0, a1 = r0 * DK + sw_col(r0, c), r0 * DK + sw_col(r0, c + 4)
+        x0, x1, y0, y1 = (sK[a : a + 4] for a in (a0, a1, a0 + DK, a1 + DK))
+        pr = [[x0[0], y0[0], x0[1], y0[1]], [x0[2], y0[2], x0[3], y0[3]], [x1[0], y1[0], x1[1], y1[1]],
+              [x1[2], y1[2], x1[3], y1[3]]]
+        for q, a in enumerate((a0, a1, a0 + DK, a1 + DK)):
+            out[a : a + 4] = pr[q]
+    return out
+
+
 def chunk_span(ci, nlanes, pos0):
     first = C - pos0 % C
     c0 = 0 if ci == 0 else first + (ci - 1) * C
@@ -158,7 +179,7 @@ def prep(qkvn, gb, wsc, usc, gsc, H, HV, DK, DV, nlanes, pos0, nc):
             usc[(h * nc + ci) * C * DV + idx] = Y[tok, DK + j]
 
 
-def state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, dv, nlanes, pos0, nc):
+def state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, dv, nlanes, pos0, nc, presplit=False):
     NW, KT, CT = BV // 16, DK // 8, C // 8
     ldq = 2 * H * DK + HV * dv
     st = state.reshape(-1)
@@ -183,6 +204,7 @@ def state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, dv, nlanes, pos0, nc)
                         sW[i * DK + sw_row(i, c) + np.arange(4)] = wsc[wb + i * DK + c + np.arange(4)]
                         sK[i * DK + sw_col(i, c) + np.arange(4)] = (
                             flat_q[(c0 + i) * ldq + kbase + c + np.arange(4)] if i < n else 0)
+                sKp = k_pairs(sK, DK) if presplit else None
                 ub = (h * nc + ci) * C * dv + j0 * C
                 sU = usc[ub : ub + C * BV].copy()
                 sE = gsc[(h * nc + ci) * GATES * C + 2 * C : (h * nc + ci + 1) * GATES * C].copy()  # ED, EG
@@ -211,8 +233,12 @@ def state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, dv, nlanes, pos0, nc)
                         a = ctile_a(p[m])
                         r0 = m * 8 + 2 * TQ
                         for s in range(KT):
-                            col = sw_col(r0, 8 * s + GQ)
-                            mma3(S[w, s], a, sK[r0 * DK + col], sK[(r0 + 1) * DK + col])
+                            if presplit:
+                                at = k_pair_at(r0, 8 * s + GQ, DK)
+                                mma3(S[w, s], a, sKp[at], sKp[at + 1])
+                            else:
+                                col = sw_col(r0, 8 * s + GQ)
+                                mma3(S[w, s], a, sK[r0 * DK + col], sK[(r0 + 1) * DK + col])
             for w in range(NW):
                 s1 = (h * dv + j0 + w * 16 + GQ) * DK + 2 * TQ
                 for s in range(KT):
@@ -281,8 +307,9 @@ def scratch_floats(nc, HV, DK, DV):
     return HV * nc * (C * DK + C * DV + DV * DK + GATES * C)
 
 
-def run(state, qkvn, gb, out, ldo, H, HV, DK, DV, nlanes, pos0):
-    """The three launches of kernels.gdn_prefill_chunked2 on poisoned scratch."""
+def run(state, qkvn, gb, out, ldo, H, HV, DK, DV, nlanes, pos0, presplit=False):
+    """The three launches of kernels.gdn_prefill_chunked2 on poisoned scratch (presplit: the state
+    pass's K pair layout)."""
     nc = nchunks(nlanes, pos0)
     scr = np.full(scratch_floats(nc, HV, DK, DV), np.nan, np.float32)
     o1 = HV * nc * C * DK
@@ -290,5 +317,5 @@ def run(state, qkvn, gb, out, ldo, H, HV, DK, DV, nlanes, pos0):
     o3 = o2 + HV * nc * DV * DK
     wsc, usc, ssc, gsc = scr[:o1], scr[o1:o2], scr[o2:o3], scr[o3:]
     prep(qkvn, gb, wsc, usc, gsc, H, HV, DK, DV, nlanes, pos0, nc)
-    state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, DV, nlanes, pos0, nc)
+    state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, DV, nlanes, pos0, nc, presplit)
     out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc)

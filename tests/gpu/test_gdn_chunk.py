@@ -144,6 +144,38 @@ def test_emulated_chunked2_kernels_match_spec(dk, t, pos0, decay):
     assert rel(state, klast(want_s)) < 2e-5
 
 
+def test_emulated_presplit_k_pairs_are_bitwise_and_conflict_free():
+    """The presplit state pass's K pair layout: the emulated pipeline gives the plain layout's bits, every
+    pair sits where k_pair_at says, and each half warp's 8-byte reads in the update cover 32 distinct
+    banks (the kernel's conflict-free claim)."""
+    dk, t, pos0 = 128, 130, 5
+    d = make(np.random.default_rng(1), t, 1, 1, dk, dk, "strong")
+    res = []
+    for presplit in (False, True):
+        state, out = klast(d["s0"]), np.full((t, dk), np.nan, np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            emu2.run(state, d["qkvn"], d["gb"], out, dk, 1, 1, dk, dk, t, pos0, presplit=presplit)
+        res.append((out, state))
+    np.testing.assert_array_equal(res[0][0], res[1][0])
+    np.testing.assert_array_equal(res[0][1], res[1][1])
+    C = emu2.C
+    sK = np.arange(C * dk, dtype=np.float32)  # value = plain (swizzled) position
+    pairs = emu2.k_pairs(sK, dk)
+    assert not np.isnan(pairs).any()
+    for r0 in range(0, C, 2):
+        for c in range(dk):
+            at = emu2.k_pair_at(r0, c, dk)
+            assert pairs[at] == r0 * dk + emu2.sw_col(r0, c) and pairs[at + 1] == (r0 + 1) * dk + emu2.sw_col(r0, c)
+    lanes = np.arange(32)
+    g, tq = lanes >> 2, lanes & 3
+    for m in range(C // 8):
+        for s in range(dk // 8):
+            at = emu2.k_pair_at(m * 8 + 2 * tq, 8 * s + g, dk)
+            for half in (lanes < 16, lanes >= 16):
+                banks = np.concatenate([at[half] % 32, (at[half] + 1) % 32])
+                assert len(set(banks.tolist())) == 32, (m, s)
+
+
 def per_head_in_class(o, st, o64, s64, so, ss, hv, dv, slack):
     """Each value head's output and state error against float64 within 4x the sequential fp32
     kernel's own error on that head, plus `slack` (the products' tf32-split rounding floor). Per
@@ -202,6 +234,30 @@ def test_chunked2_shared_memory_budget():
     assert 4 * max(gdn2_smem_floats(128, 128, 2).values()) <= 163 * 1024  # sm_80 opt-in: double-buffered
     assert 4 * max(gdn2_smem_floats(128, 128, 1).values()) <= 99 * 1024  # sm_86 / sm_89 / sm_120: one stage
     assert 4 * gdn2_smem_floats(128, 128, 1)["prep"] * 2 <= 227 * 1024  # two pre-pass blocks per sm_90 SM
+    # the state pass's presplit buffer: beside two stages on sm_90 (232,448 bytes opt-in), not on sm_80
+    # (166,912) where it fits beside one stage; not at all in sm_86 / 89 / 120's 101,376
+    assert 166_912 < 4 * gdn2_smem_floats(128, 128, 2, True)["state"] <= 232_448
+    assert 101_376 < 4 * gdn2_smem_floats(128, 128, 1, True)["state"] <= 166_912
+
+
+def test_chunked2_state_variant_by_shared_memory(monkeypatch):
+    """gdn2_state_variant picks the largest variant that fits the card's opt-in shared memory."""
+    from q27py.gpu import kernels as K
+
+    class FakeRt:
+        cc = (9, 0)
+        smem_optin = 0
+
+    rt = FakeRt()
+    monkeypatch.setattr(K.Runtime, "get", staticmethod(lambda: rt))
+    for optin, want in ((232_448, (2, True)), (166_912, (2, False)), (101_376, (1, False)), (40_000, (0, False))):
+        rt.smem_optin = optin
+        assert K.gdn2_state_variant(128, 128) == want, optin
+        assert K.gdn2_stages(128, 128) == want[0]
+    rt.smem_optin, rt.cc = 232_448, (7, 5)
+    assert K.gdn2_state_variant(128, 128) == (0, False)
+    rt.cc = (9, 0)
+    assert K.gdn2_state_variant(128, 64) == (0, False)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
@@ -211,10 +267,10 @@ def test_chunked2_compiles_without_spills(tmp_path, arch):
     assert rc == 0, err[-2000:]
     entries = re.findall(r"Compiling entry function '(\w+)'", err)
     want = [f"gdn2_{k}_d{d}" for d in (64, 128) for k in ("prep", "out")]
-    want += [f"gdn2_state_d{d}_s{st}" for d in (64, 128) for st in (1, 2)]
+    want += [f"gdn2_state_d{d}_s{st}{p}" for d in (64, 128) for st in (1, 2) for p in ("", "p")]
     assert sorted(entries) == sorted(want)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err)
-    assert len(spills) == 8 and all(a == "0" and b == "0" for a, b in spills), err
+    assert len(spills) == len(want) and all(a == "0" and b == "0" for a, b in spills), err
 
 
 # ---------------------------------------------------------------- GPU
@@ -345,19 +401,23 @@ def test_fast_model_prefill_through_the_chunked_route(cp, K):
 
 # ---------------------------------------------------------------- GPU: the chunked2 pipeline
 def stages_here(K, dk, dv):
-    """The state-pass variants this card can run (2 = double-buffered, 1 = single stage)."""
+    """The state-pass variants this card can run: (stages, presplit), 2 = double-buffered, 1 = single
+    stage, presplit = W and K split into tf32 halves once per CTA."""
     from q27py.gpu.runtime import Runtime
 
-    best = K.gdn2_stages(dk, dv)
-    return [st for st in (2, 1) if st <= best and 4 * max(K.gdn2_smem_floats(dk, dv, st).values())
-            <= Runtime.get().smem_optin]
+    if not K.gdn2_stages(dk, dv):
+        return []
+    return [(st, p) for st in (2, 1) for p in (True, False)
+            if 4 * max(K.gdn2_smem_floats(dk, dv, st, p).values()) <= Runtime.get().smem_optin]
 
 
 def run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, stages=None, scratch=None):
+    """stages: None (the card's default variant), or (stages, presplit) from stages_here."""
     state = cp.asarray(klast(d["s0"]))
     out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)  # poison: every row must be written
+    st, p = stages if stages else (None, None)
     K.gdn_prefill_chunked2(state, cp.asarray(d["qkvn"]), cp.asarray(d["gb"]), out, hv * dv, h, hv, dk, dv, t,
-                           pos0=pos0, stages=stages, scratch=scratch)
+                           pos0=pos0, stages=st, presplit=p, scratch=scratch)
     return out.get(), state.get()
 
 
@@ -399,8 +459,8 @@ def test_chunked2_matches_float64_and_sequential(cp, K, shape, t, pos0, decay):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", sorted(SHAPES2))
 def test_chunked2_stages_and_scratch_do_not_change_bits(cp, K, shape):
-    """The single- and double-buffered state passes are the same arithmetic, and a caller's
-    (larger, poisoned) scratch gives the bits of a fresh one."""
+    """The single- and double-buffered state passes, with and without the presplit operands, are the
+    same arithmetic, and a caller's (larger, poisoned) scratch gives the bits of a fresh one."""
     s = SHAPES2[shape]
     h, hv, dk, dv = s["h"], s["hv"], s["dk"], s["dv"]
     t, pos0 = 777, 21
