@@ -133,27 +133,26 @@ __device__ __forceinline__ void gdn_conv_rows_body(const float* __restrict__ raw
     const int ch = is_qk ? slot * dk + c : 2 * H * dk + (slot - 2 * H) * dv + c;
     const bool live = c < d;
     const int t0 = blockIdx.x * CONV_ROWS;
-    // position p of [window (KW - 1 rows) ; raw rows] for this channel (0 past the chunk or the head)
-    auto at = [&](int p) -> float {
-        if (!live) return 0.f;
-        if (p < KW - 1) return window[(i64)p * C + ch];
-        const int r = p - (KW - 1);
-        return r < T ? raw[(i64)r * ldr + ch] : 0.f;
-    };
-    float wt[KW], tap[KW], y[CONV_ROWS];
+    // Every tap of the block's tokens is loaded first, as predicated loads with no branch between them: the
+    // CONV_ROWS + KW - 1 positions t0 .. of [window (KW - 1 rows) ; raw rows] for this channel (0 past the
+    // chunk or the head). Why: written as a load per token beside its SiLU (whose division has a called
+    // slow path), ptxas kept one load in flight per thread and the kernel ran at ~2.7x its bytes (H100
+    // profile, 2026-12-05); here the 35 loads are independent and all issue before the first product.
+    float xs[CONV_ROWS + KW - 1], wt[KW], y[CONV_ROWS];
 #pragma unroll
     for (int j = 0; j < KW; j++) wt[j] = live ? convw[(i64)ch * KW + j] : 0.f;
 #pragma unroll
-    for (int j = 0; j < KW - 1; j++) tap[j] = at(t0 + j);
+    for (int i = 0; i < CONV_ROWS + KW - 1; i++) {
+        const int p = t0 + i, r = p - (KW - 1);
+        const float* src = p < KW - 1 ? window + (i64)p * C + ch : raw + (i64)r * ldr + ch;
+        xs[i] = live && r < T ? __ldg(src) : 0.f;
+    }
 #pragma unroll
-    for (int r = 0; r < CONV_ROWS; r++) {
-        tap[KW - 1] = at(t0 + r + KW - 1);  // token t0 + r taps positions t0 + r .. t0 + r + KW - 1
+    for (int r = 0; r < CONV_ROWS; r++) {  // token t0 + r taps positions t0 + r .. t0 + r + KW - 1
         float acc = 0.f;
 #pragma unroll
-        for (int j = 0; j < KW; j++) acc = __fadd_rn(acc, __fmul_rn(wt[j], tap[j]));
+        for (int j = 0; j < KW; j++) acc = __fadd_rn(acc, __fmul_rn(wt[j], xs[r + j]));
         y[r] = live ? acc * sigmoid_f(acc) : 0.f;
-#pragma unroll
-        for (int j = 0; j < KW - 1; j++) tap[j] = tap[j + 1];
     }
     if (is_qk) {  // block-uniform: the slot is the block's
         float sq[CONV_ROWS];

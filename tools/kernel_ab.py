@@ -30,17 +30,22 @@ def module_source(rt, name: str, path: Path):
     text = path.read_text(encoding="utf-8").replace('#include "common.cuh"', header)
     saved_mod = rt._modules.get(name)
     saved_fns = {k: v for k, v in rt._functions.items() if k[0] == name}
+    # the shared-memory opt-in is set once per function object: the swapped-in functions need their own
+    saved_smem = {k: v for k, v in rt._shared_set.items() if k[0] == name}
     mod = rt.cp.RawModule(code=text, options=compile_options())
     mod.compile()
     rt._modules[name] = mod
     for k in saved_fns:
         del rt._functions[k]
+    for k in saved_smem:
+        del rt._shared_set[k]
     try:
         yield
     finally:
-        for k in [k for k in rt._functions if k[0] == name]:
-            del rt._functions[k]
-        rt._functions.update(saved_fns)
+        for d, saved in ((rt._functions, saved_fns), (rt._shared_set, saved_smem)):
+            for k in [k for k in d if k[0] == name]:
+                del d[k]
+            d.update(saved)
         if saved_mod is None:
             rt._modules.pop(name, None)
         else:

@@ -142,6 +142,9 @@ def main() -> int:
     ap.add_argument("--cache-gb", type=float, default=60.0, help="resident bf16 expansions (0: off)")
     ap.add_argument("--attn-prefill", default=None, help="prefill attention kernel (default: the engine's)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also run the warm turn under cProfile (a second turn of the same shape) and print its "
+                         "N costliest functions (where the host time between the device's pieces goes)")
     args = ap.parse_args()
     # the device_wave `prefill` stage's way: the env the process's ExpansionCache reads once (blas.weight_cache)
     os.environ["Q27_PREFILL_WEIGHT_CACHE_GB"] = str(args.cache_gb)
@@ -205,6 +208,23 @@ def main() -> int:
         res["runs"][-1]["engine"] = r
         print(f"warm turn: prompt {r['prompt_tokens']}, reused {r['cached_tokens']}, ttft {r['ttft_s'] * 1e3:.1f} ms"
               + ("" if r["cached_tokens"] == args.warm_context else "  (reuse differs from --warm-context!)"))
+        if args.host_profile:
+            import cProfile
+            import io
+            import pstats
+
+            turn2 = turn + [int(v) for v in rng.integers(0, cfg.vocab_size, args.warm_new)]  # the same shape again
+            pr = cProfile.Profile()
+            pr.enable()
+            r2 = first_token(engine, turn2, len(turn2))
+            pr.disable()
+            buf = io.StringIO()
+            st2 = pstats.Stats(pr, stream=buf)
+            st2.sort_stats("cumulative").print_stats(args.host_profile)
+            st2.sort_stats("tottime").print_stats(args.host_profile)
+            print(f"host profile of a second warm turn (prompt {r2['prompt_tokens']}, reused {r2['cached_tokens']}, "
+                  f"ttft {r2['ttft_s'] * 1e3:.1f} ms under cProfile):")
+            print("\n".join(ln for ln in buf.getvalue().splitlines() if ln.strip())[:12000])
     out = os.environ.get("OUT")
     if out:
         Path(out, "prefill_profile.json").write_text(json.dumps(res, indent=1, default=float))

@@ -239,17 +239,23 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
         piece = ids[done - start : cut - start]
         out = model.forward(state, piece, logits_rows="last")
         # both rows read before on_chunk's MTP calls: on the fast path any later model call may
-        # reuse the scratch an output lives in
-        hidden, last = np.asarray(out.hidden), out.logits[-1]
+        # reuse the scratch an output lives in. The hidden rows stay in the model's memory (a device
+        # array on the fast path: the MTP warm-up reads them there); the last one goes to the host.
+        last, hidden = out.logits[-1], out.hidden_owned()
+        state.extra["hidden_last"] = host_rows(hidden[-1:]).copy()
         if on_chunk is not None:
             on_chunk(done, piece, hidden)
-        state.extra["hidden_last"] = hidden[-1:].copy()
         done = cut
         if breaks and cut in breaks:
             breaks[cut](state)
     if pace is not None:
         pace.prefill_left = 0
     return last
+
+
+def host_rows(a) -> np.ndarray:
+    """A host array of rows that may live on the device (ForwardOutput.hidden_owned's)."""
+    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def drive(steps: Generator[None, None, T]) -> T:

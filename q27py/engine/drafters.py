@@ -42,6 +42,20 @@ def top2_margin(logits: np.ndarray) -> float:
     return float(top[1] - top[0])
 
 
+def concat_rows(blocks: list) -> np.ndarray:
+    """The ladder's queued row blocks as one array: numpy when all are host blocks, else on the device
+    (host blocks, e.g. a restored hidden_last row, uploaded)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    if all(isinstance(b, np.ndarray) for b in blocks):
+        return np.concatenate(blocks)
+    import cupy as cp  # only reached with device rows, i.e. on the fast path
+
+    rows = cp.concatenate([cp.asarray(b) for b in blocks])
+    cp.cuda.get_current_stream().synchronize()  # complete before the model's own stream reads it
+    return rows
+
+
 class MTPLadder:
     """The MTP draft chain plus the bookkeeping that keeps the MTP KV cache warm.
 
@@ -68,8 +82,9 @@ class MTPLadder:
         return len(self._next)
 
     def defer(self, hidden: np.ndarray, next_ids) -> None:
-        """Queue rows: main hidden at the next unwritten positions, and the token after each."""
-        self._hidden.append(np.asarray(hidden))
+        """Queue rows: main hidden at the next unwritten positions, and the token after each. Rows on
+        the device (a fast-path prefill's, ForwardOutput.hidden_owned) stay there."""
+        self._hidden.append(hidden if hasattr(hidden, "__cuda_array_interface__") else np.asarray(hidden))
         self._next.extend(int(t) for t in next_ids)
         if len(self._next) > self.MAX_BACKLOG:
             self.flush(keep_last=True)
@@ -79,7 +94,7 @@ class MTPLadder:
         keep = 1 if keep_last else 0
         if len(self._next) <= keep:
             return
-        rows = np.concatenate(self._hidden)
+        rows = concat_rows(self._hidden)
         cut = len(self._next) - keep
         self.model.mtp_forward(self.kv, rows[:cut], self._next[:cut], self.kv.length, logits_rows="none")
         self._hidden, self._next = [rows[cut:]] if keep else [], self._next[cut:]
@@ -98,7 +113,7 @@ class MTPLadder:
             return Draft(NONE)
         start = self.kv.length
         assert start + self.backlog == position, "MTP backlog out of step with the committed position"
-        rows = np.concatenate(self._hidden)
+        rows = concat_rows(self._hidden)
         if hasattr(self.model, "mtp_draft_chain"):
             return self._draft_on_device(rows, max_drafts, min_margin, position, stop_if_first)
         logits, hm = self.model.mtp_forward(self.kv, rows, self._next, start, logits_rows="last")

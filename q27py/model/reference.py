@@ -47,6 +47,12 @@ class ForwardOutput:
     hidden: np.ndarray  # [T, H] post-final-norm hidden states (what the MTP head consumes)
     trace: Trace | None = None
 
+    def hidden_owned(self) -> np.ndarray:
+        """The hidden rows as an array the caller owns, in the model's own memory (host here; a
+        device copy on the fast path, gpu/forward.py FastOutput): the prefill hands them to the MTP
+        warm-up without a round trip through the host."""
+        return self.hidden
+
 
 class ReferenceModel:
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv: str | None = None):

@@ -31,6 +31,10 @@ class _Out:
         self._fresh()
         return self._out.hidden
 
+    def hidden_owned(self):
+        self._fresh()
+        return self._out.hidden.copy()
+
 
 class _DeviceOut(_Out):
     """... with FastOutput's device picks (numpy.argmax; the masked argmax of engine.constraint)."""

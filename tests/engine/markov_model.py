@@ -98,6 +98,10 @@ class _ScratchOutput:
         assert self._epoch == self._model.epoch, "hidden read after a later model call overwrote it"
         return self._hidden
 
+    def hidden_owned(self):
+        """As the fast path's: a copy the caller keeps past later model calls."""
+        return self.hidden.copy()
+
 
 class StrictMarkovModel(MarkovModel):
     epoch = 0

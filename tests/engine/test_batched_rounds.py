@@ -471,7 +471,8 @@ def test_interleave_pieces_shrink_with_the_context():
         def forward(self, state, ids, logits_rows="last"):
             self.pieces.append(len(ids))
             state.position += len(ids)
-            return SimpleNamespace(hidden=np.zeros((len(ids), 2), np.float32), logits=np.zeros((1, 3), np.float32))
+            hidden = np.zeros((len(ids), 2), np.float32)
+            return SimpleNamespace(hidden=hidden, hidden_owned=lambda: hidden, logits=np.zeros((1, 3), np.float32))
 
     def run(pace, n=1000, chunk=256):
         model, state = Recorder(), SimpleNamespace(position=0, extra={})
