@@ -11,7 +11,7 @@ Conventions shared by both decoders:
   first round (it decides the first token). The last emitted token is never run
   through the model (as in plain decoding), so when generation ends the state
   holds prompt + output minus the last token.
-- state.extra["hidden_last"] is kept as the post-norm hidden at position - 1:
+- state.hidden_last is kept as the post-norm hidden at position - 1:
   what the MTP head needs to resume a restored state.
 - `pace` (the scheduler's Pace, engine/scheduler.py) is read before every step: a
   prefill piece is capped at pace.prefill_chunk, and when pace.shared a decode round
@@ -217,7 +217,7 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
     assert ids, "prefill needs at least one token"
     # A model that splits long forwards itself returns hidden rows of its last split
     # only (the fast path's `chunk`); feeding it no more than that keeps every row.
-    chunk = min(chunk, getattr(model, "chunk", chunk))
+    chunk = min(chunk, model.chunk or chunk)
     start, end = state.position, state.position + len(ids)
     marks = sorted(p for p in (breaks or {}) if start < p < end)
     if breaks and start in breaks:
@@ -242,7 +242,7 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
         # reuse the scratch an output lives in. The hidden rows stay in the model's memory (a device
         # array on the fast path: the MTP warm-up reads them there); the last one goes to the host.
         last, hidden = out.logits[-1], out.hidden_owned()
-        state.extra["hidden_last"] = host_rows(hidden[-1:]).copy()
+        state.hidden_last = host_rows(hidden[-1:]).copy()
         if on_chunk is not None:
             on_chunk(done, piece, hidden)
         done = cut
@@ -354,9 +354,9 @@ class Decoder:
             if pace is not None and pace.shared:
                 lane = Lane(state, tok, sampler)
                 yield lane  # the caller runs it in the round's decode_batch and reads its output into it
-                tok, state.extra["hidden_last"] = lane.result()
+                tok, state.hidden_last = lane.result()
                 continue
             out = self.model.forward(state, [tok])
-            state.extra["hidden_last"] = out.hidden[-1:].copy()
+            state.hidden_last = out.hidden[-1:].copy()
             # picked here, before the next yield: the output rows are read before any other model call
             tok = sampler.pick_output(out, 0, state.position)

@@ -114,7 +114,7 @@ class MTPLadder:
         start = self.kv.length
         assert start + self.backlog == position, "MTP backlog out of step with the committed position"
         rows = concat_rows(self._hidden)
-        if hasattr(self.model, "mtp_draft_chain"):
+        if self.model.drafts_on_device:
             return self._draft_on_device(rows, max_drafts, min_margin, position, stop_if_first)
         logits, hm = self.model.mtp_forward(self.kv, rows, self._next, start, logits_rows="last")
         self._hidden, self._next = [], []

@@ -67,22 +67,22 @@ class LocalEngine:
         self.model_dir = source if source.is_dir() or not source.exists() else source.parent
         self.model_name = source.stem if source.is_file() else source.name
         # The fast path sized its KV cache (possibly from free memory, max_context "auto"): that is the window.
-        window = getattr(model, "max_pos", None) or fixed_max_context(cfg.engine)
+        window = model.max_pos or fixed_max_context(cfg.engine)
         self.max_context = min(int(window), self.model_config.max_position_embeddings)
-        self.has_mtp = bool(getattr(model, "has_mtp", False))
+        self.has_mtp = bool(model.has_mtp)
         cfg.engine.check_batching()
         cfg.engine.check_prefix_reuse()
         self.decoder = build_decoder(model, cfg)  # speculative unless cfg.spec.enabled is False
-        # Batched decode rounds (scheduler.py): asked for, and the model has the batched step. A model
-        # without one (test doubles, older paths) keeps solo rounds.
-        self.shares_rounds = cfg.engine.shared_rounds() and callable(getattr(model, "decode_batch", None))
+        # Batched decode rounds (scheduler.py): asked for, and the model has the batched step (max_batch 0:
+        # none, e.g. test doubles; the slots' rounds stay solo).
+        self.shares_rounds = cfg.engine.shared_rounds() and model.max_batch > 0
         # prefill tokens per round beside decoding slots (0: off, full chunks always)
         self.interleave_chunk = cfg.engine.interleave()
         self.interleave_halving = int(cfg.engine.interleave_halving)  # the piece shrinks with the context
         self.interleave_budget_ms = cfg.engine.interleave_budget()  # the piece adapts to a round budget
         # requests the scheduler may interleave (engine/scheduler.py); "auto" on cuda: the count the
         # model sized from free memory at load (gpu/forward.py size_context_to_memory)
-        sized = getattr(model, "sized_slots", None)
+        sized = model.sized_slots
         self.max_slots = cfg.engine.slots(sized)
         # every slot holds its own live sequence, so the cache keeps at least that many
         self.prefix = PrefixCache(model, max_sequences=cfg.engine.live_sequences(sized),
@@ -113,7 +113,7 @@ class LocalEngine:
         e = cfg.engine
         if e.prefix_cache_dir is None:
             return None
-        compat = compat_hash(Path(e.model_dir), self.model_config, e.tier, getattr(self.model, "state_format", "?"))
+        compat = compat_hash(Path(e.model_dir), self.model_config, e.tier, self.model.state_format)
         return DiskCache(Path(e.prefix_cache_dir), compat, max_bytes=e.prefix_cache_max_bytes)
 
     @classmethod
@@ -217,7 +217,7 @@ class LocalEngine:
         (take: pick, hidden row) straight after its batch and before the next model call, as the
         fast path's scratch rules require. A failure stays with the lanes it hit: their slots'
         steppers raise it when resumed (their sequences are dropped); the other lanes go on."""
-        step = max(1, int(getattr(self.model, "max_batch", 1) or 1))
+        step = max(1, int(self.model.max_batch))
         for i in range(0, len(lanes), step):
             part = lanes[i : i + step]
             try:
@@ -241,7 +241,7 @@ class LocalEngine:
         before the first piece; one snapped to the prompt's end, the state after the last."""
         # the prefill's own chunk cuts (prefill_steps: every chunk tokens from the resume point) are
         # boundaries a checkpoint may snap to as well
-        chunk = min(self.decoder.prefill_chunk, getattr(self.model, "chunk", self.decoder.prefill_chunk))
+        chunk = min(self.decoder.prefill_chunk, self.model.chunk or self.decoder.prefill_chunk)
         marks = self.prefix.snapshot_positions(seq.state.position, prompt, stable_len, system_len,
                                                taken=seq.snapshots, chunk=chunk)
 

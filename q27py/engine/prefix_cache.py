@@ -77,7 +77,7 @@ class LiveSequence:
     def resumable_end(self) -> bool:
         """The live state can continue from its own end (no snapshot needed)."""
         return (self.state.position > 0 and self.state.position == len(self.tokens)
-                and self.state.extra.get("hidden_last") is not None)
+                and self.state.hidden_last is not None)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -90,7 +90,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def take_snapshot(model, state, kind: str) -> Snapshot:
-    hidden = state.extra.get("hidden_last")
+    hidden = state.hidden_last
     return Snapshot(state.position, model.save_recurrent(state),
                     None if hidden is None else np.array(hidden, dtype=np.float32, copy=True).reshape(-1), kind)
 
@@ -102,7 +102,7 @@ def restore_snapshot(model, seq: LiveSequence, snap: Snapshot) -> None:
     their KV rows, so they could never be used again (the alias rule).
     """
     model.rewind(seq.state, snap.position, snap.recurrent)
-    seq.state.extra["hidden_last"] = None if snap.hidden_last is None else snap.hidden_last.copy()
+    seq.state.hidden_last = None if snap.hidden_last is None else snap.hidden_last.copy()
     del seq.tokens[snap.position:]
     seq.snapshots = {p: s for p, s in seq.snapshots.items() if p <= snap.position}
 
@@ -353,7 +353,7 @@ class DiskCache:
             return False
         try:
             model.import_prefix(seq.state, arrays, len(tokens))
-            seq.state.extra["hidden_last"] = hidden
+            seq.state.hidden_last = hidden
             seq.tokens = list(tokens)
             seq.snapshots = {len(tokens): take_snapshot(model, seq.state, "disk")}
         except Exception as exc:  # half-installed: start the slot over, serve cold
@@ -402,7 +402,7 @@ class DiskCache:
         if n < self.min_tokens or len(seq.tokens) < n:
             return
         arrays = model.export_prefix(seq.state)
-        hidden = seq.state.extra.get("hidden_last")
+        hidden = seq.state.hidden_last
         if hidden is not None:
             arrays["hidden_last"] = np.asarray(hidden, dtype=np.float32).reshape(-1)
         arrays["tokens"] = np.asarray(seq.tokens[:n], dtype=np.int32)

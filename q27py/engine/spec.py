@@ -85,7 +85,7 @@ class SpecDecoder:
 
     def _ladder(self, state: SequenceState, todo: list[int]) -> MTPLadder | None:
         """The MTP ladder for this request, primed with the row it owes; None if it cannot run."""
-        if not getattr(self.model, "has_mtp", False) or state.mtp_kv is None:
+        if not self.model.has_mtp or state.mtp_kv is None:
             return None
         ladder = MTPLadder(self.model, state.mtp_kv)
         if state.position == 0:
@@ -95,7 +95,7 @@ class SpecDecoder:
         # position-1 must be known (its row pairs it with the first new token).
         # (A request abandoned mid-stream, e.g. at a stop string, may leave them short:
         # then this request drafts with the suffix drafter only.)
-        hidden_last = state.extra.get("hidden_last")
+        hidden_last = state.hidden_last
         if hidden_last is None or state.mtp_kv.length < state.position - 1:
             return None  # drafting without those rows would read a hole in the MTP KV
         state.mtp_kv.truncate(state.position - 1)
@@ -107,7 +107,7 @@ class SpecDecoder:
         output) when the new prompt shares a prefix with it: an agent turn then indexes only its new
         tokens instead of the whole 20K+ token prompt (~50-100 ms of host time per turn)."""
         key_len = min(4, self.cfg.suffix_min_match)
-        idx = state.extra.get("suffix_index")
+        idx = state.suffix_index
         if isinstance(idx, SuffixIndex) and idx.key_len == key_len:
             keep = idx.common_prefix(prompt_ids)
             if keep * 2 >= len(prompt_ids):
@@ -116,7 +116,7 @@ class SpecDecoder:
                 return idx
         idx = SuffixIndex(key_len=key_len)
         idx.extend(prompt_ids)
-        state.extra["suffix_index"] = idx
+        state.suffix_index = idx
         return idx
 
     def run(
@@ -166,7 +166,7 @@ class SpecDecoder:
         pending = sampler.pick(logits, state.position)
         sampler.commit([pending])
         if ladder is not None:
-            ladder.defer(state.extra["hidden_last"], [pending])
+            ladder.defer(state.hidden_last, [pending])
         if suffix is not None:
             suffix.extend([pending])
         produced = 1
@@ -216,7 +216,7 @@ class SpecDecoder:
         sampler.commit(new)
         hidden = np.array(out.hidden[:n])  # read before commit: the fast path reuses its scratch
         self.model.commit(state, out.trace, n)
-        state.extra["hidden_last"] = hidden[n - 1 :]
+        state.hidden_last = hidden[n - 1 :]
         if ladder is not None:
             ladder.defer(hidden, new)
         if suffix is not None:
@@ -243,7 +243,7 @@ class SpecDecoder:
         tok, hidden = lane.result()
         new = [tok]
         sampler.commit(new)
-        state.extra["hidden_last"] = hidden
+        state.hidden_last = hidden
         if ladder is not None:
             ladder.defer(hidden, new)
         if suffix is not None:
@@ -260,7 +260,7 @@ def build_decoder(model, cfg):
     beside SpecDecoder, so imports run one way (spec -> decoder).
     """
     spec = cfg.spec
-    use_spec = spec.enabled if spec.enabled is not None else bool(getattr(model, "has_mtp", False))
+    use_spec = spec.enabled if spec.enabled is not None else bool(model.has_mtp)
     chunk = cfg.engine.engine_prefill_chunk()  # cuda: the fast path's large GEMM chunks
     if cfg.engine.device == "cpu":
         # The numpy path is slow per token: smaller chunks let a cancel land within ~1 s.

@@ -348,7 +348,10 @@ class FastState:
         # ctl[0] = main pos0, ctl[1] = MTP pos0, ctl[2] = accepted count for commit
         self.ctl = cp.zeros(4, dtype=cp.int32)
         self.mtp_kv = MtpKV(self) if model.has_mtp else None
-        self.extra: dict = {}  # engine-side per-sequence notes (as on the reference state)
+        # what the engine keeps with a sequence (as on the reference SequenceState): the host hidden row
+        # at position - 1 and the speculative decoder's suffix index
+        self.hidden_last: np.ndarray | None = None
+        self.suffix_index = None
         # when this state is freed (the prefix cache replaces a slot's state), its graphs go too
         weakref.finalize(self, _release_graphs, weakref.ref(model), self.id)
 
@@ -357,7 +360,8 @@ class FastState:
         self.mtp_position = 0
         if self.mtp_kv is not None:
             self.mtp_kv.length = 0
-        self.extra.clear()
+        self.hidden_last = None
+        self.suffix_index = None
         with self.model.stream:  # in order with the forwards (see __init__)
             self.gdn.fill(0)
             self.window.fill(0)
@@ -392,6 +396,9 @@ class FastState:
 
 
 class FastModel:
+    # model/interface.py ForwardModel: mtp_draft_chain runs the MTP ladder in one device call
+    drafts_on_device = True
+
     def __init__(self, weights: ModelWeights, max_context: int = 4096, kv_dtype: str = "bf16", chunk: int = 64,
                  device_snapshot_bytes: int | None = None, gdn_fused: bool | None = None,
                  attn_decode: str | None = None, batch_sweep: bool | None = None):

@@ -210,6 +210,12 @@ class ReferenceModel:
     # advances exactly as forward(states[i], [ids[i]]) would advance it, and output i is that
     # forward's output (logits [1, V], hidden [1, H], trace None), bitwise.
     max_batch = 16
+    # The rest of the engine's interface (model/interface.py ForwardModel): a forward of any length
+    # returns every hidden row, no window or slot count of its own, the MTP ladder runs on the host.
+    chunk: int | None = None
+    max_pos: int | None = None
+    sized_slots: int | None = None
+    drafts_on_device = False
 
     def decode_batch(self, states: list[SequenceState], ids: list[int]) -> list[ForwardOutput]:
         """One decode step for each of several sequences: here literally the loop of solo forwards,

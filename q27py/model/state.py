@@ -13,7 +13,8 @@ prefix reuse and speculative rollback need.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -146,7 +147,12 @@ class SequenceState:
     mtp_kv: KVCache | None
     # The MTP layer's row for position p needs token p+1, so it is written one step late;
     # mtp_kv.length <= position, and the engine tops it up when the next token is known.
-    extra: dict = field(default_factory=dict)
+    # What the engine keeps with a sequence (the fast path's FastState has the same two fields):
+    # the post-norm hidden row at position - 1 (host, [1, H]): the MTP head needs it to resume;
+    hidden_last: np.ndarray | None = None
+    # the speculative decoder's suffix index of the sequence's last stream (engine/drafters.py
+    # SuffixIndex), reused when the next prompt extends it.
+    suffix_index: Any = None
 
     @classmethod
     def new(cls, cfg: ModelConfig, dtype=np.float32, state_dtype=np.float32, with_mtp: bool = True,
@@ -169,12 +175,13 @@ class SequenceState:
             {i: c.copy() for i, c in self.kv.items()},
             {i: g.copy() for i, g in self.gdn.items()},
             self.mtp_kv.copy() if self.mtp_kv is not None else None,
-            dict(self.extra),
+            None if self.hidden_last is None else self.hidden_last.copy(),
+            self.suffix_index,
         )
 
     def restore(self, other: "SequenceState") -> None:
         """Become a copy of `other` (used to rewind to a snapshot)."""
         snap = other.snapshot()
-        self.position, self.kv, self.gdn, self.mtp_kv, self.extra = (
-            snap.position, snap.kv, snap.gdn, snap.mtp_kv, snap.extra,
+        self.position, self.kv, self.gdn, self.mtp_kv, self.hidden_last, self.suffix_index = (
+            snap.position, snap.kv, snap.gdn, snap.mtp_kv, snap.hidden_last, snap.suffix_index,
         )

@@ -24,6 +24,14 @@ from q27py.model.state import GDNState, KVCache, SequenceState
 
 
 class MarkovModel:
+    # model/interface.py ForwardModel's attributes: no length limit, window or batched step of its own
+    chunk: int | None = None
+    max_pos: int | None = None
+    max_batch = 0
+    sized_slots: int | None = None
+    drafts_on_device = False
+    state_format = "markov"
+
     def __init__(self, logits: np.ndarray, mtp_logits: np.ndarray | None = None):
         self.table = np.asarray(logits, dtype=np.float32)
         self.vocab = self.table.shape[0]

@@ -40,14 +40,18 @@ def reference():
 
 
 class NoBatch:
-    """A model without decode_batch (older paths, test doubles): the engine keeps solo rounds."""
+    """A model without a batched step (max_batch 0, model/interface.py): the engine keeps solo rounds
+    (and never calls decode_batch)."""
+
+    max_batch = 0
 
     def __init__(self, inner):
         self._m = inner
 
+    def decode_batch(self, states, ids):
+        raise AssertionError("decode_batch called on a model with max_batch 0")
+
     def __getattr__(self, name):
-        if name in ("decode_batch", "max_batch"):
-            raise AttributeError(name)
         return getattr(self._m, name)
 
 
@@ -283,7 +287,7 @@ def test_drafters_stay_right_across_shared_stretches(fast, tok, stretch):
     for name in ("k", "v"):
         a, b = getattr(state.mtp_kv, name), getattr(ref_state.mtp_kv, name)
         np.testing.assert_allclose(a[: state.mtp_kv.length], b[: state.mtp_kv.length], rtol=0, atol=1e-5)
-    idx = state.extra["suffix_index"]
+    idx = state.suffix_index
     assert idx.length == len(ids) + n and list(idx._tokens[: idx.length]) == ids + got
 
 
@@ -291,7 +295,7 @@ def test_plain_decoder_lanes_are_its_solo_steps(fast, tok):
     ids = ids_of(tok, TEXTS[0])
     ref, ref_state, _ = _drive(Decoder(fast), fast, ids, 20, Pace(), set())
     got, state, stats = _drive(Decoder(fast), fast, ids, 20, Pace(), set(range(1, 15)))
-    assert got == ref and np.array_equal(state.extra["hidden_last"], ref_state.extra["hidden_last"])
+    assert got == ref and np.array_equal(state.hidden_last, ref_state.hidden_last)
     assert stats.lanes == 19
 
 
@@ -475,7 +479,7 @@ def test_interleave_pieces_shrink_with_the_context():
             return SimpleNamespace(hidden=hidden, hidden_owned=lambda: hidden, logits=np.zeros((1, 3), np.float32))
 
     def run(pace, n=1000, chunk=256):
-        model, state = Recorder(), SimpleNamespace(position=0, extra={})
+        model, state = Recorder(), SimpleNamespace(position=0, hidden_last=None)
         steps = prefill_steps(model, state, list(range(n)), chunk, pace=pace)
         for _ in steps:
             pass

@@ -21,7 +21,7 @@ def _prefilled(model, tokens):
     seq = LiveSequence(model.new_state())
     out = model.forward(seq.state, tokens)
     seq.tokens = list(tokens)
-    seq.state.extra["hidden_last"] = out.hidden[-1]
+    seq.state.hidden_last = out.hidden[-1]
     return seq
 
 

@@ -73,7 +73,7 @@ def test_greedy_speculation_is_token_identical(greedy_runs, plain_greedy, name):
         spec_state, plain_cmp = state.snapshot(), plain_state.snapshot()
         spec_state.mtp_kv = plain_cmp.mtp_kv = None
         assert_same_state(spec_state, plain_cmp)
-        assert state.extra["hidden_last"].tobytes() == plain_state.extra["hidden_last"].tobytes()
+        assert state.hidden_last.tobytes() == plain_state.hidden_last.tobytes()
 
 
 def test_greedy_sweep_exercised_every_path(greedy_runs):

@@ -59,9 +59,9 @@ def test_prefill_mtp_warmup_from_device_rows_matches_the_host_round_trip(model):
 
         last = drive(prefill_steps(model, st, ids, 128, on_chunk=warm))  # 3 pieces: 128, 128, 44
         pending = int(np.argmax(last))
-        ladder.defer(st.extra["hidden_last"], [pending])
+        ladder.defer(st.hidden_last, [pending])
         draft = ladder.draft(4, -1e30, st.position)
-        return last.copy(), st.extra["hidden_last"].copy(), draft.tokens, kinds
+        return last.copy(), st.hidden_last.copy(), draft.tokens, kinds
 
     host, dev = run(False), run(True)
     assert dev[3] == ["cupy"] * 3  # the fast path's rows are device arrays
