@@ -597,23 +597,6 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         }
     }
     __syncthreads();
-    // Q split once per CTA for the product below (tf32 hi in place, lo in K's place: K is dead once M
-    // is built). Why: every warp reads every Q element there as its B operand, and splitting it at
-    // each use was 8 warps x 2 splits per mma3 -- most of the product's instructions. The same
-    // split_tf32 of the same values, so the same products and bits.
-    u32* sQh = reinterpret_cast<u32*>(sQ);
-    u32* sQl = reinterpret_cast<u32*>(sK);
-    for (int idx = tid * 4; idx < C * DK; idx += NW * 32 * 4) {  // 16 bytes a thread (the split keeps positions)
-        const float4 v = *reinterpret_cast<const float4*>(sQ + idx);
-        uint4 hi, lo;
-        split_tf32(v.x, hi.x, lo.x);
-        split_tf32(v.y, hi.y, lo.y);
-        split_tf32(v.z, hi.z, lo.z);
-        split_tf32(v.w, hi.w, lo.w);
-        *reinterpret_cast<uint4*>(sQh + idx) = hi;
-        *reinterpret_cast<uint4*>(sQl + idx) = lo;
-    }
-    __syncthreads();
     // O^T = S_c^T Q^T diag(e^G) + V_new^T (M o Q K^T)^T on [16 j x C tokens] per warp
     float o[CT][4];
 #pragma unroll
@@ -626,9 +609,12 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         split_a(f.x, f.z, f.y, f.w, ah, al);  // split_ctile order
 #pragma unroll
         for (int nt = 0; nt < CT; nt++) {
-            const int row = nt * 8 + g, at = row * DK + sw_row(row, 8 * s + 2 * t);
-            const uint2 bh = *reinterpret_cast<const uint2*>(sQh + at), bl = *reinterpret_cast<const uint2*>(sQl + at);
-            mma3_split_b(o[nt], ah, al, bh.x, bl.x, bh.y, bl.y);
+            // Q split at each use by every warp: splitting it once per CTA (tf32 hi in place, lo in K's place)
+            // measured 5-6% slower on the H100 (tools/kernel_ab.py, runs i2 / i4: the split loop and its
+            // barrier cost more than the splits they saved), so it stays here
+            const int row = nt * 8 + g;
+            const float2 b = *reinterpret_cast<const float2*>(sQ + row * DK + sw_row(row, 8 * s + 2 * t));
+            mma3(o[nt], ah, al, b.x, b.y);
         }
     }
 #pragma unroll

@@ -156,7 +156,8 @@ def main() -> int:
 
     if args.attn_prefill is not None:
         K.ATTN_PREFILL = K.attn_prefill_mode(args.attn_prefill)
-    warm_end = args.warm_context + args.warm_new if args.warm_new else 0
+    # the warm turn, and with --host-profile a second one of the same shape on top of it
+    warm_end = args.warm_context + args.warm_new * (2 if args.host_profile else 1) if args.warm_new else 0
     ctx = max(args.tokens + [warm_end, args.chunk]) + 64
     b = Bench(tier=args.tier, max_context=ctx, chunk=args.chunk, log=lambda *a: print(*a, flush=True))
     m, cfg, rt = b.model, b.cfg, b.rt
