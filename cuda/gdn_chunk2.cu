@@ -647,32 +647,24 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
 // Entry points. Scratch (floats, chunk-padded, nchunks = chunks of this run): W [HV][nchunks][C][DK],
 // U / V_new [HV][nchunks][C * DV] fragment-native, S_c [HV][nchunks][DV * DK] fragment-native,
 // gates [HV][nchunks][GDN2_GATES = 4][C] (G hi, G lo, ED, EG). State K-last [HV][dv][dk] as gdn_prefill.
+// One state-pass entry: gdn2_state_d<D>_s<S>[p] (S cp.async stages, P: the presplit operands).
+#define GDN2_STATE_KERNEL(D, S, P, NAME)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
+        NAME(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc, const float* gsc, int H,  \
+             int HV, int dv, int nlanes, int pos0, int nchunks) {                                                 \
+        state_body<D, S, P>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                   \
+    }
+
 #define GDN2_KERNELS(D)                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                          \
         gdn2_prep_d##D(const float* qkvn, const float* gb, float* wsc, float* usc, float* gsc, int H, int HV,     \
                        int nlanes, int pos0, int nchunks) {                                                       \
         prep_body<D, D>(qkvn, gb, wsc, usc, gsc, H, HV, nlanes, pos0, nchunks);                                   \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
-        gdn2_state_d##D##_s2(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,           \
-                             const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {        \
-        state_body<D, 2, false>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);               \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
-        gdn2_state_d##D##_s1(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,           \
-                             const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {        \
-        state_body<D, 1, false>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);               \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
-        gdn2_state_d##D##_s2p(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,          \
-                              const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {       \
-        state_body<D, 2, true>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GDN2_BV * 2, 1)                                                  \
-        gdn2_state_d##D##_s1p(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc,          \
-                              const float* gsc, int H, int HV, int dv, int nlanes, int pos0, int nchunks) {       \
-        state_body<D, 1, true>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                \
-    }                                                                                                             \
+    GDN2_STATE_KERNEL(D, 2, false, gdn2_state_d##D##_s2)                                                          \
+    GDN2_STATE_KERNEL(D, 1, false, gdn2_state_d##D##_s1)                                                          \
+    GDN2_STATE_KERNEL(D, 2, true, gdn2_state_d##D##_s2p)                                                          \
+    GDN2_STATE_KERNEL(D, 1, true, gdn2_state_d##D##_s1p)                                                          \
     extern "C" __global__ void __launch_bounds__(D * 2, 2)                                                        \
         gdn2_out_d##D(const float* qkvn, const float* usc, const float* ssc, const float* gsc, float* out,        \
                       int ldo, int H, int HV, int nlanes, int pos0, int nchunks) {                                \
