@@ -147,10 +147,13 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
     rowsq)  # the prefill rows kernels' bitwise tests alone
         timeout 200 $PYTEST tests/gpu/test_prefill_rows.py > "$OUT/rowsq.txt" 2>&1 || rc=1; tail -3 "$OUT/rowsq.txt" ;;
     gdnab)  # cuda/gdn_chunk2.cu against the copy in .ab/ (carry it): bits and per-kernel times, then its tests
-        OUT="$OUT" timeout 200 python3 tools/kernel_ab.py --old .ab/gdn_chunk2.cu > "$OUT/gdnab.txt" 2>&1 || rc=1
+        OUT="$OUT" timeout 200 python3 tools/kernel_ab.py --old .ab/gdn_chunk2.cu --tokens 8192 > "$OUT/gdnab.txt" 2>&1 || rc=1
         cat "$OUT/gdnab.txt" | tail -5
         timeout 300 $PYTEST tests/gpu/test_gdn_chunk.py -k "chunked2" > "$OUT/gdnab_tests.txt" 2>&1 || rc=1
         tail -3 "$OUT/gdnab_tests.txt" ;;
+    warm)  # the warm agent turn alone, per kernel, and where its host time goes (cProfile of a second turn)
+        OUT="$OUT" timeout 200 python3 tools/prefill_profile.py --cache-gb ${CACHE_GB:-60} --tokens --host-profile 20 \
+          --top 14 > "$OUT/warm.txt" 2>&1 || rc=1; grep -v "^ *[0-9/]* *0.000 " "$OUT/warm.txt" | tail -60 ;;
     gatesall)  # every canonical gate (gates/run.py: the bundled model's three tiers and the random 27B)
         timeout 300 python3 gates/run.py > "$OUT/gatesall.txt" 2>&1 || rc=1; tail -6 "$OUT/gatesall.txt" ;;
     replay)  # warm / cold agent turns (bench replay, the shipped defaults)
