@@ -972,6 +972,11 @@ def gdn2_smem_floats(dk: int, dv: int, stages: int, presplit: bool = False) -> d
             "out": 2 * c * dk + c * (c + 8) + 3 * c}
 
 
+def gdn2_fits(dk: int, dv: int, stages: int, presplit: bool) -> bool:
+    """Whether every kernel of the pipeline with this state-pass variant fits the card's opt-in shared memory."""
+    return 4 * max(gdn2_smem_floats(dk, dv, stages, presplit).values()) <= Runtime.get().smem_optin
+
+
 def gdn2_state_variant(dk: int, dv: int) -> tuple[int, bool]:
     """(cp.async stages, presplit) of the state pass on this card: two stages (next chunk in flight) where
     they fit, and the once-per-CTA operand split where its buffer fits beside them (sm_90: both; sm_80:
@@ -983,7 +988,7 @@ def gdn2_state_variant(dk: int, dv: int) -> tuple[int, bool]:
     if rt.cc < (8, 0):  # mma.sync tf32 needs sm_80
         return 0, False
     for stages, presplit in ((2, True), (2, False), (1, True), (1, False)):
-        if 4 * max(gdn2_smem_floats(dk, dv, stages, presplit).values()) <= rt.smem_optin:
+        if gdn2_fits(dk, dv, stages, presplit):
             return stages, presplit
     return 0, False
 
@@ -1010,7 +1015,7 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
         stages, best = gdn2_state_variant(dk, dv)
         presplit = best if presplit is None else presplit
     elif presplit is None:  # the split buffer where it fits beside the stages asked for
-        presplit = 4 * gdn2_smem_floats(dk, dv, stages, True)["state"] <= Runtime.get().smem_optin
+        presplit = gdn2_fits(dk, dv, stages, True)
     if not stages:
         raise ValueError(f"no chunked2 GDN kernels for dk={dk}, dv={dv} on this card")
     if not gdn_chunk_aligned(qkvn, h, hv, dk, dv):

@@ -403,12 +403,9 @@ def test_fast_model_prefill_through_the_chunked_route(cp, K):
 def stages_here(K, dk, dv):
     """The state-pass variants this card can run: (stages, presplit), 2 = double-buffered, 1 = single
     stage, presplit = W and K split into tf32 halves once per CTA."""
-    from q27py.gpu.runtime import Runtime
-
     if not K.gdn2_stages(dk, dv):
         return []
-    return [(st, p) for st in (2, 1) for p in (True, False)
-            if 4 * max(K.gdn2_smem_floats(dk, dv, st, p).values()) <= Runtime.get().smem_optin]
+    return [(st, p) for st in (2, 1) for p in (True, False) if K.gdn2_fits(dk, dv, st, p)]
 
 
 def run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, stages=None, scratch=None):
