@@ -117,6 +117,12 @@ class EngineConfig:
     # 128-row tiles, key blocks for long contexts; bf16 / fp8 KV, fp32 KV keeps v1). v2 is the
     # default since device run 3 (2.3-3x v1: docs/PERF.md "attention prefill v2"); v1 stays selectable.
     attn_prefill: str = "v2"
+    # cuda, attn_prefill "v2" with bf16 KV at head dim 256 on sm_90 (H100 / H200): run it as the wgmma
+    # kernel (cuda/attention_prefill3.cu, built for sm_90a): v2's tiles, key blocks and rounding, two
+    # warpgroups reading K and V straight from shared memory. Other cards, fp8 KV and other head dims
+    # keep the mma.sync kernel. The default since device run j1: bitwise v2 in every GPU test case,
+    # 1.40-1.44x its speed (docs/PERF.md "Session of 2026-12-05 (evening)").
+    attn_prefill_wgmma: bool = True
     checkpoint_every: int = 4096  # prefix reuse: GDN snapshot every N prefill tokens (0 = off)
     # ... but a grid checkpoint that would cut a prefill piece shorter than this many tokens (after the
     # resume point, before the prompt's end, or beside a system / stable boundary) is taken at that
@@ -409,6 +415,7 @@ ENV_VARS = {
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),
     "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),
+    "Q27_ATTN_PREFILL_WGMMA": ("engine", "attn_prefill_wgmma", parse_switch),
     "Q27_DEVICE_MASKS": ("engine", "device_masks", parse_switch),
     "Q27_ATTN_DECODE": ("engine", "attn_decode", str),
     "Q27_ATTN_DECODE_FP8": ("engine", "attn_decode_fp8", parse_switch),

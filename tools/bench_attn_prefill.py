@@ -1,8 +1,8 @@
-"""Prefill attention alone at the 27B head shapes, v1 vs v2 (q27py/bench/attn_prefill.py): 8K and
+"""Prefill attention alone at the 27B head shapes, v1 / v2 / v3 (q27py/bench/attn_prefill.py): 8K and
 32K prefills in 4096-lane chunks and a warm 512-lane turn over 25K cached keys, TFLOP/s against
 790. JSON to $OUT/attn_prefill.json when OUT is set.
 
-    PYTHONPATH=. python3 tools/bench_attn_prefill.py [--kv bf16 fp8] [--impl v1 v2]
+    PYTHONPATH=. python3 tools/bench_attn_prefill.py [--kv bf16 fp8] [--impl v1 v2 v3]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"])
-    ap.add_argument("--impl", nargs="+", default=["v1", "v2"])
+    ap.add_argument("--impl", nargs="+", default=["v1", "v2", "v3"])
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     res = {"device": Runtime.get().describe(), "rows": []}

@@ -26,8 +26,13 @@ def main() -> int:
     ap.add_argument("--no-routes", action="store_true")
     ap.add_argument("--attn-prefill", default=None,
                     help="prefill attention kernel (default: EngineConfig.attn_prefill, what the engine runs)")
+    ap.add_argument("--wgmma", choices=("on", "off"), default=None,
+                    help="v2 on the sm_90a wgmma kernel (default: EngineConfig.attn_prefill_wgmma)")
     args = ap.parse_args()
     from q27py.gpu import kernels as K
+
+    if args.wgmma is not None:
+        K.ATTN_PREFILL_WGMMA = args.wgmma == "on"
 
     if args.attn_prefill is None:
         from q27py.config import EngineConfig
@@ -56,6 +61,7 @@ def main() -> int:
             res["prefill"][f"{chunk}/{n}"] = p
             print(f"prefill chunk {chunk} T={n}: {p['tokens_per_s']:.0f} tok/s ({p['seconds']:.3f} s)", flush=True)
     res["attn_prefill"] = args.attn_prefill
+    res["attn_prefill_wgmma"] = K.ATTN_PREFILL_WGMMA
     res["breakdown"] = []
     for n in lens[1:]:
         bd = b.prefill_breakdown(n)

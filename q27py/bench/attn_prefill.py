@@ -1,5 +1,5 @@
 """Focused prefill-attention timing at the 27B head shapes (24 q heads, 4 kv heads, head dim 256):
-the attention kernels alone, v1 vs v2, on random q / K / V, as FastModel calls them.
+the attention kernels alone, v1 / v2 / v3 (v2 on wgmma), on random q / K / V, as FastModel calls them.
 
 Cases (per attention layer, then x the model's 16 attention layers):
   8K prefill       two 4096-lane chunks at pos0 0 and 4096 (the engine's gpu_prefill_chunk)
@@ -51,7 +51,8 @@ def attention_prefill_timing(impls=("v1", "v2"), kv: str = "bf16", reps: int = 3
 
     def call(impl, pos0, t):
         pos_dev.fill(pos0)
-        if impl == "v2":
+        if impl in ("v2", "v3"):  # v3: v2's entry point with the wgmma kernel selected
+            K.ATTN_PREFILL_WGMMA = impl == "v3"
             K.attention_prefill2(q, ldq, kc, vc, fp8, max_pos, nq, nkv, hd, pos_dev, pos0, qg, ldqg, out, ldo, t, part,
                                  kx, vx)
         elif fp8:
@@ -72,11 +73,18 @@ def attention_prefill_timing(impls=("v1", "v2"), kv: str = "bf16", reps: int = 3
         return float(np.median(ms))
 
     rows = []
+    wgmma = K.ATTN_PREFILL_WGMMA
     for name, chunks in CASES.items():
         flop = sum(4.0 * nq * hd * (t * pos0 + t * (t + 1) / 2) for pos0, t in chunks)
         for impl in impls:
-            if impl == "v2" and K.attention_prefill2_variant(hd, fp8) is None:
+            if impl in ("v2", "v3") and K.attention_prefill2_variant(hd, fp8) is None:
                 continue
+            if impl == "v3":
+                saved, K.ATTN_PREFILL_WGMMA = K.ATTN_PREFILL_WGMMA, True
+                ok = K.attention_prefill3_supported(hd, fp8)
+                K.ATTN_PREFILL_WGMMA = saved
+                if not ok:
+                    continue
             ms = sum(timed(impl, p, t) for p, t in chunks)
             tf = flop / ms / 1e9
             row = {"case": name, "impl": impl, "kv": kv, "ms_per_layer": ms, "s_all_layers": ms * layers / 1e3,
@@ -84,4 +92,5 @@ def attention_prefill_timing(impls=("v1", "v2"), kv: str = "bf16", reps: int = 3
             rows.append(row)
             log(f"attention prefill {name:>15} {impl} {kv}: {ms:8.3f} ms/layer, {row['s_all_layers']:.3f} s x{layers}, "
                 f"{tf:6.1f} TFLOP/s = {row['fraction_of_peak']:.1%} of {BF16_DENSE_PEAK_TFLOPS:.0f}")
+    K.ATTN_PREFILL_WGMMA = wgmma
     return rows

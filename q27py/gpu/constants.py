@@ -96,6 +96,9 @@ PF2_SPLIT_KEYS = 4096
 PF2_WARPS_A, PF2_NK_A = 8, 64
 PF2_WARPS_B, PF2_NK_B = 8, 32
 PF2_WARPS_C, PF2_NK_C = 4, 32
+# prefill attention v3 (cuda/attention_prefill3.cu, sm_90a wgmma): v2's contract and key blocks; warps (two
+# warpgroups of 64 rows: 16 rows a warp, as v2's variant a), keys per tile, and its one head dim
+PF3_WARPS, PF3_NK, PF3_HD = 8, 64, 256
 
 # ---------------------------------------------------------------- tables, norms, sampling
 TAB_F32, TAB_BF16, TAB_Q8 = 0, 1, 2

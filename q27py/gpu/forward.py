@@ -1394,6 +1394,7 @@ def load_fast_model(cfg) -> FastModel:
     blas.set_weight_cache(blas.weight_cache_budget(e.prefill_weight_cache_gb, expansions_bytes(weights)))
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
+    K.ATTN_PREFILL_WGMMA = bool(e.attn_prefill_wgmma)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused,

@@ -1472,7 +1472,10 @@ def attention_prefill2(q, ldq: int, kcache, vcache, fp8: bool, max_pos: int, nq:
     if fp8 and (kexp is None or vexp is None):
         raise ValueError("fp8 KV needs the row exponents")
     name, warps, nk = v
-    kernel = f"attn_prefill2_{'fp8' if fp8 else 'bf16'}_d{hd}_{name}"
+    module, kernel = "attention_prefill2", f"attn_prefill2_{'fp8' if fp8 else 'bf16'}_d{hd}_{name}"
+    smem = attention_prefill2_bytes(hd, fp8, warps, nk)
+    if attention_prefill3_supported(hd, fp8):  # the same grid, rows and partials on wgmma
+        module, kernel, warps, smem = "attention_prefill3", "attn_prefill3_bf16_d256", C.PF3_WARPS, attention_prefill3_bytes()
     rows_per_cta = 16 * warps
     rep = nq // nkv
     nblk = attention_prefill2_blocks(pos0 + nlanes)
@@ -1480,19 +1483,51 @@ def attention_prefill2(q, ldq: int, kcache, vcache, fp8: bool, max_pos: int, nq:
     if piece < 1:
         raise ValueError(f"prefill attention v2 partials scratch too small for {nblk} key blocks")
     rt = Runtime.get()
-    smem = attention_prefill2_bytes(hd, fp8, warps, nk)
     scale_log2 = hd ** -0.5 * 1.4426950408889634  # the kernel's softmax runs in log2 units (exp2)
     for a in range(0, nlanes, piece):
         n = min(piece, nlanes - a)
         args = (ptr(q, 4 * a * ldq), i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), i32(n),
                 f32(scale_log2), pos0_dev, i32(a), ptr(qg, 4 * a * ldqg), i32(ldqg), ptr(out, 4 * a * ldo), i32(ldo),
                 part, kexp, vexp)
-        rt.launch("attention_prefill2", kernel, (nkv, -(-(rep * n) // rows_per_cta), nblk), 32 * warps, args,
-                  shared_mem=smem)
+        if module == "attention_prefill3":
+            args = args[:-2]  # bf16 KV only: no row exponents
+        rt.launch(module, kernel, (nkv, -(-(rep * n) // rows_per_cta), nblk), 32 * warps, args, shared_mem=smem)
         if nblk > 1:
             rt.launch("attention_prefill2", "attn_prefill2_combine", (n, nq), hd,
                       (part, i32(nq), i32(hd), i32(nblk), pos0_dev, i32(a), ptr(qg, 4 * a * ldqg), i32(ldqg),
                        ptr(out, 4 * a * ldo), i32(ldo)))
+
+
+# ---------------------------------------------------------------- prefill attention v3 (cuda/attention_prefill3.cu)
+# v2's contract, tiles and numerics on Hopper's warpgroup MMA (wgmma, the sm_90a build: runtime.ARCH_SPECIFIC),
+# for bf16 KV at head dim 256 (the 27B); attention_prefill2 takes it wherever it is supported and
+# selected, and v2 runs everywhere else (fp8 KV, other head dims, cards without an sm_90a build).
+# Set from EngineConfig.attn_prefill_wgmma.
+def _attn_prefill_wgmma_default() -> bool:
+    from q27py.config import Q27Config, apply_env
+
+    return bool(apply_env(Q27Config()).engine.attn_prefill_wgmma)
+
+
+ATTN_PREFILL_WGMMA = _attn_prefill_wgmma_default()
+
+
+def attention_prefill3_bytes() -> int:
+    """The bf16 Q tile, PF2_STAGES K + V tiles, and 1 KB to align the 128-byte swizzle atoms."""
+    return 16 * C.PF3_WARPS * C.PF3_HD * 2 + C.PF2_STAGES * 2 * C.PF3_NK * C.PF3_HD * 2 + 1024
+
+
+def attention_prefill3_supported(hd: int, fp8: bool, cc: tuple[int, int] | None = None,
+                                 smem_optin: int | None = None) -> bool:
+    """Whether attention_prefill2 runs the wgmma kernel for this head dim / KV format on this card."""
+    if not ATTN_PREFILL_WGMMA or fp8 or hd != C.PF3_HD:
+        return False
+    if cc is None or smem_optin is None:
+        rt = Runtime.get()
+        cc, smem_optin = rt.cc, rt.smem_optin
+    from q27py.gpu.runtime import ARCH_SPECIFIC
+
+    return cc in ARCH_SPECIFIC["attention_prefill3"] and attention_prefill3_bytes() <= smem_optin
 
 
 # ---------------------------------------------------------------- rotated Lloyd-Max KV (k5v3 / k3v3)

@@ -38,7 +38,11 @@ def _find_cuda_dir() -> Path:
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
 KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_decode", "gdn_chunk", "gdn_chunk2", "rope", "attention",
-                "attention_prefill", "attention_prefill2", "sampling", "probe", "kv_rotated")
+                "attention_prefill", "attention_prefill2", "attention_prefill3", "sampling", "probe", "kv_rotated")
+# Modules with an architecture-specific build on some cards: there they compile for the "a" target
+# (sm_90a: wgmma, setmaxnreg), whose instructions the plain sm_90 target rejects; the source's entry
+# points trap in any other build, and kernels.py only launches them where this table gives a target.
+ARCH_SPECIFIC = {"attention_prefill3": {(9, 0): "sm_90a"}}
 
 
 class GpuUnavailable(Q27Error):
@@ -203,6 +207,41 @@ def source_text(name: str) -> str:
     return src.replace('#include "common.cuh"', header)
 
 
+def nvrtc_cubin(name: str, options: tuple[str, ...], arch: str) -> Path:
+    """Compile cuda/<name>.cu for `arch` with cuda-python's NVRTC binding (no CuPy in between: the
+    target is exactly `arch`), write the cubin beside CuPy's cache and return its path."""
+    import hashlib
+
+    from cuda.bindings import nvrtc
+
+    src = source_text(name)
+    opts = tuple(options) + ("-ftz=true", "-default-device", f"--gpu-architecture={arch}")
+    key = hashlib.sha256((src + "\0".join(opts)).encode()).hexdigest()[:24]
+    out = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache")) / f"q27_{name}_{arch}_{key}.cubin"
+    if out.exists():
+        return out
+    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), f"{name}.cu".encode(), 0, [], [])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"nvrtcCreateProgram: {err}")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * n
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(log.decode(errors="replace")[-2000:])
+        _, n = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * n
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(cubin)
+    tmp.replace(out)
+    return out
+
+
 class Runtime:
     """One per process: the device, its properties, and the compiled modules."""
 
@@ -257,10 +296,37 @@ class Runtime:
     def module(self, name: str):
         mod = self._modules.get(name)
         if mod is None:
-            mod = self.cp.RawModule(code=source_text(name), options=compile_options())
-            mod.compile()
+            arch = self.arch_target(name)
+            if arch is None:
+                mod = self.cp.RawModule(code=source_text(name), options=compile_options())
+                mod.compile()
+            else:
+                mod = self._arch_module(name, arch)
             self._modules[name] = mod
         return mod
+
+    def arch_target(self, name: str) -> str | None:
+        """The architecture-specific target this card builds module `name` for (ARCH_SPECIFIC), or None."""
+        return ARCH_SPECIFIC.get(name, {}).get(self.cc)
+
+    def _arch_module(self, name: str, arch: str):
+        """Module `name` built for `arch` (e.g. sm_90a). CuPy appends its own -arch=sm_<cc> after the
+        caller's options, so which target wins depends on the NVRTC: the source turns a build that
+        lost the "a" features into an #error (Q27_ARCH_SPECIFIC), and then the module is compiled
+        through cuda-python's NVRTC binding and loaded as a cubin instead."""
+        opts = compile_options() + ("-DQ27_ARCH_SPECIFIC", f"-arch={arch}")
+        try:
+            mod = self.cp.RawModule(code=source_text(name), options=opts)
+            mod.compile()
+            return mod
+        except Exception as first:  # noqa: BLE001 -- any compile failure: try the direct route
+            try:
+                path = nvrtc_cubin(name, opts[:-1], arch)
+            except Exception as second:  # noqa: BLE001
+                raise RuntimeError(f"{name} for {arch}: CuPy ({first}); NVRTC ({second})") from None
+            mod = self.cp.RawModule(path=str(path))
+            mod.compile()
+            return mod
 
     def fn(self, module: str, kernel: str):
         key = (module, kernel)

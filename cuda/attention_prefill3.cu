@@ -1,0 +1,322 @@
+// Causal prefill attention v3: attention_prefill2.cu's contract and numerics on Hopper's warpgroup MMA
+// (wgmma, sm_90a only; EngineConfig.attn_prefill_wgmma). Everywhere else the entry points trap and
+// kernels.attention_prefill2 keeps the v2 kernel.
+//
+// Why: v2 (mma.sync, 8 warps x 16 rows) runs at ~220 TFLOP/s on the H200 because every warp reads its
+// own K and V fragments out of shared memory through ldmatrix (16 rows per read), so shared-memory
+// bandwidth, not the tensor pipe, bounds it (~590 KB of smem reads per 128 x 64 tile against ~8
+// MFLOP). wgmma reads B straight from shared memory for 64 rows at a time (a warpgroup), A (Q) from
+// shared memory too and P from registers: per CTA tile 192 KB of reads for the same work.
+//
+// Same contract as v2 (kernels.attention_prefill2): a CTA owns ROWS = 128 (lane, q head) rows of one
+// kv head, flattened lane-major, streams the visible keys of one key block (PF2_SPLIT_KEYS keys at
+// absolute positions) through two cp.async stages of NK = 64 keys, fuses the sigmoid gate into the
+// epilogue, and writes split rows' partials for attn_prefill2_combine. Numerics: Q and P as one bf16
+// each, fp32 accumulation, fp32 online softmax in log2 units, l summing the bf16-rounded P in v2's
+// order: v2's error class (tests/gpu/test_attention_prefill3.py holds it to v2 and to float64).
+//
+// Layout: two warpgroups (8 warps); warpgroup w owns rows 64 w .. 64 w + 63 (warp 4 w + i: rows
+// 16 (4 w + i) .., v2's warp rows). Shared tiles are [HD / 64 column blocks][rows][64 bf16] with the
+// 128-byte swizzle (16-byte chunk c of row r at c ^ (r & 7), 1024-byte atoms): K-major for Q (A) and
+// K (B of S = Q K^T), MN-major for V (B of O = P V, transposed by the instruction), so K and V tiles
+// share one layout and one cp.async loop. Accumulator fragments (S: 64 x 64, O: 64 x 256) follow
+// the m16n8 C layout per warp, so P packs into wgmma's register A fragment exactly as v2 packs it
+// for mma.sync.
+#include "common.cuh"
+
+// the runtime asked for the sm_90a build (runtime.ARCH_SPECIFIC): fail loudly if the compiler targets plain sm_90
+#if defined(Q27_ARCH_SPECIFIC) && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "attention_prefill3 was asked for sm_90a but is being built without its features"
+#endif
+
+typedef unsigned long long u64;
+
+
+__device__ __forceinline__ u32 pf3_smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// byte offset of 16-byte chunk cc (dims 8 cc .. 8 cc + 7) of row r in a [HD / 64][R][128 B] swizzled tile
+template <int R>
+__device__ __forceinline__ u32 pf3_off(int r, int cc) {
+    return (u32)((cc >> 3) * R * 128 + r * 128 + (((cc & 7) ^ (r & 7)) << 4));
+}
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle: start, leading / stride byte offsets
+__device__ __forceinline__ u64 pf3_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo & 0x3FFFF) >> 4) << 16) | ((u64)((sbo & 0x3FFFF) >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void pf3_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void pf3_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void pf3_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void pf3_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// the accumulators are asm outputs of the issuing instruction: without this, the compiler could move
+// their first reads above the wait (nothing ties them to it)
+template <int N>
+__device__ __forceinline__ void pf3_reg_fence(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D (64 x 64 fp32, 32 per thread) [+]= A (64 x 16, smem) B (16 x 64, smem, K-major): one k16 step of S = Q K^T
+__device__ __forceinline__ void pf3_wgmma_s(float (&d)[32], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// D (64 x 256 fp32, 128 per thread) += A (64 x 16 bf16, registers) B (16 x 256, smem, MN-major): one k16
+// step of O += P V
+__device__ __forceinline__ void pf3_wgmma_pv(float (&d)[128], const u32 (&a)[4], u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+
+// grid (nkv, row tiles, key blocks), block 32 PF3_WARPS, dynamic smem PF3 bytes (kernels.attention_prefill3_bytes).
+// Arguments and outputs: attention_prefill2.cu prefill2_body (bf16 KV).
+__device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int ldq, const u16* __restrict__ kc,
+                                              const u16* __restrict__ vc, int max_pos, int nq, int nkv, int t,
+                                              float scale_log2, const int* __restrict__ pos0_dev, int lane0,
+                                              const float* __restrict__ qg, int ldqg, float* __restrict__ out, int ldo,
+                                              float* __restrict__ part) {
+    constexpr int HD = PF3_HD, ROWS = 16 * PF3_WARPS, NK = PF3_NK, THREADS = 32 * PF3_WARPS;
+    static_assert(PF3_WARPS == 8 && PF2_STAGES == 2 && NK % 16 == 0 && PF2_SPLIT_KEYS % NK == 0 && HD % 64 == 0, "two warpgroups, whole tiles");
+    constexpr int CR = HD / 8;                   // 16-byte chunks per row
+    constexpr int Q_BYTES = ROWS * HD * 2;       // 64 KB
+    constexpr int KV_BYTES = NK * HD * 2;        // 32 KB: one K (or V) tile
+    constexpr int STAGE_BYTES = 2 * KV_BYTES;
+    constexpr int NT = NK / 8;                   // key n8 tiles of S
+    constexpr int DT = HD / 8;                   // dim n8 tiles of O
+    extern __shared__ __align__(128) unsigned char pf3_raw[];
+    // 1024-byte alignment for the swizzle atoms (the host asks for 1 KB more than the tiles)
+    const u32 raw = pf3_smem(pf3_raw);
+    const u32 base = (raw + 1023u) & ~1023u;
+    unsigned char* sm = pf3_raw + (base - raw);
+    const u32 q_base = base, st_base = base + Q_BYTES;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+    const int wg = warp >> 2;
+    const int g = blockIdx.x;
+    const int tile = gridDim.y - 1 - blockIdx.y;  // the longest key ranges start first
+    const int blk = blockIdx.z, nblk = gridDim.z;
+    const int rep = nq / nkv;
+    const int nrows = rep * t;
+    const int r0 = tile * ROWS;
+    const int pos0 = *pos0_dev + lane0;
+    const int pos_max = pos0 + (min(r0 + ROWS, nrows) - 1) / rep;
+    const int kb0 = blk * PF2_SPLIT_KEYS;
+    if (kb0 > pos_max) return;  // uniform over the CTA
+    const int kend = min(kb0 + PF2_SPLIT_KEYS, pos_max + 1);
+    const int ntk = (kend - kb0 + NK - 1) / NK;
+
+    const u16* kg = kc + (i64)g * max_pos * HD;
+    const u16* vg = vc + (i64)g * max_pos * HD;
+
+    auto load_tile = [&](int kt) {
+        const u32 st = st_base + (kt & 1) * STAGE_BYTES;
+        const int k0 = kb0 + kt * NK;
+#pragma unroll
+        for (int u = tid; u < NK * CR; u += THREADS) {
+            const int kr = u / CR, c = u - kr * CR;
+            const int key = k0 + kr;
+            const bool ok = key <= pos_max;
+            const i64 src = (i64)(ok ? key : 0) * HD + c * 8;
+            const u32 dst = pf3_off<NK>(kr, c);
+            const int n = ok ? 16 : 0;  // zero-filled past the CTA's last row (never stale, never NaN)
+            cp_async_cg16_zfill(st + dst, kg + src, n);
+            cp_async_cg16_zfill(st + KV_BYTES + dst, vg + src, n);
+        }
+        cp_async_commit();
+    };
+    load_tile(0);
+
+    // Q tile -> bf16, swizzled (rows past the launch stay zero and are never written out)
+    for (int u = tid; u < ROWS * CR; u += THREADS) {
+        const int r = u / CR, c = u - r * CR;
+        const int R = r0 + r;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (R < nrows) {
+            const int ln = R / rep, j = R - ln * rep;
+            const float* p = q + (i64)ln * ldq + (g * rep + j) * HD + c * 8;
+            const float4 a = *reinterpret_cast<const float4*>(p);
+            const float4 b = *reinterpret_cast<const float4*>(p + 4);
+            v = make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y), pack_bf16x2(b.z, b.w));
+        }
+        *reinterpret_cast<uint4*>(sm + pf3_off<ROWS>(r, c)) = v;
+    }
+
+    int rpos[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) rpos[i] = pos0 + min(r0 + warp * 16 + gq + 8 * i, nrows - 1) / rep;
+    const int wpos_lo = pos0 + min(r0 + warp * 16, nrows - 1) / rep;
+    // the warpgroup's last row position: a tile past it changes none of its rows (warpgroup-uniform)
+    const int gpos_hi = pos0 + min(r0 + wg * 64 + 63, nrows - 1) / rep;
+    const bool g_live = r0 + wg * 64 < nrows;
+
+    float o[DT * 4];
+#pragma unroll
+    for (int d = 0; d < DT * 4; d++) o[d] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    for (int kt = 0; kt < ntk; kt++) {
+        if (kt + 1 < ntk) {
+            load_tile(kt + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        pf3_fence_proxy();  // this thread's Q stores and landed cp.async bytes, visible to the async proxy
+        __syncthreads();
+        const int k0 = kb0 + kt * NK;
+        if (g_live && k0 <= gpos_hi) {
+            const u32 ks = st_base + (kt & 1) * STAGE_BYTES, vs = ks + KV_BYTES;
+            // S = Q K^T: 16 k16 steps over the head dim
+            float s[NT * 4];
+            pf3_wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const u64 da = pf3_desc(q_base + (kk >> 2) * ROWS * 128 + wg * 64 * 128 + (kk & 3) * 32, 16, 1024);
+                const u64 db = pf3_desc(ks + (kk >> 2) * NK * 128 + (kk & 3) * 32, 16, 1024);
+                pf3_wgmma_s(s, da, db, kk > 0);
+            }
+            pf3_wg_commit();
+            pf3_wg_wait0();
+            pf3_reg_fence(s);
+            // scale (log2 units), causal mask where the tile crosses this warp's first row position
+            float mx[2] = {-INFINITY, -INFINITY};
+            const bool diag = k0 + NK - 1 > wpos_lo;
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    float x = s[4 * n + c] * scale_log2;
+                    if (diag && k0 + n * 8 + 2 * tq + (c & 1) > rpos[c >> 1]) x = -INFINITY;
+                    s[4 * n + c] = x;
+                    mx[c >> 1] = fmaxf(mx[c >> 1], x);
+                }
+            float corr[2], mu[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 2));
+                const float mn = fmaxf(m[i], mx[i]);
+                mu[i] = mn == -INFINITY ? 0.f : mn;  // no visible key yet: nothing becomes NaN (v2)
+                corr[i] = exp2f(m[i] - mu[i]);
+                m[i] = mn;
+                l[i] *= corr[i];
+            }
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                o[4 * d + 0] *= corr[0];
+                o[4 * d + 1] *= corr[0];
+                o[4 * d + 2] *= corr[1];
+                o[4 * d + 3] *= corr[1];
+            }
+            // P as bf16 A fragments (k16 step kk = S n-tiles 2 kk, 2 kk + 1), l summing the rounded P in
+            // v2's order
+            u32 p[NK / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < NK / 16; kk++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        const float* sv = s + 4 * (2 * kk + h);
+                        const u32 pk = pack_bf16x2(exp2f(sv[2 * i] - mu[i]), exp2f(sv[2 * i + 1] - mu[i]));
+                        p[kk][2 * h + i] = pk;
+                        l[i] += bf16x2_lo(pk) + bf16x2_hi(pk);
+                    }
+            // O += P V: 4 k16 steps over the tile's keys, V transposed by the instruction
+            pf3_reg_fence(o);
+            pf3_wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < NK / 16; kk++)
+                pf3_wgmma_pv(o, p[kk], pf3_desc(vs + kk * 16 * 128, NK * 128, 1024), 1);
+            pf3_wg_commit();
+            pf3_wg_wait0();
+            pf3_reg_fence(o);
+        }
+        __syncthreads();  // both warpgroups are done with this stage before it is refilled
+    }
+
+    // epilogue (v2's): full row sums over the quad; direct rows normalize + gate, split rows write partials
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(FULL_MASK, l[i], 1);
+        l[i] += __shfl_xor_sync(FULL_MASK, l[i], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int R = r0 + warp * 16 + gq + 8 * i;
+        if (R >= nrows) continue;
+        const int ln = R / rep, h = g * rep + (R - ln * rep);
+        const int pos = pos0 + ln;
+        if (pos < kb0) continue;
+        if (pos < PF2_SPLIT_KEYS) {
+            const float* gate = qg + (i64)ln * ldqg + h * 2 * HD + HD;
+            float* dst = out + (i64)ln * ldo + h * HD;
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                const int dd = d * 8 + 2 * tq;
+                const float2 gv = *reinterpret_cast<const float2*>(gate + dd);
+                dst[dd] = (o[4 * d + 2 * i] / l[i]) * sigmoid_f(gv.x);
+                dst[dd + 1] = (o[4 * d + 2 * i + 1] / l[i]) * sigmoid_f(gv.y);
+            }
+        } else {
+            float* dst = part + ((i64)(ln * nq + h) * nblk + blk) * (HD + 4);
+#pragma unroll
+            for (int d = 0; d < DT; d++)
+                *reinterpret_cast<float2*>(dst + d * 8 + 2 * tq) = make_float2(o[4 * d + 2 * i], o[4 * d + 2 * i + 1]);
+            if (tq == 0) *reinterpret_cast<float2*>(dst + HD) = make_float2(m[i], l[i]);
+        }
+    }
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * PF3_WARPS, 1)
+    attn_prefill3_bf16_d256(const float* q, int ldq, const u16* kc, const u16* vc, int max_pos, int nq, int nkv, int t,
+                            float scale_log2, const int* pos0_dev, int lane0, const float* qg, int ldqg, float* out,
+                            int ldo, float* part) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    prefill3_body(q, ldq, kc, vc, max_pos, nq, nkv, t, scale_log2, pos0_dev, lane0, qg, ldqg, out, ldo, part);
+#else
+    __trap();  // built for sm_90a only (kernels.attention_prefill3_supported)
+#endif
+}
