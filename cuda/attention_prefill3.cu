@@ -109,8 +109,37 @@ __device__ __forceinline__ void pf3_wgmma_pv(float (&d)[128], const u32 (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
-// grid (nkv, row tiles, key blocks), block 32 PF3_WARPS, dynamic smem PF3 bytes (kernels.attention_prefill3_bytes).
-// Arguments and outputs: attention_prefill2.cu prefill2_body (bf16 KV).
+// mbarriers (the warp-specialized form): init, arrive, parity wait, and the arrive a thread's cp.async
+// copies trigger when they land (.noinc: it is one of the barrier's expected arrivals)
+__device__ __forceinline__ void pf3_mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void pf3_mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void pf3_mbar_wait(u32 bar, int parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void pf3_cp_async_mbar_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// grid (nkv, row tiles, key blocks), dynamic smem kernels.attention_prefill3_bytes(). Arguments and outputs:
+// attention_prefill2.cu prefill2_body (bf16 KV).
+// WS = false: a CTA barrier per tile keeps the two warpgroups in step (both issue their wgmma at once,
+//   then both run the softmax while the tensor cores idle).
+// WS = true: per stage a "full" mbarrier (every thread's cp.async copies of the tile landed: 256 arrivals)
+//   and an "empty" one (the 8 warps are done reading it), so the warpgroups drift up to a tile apart and
+//   one's softmax overlaps the other's wgmma. A thread refills a stage only once every warp has
+//   released its previous tile (two stages: the one being read stays untouched).
+// Both: block 32 PF3_WARPS, every thread loads its share of each K / V tile.
+template <bool WS>
 __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int ldq, const u16* __restrict__ kc,
                                               const u16* __restrict__ vc, int max_pos, int nq, int nkv, int t,
                                               float scale_log2, const int* __restrict__ pos0_dev, int lane0,
@@ -130,6 +159,7 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
     const u32 base = (raw + 1023u) & ~1023u;
     unsigned char* sm = pf3_raw + (base - raw);
     const u32 q_base = base, st_base = base + Q_BYTES;
+    const u32 bar_full = st_base + PF2_STAGES * STAGE_BYTES, bar_empty = bar_full + 8 * PF2_STAGES;  // WS
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
     const int wg = warp >> 2;
@@ -149,23 +179,40 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
     const u16* kg = kc + (i64)g * max_pos * HD;
     const u16* vg = vc + (i64)g * max_pos * HD;
 
+    // tile kt's K / V rows into stage kt & 1, by `nthr` threads (this one is number `me`)
+    // tile kt's K / V rows into stage kt & 1. Thread (warp w, lane c) copies chunk c of rows w + 8 i: the
+    // swizzle term (c & 7) ^ (row & 7) is the same for all 8 of its rows, so the addresses are fixed
+    // per thread and step by constants.
+    static_assert(THREADS == 8 * CR && NK % 8 == 0, "a warp per row residue, a lane per chunk");
+    const int lc = tid & (CR - 1), lw = tid / CR;
+    const u32 ld_dst = (u32)((lc >> 3) * NK * 128 + lw * 128 + (((lc & 7) ^ (lw & 7)) << 4));
     auto load_tile = [&](int kt) {
-        const u32 st = st_base + (kt & 1) * STAGE_BYTES;
-        const int k0 = kb0 + kt * NK;
+        const u32 st = st_base + (kt & 1) * STAGE_BYTES + ld_dst;
+        const int k0 = kb0 + kt * NK + lw;
+        const i64 src = (i64)k0 * HD + lc * 8;
 #pragma unroll
-        for (int u = tid; u < NK * CR; u += THREADS) {
-            const int kr = u / CR, c = u - kr * CR;
-            const int key = k0 + kr;
-            const bool ok = key <= pos_max;
-            const i64 src = (i64)(ok ? key : 0) * HD + c * 8;
-            const u32 dst = pf3_off<NK>(kr, c);
-            const int n = ok ? 16 : 0;  // zero-filled past the CTA's last row (never stale, never NaN)
-            cp_async_cg16_zfill(st + dst, kg + src, n);
-            cp_async_cg16_zfill(st + KV_BYTES + dst, vg + src, n);
+        for (int i = 0; i < NK / 8; i++) {
+            const int n = k0 + 8 * i <= pos_max ? 16 : 0;  // zero-filled past the CTA's last row (never stale, never NaN)
+            const i64 at = n ? src + (i64)i * 8 * HD : 0;   // a valid address either way
+            cp_async_cg16_zfill(st + i * 8 * 128, kg + at, n);
+            cp_async_cg16_zfill(st + KV_BYTES + i * 8 * 128, vg + at, n);
         }
-        cp_async_commit();
     };
-    load_tile(0);
+    if constexpr (WS) {
+        if (tid == 0) {
+#pragma unroll
+            for (int s = 0; s < PF2_STAGES; s++) {
+                pf3_mbar_init(bar_full + 8 * s, THREADS);  // one cp.async arrival per thread
+                pf3_mbar_init(bar_empty + 8 * s, PF3_WARPS);  // one arrival per warp
+            }
+        }
+        __syncthreads();
+        load_tile(0);
+        pf3_cp_async_mbar_arrive(bar_full);
+    } else {
+        load_tile(0);
+        cp_async_commit();
+    }
 
     // Q tile -> bf16, swizzled (rows past the launch stay zero and are never written out)
     for (int u = tid; u < ROWS * CR; u += THREADS) {
@@ -181,6 +228,10 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
         }
         *reinterpret_cast<uint4*>(sm + pf3_off<ROWS>(r, c)) = v;
     }
+    if constexpr (WS) {
+        pf3_fence_proxy();  // the Q stores, visible to the async proxy
+        __syncthreads();
+    }
 
     int rpos[2];
 #pragma unroll
@@ -190,31 +241,47 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
     const int gpos_hi = pos0 + min(r0 + wg * 64 + 63, nrows - 1) / rep;
     const bool g_live = r0 + wg * 64 < nrows;
 
+    // descriptors of this warpgroup's Q rows and of stage 0's K and V (addresses < 256 KB: the 14-bit
+    // start field never carries into the next one when offsets are added)
+    const u64 dq0 = pf3_desc(q_base + wg * 64 * 128, 16, 1024);
+    const u64 dk0 = pf3_desc(st_base, 16, 1024), dv0 = pf3_desc(st_base + KV_BYTES, NK * 128, 1024);
+
     float o[DT * 4];
 #pragma unroll
     for (int d = 0; d < DT * 4; d++) o[d] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     for (int kt = 0; kt < ntk; kt++) {
-        if (kt + 1 < ntk) {
-            load_tile(kt + 1);
-            cp_async_wait<1>();
+        if constexpr (WS) {
+            if (kt + 1 < ntk) {  // tile kt + 1 into the stage tile kt - 1 left, once every warp released it
+                if (kt >= 1) pf3_mbar_wait(bar_empty + 8 * ((kt + 1) & 1), ((kt - 1) >> 1) & 1);
+                load_tile(kt + 1);
+                pf3_cp_async_mbar_arrive(bar_full + 8 * ((kt + 1) & 1));
+            }
+            pf3_mbar_wait(bar_full + 8 * (kt & 1), (kt >> 1) & 1);
+            pf3_fence_proxy();  // every thread's landed copies (acquired by the wait), for this thread's async-proxy reads
         } else {
-            cp_async_wait<0>();
+            if (kt + 1 < ntk) {
+                load_tile(kt + 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            pf3_fence_proxy();  // this thread's Q stores and landed cp.async bytes, visible to the async proxy
+            __syncthreads();
         }
-        pf3_fence_proxy();  // this thread's Q stores and landed cp.async bytes, visible to the async proxy
-        __syncthreads();
         const int k0 = kb0 + kt * NK;
         if (g_live && k0 <= gpos_hi) {
-            const u32 ks = st_base + (kt & 1) * STAGE_BYTES, vs = ks + KV_BYTES;
+            const u64 dk = dk0 + (((kt & 1) * STAGE_BYTES) >> 4), dv = dv0 + (((kt & 1) * STAGE_BYTES) >> 4);
             // S = Q K^T: 16 k16 steps over the head dim
             float s[NT * 4];
             pf3_wg_fence();
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
-                const u64 da = pf3_desc(q_base + (kk >> 2) * ROWS * 128 + wg * 64 * 128 + (kk & 3) * 32, 16, 1024);
-                const u64 db = pf3_desc(ks + (kk >> 2) * NK * 128 + (kk & 3) * 32, 16, 1024);
-                pf3_wgmma_s(s, da, db, kk > 0);
+                // the start-address field is (byte address >> 4) in the low bits: a k step adds its offset / 16
+                pf3_wgmma_s(s, dq0 + (((kk >> 2) * ROWS * 128 + (kk & 3) * 32) >> 4),
+                            dk + (((kk >> 2) * NK * 128 + (kk & 3) * 32) >> 4), kk > 0);
             }
             pf3_wg_commit();
             pf3_wg_wait0();
@@ -242,12 +309,16 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
                 m[i] = mn;
                 l[i] *= corr[i];
             }
+            // O *= corr, skipped where every row of the warp kept its max (corr exactly 1: x * 1 is x, so the
+            // bits are v2's): past the first tiles of a long row the max rarely moves
+            if (__any_sync(FULL_MASK, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
-            for (int d = 0; d < DT; d++) {
-                o[4 * d + 0] *= corr[0];
-                o[4 * d + 1] *= corr[0];
-                o[4 * d + 2] *= corr[1];
-                o[4 * d + 3] *= corr[1];
+                for (int d = 0; d < DT; d++) {
+                    o[4 * d + 0] *= corr[0];
+                    o[4 * d + 1] *= corr[0];
+                    o[4 * d + 2] *= corr[1];
+                    o[4 * d + 3] *= corr[1];
+                }
             }
             // P as bf16 A fragments (k16 step kk = S n-tiles 2 kk, 2 kk + 1), l summing the rounded P in
             // v2's order
@@ -268,12 +339,17 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
             pf3_wg_fence();
 #pragma unroll
             for (int kk = 0; kk < NK / 16; kk++)
-                pf3_wgmma_pv(o, p[kk], pf3_desc(vs + kk * 16 * 128, NK * 128, 1024), 1);
+                pf3_wgmma_pv(o, p[kk], dv + ((kk * 16 * 128) >> 4), 1);
             pf3_wg_commit();
             pf3_wg_wait0();
             pf3_reg_fence(o);
         }
-        __syncthreads();  // both warpgroups are done with this stage before it is refilled
+        if constexpr (WS) {  // this warp is done reading the stage (its wgmma waited above)
+            __syncwarp();
+            if (lane == 0) pf3_mbar_arrive(bar_empty + 8 * (kt & 1));
+        } else {
+            __syncthreads();  // both warpgroups are done with this stage before it is refilled
+        }
     }
 
     // epilogue (v2's): full row sums over the quad; direct rows normalize + gate, split rows write partials
@@ -310,13 +386,18 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(32 * PF3_WARPS, 1)
-    attn_prefill3_bf16_d256(const float* q, int ldq, const u16* kc, const u16* vc, int max_pos, int nq, int nkv, int t,
-                            float scale_log2, const int* pos0_dev, int lane0, const float* qg, int ldqg, float* out,
-                            int ldo, float* part) {
+#define PF3_KERNEL(NAME, WS, THREADS)                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                   \
+        NAME(const float* q, int ldq, const u16* kc, const u16* vc, int max_pos, int nq, int nkv, int t,         \
+             float scale_log2, const int* pos0_dev, int lane0, const float* qg, int ldqg, float* out, int ldo,    \
+             float* part) {                                                                                     \
+        PF3_CALL(WS)                                                                                            \
+    }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    prefill3_body(q, ldq, kc, vc, max_pos, nq, nkv, t, scale_log2, pos0_dev, lane0, qg, ldqg, out, ldo, part);
+#define PF3_CALL(WS) \
+    prefill3_body<WS>(q, ldq, kc, vc, max_pos, nq, nkv, t, scale_log2, pos0_dev, lane0, qg, ldqg, out, ldo, part);
 #else
-    __trap();  // built for sm_90a only (kernels.attention_prefill3_supported)
+#define PF3_CALL(WS) __trap();  // built for sm_90a only (kernels.attention_prefill3_supported)
 #endif
-}
+PF3_KERNEL(attn_prefill3_bf16_d256, false, 32 * PF3_WARPS)
+PF3_KERNEL(attn_prefill3_bf16_d256_ws, true, 32 * PF3_WARPS)

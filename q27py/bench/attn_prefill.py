@@ -51,8 +51,9 @@ def attention_prefill_timing(impls=("v1", "v2"), kv: str = "bf16", reps: int = 3
 
     def call(impl, pos0, t):
         pos_dev.fill(pos0)
-        if impl in ("v2", "v3"):  # v3: v2's entry point with the wgmma kernel selected
-            K.ATTN_PREFILL_WGMMA = impl == "v3"
+        if impl in ("v2", "v3", "v3ws"):  # v3: v2's entry point with the wgmma kernel selected (v3ws: its
+            K.ATTN_PREFILL_WGMMA = impl != "v2"  # warp-specialized form)
+            K.PF3_FORM = "ws" if impl == "v3ws" else "sync"
             K.attention_prefill2(q, ldq, kc, vc, fp8, max_pos, nq, nkv, hd, pos_dev, pos0, qg, ldqg, out, ldo, t, part,
                                  kx, vx)
         elif fp8:
@@ -73,13 +74,13 @@ def attention_prefill_timing(impls=("v1", "v2"), kv: str = "bf16", reps: int = 3
         return float(np.median(ms))
 
     rows = []
-    wgmma = K.ATTN_PREFILL_WGMMA
+    wgmma, form = K.ATTN_PREFILL_WGMMA, K.PF3_FORM
     for name, chunks in CASES.items():
         flop = sum(4.0 * nq * hd * (t * pos0 + t * (t + 1) / 2) for pos0, t in chunks)
         for impl in impls:
-            if impl in ("v2", "v3") and K.attention_prefill2_variant(hd, fp8) is None:
+            if impl in ("v2", "v3", "v3ws") and K.attention_prefill2_variant(hd, fp8) is None:
                 continue
-            if impl == "v3":
+            if impl in ("v3", "v3ws"):
                 saved, K.ATTN_PREFILL_WGMMA = K.ATTN_PREFILL_WGMMA, True
                 ok = K.attention_prefill3_supported(hd, fp8)
                 K.ATTN_PREFILL_WGMMA = saved
@@ -92,5 +93,5 @@ def attention_prefill_timing(impls=("v1", "v2"), kv: str = "bf16", reps: int = 3
             rows.append(row)
             log(f"attention prefill {name:>15} {impl} {kv}: {ms:8.3f} ms/layer, {row['s_all_layers']:.3f} s x{layers}, "
                 f"{tf:6.1f} TFLOP/s = {row['fraction_of_peak']:.1%} of {BF16_DENSE_PEAK_TFLOPS:.0f}")
-    K.ATTN_PREFILL_WGMMA = wgmma
+    K.ATTN_PREFILL_WGMMA, K.PF3_FORM = wgmma, form
     return rows

@@ -1475,8 +1475,10 @@ def attention_prefill2(q, ldq: int, kcache, vcache, fp8: bool, max_pos: int, nq:
     module, kernel = "attention_prefill2", f"attn_prefill2_{'fp8' if fp8 else 'bf16'}_d{hd}_{name}"
     smem = attention_prefill2_bytes(hd, fp8, warps, nk)
     if attention_prefill3_supported(hd, fp8):  # the same grid, rows and partials on wgmma
-        module, kernel, warps, smem = "attention_prefill3", "attn_prefill3_bf16_d256", C.PF3_WARPS, attention_prefill3_bytes()
-    rows_per_cta = 16 * warps
+        module, (kernel, threads), smem = "attention_prefill3", PF3_FORMS[PF3_FORM], attention_prefill3_bytes()
+        rows_per_cta = 16 * C.PF3_WARPS
+    else:
+        rows_per_cta, threads = 16 * warps, 32 * warps
     rep = nq // nkv
     nblk = attention_prefill2_blocks(pos0 + nlanes)
     piece = attention_prefill2_piece(0 if part is None else part.size, nq, hd, nblk)
@@ -1512,9 +1514,16 @@ def _attn_prefill_wgmma_default() -> bool:
 ATTN_PREFILL_WGMMA = _attn_prefill_wgmma_default()
 
 
+# "sync": a CTA barrier per tile keeps the two warpgroups in step; "ws": full / empty mbarriers per
+# stage instead, so they drift apart and one's softmax overlaps the other's wgmma
+PF3_FORMS = {"sync": ("attn_prefill3_bf16_d256", 32 * C.PF3_WARPS), "ws": ("attn_prefill3_bf16_d256_ws", 32 * C.PF3_WARPS)}
+PF3_FORM = "ws"  # device run j4: 2-4% faster than "sync" (docs/PERF.md), the same bits
+
+
 def attention_prefill3_bytes() -> int:
-    """The bf16 Q tile, PF2_STAGES K + V tiles, and 1 KB to align the 128-byte swizzle atoms."""
-    return 16 * C.PF3_WARPS * C.PF3_HD * 2 + C.PF2_STAGES * 2 * C.PF3_NK * C.PF3_HD * 2 + 1024
+    """The bf16 Q tile, PF2_STAGES K + V tiles, 1 KB to align the 128-byte swizzle atoms and the
+    form "ws"'s 2 x PF2_STAGES mbarriers."""
+    return 16 * C.PF3_WARPS * C.PF3_HD * 2 + C.PF2_STAGES * 2 * C.PF3_NK * C.PF3_HD * 2 + 1024 + 16 * C.PF2_STAGES
 
 
 def attention_prefill3_supported(hd: int, fp8: bool, cc: tuple[int, int] | None = None,
