@@ -361,6 +361,98 @@ __device__ __forceinline__ int k_pair_at(int r0, int c, int dk) {
 // (8 consecutive banks after the swizzle), and the swizzle gives the 4 values of t 4 distinct 8-bank
 // groups ((r0 >> 1) & 3 == t for r0 = 8m + 2t).
 
+// Chunk ci's W (sw_row), K (sw_col, zero rows past the chunk), U^T (this CTA's rows, fragment-native) and gates
+// (ED, EG) into the stage at `base`, by NT threads (thread tid), as one cp.async group.
+template <int DK, int NT>
+__device__ __forceinline__ void state_issue(float* base, const float* __restrict__ wsc, const float* __restrict__ usc,
+                                            const float* __restrict__ gsc, const float* kbase, i64 ldq, int h, int j0,
+                                            int dv, int ci, int nlanes, int pos0, int nchunks, int tid) {
+    using L = StateSmem<DK>;
+    constexpr int C = GDN2_C, BV = GDN2_BV;
+    int c0, n;
+    chunk_span(ci, nlanes, pos0, c0, n);
+    const float* w = wsc + ((i64)h * nchunks + ci) * C * DK;
+    for (int idx = tid; idx < C * DK / 4; idx += NT) {
+        const int i = idx / (DK / 4), c = (idx - i * (DK / 4)) * 4;
+        cp_async_cg16(base + L::W + i * DK + sw_row(i, c), w + i * DK + c);
+        const bool ok = i < n;
+        // 16 zero bytes past the chunk's last row (src still a valid address)
+        cp_async_cg16_zfill(base + L::K + i * DK + sw_col(i, c), kbase + (ok ? (i64)(c0 + i) * ldq + c : 0), ok ? 16 : 0);
+    }
+    const float* u = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C;
+    for (int idx = tid; idx < C * BV / 4; idx += NT) cp_async_cg16(base + L::U + idx * 4, u + idx * 4);
+    const float* e = gsc + ((i64)h * nchunks + ci) * GDN2_GATES * C + 2 * C;  // ED, EG
+    for (int idx = tid; idx < 2 * C / 4; idx += NT) cp_async_cg16(base + L::E + idx * 4, e + idx * 4);
+    cp_async_commit();
+}
+
+// The 8-warp state pass's presplit operands (state8_body), by NT threads (thread tid) of a landed, visible stage.
+// W: tf32 hi in place, lo at wlo (same positions), elementwise, 16 bytes at a time.
+template <int DK, int NT>
+__device__ __forceinline__ void state_split_w(float* stage, float* wlo, int tid) {
+    using L = StateSmem<DK>;
+    constexpr int C = GDN2_C;
+    u32* wh = reinterpret_cast<u32*>(stage + L::W);
+    u32* wl = reinterpret_cast<u32*>(wlo);
+    for (int idx = tid * 4; idx < C * DK; idx += NT * 4) {
+        const float4 v = *reinterpret_cast<const float4*>(wh + idx);
+        uint4 hi, lo;
+        split_tf32(v.x, hi.x, lo.x);
+        split_tf32(v.y, hi.y, lo.y);
+        split_tf32(v.z, hi.z, lo.z);
+        split_tf32(v.w, hi.w, lo.w);
+        *reinterpret_cast<uint4*>(wh + idx) = hi;
+        *reinterpret_cast<uint4*>(wl + idx) = lo;
+    }
+}
+
+// K: hi in place and lo at klo, rewritten as row pairs (k_pair_at), one (row pair r0, column octet) unit at a time:
+// the unit's 4 slots (rows r0 / r0 + 1 x octet halves 0 / 1) are read, then the same 4 written as pairs. Unlike
+// state_body's loop (every lane on the same slot of its unit: the 8 lanes of a quarter warp hit only the 4 even
+// 16-byte bank groups, 2-way conflicts on all 12 accesses), lanes 4-7 of each quarter warp take the two halves in
+// the other order (sw = 1), so each 16-byte read and write covers all 32 banks; the slot contents are chosen by sw
+// (16 selects per unit) and the values written are the same.
+template <int DK, int NT>
+__device__ __forceinline__ void state_split_k(float* stage, float* klo, int tid) {
+    using L = StateSmem<DK>;
+    constexpr int C = GDN2_C;
+    static_assert(DK / 8 >= 8 && NT % 8 == 0, "a quarter warp on 8 octets of one row pair");
+    u32* kh = reinterpret_cast<u32*>(stage + L::K);
+    u32* kl = reinterpret_cast<u32*>(klo);
+    const bool sw = (tid >> 2) & 1;
+    for (int u = tid; u < (C / 2) * (DK / 8); u += NT) {
+        const int r0 = 2 * (u / (DK / 8)), c = 8 * (u - (u / (DK / 8)) * (DK / 8));
+        // a0: this lane's first half (sw) of the octet in row r0, a1 the other; + DK: row r0 + 1
+        const int a0 = r0 * DK + sw_col(r0, c + (sw ? 4 : 0)), a1 = r0 * DK + sw_col(r0, c + (sw ? 0 : 4));
+        const float4 A = *reinterpret_cast<const float4*>(kh + a0), B = *reinterpret_cast<const float4*>(kh + a1);
+        const float4 Cr = *reinterpret_cast<const float4*>(kh + a0 + DK);
+        const float4 D = *reinterpret_cast<const float4*>(kh + a1 + DK);
+        // slot contents (K[r0][c'], K[r0 + 1][c'], K[r0][c' + 1], K[r0 + 1][c' + 1]): from the first half's columns
+        // 0-1 (P), 2-3 (X), the second half's 0-1 (Y), 2-3 (V)
+        const float P[4] = {A.x, Cr.x, A.y, Cr.y}, X[4] = {A.z, Cr.z, A.w, Cr.w};
+        const float Y[4] = {B.x, D.x, B.y, D.y}, V[4] = {B.z, D.z, B.w, D.w};
+        // written to: row r0 half sw, row r0 half !sw, row r0 + 1 half sw, row r0 + 1 half !sw
+        const int at[4] = {a0, a1, a0 + DK, a1 + DK};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float x[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                x[e] = q == 0   ? (sw ? V[e] : P[e])
+                       : q == 1 ? (sw ? Y[e] : X[e])
+                       : q == 2 ? (sw ? X[e] : Y[e])
+                                : (sw ? P[e] : V[e]);
+            uint4 hi, lo;
+            split_tf32(x[0], hi.x, lo.x);
+            split_tf32(x[1], hi.y, lo.y);
+            split_tf32(x[2], hi.z, lo.z);
+            split_tf32(x[3], hi.w, lo.w);
+            *reinterpret_cast<uint4*>(kh + at[q]) = hi;
+            *reinterpret_cast<uint4*>(kl + at[q]) = lo;
+        }
+    }
+}
+
 template <int DK, int STAGES, bool PRESPLIT>
 __device__ __forceinline__ void state_body(float* __restrict__ state, const float* __restrict__ qkvn,
                                            const float* __restrict__ wsc, float* __restrict__ usc,
@@ -376,22 +468,8 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
     const float* kbase = qkvn + H * DK + kh * DK;
 
     auto issue = [&](int ci, int st) {  // chunk ci's W, K, U^T (this CTA's rows) and gates into stage st
-        float* base = smem + st * L::STAGE;
-        int c0, n;
-        chunk_span(ci, nlanes, pos0, c0, n);
-        const float* w = wsc + ((i64)h * nchunks + ci) * C * DK;
-        for (int idx = tid; idx < C * DK / 4; idx += NW * 32) {
-            const int i = idx / (DK / 4), c = (idx - i * (DK / 4)) * 4;
-            cp_async_cg16(base + L::W + i * DK + sw_row(i, c), w + i * DK + c);
-            const bool ok = i < n;
-            // 16 zero bytes past the chunk's last row (src still a valid address)
-            cp_async_cg16_zfill(base + L::K + i * DK + sw_col(i, c), kbase + (ok ? (i64)(c0 + i) * ldq + c : 0), ok ? 16 : 0);
-        }
-        const float* u = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C;
-        for (int idx = tid; idx < C * BV / 4; idx += NW * 32) cp_async_cg16(base + L::U + idx * 4, u + idx * 4);
-        const float* e = gsc + ((i64)h * nchunks + ci) * GDN2_GATES * C + 2 * C;  // ED, EG
-        for (int idx = tid; idx < 2 * C / 4; idx += NW * 32) cp_async_cg16(base + L::E + idx * 4, e + idx * 4);
-        cp_async_commit();
+        state_issue<DK, NW * 32>(smem + st * L::STAGE, wsc, usc, gsc, kbase, ldq, h, j0, dv, ci, nlanes, pos0, nchunks,
+                                 tid);
     };
 
     // S^T rows j0 + 16 warp + (g, g + 8), key dims 8s + 2t (+1): C fragments, fp32, for the whole run
@@ -533,6 +611,189 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
 }
 
 // ------------------------------------------------------------------------------------------------
+// 2b. The state recurrence on 8 warps (gdn2_state_d*_s*[k|p]_w8): 4 pairs of warps; pair q holds the 16 S^T rows
+// warp q of state_body holds (j0 + 16 q + (g, g + 8)), and half f = warp & 1 of the pair computes half of each
+// product's columns:
+//   P = S^T W^T       tokens 32 f .. 32 f + 31 (n-tiles CT/2 f ..), every tile over all KT key-dim k-steps in
+//                     state_body's order, the A operand from the full S^T both warps of the pair hold;
+//   V_new^T = U^T - P, its scratch write and the ED scaling: on those token tiles, as state_body; the scaled tiles
+//                     go back over the stage's U tiles they came from (read by this lane only, just before);
+//   S^T update        key dims (DK/2) f .. (DK/2)(f + 1) - 1 (n-tiles KT/2 f ..), each over all 8 token k-steps in
+//                     order, the A operand = the pair's 8 scaled V_new^T tiles read back from the stage's U;
+//   then each warp writes its updated half of S^T over the stage's W (free once every warp is past P) and both read
+//   the pair's full S^T back for the next chunk.
+// So every element of P, V_new and S is the same mma3 / mma3_split_b chain over the same split operands in the same
+// order as state_body: bitwise the same state, S_c and V_new scratch. Each warp also keeps its own half in T (the
+// S_c stores, the update's accumulators and the final store: each warp writes its half).
+// SPLIT: the presplit operands (state_split_w / state_split_k): 0 none (B split at each use, as state_body without
+// PRESPLIT), 1 K alone (lo buffer C DK floats), 2 W and K (as state_body's PRESPLIT, 2 C DK floats). K's split
+// runs after the chunk's barriers, beside P (see below); W's needs one barrier of its own.
+// Barriers per chunk (two stages): one CTA-wide at the end of chunk ci - 1 (its stage free for chunk ci + 1's
+// copies, chunk ci's landed and visible: each thread waited for its own copies first), [SPLIT 2: one after W's
+// split], one CTA-wide after V_new (the pair's scaled tiles visible; every warp past P, so W is free; K's split
+// done), one per pair (bar.sync 1 + q, 64) after the S^T halves are written. One stage: one more CTA-wide (chunk
+// ci's copies go in after chunk ci - 1's closing barrier and land before the next). Shared memory: StateSmem and
+// the lo buffer, nothing added (the S^T exchange takes BV DK <= C DK floats of the stage's W).
+template <int DK, int STAGES, int SPLIT>
+__device__ __forceinline__ void state8_body(float* __restrict__ state, const float* __restrict__ qkvn,
+                                            const float* __restrict__ wsc, float* __restrict__ usc,
+                                            float* __restrict__ ssc, const float* __restrict__ gsc, int H, int HV,
+                                            int dv, int nlanes, int pos0, int nchunks) {
+    using L = StateSmem<DK>;
+    constexpr int C = GDN2_C, BV = GDN2_BV, NQ = BV / 16, NW = 2 * NQ, KT = DK / 8, CT = C / 8, KH = KT / 2,
+                  CH = CT / 2;
+    static_assert(C == 64 && BV % 16 == 0 && BV <= C && DK % 32 == 0 && (STAGES == 1 || STAGES == 2) && SPLIT >= 0 &&
+                  SPLIT <= 2, "state shape");
+    constexpr bool SW = SPLIT == 2, SK = SPLIT >= 1;  // W presplit, K presplit
+    extern __shared__ float smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int q = warp >> 1, f = warp & 1;
+    const int h = blockIdx.y, j0 = blockIdx.x * BV, kh = h / (HV / H);
+    const i64 ldq = 2 * H * DK + HV * dv;
+    const float* kbase = qkvn + H * DK + kh * DK;
+    auto issue = [&](int ci, int st) {
+        state_issue<DK, NW * 32>(smem + st * L::STAGE, wsc, usc, gsc, kbase, ldq, h, j0, dv, ci, nlanes, pos0, nchunks,
+                                 tid);
+    };
+
+    // S: the pair's S^T rows, all KT key-dim tiles (C fragments as state_body); T: this warp's half, tiles KH f ..
+    float S[KT][4], T[KH][4];
+    {
+        const float* s0 = state + ((i64)h * dv + j0 + q * 16 + g) * DK + 2 * t;
+#pragma unroll
+        for (int s = 0; s < KT; s++) {
+            const float2 lo = *reinterpret_cast<const float2*>(s0 + 8 * s);
+            const float2 hi = *reinterpret_cast<const float2*>(s0 + 8 * DK + 8 * s);
+            S[s][0] = lo.x, S[s][1] = lo.y, S[s][2] = hi.x, S[s][3] = hi.y;
+        }
+#pragma unroll
+        for (int s = 0; s < KH; s++) {
+            const float2 lo = *reinterpret_cast<const float2*>(s0 + 8 * (KH * f + s));
+            const float2 hi = *reinterpret_cast<const float2*>(s0 + 8 * DK + 8 * (KH * f + s));
+            T[s][0] = lo.x, T[s][1] = lo.y, T[s][2] = hi.x, T[s][3] = hi.y;
+        }
+    }
+    issue(0, 0);
+    if (STAGES == 2 && nchunks > 1) issue(1, 1);
+    for (int ci = 0; ci < nchunks; ci++) {
+        const int st = STAGES == 2 ? ci & 1 : 0;
+        if (STAGES == 1 || ci == 0) {  // two stages, ci > 0: waited for and made visible at chunk ci - 1's end
+            if (STAGES == 1 && ci > 0) issue(ci, 0);  // after chunk ci - 1's closing barrier
+            if (STAGES == 2 && nchunks > 1)
+                cp_async_wait<1>();
+            else
+                cp_async_wait<0>();
+            __syncthreads();
+        }
+        float* stage = smem + st * L::STAGE;
+        const float* sW = stage + L::W;
+        const float* sK = stage + L::K;
+        const float* sE = stage + L::E;
+        float* wlo = smem + STAGES * L::STAGE;       // SPLIT 2: W lo, then K lo
+        float* klo = wlo + (SW ? C * DK : 0);        // SPLIT 1: K lo alone
+        const u32* sWl = reinterpret_cast<const u32*>(wlo);
+        const u32* sKl = reinterpret_cast<const u32*>(klo);
+        if constexpr (SW) {
+            state_split_w<DK, NW * 32>(stage, wlo, tid);
+            __syncthreads();
+        }
+        // K's split needs no barrier of its own: its lo buffer was last read in chunk ci - 1's update (before this
+        // chunk's first barrier), and this chunk's update reads it after the CTA barrier past V_new
+        if constexpr (SK) state_split_k<DK, NW * 32>(stage, klo, tid);
+        // the chunk's start state for the output pass, fragment-native [dv/16][KT][32][4]: this warp's half
+        float* sc = ssc + ((((i64)h * nchunks + ci) * (dv / 16) + j0 / 16 + q) * KT + KH * f) * 128 + lane * 4;
+#pragma unroll
+        for (int s = 0; s < KH; s++)
+            *reinterpret_cast<float4*>(sc + s * 128) = make_float4(T[s][0], T[s][1], T[s][2], T[s][3]);
+        // P = S^T W^T on token tiles CH f + nt (W rows 8 (CH f + nt) + g: sw_row depends on g alone)
+        float p[CH][4];
+#pragma unroll
+        for (int nt = 0; nt < CH; nt++) p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
+        const int wrow = 8 * CH * f * DK;
+#pragma unroll
+        for (int s = 0; s < KT; s++) {
+            u32 ah[4], al[4];
+            split_ctile(S[s], ah, al);
+#pragma unroll
+            for (int nt = 0; nt < CH; nt++) {
+                const int row = nt * 8 + g, at = wrow + row * DK + sw_row(row, 8 * s + 2 * t);
+                if constexpr (SW) {
+                    const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sW) + at);
+                    const uint2 bl = *reinterpret_cast<const uint2*>(sWl + at);
+                    mma3_split_b(p[nt], ah, al, bh.x, bl.x, bh.y, bl.y);
+                } else {
+                    const float2 b = *reinterpret_cast<const float2*>(sW + at);
+                    mma3(p[nt], ah, al, b.x, b.y);
+                }
+            }
+        }
+        // V_new^T = U^T - P (to scratch over U, for the output pass), scaled by ED per token, over the stage's U tile
+        const int ut = (q * CT + CH * f) * 32 + lane;  // this lane's slot of the pair's first own U tile
+        float* vn = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C + ut * 4;
+        float* sUo = stage + L::U + ut * 4;
+#pragma unroll
+        for (int nt = 0; nt < CH; nt++) {
+            const float4 u = *reinterpret_cast<const float4*>(sUo + nt * 128);
+            const float4 v = make_float4(u.x - p[nt][0], u.y - p[nt][1], u.z - p[nt][2], u.w - p[nt][3]);
+            *reinterpret_cast<float4*>(vn + nt * 128) = v;
+            const int tok = (CH * f + nt) * 8 + 2 * t;
+            const float e0 = sE[tok], e1 = sE[tok + 1];
+            *reinterpret_cast<float4*>(sUo + nt * 128) = make_float4(v.x * e0, v.y * e1, v.z * e0, v.w * e1);
+        }
+        __syncthreads();  // the pair's scaled V_new^T tiles visible; every warp is past P (the stage's W is free)
+        // S^T = e^{G_last} S^T + (diag(ED) V_new)^T K on key-dim tiles KH f + s: k = tokens (K rows 2t, 2t + 1)
+        const float egl = sE[2 * C - 1];  // e^{G_last}
+#pragma unroll
+        for (int s = 0; s < KH; s++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) T[s][e] *= egl;
+        const float* sUp = stage + L::U + (q * CT * 32 + lane) * 4;
+        const int kcol = (DK / 2) * f;  // + a multiple of 32 to the column: sw_col / k_pair_at unchanged
+#pragma unroll
+        for (int m = 0; m < CT; m++) {
+            const float4 a = *reinterpret_cast<const float4*>(sUp + m * 128);
+            u32 ah[4], al[4];
+            split_a(a.x, a.z, a.y, a.w, ah, al);  // split_ctile order
+            const int r0 = m * 8 + 2 * t;
+#pragma unroll
+            for (int s = 0; s < KH; s++) {
+                if constexpr (SK) {
+                    const int at = k_pair_at(r0, 8 * s + g, DK) + kcol;
+                    const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sK) + at);
+                    const uint2 bl = *reinterpret_cast<const uint2*>(sKl + at);
+                    mma3_split_b(T[s], ah, al, bh.x, bl.x, bh.y, bl.y);
+                } else {
+                    const int col = sw_col(r0, 8 * s + g) + kcol;  // rows r0 and r0 + 1 share the swizzle
+                    mma3(T[s], ah, al, sK[r0 * DK + col], sK[(r0 + 1) * DK + col]);
+                }
+            }
+        }
+        if (ci + 1 < nchunks) {
+            // the pair's S^T through the stage's W: [pair][KT][32][4], each warp its half, then both read all of it
+            float* sx = stage + L::W + (q * KT * 32 + lane) * 4;
+#pragma unroll
+            for (int s = 0; s < KH; s++)
+                *reinterpret_cast<float4*>(sx + (KH * f + s) * 128) = make_float4(T[s][0], T[s][1], T[s][2], T[s][3]);
+            asm volatile("bar.sync %0, %1;" ::"r"(1 + q), "n"(64) : "memory");  // the pair's two warps
+#pragma unroll
+            for (int s = 0; s < KT; s++) {
+                const float4 x = *reinterpret_cast<const float4*>(sx + s * 128);
+                S[s][0] = x.x, S[s][1] = x.y, S[s][2] = x.z, S[s][3] = x.w;
+            }
+            if (STAGES == 2) cp_async_wait<0>();  // chunk ci + 1's copies (this thread's) have landed
+            __syncthreads();  // every warp is done with this stage (two stages: and chunk ci + 1's is visible)
+            if (STAGES == 2 && ci + 2 < nchunks) issue(ci + 2, st);
+        }
+    }
+    float* s1 = state + ((i64)h * dv + j0 + q * 16 + g) * DK + 2 * t + 8 * KH * f;
+#pragma unroll
+    for (int s = 0; s < KH; s++) {
+        *reinterpret_cast<float2*>(s1 + 8 * s) = make_float2(T[s][0], T[s][1]);
+        *reinterpret_cast<float2*>(s1 + 8 * DK + 8 * s) = make_float2(T[s][2], T[s][3]);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // 3. Output: one CTA (DV / 16 warps) per (chunk, value head).
 template <int DK, int DV>
 struct OutSmem {
@@ -655,6 +916,15 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         state_body<D, S, P>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                   \
     }
 
+// The 8-warp form (state8_body): gdn2_state_d<D>_s<S>[k|p]_w8 (k: K presplit alone, p: W and K), 2 GDN2_BV / 16
+// warps.
+#define GDN2_STATE8_KERNEL(D, S, P, NAME)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GDN2_BV * 4, 1)                                                  \
+        NAME(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc, const float* gsc, int H,  \
+             int HV, int dv, int nlanes, int pos0, int nchunks) {                                                 \
+        state8_body<D, S, P>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                  \
+    }
+
 #define GDN2_KERNELS(D)                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                          \
         gdn2_prep_d##D(const float* qkvn, const float* gb, float* wsc, float* usc, float* gsc, int H, int HV,     \
@@ -665,6 +935,11 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
     GDN2_STATE_KERNEL(D, 1, false, gdn2_state_d##D##_s1)                                                          \
     GDN2_STATE_KERNEL(D, 2, true, gdn2_state_d##D##_s2p)                                                          \
     GDN2_STATE_KERNEL(D, 1, true, gdn2_state_d##D##_s1p)                                                          \
+    GDN2_STATE8_KERNEL(D, 2, 0, gdn2_state_d##D##_s2_w8)                                                          \
+    GDN2_STATE8_KERNEL(D, 1, 0, gdn2_state_d##D##_s1_w8)                                                          \
+    GDN2_STATE8_KERNEL(D, 2, 1, gdn2_state_d##D##_s2k_w8)                                                         \
+    GDN2_STATE8_KERNEL(D, 2, 2, gdn2_state_d##D##_s2p_w8)                                                         \
+    GDN2_STATE8_KERNEL(D, 1, 2, gdn2_state_d##D##_s1p_w8)                                                         \
     extern "C" __global__ void __launch_bounds__(D * 2, 2)                                                        \
         gdn2_out_d##D(const float* qkvn, const float* usc, const float* ssc, const float* gsc, float* out,        \
                       int ldo, int H, int HV, int nlanes, int pos0, int nchunks) {                                \

@@ -5,6 +5,14 @@ of --reps) under both. For changes meant to keep the bits (e.g. splitting an ope
 
     git show REV:cuda/gdn_chunk2.cu > .ab/gdn_chunk2.cu     # here; carry .ab
     PYTHONPATH=. python3 tools/kernel_ab.py --old .ab/gdn_chunk2.cu [--tokens 4096] [--reps 5]
+
+--state-ab: the state pass's variants of this source against each other in one process (no --old needed):
+4 warps (state_body) and 8 warps (state8_body, pairs of warps) x presplit (W and K / K alone / none), the
+card's stage count, the same inputs, run round-robin (median of --reps per variant); out, final state and
+the whole scratch (S_c and V_new included) compared BITWISE on the device against the 4-warp default;
+a table of ms per layer (prep / state / out) and the state pass against the 4-warp default:
+
+    PYTHONPATH=. python3 tools/kernel_ab.py --state-ab --tokens 8192 [--reps 7]
 """
 
 from __future__ import annotations
@@ -65,8 +73,9 @@ def gdn_inputs(rng, t: int, h: int, hv: int, dk: int, dv: int) -> dict:
     return {"qkvn": qkvn, "gb": np.concatenate([g, beta], axis=1).astype(np.float32), "s0": s0.astype(np.float32)}
 
 
-def run_gdn(cp, K, d: dict, h: int, hv: int, dk: int, dv: int, t: int, pos0: int, reps: int, presplit=None):
-    """(out, state, median ms of prep / state / out) of the chunked2 pipeline on these inputs (presplit:
+def run_gdn(cp, K, d: dict, h: int, hv: int, dk: int, dv: int, t: int, pos0: int, reps: int, presplit=None,
+            warps=None):
+    """(out, state, median ms of prep / state / out) of the chunked2 pipeline on these inputs (presplit, warps:
     the state pass's variant, None = the card's default)."""
     qkvn, gb = cp.asarray(d["qkvn"]), cp.asarray(d["gb"])
     scratch = cp.empty(K.gdn2_scratch_floats(K.gdn2_nchunks(t, pos0), hv, dk, dv), dtype=cp.float32)
@@ -76,19 +85,86 @@ def run_gdn(cp, K, d: dict, h: int, hv: int, dk: int, dv: int, t: int, pos0: int
         out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
         ev = [cp.cuda.Event() for _ in range(4)]
         K.gdn_prefill_chunked2(state, qkvn, gb, out, hv * dv, h, hv, dk, dv, t, pos0=pos0, scratch=scratch,
-                               presplit=presplit, events=ev)
+                               presplit=presplit, warps=warps, events=ev)
         ev[3].synchronize()
         if r:  # the first run compiles and warms
             times.append([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(3)])
     return out.get(), state.get(), np.median(np.array(times), axis=0).tolist()
 
 
+def state_variants(K, dk: int, dv: int) -> list[tuple[int, bool | str, int]]:
+    """The state pass's variants at the card's default stage count: (stages, presplit, warps), the 4-warp
+    default first (the baseline)."""
+    base = K.gdn2_state_variant(dk, dv, 4)
+    out = [base]
+    for w in (4, 8):
+        for p in (True, "k", False):
+            v = (base[0], p, w)
+            if v not in out and K.gdn2_state_kernel_exists(*v) and K.gdn2_fits(dk, dv, v[0], p):
+                out.append(v)
+    return out
+
+
+def state_ab(cp, K, cases, reps: int) -> tuple[list, bool]:
+    """Every state variant on each case, round-robin over --reps (+ one warm-up); bitwise against the first."""
+    res, ok = [], True
+    for name, s, t, pos0 in cases:
+        h, hv, dk, dv = s["h"], s["hv"], s["dk"], s["dv"]
+        d = gdn_inputs(np.random.default_rng(t + pos0), t, **s)
+        qkvn, gb = cp.asarray(d["qkvn"]), cp.asarray(d["gb"])
+        n = K.gdn2_scratch_floats(K.gdn2_nchunks(t, pos0), hv, dk, dv)
+        variants = state_variants(K, dk, dv)
+        times = {v: [] for v in variants}
+        ref, same = None, {}
+        scratch = cp.full(n, np.nan, dtype=cp.float32)
+        for r in range(reps + 1):
+            for v in variants:
+                state = cp.asarray(d["s0"])
+                out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
+                if r == 0:
+                    scratch.fill(np.nan)
+                ev = [cp.cuda.Event() for _ in range(4)]
+                K.gdn_prefill_chunked2(state, qkvn, gb, out, hv * dv, h, hv, dk, dv, t, pos0=pos0, scratch=scratch,
+                                       stages=v[0], presplit=v[1], warps=v[2], events=ev)
+                ev[3].synchronize()
+                if r == 0:  # the first round compiles and warms; its results are the ones compared
+                    got = [x.view(cp.uint32).copy() for x in (out, state, scratch)]
+                    if ref is None:
+                        ref = got
+                    same[v] = all(bool(cp.array_equal(a, b)) for a, b in zip(got, ref))
+                    del got
+                else:
+                    times[v].append([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(3)])
+        base = float(np.median([x[1] for x in times[variants[0]]]))
+        for v in variants:
+            ms = np.median(np.array(times[v]), axis=0).tolist()
+            ok &= same[v]
+            res.append({"case": name, "tokens": t, "pos0": pos0, "stages": v[0], "presplit": v[1], "warps": v[2],
+                        "ms": ms, "state_vs_base": ms[1] / base, "bitwise": same[v]})
+        del ref, scratch
+    return res, ok
+
+
+def print_state_table(res: list) -> None:
+    print("| case | warps | stages | presplit | prep ms | **state ms** | state / 4-warp default | out ms | bits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in res:
+        p = {True: "W+K", "k": "K", False: "-"}[r["presplit"]]
+        ms = r["ms"]
+        print(f"| {r['case']} T={r['tokens']} pos0={r['pos0']} | {r['warps']} | {r['stages']} | {p} | {ms[0]:.3f} | "
+              f"**{ms[1]:.3f}** | {r['state_vs_base']:.3f} | {ms[2]:.3f} | {'SAME' if r['bitwise'] else 'DIFFERENT'} |",
+              flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", type=Path, required=True, help="the earlier cuda/gdn_chunk2.cu")
+    ap.add_argument("--old", type=Path, help="the earlier cuda/gdn_chunk2.cu")
+    ap.add_argument("--state-ab", action="store_true", help="the state pass's variants of this source, one process")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
+    if not args.old and not args.state_ab:
+        ap.error("give --old FILE and / or --state-ab")
     import cupy as cp
 
     from q27py.gpu import kernels as K
@@ -99,12 +175,20 @@ def main() -> int:
              ("27b-ragged", dict(h=16, hv=48, dk=128, dv=128), 1000, 37),
              ("small", dict(h=2, hv=6, dk=64, dv=64), 1000, 5)]
     res, ok = [], True
+    if args.state_ab:
+        sres, ok = state_ab(cp, K, cases, args.reps)
+        print_state_table(sres)
+        out = os.environ.get("OUT")
+        if out:
+            Path(out, "kernel_ab_state.json").write_text(json.dumps(sres, indent=1))
+        if not args.old:
+            return 0 if ok else 1
     for name, s, t, pos0 in cases:
         d = gdn_inputs(np.random.default_rng(t + pos0), t, **s)
         new = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps)
         plain = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps, presplit=False)
-        with module_source(rt, "gdn_chunk2", args.old):  # an old source may predate the presplit variants
-            old = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps, presplit=False)
+        with module_source(rt, "gdn_chunk2", args.old):  # an old source may predate the presplit / 8-warp variants
+            old = run_gdn(cp, K, d, s["h"], s["hv"], s["dk"], s["dv"], t, pos0, args.reps, presplit=False, warps=4)
         same = bool(all(np.array_equal(x[0].view(np.uint32), old[0].view(np.uint32))
                         and np.array_equal(x[1].view(np.uint32), old[1].view(np.uint32)) for x in (new, plain)))
         ok &= same and not np.isnan(new[0]).any()

@@ -942,6 +942,14 @@ def gdn_chunk_aligned(qkvn, h: int, hv: int, dk: int, dv: int) -> bool:
 # a parallel pre-pass over (chunk, head) pairs, the state recurrence over chunks per (64 value
 # columns, head), a parallel output pass. Head shapes with a compiled variant: dk = dv in GDN2_D.
 GDN2_D = (64, 128)
+# The state pass's warps per CTA: 8 (gdn2_state_*_w8, state8_body: 4 pairs of warps, each pair on the 16 value rows
+# one warp of the 4-warp form holds, its halves on half of each product's columns) or 4 (state_body). Every choice
+# gives the same bits; set 4 to run the 4-warp kernels (A/B: tools/kernel_ab.py --state-ab).
+GDN2_STATE_WARPS = 8
+# The 8-warp form's presplit operands where they fit: True (W and K), "k" (K alone: half the lo buffer, no barrier
+# of its own; two stages only) or False. The 4-warp form presplits W and K (True) where it fits.
+GDN2_STATE8_PRESPLIT: bool | str = True
+GDN2_SPLIT = {False: 0, "k": 1, True: 2}  # presplit -> the kernels' SPLIT: none, K alone (8 warps only), W and K
 
 
 def gdn2_nchunks(nlanes: int, pos0: int) -> int:
@@ -963,34 +971,51 @@ def gdn2_scratch_floats(nchunks: int, hv: int, dk: int, dv: int) -> int:
     return hv * nchunks * (c * dk + c * dv + dv * dk + C.GDN2_GATES * c)
 
 
-def gdn2_smem_floats(dk: int, dv: int, stages: int, presplit: bool = False) -> dict[str, int]:
+def gdn2_smem_floats(dk: int, dv: int, stages: int, presplit: bool | str = False) -> dict[str, int]:
     """Shared-memory floats of each kernel's block (PrepSmem / StateSmem / OutSmem in cuda/gdn_chunk2.cu);
-    presplit: the state pass's extra buffer of W and K tf32 lo halves (StateSmem::LO)."""
+    presplit: the state pass's extra buffer of W and K tf32 lo halves (StateSmem::LO; "k": K's alone, the
+    8-warp kernels' SPLIT 1)."""
     c = C.GDN2_C
     return {"prep": c * (dk + dv + 8) + c * (c + 4) + c * 20 + 4 * c,
-            "state": stages * (2 * c * dk + c * C.GDN2_BV + 2 * c) + (2 * c * dk if presplit else 0),
+            "state": stages * (2 * c * dk + c * C.GDN2_BV + 2 * c) + GDN2_SPLIT[presplit] * c * dk,
             "out": 2 * c * dk + c * (c + 8) + 3 * c}
 
 
-def gdn2_fits(dk: int, dv: int, stages: int, presplit: bool) -> bool:
+def gdn2_fits(dk: int, dv: int, stages: int, presplit: bool | str) -> bool:
     """Whether every kernel of the pipeline with this state-pass variant fits the card's opt-in shared memory."""
     return 4 * max(gdn2_smem_floats(dk, dv, stages, presplit).values()) <= Runtime.get().smem_optin
 
 
-def gdn2_state_variant(dk: int, dv: int) -> tuple[int, bool]:
-    """(cp.async stages, presplit) of the state pass on this card: two stages (next chunk in flight) where
-    they fit, and the once-per-CTA operand split where its buffer fits beside them (sm_90: both; sm_80:
-    two stages, no presplit; sm_86 / 89 / 120: one stage). (0, False) when the card cannot run the
-    pipeline for this shape (callers take another route)."""
+def gdn2_state_variant(dk: int, dv: int, warps: int | None = None) -> tuple[int, bool | str, int]:
+    """(cp.async stages, presplit, warps) of the state pass on this card: two stages (next chunk in flight)
+    where they fit, and the once-per-CTA operand split where its buffer fits beside them (sm_90: both; sm_80:
+    two stages, no presplit; sm_86 / 89 / 120: one stage); the split is W and K (True), for 8 warps
+    GDN2_STATE8_PRESPLIT. warps: GDN2_STATE_WARPS unless given (the same shared memory either way).
+    (0, False, 0) when the card cannot run the pipeline for this shape (callers take another route)."""
     if dk != dv or dk not in GDN2_D:
-        return 0, False
+        return 0, False, 0
     rt = Runtime.get()
     if rt.cc < (8, 0):  # mma.sync tf32 needs sm_80
-        return 0, False
-    for stages, presplit in ((2, True), (2, False), (1, True), (1, False)):
-        if gdn2_fits(dk, dv, stages, presplit):
-            return stages, presplit
-    return 0, False
+        return 0, False, 0
+    warps = GDN2_STATE_WARPS if warps is None else warps
+    split = GDN2_STATE8_PRESPLIT if warps == 8 else True
+    for stages, presplit in ((2, split), (2, False), (1, split), (1, False)):
+        if gdn2_state_kernel_exists(stages, presplit, warps) and gdn2_fits(dk, dv, stages, presplit):
+            return stages, presplit, warps
+    return 0, False, 0
+
+
+def gdn2_state_kernel_exists(stages: int, presplit: bool | str, warps: int) -> bool:
+    """Whether cuda/gdn_chunk2.cu has this state-pass variant (K's presplit alone: 8 warps, two stages)."""
+    return warps in (4, 8) and stages in (1, 2) and (presplit != "k" or (warps == 8 and stages == 2))
+
+
+def gdn2_state_kernel(dk: int, stages: int, presplit: bool | str, warps: int) -> tuple[str, int]:
+    """(entry name, threads per CTA) of one state-pass variant: gdn2_state_d<dk>_s<stages>[k|p][_w8]."""
+    if not gdn2_state_kernel_exists(stages, presplit, warps):
+        raise ValueError(f"no gdn2 state pass with {stages} stages, presplit={presplit!r} and {warps} warps")
+    tag = ("", "k", "p")[GDN2_SPLIT[presplit]]
+    return f"gdn2_state_d{dk}_s{stages}{tag}{'_w8' if warps == 8 else ''}", warps * 32
 
 
 def gdn2_stages(dk: int, dv: int) -> int:
@@ -999,25 +1024,28 @@ def gdn2_stages(dk: int, dv: int) -> int:
 
 
 def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
-                         pos0: int = 0, scratch=None, stages: int | None = None, presplit: bool | None = None,
-                         events=None) -> None:
+                         pos0: int = 0, scratch=None, stages: int | None = None, presplit: bool | str | None = None,
+                         warps: int | None = None, events=None) -> None:
     """gdn_prefill's contract through the three-kernel pipeline; chunk boundaries at absolute
     multiples of GDN2_C (pieces split there give the bits of one run). scratch: a float32 device
     buffer of at least gdn2_scratch_floats(gdn2_nchunks(nlanes, pos0), hv, dk, dv) floats
     (allocated here when None). Matches the sequential kernel within fp32 rounding (3xTF32).
-    stages / presplit: the state pass's variant (default gdn2_state_variant; every variant gives the same bits).
+    stages / presplit / warps: the state pass's variant (default gdn2_state_variant; every variant gives the same
+    bits; presplit "k": K alone, 8 warps only).
     events: four CUDA events recorded around the three launches (the bench's per-kernel split)."""
     import cupy as cp
 
     if nlanes <= 0:
         return
+    warps = GDN2_STATE_WARPS if warps is None else warps
     if stages is None:
-        stages, best = gdn2_state_variant(dk, dv)
+        stages, best, _ = gdn2_state_variant(dk, dv, warps)
         presplit = best if presplit is None else presplit
     elif presplit is None:  # the split buffer where it fits beside the stages asked for
         presplit = gdn2_fits(dk, dv, stages, True)
     if not stages:
         raise ValueError(f"no chunked2 GDN kernels for dk={dk}, dv={dv} on this card")
+    state_fn, state_threads = gdn2_state_kernel(dk, stages, presplit, warps)
     if not gdn_chunk_aligned(qkvn, h, hv, dk, dv):
         raise ValueError("gdn_prefill_chunked2 reads qkvn 16 bytes at a time: its rows must start 16-byte aligned")
     nc = gdn2_nchunks(nlanes, pos0)
@@ -1039,7 +1067,7 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
     rt.launch("gdn_chunk2", f"gdn2_prep_d{dk}", (nc, hv), 256,
               (qkvn, gb, wsc, usc, gsc, i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)), shared_mem=4 * smem["prep"])
     mark(1)
-    rt.launch("gdn_chunk2", f"gdn2_state_d{dk}_s{stages}{'p' if presplit else ''}", (dv // C.GDN2_BV, hv), 2 * C.GDN2_BV,
+    rt.launch("gdn_chunk2", state_fn, (dv // C.GDN2_BV, hv), state_threads,
               (state, qkvn, wsc, usc, ssc, gsc, i32(h), i32(hv), i32(dv), i32(nlanes), i32(pos0), i32(nc)),
               shared_mem=4 * smem["state"])
     mark(2)

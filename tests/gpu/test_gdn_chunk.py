@@ -176,6 +176,102 @@ def test_emulated_presplit_k_pairs_are_bitwise_and_conflict_free():
                 assert len(set(banks.tolist())) == 32, (m, s)
 
 
+def emulated_scratch(d, h, hv, dk, dv, t, pos0):
+    """The pre-pass's scratch (emulated) and its (W, U, S_c, gates) split offsets, on poisoned memory."""
+    nc = emu2.nchunks(t, pos0)
+    scr = np.full(emu2.scratch_floats(nc, hv, dk, dv), np.nan, np.float32)
+    o1 = hv * nc * emu2.C * dk
+    o2 = o1 + hv * nc * emu2.C * dv
+    o3 = o2 + hv * nc * dv * dk
+    with np.errstate(invalid="ignore", over="ignore"):
+        emu2.prep(d["qkvn"], d["gb"], scr[:o1], scr[o1:o2], scr[o3:], h, hv, dk, dv, t, pos0, nc)
+    return scr, (o1, o2, o3), nc
+
+
+def emulated_state(d, h, hv, dk, dv, t, pos0, warps, presplit=0, stages=2, faults=()):
+    """One emulated state pass on the pre-pass's scratch: (final state, scratch after it, Smem report or None)."""
+    scr, (o1, o2, o3), nc = emulated_scratch(d, h, hv, dk, dv, t, pos0)
+    state, rep = klast(d["s0"]), {}
+    args = (state, d["qkvn"], scr[:o1], scr[o1:o2], scr[o2:o3], scr[o3:], h, hv, dk, dv, t, pos0, nc)
+    with np.errstate(invalid="ignore"):
+        if warps == 4:
+            emu2.state_pass(*args, presplit > 0)
+        else:
+            emu2.state_pass8(*args, presplit, stages, faults=faults, report=rep)
+    return state, scr, rep or None
+
+
+def bits(x):
+    return np.ascontiguousarray(x).view(np.uint32)
+
+
+@pytest.mark.parametrize("dk,t,pos0,presplit,stages", [
+    (64, 130, 5, 2, 2), (64, 130, 5, 0, 1), (64, 200, 37, 1, 2), (64, 3, 63, 2, 2), (64, 64, 0, 2, 1),
+    (64, 65, 0, 0, 2), (64, 150, 64, 2, 1), (128, 200, 37, 2, 2), (128, 130, 127, 1, 2), (128, 66, 0, 0, 1)])
+def test_emulated_state8_is_bitwise_the_4warp_pass(dk, t, pos0, presplit, stages):
+    """The 8-warp state pass (state8_body: pairs of warps, the V_new^T tiles and S^T halves exchanged through the
+    stage's U and W), lane by lane with its shared memory and barriers emulated: its final state, S_c scratch and
+    V_new scratch are bitwise the 4-warp pass's on the same pre-pass -- ragged first / last chunks, one chunk, two,
+    several, both stage counts, every presplit -- and no warp reads or overwrites a shared word another warp wrote
+    or still has to read without a barrier between them."""
+    h, hv = 1, 2 if dk == 64 else 1
+    d = make(np.random.default_rng(dk + t + pos0 + presplit), t, h, hv, dk, dk, "strong")
+    s4, scr4, _ = emulated_state(d, h, hv, dk, dk, t, pos0, 4, presplit)
+    s8, scr8, rep = emulated_state(d, h, hv, dk, dk, t, pos0, 8, presplit, stages)
+    assert not np.isnan(s8).any()
+    np.testing.assert_array_equal(bits(s8), bits(s4))
+    np.testing.assert_array_equal(bits(scr8), bits(scr4))  # W, V_new, S_c, gates
+    assert rep["races"] == []
+
+
+def test_emulated_state8_multi_cta_bitwise():
+    """Two value heads of 128 columns (two CTAs each, GQA: both on one key head), three chunks."""
+    h, hv, dk, t, pos0 = 1, 2, 128, 140, 50
+    d = make(np.random.default_rng(2), t, h, hv, dk, dk, "strong")
+    s4, scr4, _ = emulated_state(d, h, hv, dk, dk, t, pos0, 4, 2)
+    s8, scr8, rep = emulated_state(d, h, hv, dk, dk, t, pos0, 8, 2, 2)
+    np.testing.assert_array_equal(bits(s8), bits(s4))
+    np.testing.assert_array_equal(bits(scr8), bits(scr4))
+    assert rep["races"] == []
+
+
+@pytest.mark.parametrize("presplit", [0, 1, 2])
+def test_emulated_state8_shared_memory_is_conflict_free(presplit):
+    """Every shared-memory access site of the 8-warp state pass runs at its minimum wavefronts (4-byte: one per
+    warp, 8-byte: one per half warp, 16-byte: one per quarter warp): the P and update B operands (sw_row W, K
+    pairs at a column offset of DK/2 f: the same banks), the V_new^T and S^T exchanges, and the presplit loops --
+    K's included, whose 4-warp form (every lane on the same slot of its unit) is 2-way conflicted on all 12
+    accesses. Also the per-chunk wavefront totals against the 4-warp pass's shared-memory traffic."""
+    dk, t, pos0 = 128, 130, 0
+    d = make(np.random.default_rng(4), t, 1, 1, dk, dk)
+    _, _, rep = emulated_state(d, 1, 1, dk, dk, t, pos0, 8, presplit, 2)
+    bad = {k: v for k, v in rep["sites"].items() if v[1] != v[2]}
+    assert not bad, bad
+    want = {"P: W hi ld", "P: W lo ld", "update: K hi ld", "update: K lo ld"} if presplit == 2 else \
+        {"P: W ld", "update: K hi ld", "update: K lo ld"} if presplit == 1 else {"P: W ld", "update: K ld"}
+    assert want <= set(rep["sites"])
+    assert ("split K: hi st" in rep["sites"]) == (presplit > 0)
+    assert ("split W: hi st" in rep["sites"]) == (presplit == 2)
+    # the 4-warp K split loop's layout, for the record: lanes 0-7 of a quarter warp on slot (r0, half 0) of 8 octets
+    lanes = np.arange(8)
+    f, m = emu2.wavefronts(emu2.sw_col(0, 8 * lanes), 4)
+    assert (f, m) == (2, 1)
+
+
+@pytest.mark.parametrize("fault,site", [("pair", "S exchange ld"), ("vnew", "S exchange st"), ("end", "W (issue)")])
+@pytest.mark.parametrize("presplit,stages", [(0, 2), (1, 2), (2, 2), (2, 1)])
+def test_emulated_state8_race_check_sees_missing_barriers(fault, site, presplit, stages):
+    """The emulator's race check is not vacuous: the S^T exchange without its pair barrier (a warp reads its
+    partner's half unordered with the write), the CTA barrier after V_new narrowed to the pair (a pair writes
+    its S^T over W while another pair may still read W in P; with K's presplit also K read in the update before
+    other warps' split is visible), and the chunk's closing barrier left out (the next copies land on a stage
+    still being read) are each reported."""
+    dk, t, pos0 = 64, 200, 5
+    d = make(np.random.default_rng(6), t, 1, 1, dk, dk)
+    _, _, rep = emulated_state(d, 1, 1, dk, dk, t, pos0, 8, presplit, stages, faults=(fault,))
+    assert any(r[2] == site for r in rep["races"]), sorted({r[2] for r in rep["races"]})
+
+
 def per_head_in_class(o, st, o64, s64, so, ss, hv, dv, slack):
     """Each value head's output and state error against float64 within 4x the sequential fp32
     kernel's own error on that head, plus `slack` (the products' tf32-split rounding floor). Per
@@ -238,10 +334,13 @@ def test_chunked2_shared_memory_budget():
     # (166,912) where it fits beside one stage; not at all in sm_86 / 89 / 120's 101,376
     assert 166_912 < 4 * gdn2_smem_floats(128, 128, 2, True)["state"] <= 232_448
     assert 101_376 < 4 * gdn2_smem_floats(128, 128, 1, True)["state"] <= 166_912
+    # the 8-warp form's K-alone presplit: half the buffer, beside two stages on sm_90 only
+    assert 166_912 < 4 * gdn2_smem_floats(128, 128, 2, "k")["state"] < 4 * gdn2_smem_floats(128, 128, 2, True)["state"]
 
 
 def test_chunked2_state_variant_by_shared_memory(monkeypatch):
-    """gdn2_state_variant picks the largest variant that fits the card's opt-in shared memory."""
+    """gdn2_state_variant picks the largest variant that fits the card's opt-in shared memory, on 8 warps unless
+    GDN2_STATE_WARPS says 4, with the 8-warp form's presplit from GDN2_STATE8_PRESPLIT."""
     from q27py.gpu import kernels as K
 
     class FakeRt:
@@ -250,27 +349,62 @@ def test_chunked2_state_variant_by_shared_memory(monkeypatch):
 
     rt = FakeRt()
     monkeypatch.setattr(K.Runtime, "get", staticmethod(lambda: rt))
+    assert K.GDN2_STATE_WARPS == 8 and K.GDN2_STATE8_PRESPLIT is True
     for optin, want in ((232_448, (2, True)), (166_912, (2, False)), (101_376, (1, False)), (40_000, (0, False))):
         rt.smem_optin = optin
+        for warps in (8, 4):
+            monkeypatch.setattr(K, "GDN2_STATE_WARPS", warps)
+            assert K.gdn2_state_variant(128, 128) == (*want, warps if want[0] else 0), (optin, warps)
+            assert K.gdn2_state_variant(128, 128, 12 - warps) == (*want, 12 - warps if want[0] else 0), (optin, warps)
+            assert K.gdn2_stages(128, 128) == want[0]
+    monkeypatch.setattr(K, "GDN2_STATE_WARPS", 8)
+    monkeypatch.setattr(K, "GDN2_STATE8_PRESPLIT", "k")  # K alone: two stages only, and its buffer beside them
+    for optin, want in ((232_448, (2, "k", 8)), (166_912, (2, False, 8)), (101_376, (1, False, 8))):
+        rt.smem_optin = optin
         assert K.gdn2_state_variant(128, 128) == want, optin
-        assert K.gdn2_stages(128, 128) == want[0]
+        assert K.gdn2_state_variant(128, 128, 4) == (want[0], want[0] == 2 and optin > 200_000, 4), optin
+    monkeypatch.setattr(K, "GDN2_STATE8_PRESPLIT", True)
     rt.smem_optin, rt.cc = 232_448, (7, 5)
-    assert K.gdn2_state_variant(128, 128) == (0, False)
+    assert K.gdn2_state_variant(128, 128) == (0, False, 0)
     rt.cc = (9, 0)
-    assert K.gdn2_state_variant(128, 64) == (0, False)
+    assert K.gdn2_state_variant(128, 64) == (0, False, 0)
+    # entry names and block sizes; the K-alone split exists for 8 warps and two stages only
+    assert K.gdn2_state_kernel(128, 2, True, 4) == ("gdn2_state_d128_s2p", 128)
+    assert K.gdn2_state_kernel(128, 2, True, 8) == ("gdn2_state_d128_s2p_w8", 256)
+    assert K.gdn2_state_kernel(64, 2, "k", 8) == ("gdn2_state_d64_s2k_w8", 256)
+    assert K.gdn2_state_kernel(64, 1, False, 8) == ("gdn2_state_d64_s1_w8", 256)
+    for bad in ((2, "k", 4), (1, "k", 8), (2, True, 6)):
+        with pytest.raises(ValueError):
+            K.gdn2_state_kernel(128, *bad)
+
+
+STATE8 = [f"gdn2_state_d{d}_s{st}{p}_w8" for d in (64, 128)
+          for st, p in ((1, ""), (1, "p"), (2, ""), (2, "k"), (2, "p"))]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"])
 def test_chunked2_compiles_without_spills(tmp_path, arch):
+    """Every entry compiles without spills (sm_120: the 8-warp state kernels; its 4-warp d128_s1 spilled 8 bytes
+    before them), the 8-warp state kernels within 255 registers (8 warps x 32 x 255 fit one CTA per SM) and
+    with the state pass's shared memory within the arch's opt-in limit."""
+    from q27py.gpu.kernels import gdn2_smem_floats
+
     rc, err = nvcc_build.build(tmp_path, "gdn_chunk2", arch)  # with the constants table, as the runtime compiles it
     assert rc == 0, err[-2000:]
     entries = re.findall(r"Compiling entry function '(\w+)'", err)
     want = [f"gdn2_{k}_d{d}" for d in (64, 128) for k in ("prep", "out")]
     want += [f"gdn2_state_d{d}_s{st}{p}" for d in (64, 128) for st in (1, 2) for p in ("", "p")]
-    assert sorted(entries) == sorted(want)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err)
-    assert len(spills) == len(want) and all(a == "0" and b == "0" for a, b in spills), err
+    assert sorted(entries) == sorted(want + STATE8)
+    report = nvcc_build.ptxas_report(err)
+    checked = STATE8 if arch == "sm_120" else want + STATE8
+    assert all(report[k][1] == 0 for k in checked), {k: report[k] for k in checked}
+    assert all(report[k][0] <= 255 for k in STATE8)
+    optin = {"sm_80": 166_912, "sm_90": 232_448}.get(arch, 101_376)
+    fits = {(st, p) for st in (1, 2) for p in (False, "k", True)
+            if 4 * gdn2_smem_floats(128, 128, st, p)["state"] <= optin}
+    assert fits == {"sm_80": {(1, False), (1, "k"), (1, True), (2, False)},
+                    "sm_90": {(1, False), (1, "k"), (1, True), (2, False), (2, "k"), (2, True)}}.get(arch, {(1, False)})
 
 
 # ---------------------------------------------------------------- GPU
@@ -400,21 +534,23 @@ def test_fast_model_prefill_through_the_chunked_route(cp, K):
 
 
 # ---------------------------------------------------------------- GPU: the chunked2 pipeline
-def stages_here(K, dk, dv):
-    """The state-pass variants this card can run: (stages, presplit), 2 = double-buffered, 1 = single
-    stage, presplit = W and K split into tf32 halves once per CTA."""
+def stages_here(K, dk, dv, warps=(8, 4)):
+    """The state-pass variants this card can run: (stages, presplit, warps), 2 = double-buffered, 1 = single
+    stage, presplit = W and K split into tf32 halves once per CTA (True), K alone ("k": 8 warps, two stages)
+    or none; warps 8 = state8_body (pairs of warps), 4 = state_body."""
     if not K.gdn2_stages(dk, dv):
         return []
-    return [(st, p) for st in (2, 1) for p in (True, False) if K.gdn2_fits(dk, dv, st, p)]
+    return [(st, p, w) for w in warps for st in (2, 1) for p in (True, "k", False)
+            if K.gdn2_state_kernel_exists(st, p, w) and K.gdn2_fits(dk, dv, st, p)]
 
 
 def run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, stages=None, scratch=None):
-    """stages: None (the card's default variant), or (stages, presplit) from stages_here."""
+    """stages: None (the card's default variant), or (stages, presplit, warps) from stages_here."""
     state = cp.asarray(klast(d["s0"]))
     out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)  # poison: every row must be written
-    st, p = stages if stages else (None, None)
+    st, p, w = stages if stages else (None, None, None)
     K.gdn_prefill_chunked2(state, cp.asarray(d["qkvn"]), cp.asarray(d["gb"]), out, hv * dv, h, hv, dk, dv, t,
-                           pos0=pos0, stages=st, presplit=p, scratch=scratch)
+                           pos0=pos0, stages=st, presplit=p, warps=w, scratch=scratch)
     return out.get(), state.get()
 
 
@@ -456,8 +592,8 @@ def test_chunked2_matches_float64_and_sequential(cp, K, shape, t, pos0, decay):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", sorted(SHAPES2))
 def test_chunked2_stages_and_scratch_do_not_change_bits(cp, K, shape):
-    """The single- and double-buffered state passes, with and without the presplit operands, are the
-    same arithmetic, and a caller's (larger, poisoned) scratch gives the bits of a fresh one."""
+    """The single- and double-buffered state passes, with and without the presplit operands, on 4 or 8 warps,
+    are the same arithmetic, and a caller's (larger, poisoned) scratch gives the bits of a fresh one."""
     s = SHAPES2[shape]
     h, hv, dk, dv = s["h"], s["hv"], s["dk"], s["dv"]
     t, pos0 = 777, 21
@@ -471,6 +607,32 @@ def test_chunked2_stages_and_scratch_do_not_change_bits(cp, K, shape):
     got = run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, scratch=scratch)
     np.testing.assert_array_equal(got[0], ref[0])
     np.testing.assert_array_equal(got[1], ref[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(SHAPES2))
+@pytest.mark.parametrize("t,pos0", [(1, 0), (64, 0), (65, 0), (100, 37), (777, 21), (4096, 4095)])
+def test_chunked2_state8_bitwise_the_4warp_state_pass(cp, K, shape, t, pos0):
+    """The 8-warp state pass (every stage count and presplit this card runs) against the 4-warp one (each of its
+    variants): the final state, the outputs and the whole scratch -- the S_c and V_new the state pass writes
+    included -- bitwise; ragged first / last chunks, one chunk, two, many."""
+    s = SHAPES2[shape]
+    h, hv, dk, dv = s["h"], s["hv"], s["dk"], s["dv"]
+    d = make(np.random.default_rng(t + pos0 + 13), t, h, hv, dk, dv, "strong")
+    n = K.gdn2_scratch_floats(K.gdn2_nchunks(t, pos0), hv, dk, dv)
+    runs = {}
+    for v in stages_here(K, dk, dv):
+        scratch = cp.full(n, np.nan, dtype=cp.float32)
+        o, st = run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, v, scratch=scratch)
+        runs[v] = [x.view(np.uint32) for x in (o, st, scratch.get())]
+    four = [v for v in runs if v[2] == 4]
+    eight = [v for v in runs if v[2] == 8]
+    assert four and eight, list(runs)
+    ref = runs[four[0]]
+    assert not np.isnan(ref[0].view(np.float32)).any()
+    for v in four[1:] + eight:
+        for name, got, want in zip(("out", "state", "scratch"), runs[v], ref):
+            np.testing.assert_array_equal(got, want, err_msg=f"{v} {name} vs {four[0]}")
 
 
 @pytest.mark.gpu
