@@ -947,8 +947,9 @@ GDN2_D = (64, 128)
 # gives the same bits; set 4 to run the 4-warp kernels (A/B: tools/kernel_ab.py --state-ab).
 GDN2_STATE_WARPS = 8
 # The 8-warp form's presplit operands where they fit: True (W and K), "k" (K alone: half the lo buffer, no barrier
-# of its own; two stages only) or False. The 4-warp form presplits W and K (True) where it fits.
-GDN2_STATE8_PRESPLIT: bool | str = True
+# of its own; two stages only) or False. The 4-warp form presplits W and K (True) where it fits. "k" since device run
+# j5 (H100, kernel_ab --state-ab, 27B at 8K, ms per layer): 4-warp W+K 1.055, 8-warp W+K 1.002 / K 0.966 / none 0.996.
+GDN2_STATE8_PRESPLIT: bool | str = "k"
 GDN2_SPLIT = {False: 0, "k": 1, True: 2}  # presplit -> the kernels' SPLIT: none, K alone (8 warps only), W and K
 
 

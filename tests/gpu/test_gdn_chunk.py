@@ -349,7 +349,8 @@ def test_chunked2_state_variant_by_shared_memory(monkeypatch):
 
     rt = FakeRt()
     monkeypatch.setattr(K.Runtime, "get", staticmethod(lambda: rt))
-    assert K.GDN2_STATE_WARPS == 8 and K.GDN2_STATE8_PRESPLIT is True
+    assert K.GDN2_STATE_WARPS == 8 and K.GDN2_STATE8_PRESPLIT == "k"  # the defaults (device run j5)
+    monkeypatch.setattr(K, "GDN2_STATE8_PRESPLIT", True)
     for optin, want in ((232_448, (2, True)), (166_912, (2, False)), (101_376, (1, False)), (40_000, (0, False))):
         rt.smem_optin = optin
         for warps in (8, 4):
