@@ -111,6 +111,63 @@ extern "C" __global__ void f32_to_bf16_rows(const float* __restrict__ x, int ldx
     *reinterpret_cast<uint2*>(out + (i64)row * ldo + c) = o;
 }
 
+// ---------------------------------------------------------------- small bf16 matrices: three bf16 terms
+// (blas.prefill_gemm_split3, the default route of the GDN gates' ab for prefill chunks). Each fp32 value x
+// becomes hi + mid + lo, three bf16 values: hi = bf16_rn(x) (f32_to_bf16_rows' conversion, so the bf16 rows a
+// producer wrote for the cuBLAS route serve as hi), mid = bf16_rn(x - hi), lo = bf16_rn(x - hi - mid). Both
+// differences are exact in fp32 (Sterbenz; NVRTC does not flush subnormals unless asked), and lo IS
+// x - hi - mid whenever x's last significand bit is >= 2^-133, bf16's smallest subnormal (every |x| >= 2^-110;
+// below that the split drops < 2^-134 per value): x = hi + mid + lo exactly, so W x = W hi + W mid + W lo
+// with every bf16 x bf16 product exact. Inf / NaN: hi carries them, mid = lo = 0 for an infinite hi (y gets
+// what a GEMM of x gives: Inf or NaN); a finite x that rounds to Inf in bf16 (|x| >= 2^128 (1 - 2^-9)) too.
+
+// x - h for the split: 0 where h is infinite (Inf - Inf would make a NaN of an Inf input)
+__device__ __forceinline__ float split_residual(float x, float h) {
+    return (__float_as_uint(h) & 0x7fffffffu) == 0x7f800000u ? 0.f : x - h;
+}
+
+// Two values -> their hi / mid / lo bf16x2 words (low half = the first value).
+__device__ __forceinline__ void split3_pair(float a, float b, u32& hi, u32& mid, u32& lo) {
+    hi = pack_bf16x2(a, b);
+    const float ra = split_residual(a, bf16x2_lo(hi)), rb = split_residual(b, bf16x2_hi(hi));
+    mid = pack_bf16x2(ra, rb);
+    lo = pack_bf16x2(ra - bf16x2_lo(mid), rb - bf16x2_hi(mid));
+}
+
+// fp32 rows [ntok][ldx] -> bf16 planes hi / mid / lo, each [ntok][ldo], columns [0, cols). hi may be null (the
+// producer's bf16 rows are hi: then only mid and lo are written). cols % 4 == 0, 16-byte aligned rows (the
+// kpad rows every GEMM input has). grid (ceil(cols / 1024), ntok), block 256: four columns per thread.
+extern "C" __global__ void f32_split3_bf16_rows(const float* __restrict__ x, int ldx, int cols, u16* __restrict__ hi,
+                                                u16* __restrict__ mid, u16* __restrict__ lo, int ldo) {
+    const int row = blockIdx.y, c = (blockIdx.x * 256 + threadIdx.x) * 4;
+    if (c >= cols) return;
+    const float4 v = *reinterpret_cast<const float4*>(x + (i64)row * ldx + c);
+    uint2 h, m, l;
+    split3_pair(v.x, v.y, h.x, m.x, l.x);
+    split3_pair(v.z, v.w, h.y, m.y, l.y);
+    const i64 o = (i64)row * ldo + c;
+    if (hi != nullptr) *reinterpret_cast<uint2*>(hi + o) = h;
+    *reinterpret_cast<uint2*>(mid + o) = m;
+    *reinterpret_cast<uint2*>(lo + o) = l;
+}
+
+// y[t][r] (MODE_ADD: +)= the three-term route's fp32 partial products, t < ntok, r < nout. part holds
+// npieces + 2 blocks of [ntok][ldp] (pstride floats apart; cuBLAS's column-major nout x ntok outputs):
+// W hi over the K pieces in K order, then W mid, then W lo. Summed smallest first, round to nearest:
+// s = lo + mid; h = the hi pieces in order; y = h + s (add: y + (h + s)). grid ceil(ntok * nout / 256), block 256.
+extern "C" __global__ void split3_combine(const float* __restrict__ part, int ldp, long long pstride, int npieces,
+                                          int nout, int ntok, int add, float* __restrict__ y, int ldy) {
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= ntok * nout) return;
+    const int t = i / nout, r = i - t * nout;
+    const float* p = part + (i64)t * ldp + r;
+    const float s = p[(i64)(npieces + 1) * pstride] + p[(i64)npieces * pstride];
+    float h = p[0];
+    for (int k = 1; k < npieces; k++) h += p[(i64)k * pstride];
+    float* yr = y + (i64)t * ldy + r;
+    *yr = add ? *yr + (h + s) : h + s;
+}
+
 // SwiGLU over a GEMM output whose 16-row tiles are 8 gate rows then the matching 8 up rows
 // (layout.interleave_gate_up): y[t][o] = silu(g) * u for o < nout, g = z[t][16 (o/8) + o%8],
 // u = z[t][16 (o/8) + 8 + o%8]. grid (ceil(nout / 256), ntok), block 256.

@@ -91,6 +91,13 @@ class EngineConfig:
     # cuBLASLt on e4m3 weights and per-token e4m3 activations, power-of-two scales; its own tolerance
     # class, gated on the trained model: tools/fp8_prefill.py, docs/QUANT.md "fp8 prefill")
     prefill_gemm: str = "auto"
+    # cuda, those chunks: how the small bf16 matrices (the GDN gates' in_proj_b / in_proj_a, 96 x 5120 on the
+    # 27B) multiply. "bf16x3": each fp32 activation split exactly into three bf16 terms, x = hi + mid + lo,
+    # and W x as bf16 GEMMs on tensor cores, the hi term's K in 320-column pieces (q27py/gpu/blas.py
+    # prefill_gemm_split3; resident bf16 weights, 47 MB on the 27B). "f32": the pedantic fp32 SGEMM on fp32
+    # copies of the weights (94 MB; ~32 TFLOP/s, 12 ms of an 8K prefill on the 27B). Both are fp32-grade against
+    # float64 (the test holds bf16x3 to the SGEMM's error); the bits differ. Chunks of >= 128 tokens only.
+    prefill_small_gemm: str = "bf16x3"
     # cuda, cuBLAS route: expand the next matrix to bf16 on a side stream while the current one's GEMM
     # runs (two weight buffers, ~2 x 356 MB on the 27B) instead of taking turns (q27py/gpu/blas.py
     # ExpandAhead). Off until measured on the device: same launches, same bits.
@@ -292,6 +299,7 @@ GPU_MAX_SLOTS = 1
 GPU_AUTO_MAX_SLOTS = 16
 GPU_AUTO_MIN_SLOTS = 2
 KV_CHOICES = ("auto", "bf16", "fp8", "k5v3", "k3v3")
+PREFILL_SMALL_GEMM_CHOICES = ("bf16x3", "f32")  # EngineConfig.prefill_small_gemm
 # EngineConfig.batch_spec. Reserved for later: "drafts" (each slot's drafts as extra lanes of the
 # shared sweep, verify-mode batching).
 BATCH_SPEC_CHOICES = ("solo-only",)
@@ -338,6 +346,14 @@ def parse_weight_cache_gb(value) -> float | str:
     if not gb >= 0:
         raise ValueError(f"prefill weight cache must be GiB >= 0 or 'auto', not {value!r}")
     return gb
+
+
+def parse_prefill_small_gemm(value: str) -> str:
+    """A Q27_PREFILL_SMALL_GEMM value: one of PREFILL_SMALL_GEMM_CHOICES."""
+    v = value.strip().lower()
+    if v not in PREFILL_SMALL_GEMM_CHOICES:
+        raise ValueError(f"prefill small GEMM must be one of {', '.join(PREFILL_SMALL_GEMM_CHOICES)}, not {value!r}")
+    return v
 
 
 def parse_kv(value: str) -> str:
@@ -421,6 +437,7 @@ ENV_VARS = {
     "Q27_ATTN_DECODE_FP8": ("engine", "attn_decode_fp8", parse_switch),
     "Q27_PDL": ("engine", "pdl", str),
     "Q27_PREFILL_GEMM": ("engine", "prefill_gemm", str),
+    "Q27_PREFILL_SMALL_GEMM": ("engine", "prefill_small_gemm", parse_prefill_small_gemm),
     "Q27_PREFILL_EXPAND_AHEAD": ("engine", "prefill_expand_ahead", parse_switch),
     "Q27_PREFILL_WEIGHT_CACHE_GB": ("engine", "prefill_weight_cache_gb", parse_weight_cache_gb),
     "Q27_BATCH_ROUNDS": ("engine", "batch_rounds", parse_switch),

@@ -109,7 +109,15 @@ def _zip_longest(a: list[int], b: list[int]) -> list[tuple[int, int]]:
     return [(a[i] if i < len(a) else 0, b[i] if i < len(b) else 0) for i in range(n)]
 
 
+# position -> callback(state) (prefix snapshots). A callback with a true `reads_mtp` attribute reads
+# the MTP rows too (a disk prefix entry exports them): the speculative decoder writes any MTP rows it
+# holds back for the first token (engine/spec.py) before calling it.
 PrefillBreaks = dict[int, Callable[[SequenceState], None]]
+
+
+def reads_mtp(callback) -> bool:
+    """Whether a prefill break's callback reads the MTP rows of the positions before it."""
+    return bool(getattr(callback, "reads_mtp", False))
 
 
 @dataclass

@@ -15,6 +15,7 @@ can change the output, only how many tokens each verify forward commits.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,6 +66,15 @@ class MTPLadder:
     ladder writes them in the same pass as its step 0 (whose row is the last one:
     the last committed position with the pending token). Invariant between rounds:
     kv.length + backlog == committed position, backlog >= 1.
+
+    Held writes (`hold` .. `release`): while a prompt prefills, the writes its pieces
+    make (each flush's one mtp_forward) can be kept back, in order, instead of run: the
+    first token is chosen from the main model's last logits row alone, so the spec
+    decoder sends it out first and then `release`s them, before any draft. The same
+    calls run on the same rows in the same order, only later, so the MTP KV a draft
+    reads is the bits of eager writing. While holding, kv.length + held_rows + backlog
+    == position. A HoldBudget bounds the rows held by every ladder of an engine: past
+    it, the earliest held writes run at once (eagerly, as without holding).
     """
 
     # A long run of suffix rounds would grow the backlog without bound; past this
@@ -74,12 +84,58 @@ class MTPLadder:
     def __init__(self, model, kv: KVCache):
         self.model = model
         self.kv = kv
-        self._hidden: list[np.ndarray] = []  # [rows, H] blocks, positions kv.length..
+        self._hidden: list[np.ndarray] = []  # [rows, H] blocks, positions kv.length + held_rows..
         self._next: list[int] = []
+        self.holding = False
+        self._held: list[tuple[object, list[int]]] = []  # writes kept back: (rows, next ids), in order
+        self.held_rows = 0
+        self._budget: HoldBudget | None = None
 
     @property
     def backlog(self) -> int:
         return len(self._next)
+
+    def hold(self, budget: "HoldBudget") -> None:
+        """Keep back the MTP writes from now on (the prompt's, while it prefills) until release();
+        `budget` bounds the rows held across its ladders (the earliest run at once past it)."""
+        self._budget = budget
+        budget.join(self)
+        self.holding = True
+
+    def release(self) -> None:
+        """Stop holding and run every held write, in order (the rows' MTP KV is then exactly eager's)."""
+        self.holding = False
+        self._run_held()
+
+    def write_held(self) -> None:
+        """Run the held writes now and go on holding (a snapshot that exports the MTP rows is next)."""
+        self._run_held()
+
+    def discard(self) -> None:
+        """Stop holding and drop the held writes unrun: the state they were for is being thrown away
+        (a prefill cancelled or failed before its first token), so they must never reach it later."""
+        self.holding = False
+        self._held, self.held_rows = [], 0
+
+    def _run_held(self, keep_rows: int = 0) -> None:
+        """Run held writes, earliest first, until at most keep_rows rows stay held."""
+        while self._held and self.held_rows > keep_rows:
+            rows, ids = self._held.pop(0)
+            self.held_rows -= len(ids)
+            self.model.mtp_forward(self.kv, rows, ids, self.kv.length, logits_rows="none")
+
+    def _write(self, rows, ids: list[int]) -> None:
+        """One warm-up write (the MTP KV rows of `rows`, at the next unwritten positions): run now,
+        after any held before it, or kept back while holding (within the budget)."""
+        if not self.holding:
+            self._run_held()
+            self.model.mtp_forward(self.kv, rows, ids, self.kv.length, logits_rows="none")
+            return
+        self._held.append((rows, ids))
+        self.held_rows += len(ids)
+        over = self._budget.held() - self._budget.limit
+        if over > 0:
+            self._run_held(keep_rows=max(0, self.held_rows - over))
 
     def defer(self, hidden: np.ndarray, next_ids) -> None:
         """Queue rows: main hidden at the next unwritten positions, and the token after each. Rows on
@@ -96,7 +152,7 @@ class MTPLadder:
             return
         rows = concat_rows(self._hidden)
         cut = len(self._next) - keep
-        self.model.mtp_forward(self.kv, rows[:cut], self._next[:cut], self.kv.length, logits_rows="none")
+        self._write(rows[:cut], self._next[:cut])
         self._hidden, self._next = [rows[cut:]] if keep else [], self._next[cut:]
 
     def draft(self, max_drafts: int, min_margin: float, position: int,
@@ -111,6 +167,7 @@ class MTPLadder:
         """
         if max_drafts <= 0:
             return Draft(NONE)
+        self.release()  # (the spec decoder has released them already, after the first token)
         start = self.kv.length
         assert start + self.backlog == position, "MTP backlog out of step with the committed position"
         rows = concat_rows(self._hidden)
@@ -155,6 +212,23 @@ class MTPLadder:
                 break
         self.kv.truncate(position)  # draft rows are guesses: never keep them
         return Draft(MTP if tokens else NONE, tokens, gated, max_drafts)
+
+
+class HoldBudget:
+    """The rows every MTPLadder of one engine may hold back at once (EngineConfig.mtp_defer_rows;
+    0: none, every write runs at once). Held rows keep the prompt pieces' hidden rows alive (device
+    memory on the fast path), so the bound is on all slots together. Ladders are tracked weakly: a
+    ladder that goes away (its request ended) holds nothing any more."""
+
+    def __init__(self, limit: int):
+        self.limit = max(0, int(limit))
+        self._ladders: weakref.WeakSet = weakref.WeakSet()
+
+    def join(self, ladder: MTPLadder) -> None:
+        self._ladders.add(ladder)
+
+    def held(self) -> int:
+        return sum(ladder.held_rows for ladder in list(self._ladders))
 
 
 class SuffixIndex:

@@ -194,11 +194,18 @@ class LocalEngine:
         except PrefillCancelled:
             finish = "cancelled"  # the partly prefilled state is not kept (healthy stays False)
         finally:
-            if hasattr(rounds, "close"):
-                rounds.close()  # the decoder puts the state at rest (MTP rows) in its finally
-            # The state holds what was committed; anything else (an error mid-forward) is
-            # not trusted again: the slot is dropped.
-            self.prefix.release(seq, (prompt + generated)[: seq.state.position], healthy)
+            try:
+                if hasattr(rounds, "close"):
+                    # the decoder puts the state at rest: closed at its first token (a stop id), the
+                    # speculative decoder writes the prompt's MTP rows it held back for that token
+                    rounds.close()
+            except Exception:
+                healthy = False  # model work failed while closing: the state is not trusted
+                raise
+            finally:
+                # The state holds what was committed; anything else (an error mid-forward) is
+                # not trusted again: the slot is dropped.
+                self.prefix.release(seq, (prompt + generated)[: seq.state.position], healthy)
         elapsed = time.perf_counter() - t0
         final_stats = {
             "prompt_tokens": len(prompt),
@@ -249,6 +256,8 @@ class LocalEngine:
             def save(state):
                 seq.tokens = prompt[: state.position]
                 self.prefix.save(seq, kind)
+            # a disk entry exports the MTP rows: the decoder writes any it held back first (decoder.reads_mtp)
+            save.reads_mtp = self.prefix.exports_mtp(kind)
             return save
 
         return {pos: saver(kind) for pos, kind in marks.items()}

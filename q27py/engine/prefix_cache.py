@@ -46,6 +46,9 @@ from q27py.io.prefix_entry import FORMAT_VERSION, ForeignEntry
 log = logging.getLogger("q27py.prefix")
 
 
+DISK_KINDS = ("stable", "system")  # the snapshots also written to the disk tier (when it is on)
+
+
 @dataclass
 class Snapshot:
     position: int
@@ -226,8 +229,14 @@ class PrefixCache:
             # Keep boundaries; drop the oldest plain checkpoint first.
             order = sorted(seq.snapshots.values(), key=lambda s: (s.kind != "checkpoint", s.position))
             del seq.snapshots[order[0].position]
-        if self.disk is not None and kind in ("stable", "system"):
+        if self.exports_mtp(kind):
             self.disk.store_async(self.model, seq)
+
+    def exports_mtp(self, kind: str) -> bool:
+        """Whether save(seq, kind) reads the state's MTP rows: the disk entry written for a boundary
+        snapshot holds them (export_prefix); a live snapshot holds the GDN state and hidden_last only
+        (the MTP KV, like attention KV, stays in the state and is cut back on restore)."""
+        return self.disk is not None and kind in DISK_KINDS
 
     def usage(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens,

@@ -29,6 +29,18 @@ Because the token at each position is a function of (logits row, seed,
 position) only, the output equals plain decoding's for every width, depth and
 drafter: drafts change how many tokens a round commits, never which.
 
+The prompt's MTP warm-up (MTPLadder rows of every prompt position but the last, written
+after each prefill piece) is not needed to choose the first token, which comes from the
+prefill's last logits row alone. So `run` holds those writes back (MTPLadder.hold, at most
+EngineConfig.mtp_defer_rows rows across the engine's requests: past it the earliest run at
+once), yields the first token, and then runs them (release) before anything else: the same
+mtp_forward calls in the same order, so the first draft, the output and the state left for
+prefix reuse are those of eager warm-up, bit for bit. A snapshot that exports MTP rows (a disk
+prefix entry: decoder.reads_mtp) gets them written first; a piece the scheduler cut short for
+decoding slots (Pace.prefill_chunk) warms with its piece, as before, so the held rows never
+land on those slots' wait at once; a prefill cancelled, closed or failed before its first
+token drops what it held (its state is thrown away).
+
 Shared rounds (the scheduler's batched decode, engine/scheduler.py): while the round
 is shared (pace.shared) a slot runs no draft and no verify of its own; its pending
 token is one width-1 lane of the round's decode_batch (`_shared_round`,
@@ -46,11 +58,11 @@ from typing import Iterator
 
 import numpy as np
 
-from q27py.config import SpecConfig
+from q27py.config import MTP_DEFER_ROWS, SpecConfig
 from q27py.engine.api import SamplingParams
 from q27py.engine.decoder import (DecodeStats, Decoder, Lane, Pace, PrefillBreaks, begin_run, paused, prefill_steps,
-                                  prompt_suffix)
-from q27py.engine.drafters import DraftPlanner, MTPLadder, SuffixIndex
+                                  prompt_suffix, reads_mtp)
+from q27py.engine.drafters import DraftPlanner, HoldBudget, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
 
@@ -63,7 +75,8 @@ MAX_VERIFY_WIDTH = 16
 class SpecDecoder:
     """Speculative decoding with the plain Decoder's interface (engine/decoder.py)."""
 
-    def __init__(self, model, spec: SpecConfig, prefill_chunk: int = 2048, batch_spec: str = "solo-only"):
+    def __init__(self, model, spec: SpecConfig, prefill_chunk: int = 2048, batch_spec: str = "solo-only",
+                 defer_rows: int = MTP_DEFER_ROWS):
         if not 1 <= spec.max_verify_width <= MAX_VERIFY_WIDTH:
             raise ConfigError(f"spec.max_verify_width must be in 1..{MAX_VERIFY_WIDTH}, got {spec.max_verify_width}")
         if not 1 <= spec.max_depth <= 7:
@@ -82,6 +95,10 @@ class SpecDecoder:
         if batch_spec != "solo-only":  # EngineConfig.check_batching names the choices
             raise ConfigError(f"batch_spec {batch_spec!r} is not built (solo-only)")
         self.batch_spec = batch_spec
+        if isinstance(defer_rows, bool) or not isinstance(defer_rows, int) or defer_rows < 0:
+            raise ConfigError(f"mtp_defer_rows must be a row count >= 0 (0 = warm every piece at once), not {defer_rows!r}")
+        # the prompt rows whose MTP warm-up waits for the first token, all of this engine's requests together
+        self.hold_budget = HoldBudget(defer_rows)
 
     def _ladder(self, state: SequenceState, todo: list[int]) -> MTPLadder | None:
         """The MTP ladder for this request, primed with the row it owes; None if it cannot run."""
@@ -147,7 +164,22 @@ class SpecDecoder:
         suffix = self._suffix_index(state, prompt_ids) if self.cfg.suffix else None
         planner = DraftPlanner(self.cfg, ladder, suffix)
 
+        # The first token is chosen from the prefill's last logits row alone: the prompt's MTP writes
+        # (each piece's warm() below) are held back, within hold_budget, and run once that token is out
+        # (below), in the same calls and order, so the first draft reads the MTP KV of eager writing.
+        hold = ladder is not None and self.hold_budget.limit > 0
+        if hold:
+            prefill_breaks = _settling(prefill_breaks, ladder)
+
         def warm(start: int, piece: list[int], hidden) -> None:
+            if hold:
+                if pace is not None and pace.prefill_chunk:
+                    # The scheduler cut this piece short for decoding slots (their wait between tokens):
+                    # its warm-up runs with it, as without holding, and so do any held before; held, they
+                    # would all land on one of those waits after the first token.
+                    ladder.release()
+                elif not ladder.holding:
+                    ladder.hold(self.hold_budget)
             # Rows whose next token is a prompt token are written chunk by chunk;
             # the last prompt position waits for the first generated token.
             end = start + len(piece)
@@ -155,12 +187,21 @@ class SpecDecoder:
             ladder.defer(hidden[:known], prompt_ids[start + 1 : start + 1 + known])
             ladder.flush()
 
-        logits = yield from paused(prefill_steps(self.model, state, todo, self.prefill_chunk, prefill_breaks,
-                                                 on_chunk=warm if ladder is not None else None, cancel=cancel,
-                                                 pace=pace),
-                                   pause_prefill)
+        try:
+            logits = yield from paused(prefill_steps(self.model, state, todo, self.prefill_chunk, prefill_breaks,
+                                                     on_chunk=warm if ladder is not None else None, cancel=cancel,
+                                                     pace=pace),
+                                       pause_prefill)
+        except BaseException:
+            # cancelled (PrefillCancelled), closed or failed before the first token: the caller drops the
+            # partly prefilled state, and the writes held for it go with it (never run later, when the
+            # state may serve another request)
+            if ladder is not None:
+                ladder.discard()
+            raise
         if sampler.finished:  # a constraint that admits nothing at all (Decoder.run)
             if ladder is not None:
+                ladder.release()
                 ladder.flush(keep_last=True)
             return
         pending = sampler.pick(logits, state.position)
@@ -172,15 +213,17 @@ class SpecDecoder:
         produced = 1
         stats.record_round("none", [], 0, 1)
         new = [pending]
+        last = pending in stop_ids or produced >= max_tokens or sampler.finished
+        try:
+            yield new  # the first token, before the prompt's held MTP writes
+        finally:
+            # ... which run now: before any draft, or (it was the last token, or the consumer stopped
+            # here) so that the state is at rest as below. Also on close(): LocalEngine closes at a stop id.
+            if ladder is not None:
+                ladder.release()
+                if last:
+                    ladder.flush(keep_last=True)
         while True:
-            # sampler.finished: the constrained output is complete with no end id to emit
-            # (TokenPicker.finished); viable() kept this round's lanes short of that point.
-            last = pending in stop_ids or produced >= max_tokens or sampler.finished
-            if last and ladder is not None:
-                # At rest the MTP rows reach position-2 (prefix reuse resumes from there).
-                # Written before the final yield: a consumer stops iterating at EOS.
-                ladder.flush(keep_last=True)
-            yield new
             if last:
                 return
             if cancel is not None and cancel.is_set():
@@ -194,6 +237,14 @@ class SpecDecoder:
                                   stats)
             produced += len(new)
             pending = new[-1]
+            # sampler.finished: the constrained output is complete with no end id to emit
+            # (TokenPicker.finished); viable() kept this round's lanes short of that point.
+            last = pending in stop_ids or produced >= max_tokens or sampler.finished
+            if last and ladder is not None:
+                # At rest the MTP rows reach position-2 (prefix reuse resumes from there).
+                # Written before the final yield: a consumer stops iterating at EOS.
+                ladder.flush(keep_last=True)
+            yield new
 
     def _round(self, state, pending, remaining, sampler, planner, ladder, suffix, stop_ids, stats) -> list[int]:
         position = state.position  # the pending token's position
@@ -252,6 +303,22 @@ class SpecDecoder:
         return new
 
 
+def _settling(breaks: PrefillBreaks | None, ladder: MTPLadder) -> PrefillBreaks | None:
+    """The prefill's breaks, each one that reads the MTP rows (decoder.reads_mtp: a prefix entry
+    written to disk exports them) preceded by the ladder's held writes, so the snapshot holds the
+    rows it holds without holding (the other snapshots keep the GDN state and hidden_last only)."""
+    if not breaks or not any(reads_mtp(fn) for fn in breaks.values()):
+        return breaks
+
+    def settled(fn):
+        def run(state):
+            ladder.write_held()
+            fn(state)
+        return run
+
+    return {p: settled(fn) if reads_mtp(fn) else fn for p, fn in breaks.items()}
+
+
 def build_decoder(model, cfg):
     """The decoder the config asks for: speculative unless cfg.spec.enabled is False.
 
@@ -266,5 +333,6 @@ def build_decoder(model, cfg):
         # The numpy path is slow per token: smaller chunks let a cancel land within ~1 s.
         chunk = min(chunk, cfg.engine.cpu_prefill_chunk)
     if use_spec:
-        return SpecDecoder(model, spec, prefill_chunk=chunk, batch_spec=cfg.engine.batch_spec)
+        return SpecDecoder(model, spec, prefill_chunk=chunk, batch_spec=cfg.engine.batch_spec,
+                           defer_rows=cfg.engine.mtp_defer_rows)
     return Decoder(model, prefill_chunk=chunk, trace=spec.trace)

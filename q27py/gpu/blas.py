@@ -450,6 +450,137 @@ def prefill_gemm_f32(m, x, ldx: int, ntok: int, y, ldy: int) -> None:
     profile_mark("cublas:gemm_f32", 2.0 * m.nout * ntok * sh.kpad)
 
 
+# ---------------------------------------------------------------- small bf16 matrices: three bf16 terms
+# prefill_gemm_split3, the default for the same matrices (EngineConfig.prefill_small_gemm "bf16x3"; "f32" keeps
+# prefill_gemm_f32 above). The pedantic SGEMM runs the 27B's ab (96 x 5120) at ~32 TFLOP/s: 0.127 ms per
+# 4,096-token chunk and layer, 12.2 ms of an 8K prefill (docs/PERF.md i3). Here each fp32 activation is split
+# into three bf16 terms, x = hi + mid + lo exactly (cuda/dequant.cu f32_split3_bf16_rows), and W x = W hi +
+# W mid + W lo runs on tensor cores (bf16 x bf16 -> fp32, COMPUTE_32F): every product is exact in fp32, only
+# the accumulation rounds.
+#
+# How the three products are laid out:
+#   - W mid and W lo: ONE GEMM, the two planes stacked along N (2 * ntok columns), full K: their terms are
+#     under 2^-8 and 2^-16 of x's, so how their accumulation rounds does not show.
+#   - W hi: K cut into pieces of SPLIT3_PIECE_CHUNKS x 64 columns, one strided-batched GEMM (a piece per batch,
+#     same weights and rows, offsets along K) + one plain GEMM for a remainder piece, each piece into its own
+#     fp32 partial; split3_combine then sums lo + mid, the hi pieces in K order, and y, round to nearest.
+#   Why the pieces: the tensor cores' fp32 accumulation is not IEEE round-to-nearest. Published models of
+#   V100 / A100 / H100 (Fasi et al. 2021, Khattak & Mikaitis 2025) add each k-block's exact products to the
+#   accumulator with truncated alignment and a round-toward-zero result, an error biased toward zero of up to an
+#   ulp of the accumulator per MMA step; over one K = 5120 chain that emulates (numpy, blocks of 16 / 8 / 4
+#   products, 0-3 extra bits) at 1.0e-6 to 1.5e-5 relative against 1.24e-6 for a sequential round-to-nearest
+#   fp32 chain (the SGEMM), i.e. up to 12x looser. Pieces of 320 bring it to 1.8e-7 to 5.0e-7 (512: 2.2e-7 to
+#   8.7e-7; 1024: 3.5e-7 to 2.0e-6), and cost one partial (ntok x nout fp32: 1.6 MB at the 27B's chunk)
+#   written and read per piece.
+#   Rejected: [hi | mid | lo] stacked along K against a resident [W | W | W] (3x the weights, 141 MB for the 27B,
+#   one launch): mid and lo then land in an accumulator already holding W hi, each of their MMA steps costing up
+#   to an ulp of |y|: 1.5e-6 to 1.3e-5 at K = 640 in the same emulation (the terms kept apart: 2.6e-7 to 1.1e-6;
+#   tools/split3_numerics.py). Rejected too: three GEMMs chained with beta = 1, smallest first (no partials):
+#   W hi is then the one K = 5120 chain above, and each GEMM is 32 CTAs of 128 x 128 on 132 SMs (M = 96, so
+#   cuBLAS would split K its own way or idle SMs), where the batched pieces give 16 x 32.
+# Cost, 27B, 4,096-token chunk, per layer (bytes; these shapes are bandwidth-bound, ~12 GFLOP of MMA at any
+# rate above ~300 TFLOP/s hides under them): split, x read + mid / lo written = 84 + 84 MB (hi is the bf16 rows
+# the norm already writes for the q4 qkvz beside ab in its plan: GemvPlan.run passes them; without them the
+# split writes hi too, +42 MB); W hi pieces: 42 MB read + 16 partials 25 MB; W mid / lo: 84 MB read + 3 MB;
+# combine: 28 MB read. ~350 MB, ~80-90 us at 4-4.5 TB/s against the SGEMM's 127 us: ~4 ms of an 8K prefill
+# (96 calls), not measured. The bigger lever is the producer: the input norm writing mid / lo beside its bf16
+# rows (and no fp32 rows for this plan) drops the split's 168 MB, ~45 us a call.
+#
+# Numerics: both routes are fp32-grade against float64 (tests/gpu/test_prefill_split3.py measures both on the
+# same rows and holds this one to the SGEMM's error); the accumulation order differs, so the bits differ from
+# prefill_gemm_f32's. Like it, this route serves prefill chunks of >= MIN_TOKENS (128) tokens only
+# (kernels.gemm_f32_route), the cuBLAS route's prefill tolerance class: decode, verify and the canonical gates'
+# prompts (36 and 10 tokens, gates/run.py) keep the GEMV.
+SPLIT3_PIECE_CHUNKS = 5  # 64-column chunks per piece of the W hi GEMM (320 columns: 16 pieces at K = 5120)
+
+
+def split3_pieces(kpad: int) -> tuple[int, int, int]:
+    """(full, kp, rem): the W hi GEMM's K pieces, `full` pieces of kp columns (one strided-batched GEMM), then
+    one of rem < kp columns (a plain GEMM) when rem > 0."""
+    kp = SPLIT3_PIECE_CHUNKS * L.CHUNK_K
+    full, rem = divmod(int(kpad), kp)
+    return full, kp, rem
+
+
+class Split3:
+    """x's rows [ntok][kpad] as the three bf16 planes of the split: hi (the producer's bf16 rows or a plane of
+    the scratch, row stride ldhi) and mid / lo as one [2 * ntok][kpad] block (mid rows, then lo rows)."""
+
+    def __init__(self, hi, ldhi: int, midlo, ntok: int, kpad: int):
+        self.hi, self.ldhi, self.midlo, self.ntok, self.kpad = hi, int(ldhi), midlo, int(ntok), int(kpad)
+
+
+def split3(x, ldx: int, ntok: int, kpad: int, x_bf16=None) -> Split3:
+    """Split fp32 rows x [ntok][ldx] (columns [0, kpad)) into bf16 hi + mid + lo (cuda/dequant.cu
+    f32_split3_bf16_rows). x_bf16: uint16 rows holding f32_to_bf16_rows' bytes of x's rows (the plan's bf16
+    input: a 2-D array its producer wrote, or to_bf16's flat [ntok][kpad] output): the hi plane, so only mid
+    and lo are written."""
+    assert kpad % 64 == 0 and ldx % 4 == 0, (kpad, ldx)
+    rt = Runtime.get()
+    n = ntok * kpad
+    buf = _SCRATCH.get("x3", (2 if x_bf16 is not None else 3) * n * 2)
+    if x_bf16 is not None:
+        if x_bf16.ndim == 1:  # to_bf16's rows: ld = kpad
+            ldhi = kpad
+        else:
+            assert x_bf16.shape[1] >= kpad and x_bf16.strides[1] == 2, (x_bf16.shape, x_bf16.strides)
+            ldhi = x_bf16.strides[0] // 2
+        hi, midlo, hi_out = x_bf16, buf[: 2 * n], None
+    else:
+        hi, ldhi, midlo = buf[:n], kpad, buf[n: 3 * n]
+        hi_out = hi
+    rt.launch("dequant", "f32_split3_bf16_rows", (-(-kpad // 1024), ntok), 256,
+              (x, i32(ldx), i32(kpad), hi_out, midlo, midlo[n:], i32(kpad)))
+    return Split3(hi, ldhi, midlo, ntok, kpad)
+
+
+# every small bf16 matrix's bf16 expansion once (47 MB for the 27B's 48 ab); an allocation that fails leaves
+# the rest to the scratch (weights_bf16_small)
+_BF16_SMALL_CACHE = ExpansionCache(1 << 62)
+
+
+def weights_bf16_small(m):
+    """The matrix as bf16 [row_tiles * 16, kpad] (a flat uint16 buffer), kept once made."""
+    buf = _BF16_SMALL_CACHE.get(m)
+    return buf if buf is not None else dequantize_to_bf16(m)
+
+
+def prefill_gemm_split3(m, x, ldx: int, ntok: int, y, ldy: int, split: Split3 | None = None) -> None:
+    """prefill_gemm_f32's contract (y[t] (+)= W x[t], MODE_STORE / MODE_ADD, small bf16 matrices) as three bf16
+    terms on tensor cores (the section above). split: x's planes already made (a plan's matrices share them)."""
+    assert f32_route(m), "prefill_gemm_split3 takes small bf16 matrices without the SwiGLU epilogue"
+    rt = Runtime.get()
+    sh = m.shape
+    kpad, nout = int(sh.kpad), int(m.nout)
+    assert ntok * nout < 1 << 31
+    if split is None:
+        split = split3(x, ldx, ntok, kpad)
+    assert split.ntok == ntok and split.kpad == kpad, (split.ntok, split.kpad, ntok, kpad)
+    w = int(weights_bf16_small(m).data.ptr)
+    full, kp, rem = split3_pieces(kpad)
+    npieces = full + (rem > 0)
+    ldp = L.round_up(nout, 4)
+    pstride = ntok * ldp  # floats between partials
+    part = _SCRATCH.get("p3", (npieces + 2) * pstride * 4).view(rt.cp.float32)
+    p = int(part.data.ptr)
+    hi, ldhi = int(split.hi.data.ptr), split.ldhi
+    cublas, h = _handle()
+    one, zero = _ONE.ctypes.data, _ZERO.ctypes.data
+    if full:
+        cublas.gemmStridedBatchedEx(h, _OP_T, _OP_N, nout, ntok, kp, one, w, _R_16BF, kpad, kp, hi, _R_16BF, ldhi, kp,
+                                    zero, p, _R_32F, ldp, pstride, full, _COMPUTE_32F, _GEMM_DEFAULT)
+    if rem:
+        off = full * kp * 2  # bytes
+        cublas.gemmEx(h, _OP_T, _OP_N, nout, ntok, rem, one, w + off, _R_16BF, kpad, hi + off, _R_16BF, ldhi, zero,
+                      p + full * pstride * 4, _R_32F, ldp, _COMPUTE_32F, _GEMM_DEFAULT)
+    cublas.gemmEx(h, _OP_T, _OP_N, nout, 2 * ntok, kpad, one, w, _R_16BF, kpad, int(split.midlo.data.ptr), _R_16BF,
+                  kpad, zero, p + npieces * pstride * 4, _R_32F, ldp, _COMPUTE_32F, _GEMM_DEFAULT)
+    profile_mark("cublas:gemm_split3", 3 * 2.0 * nout * ntok * kpad)  # FLOPs as run: three bf16 products
+    rt.launch("dequant", "split3_combine", -(-(ntok * nout) // 256), 256,
+              (part, i32(ldp), i64(pstride), i32(npieces), i32(nout), i32(ntok), i32(int(m.mode == C.MODE_ADD)), y,
+               i32(ldy)))
+
+
 # ---------------------------------------------------------------- fp8 route (EngineConfig.prefill_gemm "fp8")
 # Weights and activations as e4m3 with power-of-two scales, multiplied by cuBLASLt (blaslt.py):
 # cuda/dequant.cu "fp8 prefill route" says why the scales are where they are. sm_89+ only.

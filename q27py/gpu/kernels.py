@@ -363,15 +363,22 @@ class GemvPlan:
                 from q27py.gpu import blas
 
                 x_bf16 = blas.to_bf16(xs, ldx, nlanes, self.kpad)
-            f32 = self._bf16_f32 and gemm_f32_route(nlanes)  # every bf16 matrix as one fp32 GEMM
+            f32 = self._bf16_f32 and gemm_f32_route(nlanes)  # every bf16 matrix through cuBLAS (PREFILL_SMALL_GEMM)
+            split = None  # the three-term route's planes of x, made once for every bf16 matrix of the plan
             for m, (y, ldy), bf in zip(self.mats, self.outputs, routes):
                 if gemm_supported(m):
                     gemm(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy, x_bf16=x_bf16 if bf else None,
                          y_bf16=y_bf16)
-                elif f32:
+                elif f32 and PREFILL_SMALL_GEMM == "f32":
                     from q27py.gpu import blas
 
                     blas.prefill_gemm_f32(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
+                elif f32:
+                    from q27py.gpu import blas
+
+                    if split is None:  # the plan's bf16 rows of x (if it has them) are the hi term
+                        split = blas.split3(xs, ldx, nlanes, self.kpad, x_bf16=x_bf16)
+                    blas.prefill_gemm_split3(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy, split=split)
             if f32 or not self._has_bf16:
                 return  # nothing is left for the GEMV
         done = 0
@@ -489,8 +496,8 @@ def link_prefetch(plans: list["GemvPlan"], budget_bytes: int, cyclic: bool = Tru
 
 
 def gemm_f32_route(ntok: int) -> bool:
-    """Whether a prefill chunk of ntok tokens runs its small bf16 matrices as one fp32 cuBLAS GEMM
-    (blas.prefill_gemm_f32) instead of the GEMV in blocks of 16 lanes: the chunks the cuBLAS route
+    """Whether a prefill chunk of ntok tokens runs its small bf16 matrices (blas.f32_route) through cuBLAS
+    -- PREFILL_SMALL_GEMM picks how -- instead of the GEMV in blocks of 16 lanes: the chunks the cuBLAS route
     takes (the prefill tolerance class), never the gates' short prompts or the verify lanes."""
     from q27py.gpu import blas
 
@@ -507,6 +514,29 @@ def gemm_supported(m: GpuMatrix) -> bool:
 # activations (sm_89+, else "auto"; its own tolerance class, docs/QUANT.md); "kernel": always the
 # kernel (A/B runs). Set from EngineConfig.prefill_gemm.
 PREFILL_GEMM = "auto"
+
+
+# How the chunks gemm_f32_route takes multiply their small bf16 matrices (the GDN gates' ab): "bf16x3"
+# (blas.prefill_gemm_split3: x split exactly into three bf16 terms, tensor cores; the default) or "f32"
+# (blas.prefill_gemm_f32: fp32 copies of the weights, pedantic SGEMM). Both fp32-grade, different bits.
+# EngineConfig.prefill_small_gemm (env Q27_PREFILL_SMALL_GEMM) is the module default, so models built
+# directly (gates, benches, tests) follow it as engines do; load_fast_model sets it from the engine's config.
+def prefill_small_gemm_mode(mode: str) -> str:
+    """EngineConfig.prefill_small_gemm, checked when the model loads (a typo fails there, not mid-request)."""
+    from q27py.config import PREFILL_SMALL_GEMM_CHOICES
+
+    if mode not in PREFILL_SMALL_GEMM_CHOICES:
+        raise ValueError(f"prefill_small_gemm must be one of {', '.join(PREFILL_SMALL_GEMM_CHOICES)}, not {mode!r}")
+    return mode
+
+
+def _prefill_small_gemm_default() -> str:
+    from q27py.config import Q27Config, apply_env
+
+    return prefill_small_gemm_mode(apply_env(Q27Config()).engine.prefill_small_gemm)
+
+
+PREFILL_SMALL_GEMM = _prefill_small_gemm_default()
 
 
 def gemm_bf16_route(m: GpuMatrix, ntok: int) -> bool:
