@@ -16,6 +16,10 @@ from q27py import DEFAULT_MODEL_DIR
 from q27py.errors import ConfigError
 
 
+# EngineConfig.mtp_defer_rows' default (the field says why); SpecDecoder's default too.
+MTP_DEFER_ROWS = 32768
+
+
 @dataclass
 class SpecConfig:
     """Self-speculative decoding (MTP draft ladder + suffix drafter).
@@ -138,6 +142,17 @@ class EngineConfig:
     # misses the cuBLAS route, gpu/blas.py MIN_TOKENS, and each piece adds a host sync). 0 = off:
     # every checkpoint cuts at its grid position. Boundary (system / stable) marks never move.
     checkpoint_min_piece: int = 128
+    # Prompt rows whose MTP warm-up may wait until the first token is out, all slots together (0 = none
+    # wait: every prefill piece's MTP rows are written as the piece ends). The first token is chosen
+    # from the main model's last logits row alone; the MTP head's KV rows of the prompt (engine/drafters.py
+    # MTPLadder, ~0.1 s of a cold 25K-token 27B prompt on the H200) are needed only by the first draft,
+    # so the speculative decoder writes them after the first token, with the same calls in the same
+    # order (the same bits: outputs and drafts never change). A waiting row keeps its prompt piece's
+    # hidden row alive, hidden_size fp32 (the 27B: 20 KiB a row, 640 MiB at 32,768): device memory the
+    # slot / context sizing does not reserve (it comes out of kv_safety_margin_bytes' slack) while a
+    # prompt prefills. 32,768 covers a cold prompt up to 32K tokens (the 25K target) whole; past the
+    # bound the earliest pieces' rows are written eagerly, as with 0. Lower it on a card sized tight.
+    mtp_defer_rows: int = MTP_DEFER_ROWS
     prefix_cache_dir: Path | None = None  # persistent prefix cache (opt-in)
     prefix_cache_max_bytes: int = 8 << 30
     # cuda fast path GEMV: "a8" (cuda/gemv.cu gemv8_*: int8 activations per 64-k chunk on q4/q8 weights,
@@ -426,6 +441,7 @@ ENV_VARS = {
     "Q27_MAX_SLOTS": ("engine", "max_slots", parse_max_slots),
     "Q27_PREFIX_CACHE": ("engine", "prefix_cache_dir", Path),
     "Q27_CHECKPOINT_MIN_PIECE": ("engine", "checkpoint_min_piece", int),
+    "Q27_MTP_DEFER_ROWS": ("engine", "mtp_defer_rows", int),
     "Q27_GEMV": ("engine", "gemv", str),
     "Q27_GEMV_PREFETCH_MB": ("engine", "gemv_prefetch_mb", float),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),

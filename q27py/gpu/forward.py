@@ -1387,6 +1387,7 @@ def load_fast_model(cfg) -> FastModel:
     # chunk: prefill runs the GEMM (cuBLAS on bf16 expansions, or the mma.sync kernel) on up to
     # this many rows per weight pass (docs/PERF.md)
     K.PREFILL_GEMM = e.prefill_gemm
+    K.PREFILL_SMALL_GEMM = K.prefill_small_gemm_mode(e.prefill_small_gemm)
     from q27py.gpu import blas
 
     blas.set_expand_ahead(e.prefill_expand_ahead)
