@@ -801,11 +801,23 @@ struct OutSmem {
     static constexpr int Q = 0, K = Q + C * DK, M = K + C * DK, G = M + C * LDM, FLOATS = G + 3 * C;
 };
 
-template <int DK, int DV>
+// The gated output norm fused into the output pass (GATED): norm.cu gated_rmsnorm_rows' arguments.
+struct GatedNorm {
+    const float* z;  // the gate rows [t][ldz] (value head h at h * dv)
+    int ldz;
+    const float* w;  // [dv] norm weight
+    float eps;
+    float* y;        // fp32 rows [t][ldy] or null
+    int ldy;
+    u16* yb;         // bf16 rows [t][ldyb] or null
+    int ldyb;
+};
+
+template <int DK, int DV, bool GATED = false>
 __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const float* __restrict__ usc,
                                          const float* __restrict__ ssc, const float* __restrict__ gsc,
                                          float* __restrict__ out, int ldo, int H, int HV, int nlanes, int pos0,
-                                         int nchunks) {
+                                         int nchunks, GatedNorm gn = {}) {
     using L = OutSmem<DK, DV>;
     constexpr int C = GDN2_C, LDM = L::LDM, NW = DV / 16, KT = DK / 8, CT = C / 8, MT = C / 16;
     static_assert(C == 64 && DK % 32 == 0 && DV % 16 == 0, "out shape");
@@ -896,13 +908,54 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
             mma3(o[nt], ah, al, b.x, b.y);
         }
     }
+    if constexpr (!GATED) {
 #pragma unroll
-    for (int nt = 0; nt < CT; nt++)
+        for (int nt = 0; nt < CT; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int i = nt * 8 + 2 * t + (e & 1), j = warp * 16 + g + (e >> 1) * 8;
-            if (i < n) out[(i64)(c0 + i) * ldo + h * DV + j] = o[nt][e];
+            for (int e = 0; e < 4; e++) {
+                const int i = nt * 8 + 2 * t + (e & 1), j = warp * 16 + g + (e >> 1) * 8;
+                if (i < n) out[(i64)(c0 + i) * ldo + h * DV + j] = o[nt][e];
+            }
+    } else {
+        // gated_rmsnorm_rows on the chunk's O rows while they are on chip: O goes through shared memory
+        // (over Q and K, read by no warp any more) as [C][DV + 4] rows (conflict-free fragment stores), and
+        // each warp normalizes whole tokens with the rows kernel's arithmetic: lane l of 32-column group q
+        // holds column 32 q + l, its warp_sum is that kernel's warp q's sum, and the group sums meet as in
+        // block_total (lane q < DV / 32 holds sum q, the rest 0, one more warp_sum). Same values, same
+        // order: the same bits (tests/gpu/test_gdn_chunk.py holds it to the two-kernel path).
+        static_assert(DV % 32 == 0 && C * (DV + 4) <= 2 * C * DK, "gated rows fit over Q and K");
+        constexpr int LDO = DV + 4, NG = DV / 32;
+        float* sO = smem + L::Q;
+        __syncthreads();  // every warp is done reading Q and K
+#pragma unroll
+        for (int nt = 0; nt < CT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                sO[(nt * 8 + 2 * t + (e & 1)) * LDO + warp * 16 + g + (e >> 1) * 8] = o[nt][e];
+        __syncthreads();
+        float wq[NG];
+#pragma unroll
+        for (int q = 0; q < NG; q++) wq[q] = gn.w[32 * q + lane];
+        for (int i = warp; i < n; i += NW) {
+            const i64 row = c0 + i;
+            float v[NG], zz[NG], part = 0.f;
+#pragma unroll
+            for (int q = 0; q < NG; q++) {
+                v[q] = sO[i * LDO + 32 * q + lane];
+                zz[q] = gn.z[row * gn.ldz + h * DV + 32 * q + lane];
+                const float s = warp_sum(v[q] * v[q]);
+                if (lane == q) part = s;
+            }
+            const float ss = warp_sum(part);
+            const float den = sqrtf(ss / (float)DV + gn.eps);
+#pragma unroll
+            for (int q = 0; q < NG; q++) {
+                const float r = (v[q] / den) * wq[q] * (zz[q] * sigmoid_f(zz[q]));
+                if (gn.y) gn.y[row * gn.ldy + h * DV + 32 * q + lane] = r;
+                if (gn.yb) gn.yb[row * gn.ldyb + h * DV + 32 * q + lane] = bf16_rn(r);
+            }
         }
+    }
 }
 
 // Entry points. Scratch (floats, chunk-padded, nchunks = chunks of this run): W [HV][nchunks][C][DK],
@@ -944,6 +997,13 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         gdn2_out_d##D(const float* qkvn, const float* usc, const float* ssc, const float* gsc, float* out,        \
                       int ldo, int H, int HV, int nlanes, int pos0, int nchunks) {                                \
         out_body<D, D>(qkvn, usc, ssc, gsc, out, ldo, H, HV, nlanes, pos0, nchunks);                              \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(D * 2, 2)                                                        \
+        gdn2_out_gated_d##D(const float* qkvn, const float* usc, const float* ssc, const float* gsc,              \
+                            const float* z, int ldz, const float* w, float eps, float* y, int ldy, u16* yb,       \
+                            int ldyb, int H, int HV, int nlanes, int pos0, int nchunks) {                         \
+        out_body<D, D, true>(qkvn, usc, ssc, gsc, nullptr, 0, H, HV, nlanes, pos0, nchunks,                       \
+                             GatedNorm{z, ldz, w, eps, y, ldy, yb, ldyb});                                        \
     }
 
 GDN2_KERNELS(128)

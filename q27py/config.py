@@ -123,6 +123,10 @@ class EngineConfig:
     # default since device runs c4-c5 (exact decays under strong gating; 2.85x the sequential kernel
     # per layer at 8K, prefill 8K 6,594 -> 7,856 tok/s; the four gates keep their bits).
     gdn_prefill: str = "chunked2"
+    # cuda, chunked2 prefill chunks: the GDN output norm (gated RMSNorm x SiLU(z)) inside the pipeline's output
+    # pass (cuda/gdn_chunk2.cu gdn2_out_gated_*) instead of a kernel of its own after it: the O rows stay on
+    # chip (no fp32 round trip through memory), the same bits (tests/gpu/test_gdn_chunk.py).
+    gdn_out_fused: bool = True
     # cuda: prefill attention kernel. "v1" (cuda/attention_prefill.cu: Q and P as bf16 hi + lo,
     # fp32-grade) or "v2" (cuda/attention_prefill2.cu: single bf16 Q and P, cp.async + ldmatrix,
     # 128-row tiles, key blocks for long contexts; bf16 / fp8 KV, fp32 KV keeps v1). v2 is the
@@ -445,6 +449,7 @@ ENV_VARS = {
     "Q27_GEMV": ("engine", "gemv", str),
     "Q27_GEMV_PREFETCH_MB": ("engine", "gemv_prefetch_mb", float),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
+    "Q27_GDN_OUT_FUSED": ("engine", "gdn_out_fused", parse_switch),
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),
     "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),
     "Q27_ATTN_PREFILL_WGMMA": ("engine", "attn_prefill_wgmma", parse_switch),

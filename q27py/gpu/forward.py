@@ -968,18 +968,26 @@ class FastModel:
              kw, qkvn, gb, t)
         if commit:
             K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
+        gated = None
+        if t > VERIFY_SPAN:  # prefill chunk: the output norm's rows form, writing what the out plan reads
+            xob = self._bf16_rows(plan["out"], t, self.xob)
+            gated = K.GatedNormArgs(raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps,
+                                    self.xo if xob is None or plan["out"].gemm_inputs(t)[1] else None, self.ld_xo, xob,
+                                    0 if xob is None else xob.shape[1])
+        fused = False
         if commit and t > VERIFY_SPAN and K.gdn_prefill_supported(dk, dv):
-            K.gdn_prefill_run(state.gdn[gi], qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, t, pos0=state.position,
-                              scratch=self._gdn2_scratch() if K.GDN_PREFILL == "chunked2" else None)
+            # the chunked2 output pass may apply the norm itself (K.GDN2_OUT_GATED: the same bits)
+            fused = K.gdn_prefill_run(state.gdn[gi], qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
+                                      pos0=state.position, gated=gated,
+                                      scratch=self._gdn2_scratch() if K.GDN_PREFILL == "chunked2" else None)
         else:
             K.gdn_step(state.gdn[gi], 0, qkvn, 0, gb, 0, self.o_gdn, hv * dv, hk, hv, dk, dv, t,
                        emit=True, write_state=commit)
-        if t > VERIFY_SPAN:  # prefill chunk: the rows form, writing what the out plan reads
-            xob = self._bf16_rows(plan["out"], t, self.xob)
-            K.gated_rmsnorm_rows(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv,
-                                 self.xo if xob is None or plan["out"].gemm_inputs(t)[1] else None, self.ld_xo, xob,
-                                 0 if xob is None else xob.shape[1])
-            plan["out"].run(self.xo, self.ld_xo, t, x_bf16=xob)
+        if gated is not None:
+            if not fused:
+                K.gated_rmsnorm_rows(self.o_gdn, hv * dv, gated.z, gated.ldz, gated.w, gated.eps, t, hv, dv, gated.y,
+                                     gated.ldy, gated.yb, gated.ldyb)
+            plan["out"].run(self.xo, self.ld_xo, t, x_bf16=gated.yb)
             return
         fuse = K.gated_rmsnorm_fuses(plan["out"], t, hv, dv)
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv, self.xo,
@@ -1396,6 +1404,7 @@ def load_fast_model(cfg) -> FastModel:
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_PREFILL_WGMMA = bool(e.attn_prefill_wgmma)
+    K.GDN2_OUT_GATED = bool(e.gdn_out_fused)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused,

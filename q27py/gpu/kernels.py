@@ -1056,7 +1056,7 @@ def gdn2_stages(dk: int, dv: int) -> int:
 
 def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
                          pos0: int = 0, scratch=None, stages: int | None = None, presplit: bool | str | None = None,
-                         warps: int | None = None, events=None) -> None:
+                         warps: int | None = None, events=None, gated: "GatedNormArgs | None" = None) -> None:
     """gdn_prefill's contract through the three-kernel pipeline; chunk boundaries at absolute
     multiples of GDN2_C (pieces split there give the bits of one run). scratch: a float32 device
     buffer of at least gdn2_scratch_floats(gdn2_nchunks(nlanes, pos0), hv, dk, dv) floats
@@ -1102,22 +1102,59 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
               (state, qkvn, wsc, usc, ssc, gsc, i32(h), i32(hv), i32(dv), i32(nlanes), i32(pos0), i32(nc)),
               shared_mem=4 * smem["state"])
     mark(2)
-    rt.launch("gdn_chunk2", f"gdn2_out_d{dk}", (nc, hv), 2 * dv,
-              (qkvn, usc, ssc, gsc, out, i32(ldo), i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)),
-              shared_mem=4 * smem["out"])
+    if gated is None:
+        rt.launch("gdn_chunk2", f"gdn2_out_d{dk}", (nc, hv), 2 * dv,
+                  (qkvn, usc, ssc, gsc, out, i32(ldo), i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)),
+                  shared_mem=4 * smem["out"])
+    else:  # the output norm in the same pass (out unused): gated_rmsnorm_rows' bits
+        g = gated
+        assert g.y is not None or g.yb is not None
+        rt.launch("gdn_chunk2", f"gdn2_out_gated_d{dk}", (nc, hv), 2 * dv,
+                  (qkvn, usc, ssc, gsc, g.z, i32(g.ldz), g.w, f32(g.eps), g.y, i32(g.ldy), g.yb, i32(g.ldyb), i32(h),
+                   i32(hv), i32(nlanes), i32(pos0), i32(nc)), shared_mem=4 * smem["out"])
     mark(3)
 
 
+@dataclass(frozen=True)
+class GatedNormArgs:
+    """gated_rmsnorm_rows' operands, for the chunked2 output pass that applies it itself (GDN2_OUT_GATED)."""
+    z: object
+    ldz: int
+    w: object
+    eps: float
+    y: object
+    ldy: int
+    yb: object = None
+    ldyb: int = 0
+
+
+# Whether prefill chunks run the GDN output norm inside the chunked2 output pass (gdn2_out_gated_*: the O rows
+# never leave the chip as fp32) instead of gated_rmsnorm_rows after it; the same bits. EngineConfig.gdn_out_fused.
+def _gdn_out_fused_default() -> bool:
+    from q27py.config import Q27Config, apply_env
+
+    return bool(apply_env(Q27Config()).engine.gdn_out_fused)
+
+
+GDN2_OUT_GATED = _gdn_out_fused_default()
+
+
 def gdn_prefill_run(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,
-                    pos0: int = 0, scratch=None) -> None:
+                    pos0: int = 0, scratch=None, gated: GatedNormArgs | None = None) -> bool:
     """A prefill run of lanes by the configured route (GDN_PREFILL), falling back to gdn_prefill.
-    scratch: the chunked2 route's buffer (gdn2_scratch_floats), allocated per call when None."""
+    scratch: the chunked2 route's buffer (gdn2_scratch_floats), allocated per call when None.
+    gated: the output norm's operands, applied in the chunked2 output pass when GDN2_OUT_GATED (then `out` is
+    not written). Returns whether it was (else the caller runs gated_rmsnorm_rows on `out`)."""
     if GDN_PREFILL == "chunked2" and gdn2_stages(dk, dv) and gdn_chunk_aligned(qkvn, h, hv, dk, dv):
-        gdn_prefill_chunked2(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes, pos0, scratch=scratch)
+        fuse = gated is not None and GDN2_OUT_GATED and dv % 32 == 0
+        gdn_prefill_chunked2(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes, pos0, scratch=scratch,
+                             gated=gated if fuse else None)
+        return fuse
     elif GDN_PREFILL == "chunked" and gdn_chunk_size(dk, dv) and gdn_chunk_aligned(qkvn, h, hv, dk, dv):
         gdn_prefill_chunked(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes, pos0)
     else:
         gdn_prefill(state, qkvn, gb, out, ldo, h, hv, dk, dv, nlanes)
+    return False
 
 
 # ---------------------------------------------------------------- attention
@@ -1552,7 +1589,7 @@ def attention_prefill2(q, ldq: int, kcache, vcache, fp8: bool, max_pos: int, nq:
                 part, kexp, vexp)
         if module == "attention_prefill3":
             args = args[:-2]  # bf16 KV only: no row exponents
-        rt.launch(module, kernel, (nkv, -(-(rep * n) // rows_per_cta), nblk), 32 * warps, args, shared_mem=smem)
+        rt.launch(module, kernel, (nkv, -(-(rep * n) // rows_per_cta), nblk), threads, args, shared_mem=smem)
         if nblk > 1:
             rt.launch("attention_prefill2", "attn_prefill2_combine", (n, nq), hd,
                       (part, i32(nq), i32(hd), i32(nblk), pos0_dev, i32(a), ptr(qg, 4 * a * ldqg), i32(ldqg),

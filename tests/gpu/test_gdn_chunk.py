@@ -560,6 +560,49 @@ SHAPES2 = {"small": dict(h=2, hv=6, dk=64, dv=64), "27b": dict(h=16, hv=48, dk=1
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", sorted(SHAPES2))
+@pytest.mark.parametrize("t,pos0", [(1, 0), (65, 0), (100, 37), (1000, 5), (4096, 4095)])
+@pytest.mark.parametrize("rows", ["f32", "bf16", "both"])
+def test_chunked2_gated_output_pass_is_bitwise_the_norm_kernel(cp, K, shape, t, pos0, rows):
+    """gdn2_out_gated (the output norm inside the output pass, K.GDN2_OUT_GATED) against the output pass then
+    gated_rmsnorm_rows: the same fp32 / bf16 rows bit for bit, the same state, nothing written past the lanes."""
+    dims = SHAPES2[shape]
+    h, hv, dk, dv = dims["h"], dims["hv"], dims["dk"], dims["dv"]
+    if not K.gdn2_stages(dk, dv):
+        pytest.skip("no chunked2 pipeline on this card")
+    rng = np.random.default_rng(t + pos0 + dk)
+    d = make(rng, t, h, hv, dk, dv)
+    ldz = hv * dv + 24
+    z = cp.asarray((rng.standard_normal((t, ldz)) * 2).astype(np.float32))
+    w = cp.asarray((rng.standard_normal(dv) * 0.5 + 1).astype(np.float32))
+    eps = 1e-6
+
+    def outs():
+        y = cp.full((t + 2, hv * dv + 8), np.nan, dtype=cp.float32) if rows != "bf16" else None
+        yb = cp.full((t + 2, hv * dv + 16), 0xFFFF, dtype=cp.uint16) if rows != "f32" else None
+        return y, yb
+
+    state = cp.asarray(klast(d["s0"]))
+    out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
+    K.gdn_prefill_chunked2(state, cp.asarray(d["qkvn"]), cp.asarray(d["gb"]), out, hv * dv, h, hv, dk, dv, t, pos0=pos0)
+    y0, yb0 = outs()
+    K.gated_rmsnorm_rows(out, hv * dv, z, ldz, w, eps, t, hv, dv, y0, 0 if y0 is None else y0.shape[1], yb0,
+                         0 if yb0 is None else yb0.shape[1])
+    state1 = cp.asarray(klast(d["s0"]))
+    y1, yb1 = outs()
+    g = K.GatedNormArgs(z, ldz, w, eps, y1, 0 if y1 is None else y1.shape[1], yb1, 0 if yb1 is None else yb1.shape[1])
+    K.gdn_prefill_chunked2(state1, cp.asarray(d["qkvn"]), cp.asarray(d["gb"]), None, hv * dv, h, hv, dk, dv, t,
+                           pos0=pos0, gated=g)
+    np.testing.assert_array_equal(state.get().view(np.uint32), state1.get().view(np.uint32))
+    for a, b in ((y0, y1), (yb0, yb1)):
+        if a is None:
+            continue
+        a, b = a.get(), b.get()
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))  # padding and rows past t untouched too
+        assert np.isfinite(a[:t, : hv * dv].view(np.float32) if a.dtype == np.float32 else 1.0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(SHAPES2))
 @pytest.mark.parametrize("t,pos0", [(1, 0), (63, 0), (64, 0), (65, 0), (100, 37), (1000, 5), (1000, 64), (4096, 0),
                                     (4096, 4095)])
 @pytest.mark.parametrize("decay", ["normal", "strong"])

@@ -174,7 +174,8 @@ def test_swiglu_bf16_rows_are_the_converted_fp32_rows(cp, K, fmt):
 @gpu
 def test_prefill_forward_is_bitwise_the_converting_route(cp, K, monkeypatch):
     """A q4s prefill chunk on the cuBLAS route (>= blas.MIN_TOKENS tokens): with the producers writing
-    bf16 rows and the rows kernels (the shipped forward) every output -- logits, hidden rows, the
+    bf16 rows, the rows kernels and the GDN output norm inside the chunked2 output pass (the shipped
+    forward) every output -- logits, hidden rows, the
     GDN state and conv window, the KV rows, the MTP head's logits -- equals the forward with the old
     kernels and the plans converting fp32 rows, bit for bit."""
     from q27py import DEFAULT_MODEL_DIR
@@ -208,6 +209,7 @@ def test_prefill_forward_is_bitwise_the_converting_route(cp, K, monkeypatch):
     monkeypatch.setattr(K, "gated_rmsnorm_rows", lambda o, ldo, z, ldz, w, eps, n, hv, dv, y, ldy, yb=None, ldyb=0:
                         K.gated_rmsnorm(o, ldo, z, ldz, w, eps, n, hv, dv, y, ldy))
     monkeypatch.setattr(K, "gdn_conv_rows", K.gdn_conv)
+    monkeypatch.setattr(K, "GDN2_OUT_GATED", False)  # the output norm as its own kernel after the output pass
     old = run()
     assert new.keys() == old.keys()
     for k in new:
