@@ -112,26 +112,72 @@ extern "C" __global__ void f32_to_bf16_rows(const float* __restrict__ x, int ldx
 }
 
 // ---------------------------------------------------------------- small bf16 matrices: three bf16 terms
-// (blas.prefill_gemm_split3, the default route of the GDN gates' ab for prefill chunks). Each fp32 value x
-// becomes hi + mid + lo, three bf16 values: hi = bf16_rn(x) (f32_to_bf16_rows' conversion, so the bf16 rows a
-// producer wrote for the cuBLAS route serve as hi), mid = bf16_rn(x - hi), lo = bf16_rn(x - hi - mid). Both
-// differences are exact in fp32 (Sterbenz; NVRTC does not flush subnormals unless asked), and lo IS
-// x - hi - mid whenever x's last significand bit is >= 2^-133, bf16's smallest subnormal (every |x| >= 2^-110;
-// below that the split drops < 2^-134 per value): x = hi + mid + lo exactly, so W x = W hi + W mid + W lo
-// with every bf16 x bf16 product exact. Inf / NaN: hi carries them, mid = lo = 0 for an infinite hi (y gets
-// what a GEMM of x gives: Inf or NaN); a finite x that rounds to Inf in bf16 (|x| >= 2^128 (1 - 2^-9)) too.
+// (blas.prefill_gemm_split3, the GDN gates' ab for prefill chunks when EngineConfig.prefill_small_gemm is "bf16x3").
+// Each fp32 value x becomes hi + mid + lo, three bf16 values: hi = bf16_rn(x) (f32_to_bf16_rows' conversion, so the
+// bf16 rows a producer wrote for the cuBLAS route serve as hi), mid = bf16_rn(x - hi), lo = bf16_rn(x - hi - mid),
+// each difference exact (the numpy spec, tests/gpu/test_prefill_split3.py split3_spec, computes them as IEEE fp32
+// subtractions, subnormals kept). lo IS x - hi - mid whenever x's last significand bit is >= 2^-133, bf16's
+// smallest subnormal (every |x| >= 2^-110; below that the split drops < 2^-134 per value): x = hi + mid + lo
+// exactly, so W x = W hi + W mid + W lo with every bf16 x bf16 product exact. Inf / NaN: hi carries them,
+// mid = lo = 0 for an infinite hi (y gets what a GEMM of x gives: Inf or NaN); a finite x that rounds to Inf in
+// bf16 (|x| >= 2^128 (1 - 2^-9)) too; NaN x: all three NaN.
+//
+// The differences are integer arithmetic on the fp32 bit patterns, never fp32 subtractions: NVRTC compiles with
+// -ftz=true (CuPy adds it; runtime.nvrtc_cubin too), which flushes every subnormal input and result of an fp32
+// add / sub to zero -- the remainders of values below ~2^-103 can be subnormal, and device run j6 found 3,622 of
+// 110,782 plane values of random fp32 inputs zeroed that way (the fp32 subtractions this replaced). The only
+// floating-point instruction left is hi's cvt.rn.bf16x2.f32 (inline PTX, no .ftz: subnormals converted as IEEE
+// says; the remainders are taken from the hi it actually gave). tests/gpu/test_prefill_split3.py checks the PTX
+// of a -ftz=true build for that, and runs these helpers (__host__ __device__) in a CPU build against the numpy
+// spec bit for bit.
 
-// x - h for the split: 0 where h is infinite (Inf - Inf would make a NaN of an Inf input)
-__device__ __forceinline__ float split_residual(float x, float h) {
-    return (__float_as_uint(h) & 0x7fffffffu) == 0x7f800000u ? 0.f : x - h;
+// bf16 bits of finite fp32 bits f, round to nearest even (cvt.rn.bf16.f32 without .ftz, subnormals included);
+// a finite f past bf16's range becomes Inf.
+__host__ __device__ __forceinline__ u32 split3_rne_bits(u32 f) { return (f + 0x7fffu + ((f >> 16) & 1u)) >> 16; }
+
+__host__ __device__ __forceinline__ int split3_msb(u32 n) {  // n > 0
+#ifdef __CUDA_ARCH__
+    return 31 - __clz((int)n);
+#else
+    return 31 - __builtin_clz(n);
+#endif
 }
 
-// Two values -> their hi / mid / lo bf16x2 words (low half = the first value).
-__device__ __forceinline__ void split3_pair(float a, float b, u32& hi, u32& mid, u32& lo) {
-    hi = pack_bf16x2(a, b);
-    const float ra = split_residual(a, bf16x2_lo(hi)), rb = split_residual(b, bf16x2_hi(hi));
-    mid = pack_bf16x2(ra, rb);
-    lo = pack_bf16x2(ra - bf16x2_lo(mid), rb - bf16x2_hi(mid));
+// v - h as fp32 bits, exactly, for finite fp32 bits v and h = bf16 bits of v rounded to nearest (finite): +0 when
+// equal (IEEE's x - x). Their magnitudes are in the same binade or h is the next power of two up (or 0 below
+// bf16's subnormals), so the difference of the magnitude patterns counts v's ulps, 2^(max(E, 1) - 150) for v's
+// biased exponent E: |v - h| = n 2^(e - 150), n <= 2^15, which fp32 holds exactly (normal or subnormal).
+__host__ __device__ __forceinline__ u32 split3_residual_bits(u32 v, u32 h) {
+    const u32 av = v & 0x7fffffffu, ah = (h & 0x7fffu) << 16;
+    if (av == ah) return 0u;
+    const u32 sign = (v & 0x80000000u) ^ (av < ah ? 0x80000000u : 0u);
+    const u32 n = av > ah ? av - ah : ah - av;
+    const int e = av >> 23 ? (int)(av >> 23) : 1;
+    const int p = split3_msb(n);  // <= 15
+    const int eb = p + e - 23;     // the result's biased exponent when normal
+    if (eb >= 1) return sign | ((u32)eb << 23) | ((n << (23 - p)) & 0x7fffffu);
+    return sign | (n << (e - 1));  // subnormal: n 2^(e - 150) = (n 2^(e - 1)) 2^-149
+}
+
+// x's fp32 bits and hi's bf16 bits (hi = bf16_rn(x)) -> mid / lo bf16 bits.
+__host__ __device__ __forceinline__ void split3_tail_bits(u32 x, u32 hi, u32& mid, u32& lo) {
+    if ((hi & 0x7f80u) == 0x7f80u) {  // hi Inf (x infinite or past bf16's range): 0; hi NaN (x NaN): NaN
+        mid = lo = (hi & 0x7fu) ? 0x7fffu : 0u;
+        return;
+    }
+    const u32 r = split3_residual_bits(x, hi);  // x - hi
+    mid = split3_rne_bits(r);
+    lo = split3_rne_bits(split3_residual_bits(r, mid));  // x - hi - mid
+}
+
+// Two values (fp32 bits) -> their hi / mid / lo bf16x2 words (low half = the first value).
+__device__ __forceinline__ void split3_pair(u32 a, u32 b, u32& hi, u32& mid, u32& lo) {
+    hi = pack_bf16x2(__uint_as_float(a), __uint_as_float(b));
+    u32 ma, la, mb, lb;
+    split3_tail_bits(a, hi & 0xffffu, ma, la);
+    split3_tail_bits(b, hi >> 16, mb, lb);
+    mid = ma | (mb << 16);
+    lo = la | (lb << 16);
 }
 
 // fp32 rows [ntok][ldx] -> bf16 planes hi / mid / lo, each [ntok][ldo], columns [0, cols). hi may be null (the
@@ -141,7 +187,7 @@ extern "C" __global__ void f32_split3_bf16_rows(const float* __restrict__ x, int
                                                 u16* __restrict__ mid, u16* __restrict__ lo, int ldo) {
     const int row = blockIdx.y, c = (blockIdx.x * 256 + threadIdx.x) * 4;
     if (c >= cols) return;
-    const float4 v = *reinterpret_cast<const float4*>(x + (i64)row * ldx + c);
+    const uint4 v = *reinterpret_cast<const uint4*>(x + (i64)row * ldx + c);  // the bits: no fp32 op on them
     uint2 h, m, l;
     split3_pair(v.x, v.y, h.x, m.x, l.x);
     split3_pair(v.z, v.w, h.y, m.y, l.y);

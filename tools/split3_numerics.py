@@ -13,13 +13,24 @@ the largest one's 24, and the sum rounded toward zero. Which (bs, extra) a given
 here; the route's piece size (blas.SPLIT3_PIECE_CHUNKS) is chosen so every model stays at or under the sgemm row.
 
     python3 tools/split3_numerics.py [--k 640 5120] [--tokens 40] [--pieces 256 320 512 1024]
+
+--model-drift: what an fp32-grade change of the gates does to a whole model's logits (the q4s logits note in
+tests/gpu/test_prefill_split3.py). The bundled model on the CPU fast path (FastCPUModel, one 300-token prompt),
+with every matrix but the gates' ab fed bf16-rounded activations (as q4s's cuBLAS route feeds its q4 / q8
+matrices) or not (the bf16 tier), ab computed as: x @ W^T in float32 (the reference run), in float64 rounded once,
+in float32 over K reversed (both fp32-grade), and from bf16 activations (a 2^-9 error, a broken route). Prints
+each run's max |logit difference| from the reference over the logit scale.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # q27py, for --model-drift
 
 MODELS = ((16, 0), (16, 3), (8, 3), (4, 3))  # (products per MMA step, extra alignment bits)
 
@@ -82,6 +93,38 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
+def model_drift(tokens: int = 300) -> None:
+    from q27py import DEFAULT_MODEL_DIR
+    from q27py.model.fastcpu import FastCPUModel
+
+    class Emulated(FastCPUModel):
+        round_acts, ab = True, "f32"
+
+        def _linear(self, x, name):
+            w = self.w[name]
+            y = ((bf16(x) if self.round_acts else x) @ w.T).astype(np.float32)
+            if name.endswith("fused.weight"):  # a GDN layer's qkv | z | b | a: the last 2 hv rows are ab
+                nab = 2 * self.cfg.linear_num_value_heads
+                wab = w[-nab:]
+                y[:, -nab:] = {"f32": lambda: x @ wab.T,
+                               "f64": lambda: x.astype(np.float64) @ wab.T.astype(np.float64),
+                               "reversed": lambda: x[:, ::-1] @ wab.T[::-1],
+                               "bf16 x": lambda: bf16(x) @ wab.T}[self.ab]()
+            return y
+
+    model = Emulated.load(DEFAULT_MODEL_DIR)
+    ids = np.random.default_rng(13).integers(0, 16000, tokens).tolist()
+    for round_acts in (False, True):
+        Emulated.round_acts = round_acts
+        out = {}
+        for ab in ("f32", "f64", "reversed", "bf16 x"):
+            Emulated.ab = ab
+            out[ab] = np.asarray(model.forward(model.new_state(), ids, logits_rows="last").logits, np.float64)
+        scale = np.abs(out["f32"]).max()
+        print(f"activations {'bf16 (q4s)' if round_acts else 'fp32 (bf16 tier)'}: " + ", ".join(
+            f"ab {k} {np.abs(v - out['f32']).max() / scale:.2g}" for k, v in out.items() if k != "f32"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, nargs="+", default=[640, 5120])
@@ -89,7 +132,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=96)
     ap.add_argument("--pieces", type=int, nargs="+", default=[256, 320, 512, 1024])
     ap.add_argument("--stacked", action="store_true", help="also the [hi | mid | lo] x [W | W | W] form")
+    ap.add_argument("--model-drift", action="store_true", help="the whole-model logits experiment (module doc)")
     a = ap.parse_args()
+    if a.model_drift:
+        model_drift()
+        return
     print("models (bs, extra bits): " + "  ".join(f"{m}" for m in MODELS))
     for k in a.k:
         rng = np.random.default_rng(k)

@@ -451,9 +451,10 @@ def prefill_gemm_f32(m, x, ldx: int, ntok: int, y, ldy: int) -> None:
 
 
 # ---------------------------------------------------------------- small bf16 matrices: three bf16 terms
-# prefill_gemm_split3, the default for the same matrices (EngineConfig.prefill_small_gemm "bf16x3"; "f32" keeps
-# prefill_gemm_f32 above). The pedantic SGEMM runs the 27B's ab (96 x 5120) at ~32 TFLOP/s: 0.127 ms per
-# 4,096-token chunk and layer, 12.2 ms of an 8K prefill (docs/PERF.md i3). Here each fp32 activation is split
+# prefill_gemm_split3, the other route for the same matrices (EngineConfig.prefill_small_gemm "bf16x3"; "f32", the
+# default until a device run confirms this route's fixes (q27py/config.py), keeps prefill_gemm_f32 above). The
+# pedantic SGEMM runs the 27B's ab (96 x 5120) at ~32 TFLOP/s: 0.127 ms per 4,096-token chunk and layer, 12.2 ms
+# of an 8K prefill (docs/PERF.md i3). Here each fp32 activation is split
 # into three bf16 terms, x = hi + mid + lo exactly (cuda/dequant.cu f32_split3_bf16_rows), and W x = W hi +
 # W mid + W lo runs on tensor cores (bf16 x bf16 -> fp32, COMPUTE_32F): every product is exact in fp32, only
 # the accumulation rounds.

@@ -517,8 +517,8 @@ PREFILL_GEMM = "auto"
 
 
 # How the chunks gemm_f32_route takes multiply their small bf16 matrices (the GDN gates' ab): "bf16x3"
-# (blas.prefill_gemm_split3: x split exactly into three bf16 terms, tensor cores; the default) or "f32"
-# (blas.prefill_gemm_f32: fp32 copies of the weights, pedantic SGEMM). Both fp32-grade, different bits.
+# (blas.prefill_gemm_split3: x split exactly into three bf16 terms, tensor cores) or "f32" (blas.prefill_gemm_f32:
+# fp32 copies of the weights, pedantic SGEMM; the default, q27py/config.py says why). Both fp32-grade, different bits.
 # EngineConfig.prefill_small_gemm (env Q27_PREFILL_SMALL_GEMM) is the module default, so models built
 # directly (gates, benches, tests) follow it as engines do; load_fast_model sets it from the engine's config.
 def prefill_small_gemm_mode(mode: str) -> str:
