@@ -22,7 +22,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"])
-    ap.add_argument("--impl", nargs="+", default=["v1", "v2", "v3", "v3ws"])
+    ap.add_argument("--impl", nargs="+", default=["v1", "v2", "v3", "v3ws", "v3pipe"])
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     res = {"device": Runtime.get().describe(), "rows": []}

@@ -51,9 +51,9 @@ def attention_prefill_timing(impls=("v1", "v2"), kv: str = "bf16", reps: int = 3
 
     def call(impl, pos0, t):
         pos_dev.fill(pos0)
-        if impl in ("v2", "v3", "v3ws"):  # v3: v2's entry point with the wgmma kernel selected (v3ws: its
-            K.ATTN_PREFILL_WGMMA = impl != "v2"  # warp-specialized form)
-            K.PF3_FORM = "ws" if impl == "v3ws" else "sync"
+        if impl in ("v2", "v3", "v3ws", "v3pipe"):  # v3: v2's entry point with the wgmma kernel selected
+            K.ATTN_PREFILL_WGMMA = impl != "v2"  # (v3ws / v3pipe: its other forms, kernels.PF3_FORMS)
+            K.PF3_FORM = {"v3ws": "ws", "v3pipe": "pipe"}.get(impl, "sync")
             K.attention_prefill2(q, ldq, kc, vc, fp8, max_pos, nq, nkv, hd, pos_dev, pos0, qg, ldqg, out, ldo, t, part,
                                  kx, vx)
         elif fp8:
@@ -78,9 +78,9 @@ def attention_prefill_timing(impls=("v1", "v2"), kv: str = "bf16", reps: int = 3
     for name, chunks in CASES.items():
         flop = sum(4.0 * nq * hd * (t * pos0 + t * (t + 1) / 2) for pos0, t in chunks)
         for impl in impls:
-            if impl in ("v2", "v3", "v3ws") and K.attention_prefill2_variant(hd, fp8) is None:
+            if impl in ("v2", "v3", "v3ws", "v3pipe") and K.attention_prefill2_variant(hd, fp8) is None:
                 continue
-            if impl in ("v3", "v3ws"):
+            if impl in ("v3", "v3ws", "v3pipe"):
                 saved, K.ATTN_PREFILL_WGMMA = K.ATTN_PREFILL_WGMMA, True
                 ok = K.attention_prefill3_supported(hd, fp8)
                 K.ATTN_PREFILL_WGMMA = saved

@@ -1571,7 +1571,7 @@ def attention_prefill2(q, ldq: int, kcache, vcache, fp8: bool, max_pos: int, nq:
     module, kernel = "attention_prefill2", f"attn_prefill2_{'fp8' if fp8 else 'bf16'}_d{hd}_{name}"
     smem = attention_prefill2_bytes(hd, fp8, warps, nk)
     if attention_prefill3_supported(hd, fp8):  # the same grid, rows and partials on wgmma
-        module, (kernel, threads), smem = "attention_prefill3", PF3_FORMS[PF3_FORM], attention_prefill3_bytes()
+        module, (kernel, threads, _), smem = "attention_prefill3", PF3_FORMS[PF3_FORM], attention_prefill3_bytes()
         rows_per_cta = 16 * C.PF3_WARPS
     else:
         rows_per_cta, threads = 16 * warps, 32 * warps
@@ -1610,16 +1610,21 @@ def _attn_prefill_wgmma_default() -> bool:
 ATTN_PREFILL_WGMMA = _attn_prefill_wgmma_default()
 
 
-# "sync": a CTA barrier per tile keeps the two warpgroups in step; "ws": full / empty mbarriers per
-# stage instead, so they drift apart and one's softmax overlaps the other's wgmma
-PF3_FORMS = {"sync": ("attn_prefill3_bf16_d256", 32 * C.PF3_WARPS), "ws": ("attn_prefill3_bf16_d256_ws", 32 * C.PF3_WARPS)}
-PF3_FORM = "ws"  # device run j4: 2-4% faster than "sync" (docs/PERF.md), the same bits
+# The kernel's forms (cuda/attention_prefill3.cu FORM): "sync", a CTA barrier per tile keeps the two warpgroups in
+# step; "ws", full / empty mbarriers per stage instead, so they drift apart and one's softmax overlaps the other's
+# wgmma; "pipe", ws's barriers with K and V in rings of their own and, inside a warpgroup, tile kt's softmax
+# running while P V (kt - 1) is on the tensor cores. Every form gives v2's bits. (entry, threads, 32 KB tiles)
+PF3_FORMS = {"sync": ("attn_prefill3_bf16_d256", 32 * C.PF3_WARPS, 2 * C.PF2_STAGES),
+             "ws": ("attn_prefill3_bf16_d256_ws", 32 * C.PF3_WARPS, 2 * C.PF2_STAGES),
+             "pipe": ("attn_prefill3_bf16_d256_pipe", 32 * C.PF3_WARPS, 5)}
+PF3_FORM = "ws"  # device runs j4 / j10: 2-4% faster than "sync", 5% faster than "pipe" (docs/PERF.md), the same bits
 
 
-def attention_prefill3_bytes() -> int:
-    """The bf16 Q tile, PF2_STAGES K + V tiles, 1 KB to align the 128-byte swizzle atoms and the
-    form "ws"'s 2 x PF2_STAGES mbarriers."""
-    return 16 * C.PF3_WARPS * C.PF3_HD * 2 + C.PF2_STAGES * 2 * C.PF3_NK * C.PF3_HD * 2 + 1024 + 16 * C.PF2_STAGES
+def attention_prefill3_bytes(form: str | None = None) -> int:
+    """The bf16 Q tile, the form's K / V tiles (PF3_NK keys each), 1 KB to align the 128-byte swizzle atoms and
+    128 bytes of mbarriers."""
+    tiles = PF3_FORMS[form or PF3_FORM][2]
+    return 16 * C.PF3_WARPS * C.PF3_HD * 2 + tiles * C.PF3_NK * C.PF3_HD * 2 + 1024 + 128
 
 
 def attention_prefill3_supported(hd: int, fp8: bool, cc: tuple[int, int] | None = None,

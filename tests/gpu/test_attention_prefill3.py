@@ -133,7 +133,7 @@ def test_selection_rule(monkeypatch):
     assert apply_env(Q27Config(), {"Q27_ATTN_PREFILL_WGMMA": "0"}).engine.attn_prefill_wgmma is False
     monkeypatch.setattr(K, "ATTN_PREFILL_WGMMA", True)
     big = 227 * 1024
-    assert K.attention_prefill3_bytes() <= big
+    assert all(K.attention_prefill3_bytes(f) <= big for f in K.PF3_FORMS)  # sm_90's opt-in: every form fits
     assert K.attention_prefill3_supported(256, False, (9, 0), big)
     assert not K.attention_prefill3_supported(256, True, (9, 0), big)  # fp8 KV keeps v2
     assert not K.attention_prefill3_supported(128, False, (9, 0), big)  # one head dim
@@ -160,7 +160,7 @@ def test_sm90a_build_keeps_registers_and_async_wgmma(tmp_path):
     r = _build_90a(tmp_path, ("-DQ27_ARCH_SPECIFIC", "-gencode=arch=compute_90a,code=sm_90a"))
     assert r.returncode == 0, r.stderr[-2000:]
     rep = nvcc_build.ptxas_report(r.stderr)
-    assert sorted(rep) == ["attn_prefill3_bf16_d256", "attn_prefill3_bf16_d256_ws"], rep
+    assert sorted(rep) == ["attn_prefill3_bf16_d256", "attn_prefill3_bf16_d256_pipe", "attn_prefill3_bf16_d256_ws"], rep
     assert all(spill == 0 and regs <= 255 for regs, spill in rep.values()), rep
     assert "C7510" not in r.stderr and "serialized" not in r.stderr, r.stderr[-2000:]
 
@@ -212,7 +212,7 @@ CASES = [(17, 300), (64, 0), (600, 700), (600, 5000), (2048, 0), (2048, 3000), (
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["sync", "ws"])
+@pytest.mark.parametrize("form", ["sync", "ws", "pipe"])
 @pytest.mark.parametrize("t,pos0", CASES)
 def test_v3_matches_float64_the_emulation_and_v2(cp, v2t, t, pos0, form):
     from q27py.gpu import kernels as K
@@ -232,7 +232,7 @@ def test_v3_matches_float64_the_emulation_and_v2(cp, v2t, t, pos0, form):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["sync", "ws"])
+@pytest.mark.parametrize("form", ["sync", "ws", "pipe"])
 def test_v3_bits_do_not_depend_on_chunking(cp, v2t, form):
     """As v2's: one launch of 900 lanes at 3800, two launches split off a tile boundary, and lane pieces
     forced by a small partials scratch all give identical bits (and the two forms the same bits)."""
@@ -247,12 +247,12 @@ def test_v3_bits_do_not_depend_on_chunking(cp, v2t, form):
     nblk = K.attention_prefill2_blocks(case.pos0 + case.t)
     pieces = run(case, cp, K, True, form, part_floats=K.attention_prefill2_part_floats(100, 24, 256, nblk))
     assert np.array_equal(whole, pieces)
-    other = run(case, cp, K, True, "ws" if form == "sync" else "sync")
-    assert np.array_equal(whole, other)
+    for other in ("sync", "ws", "pipe"):
+        assert np.array_equal(whole, run(case, cp, K, True, other)), other
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["sync", "ws"])
+@pytest.mark.parametrize("form", ["sync", "ws", "pipe"])
 def test_v3_warm_turn_over_a_long_cache(cp, v2t, form):
     from q27py.gpu import kernels as K
 
