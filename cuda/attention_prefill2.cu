@@ -298,30 +298,9 @@ __device__ __forceinline__ void prefill2_body(const float* __restrict__ q, int l
         l[i] += __shfl_xor_sync(FULL_MASK, l[i], 2);
     }
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int R = r0 + warp * 16 + gq + 8 * i;
-        if (R >= nrows) continue;
-        const int ln = R / rep, h = g * rep + (R - ln * rep);
-        const int pos = pos0 + ln;
-        if (pos < kb0) continue;  // the row's keys end before this block
-        if (pos < PF2_SPLIT_KEYS) {  // one block: the final output
-            const float* gate = qg + (i64)ln * ldqg + h * 2 * HD + HD;
-            float* dst = out + (i64)ln * ldo + h * HD;
-#pragma unroll
-            for (int d = 0; d < DT; d++) {
-                const int dd = d * 8 + 2 * tq;
-                const float2 gv = *reinterpret_cast<const float2*>(gate + dd);
-                dst[dd] = (o[d][2 * i] / l[i]) * sigmoid_f(gv.x);
-                dst[dd + 1] = (o[d][2 * i + 1] / l[i]) * sigmoid_f(gv.y);
-            }
-        } else {
-            float* dst = part + ((i64)(ln * nq + h) * nblk + blk) * (HD + 4);
-#pragma unroll
-            for (int d = 0; d < DT; d++)
-                *reinterpret_cast<float2*>(dst + d * 8 + 2 * tq) = make_float2(o[d][2 * i], o[d][2 * i + 1]);
-            if (tq == 0) *reinterpret_cast<float2*>(dst + HD) = make_float2(m[i], l[i]);
-        }
-    }
+    for (int i = 0; i < 2; i++)
+        prefill_attn_row_out<HD>([&](int d, int e) { return o[d][e]; }, i, r0 + warp * 16 + gq + 8 * i, nrows, rep, g,
+                                 nq, pos0, kb0, blk, nblk, tq, m, l, qg, ldqg, out, ldo, part);
 }
 
 // Merge the block partials of split rows (position >= PF2_SPLIT_KEYS) in block order; the

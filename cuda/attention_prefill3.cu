@@ -318,27 +318,16 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
     for (int d = 0; d < DT * 4; d++) o[d] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    // S (raw scores of tile kt at k0) -> P as bf16 A fragments (k16 step kk = S n-tiles 2 kk, 2 kk + 1) and
-    // the running max / sum: v2's arithmetic in v2's order; corr = tile kt's correction of O
-    // S (raw scores of tile kt at k0) -> the running max / sum and P as bf16 pairs, written over S's own
-    // registers (s[4 n + 2 i] holds the pair of n-tile n, row half i); fragment() then reads them out as
-    // wgmma A fragments (k16 step kk = S n-tiles 2 kk, 2 kk + 1). v2's arithmetic in v2's order; corr =
-    // tile kt's correction of O. Why in place: in the PIPE loop this runs while P V (kt - 1) is in flight,
-    // and ptxas serializes every wgmma (C7513) if a register any wgmma reads is defined inside such a
-    // window; S's accumulators (their wgmma already waited for) are the one place to put P there.
-    auto softmax = [&](float (&s)[NT * 4], int k0, float (&corr)[2]) {
-        // scale (log2 units), causal mask where the tile crosses this warp's first row position
-        const bool diag = k0 + NK - 1 > wpos_lo;
-        auto score = [&](int n, int c) {
-            const float x = s[4 * n + c] * scale_log2;
-            return diag && k0 + n * 8 + 2 * tq + (c & 1) > rpos[c >> 1] ? -INFINITY : x;
-        };
+    // One tile's online-softmax step from its scaled, masked scores score(n, c) (S n-tile n, C-fragment slot c):
+    // the new running max (mu: the exponent base, 0 while no key is visible), corr = this tile's correction of
+    // O and l, l += the bf16-rounded P, and put(n, i, pk) for every bf16 pair of P (n-tile n, row half i):
+    // v2's arithmetic in v2's order.
+    auto online = [&](auto score, float (&mu)[2], float (&corr)[2], auto put) {
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < NT; n++)
 #pragma unroll
             for (int c = 0; c < 4; c++) mx[c >> 1] = fmaxf(mx[c >> 1], score(n, c));
-        float mu[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
@@ -349,7 +338,6 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
             m[i] = mn;
             l[i] *= corr[i];
         }
-        // l sums the rounded P in v2's order (each score is read once, before its slot is overwritten)
 #pragma unroll
         for (int kk = 0; kk < NK / 16; kk++)
 #pragma unroll
@@ -358,47 +346,36 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
                 for (int i = 0; i < 2; i++) {
                     const int n = 2 * kk + h;
                     const u32 pk = pack_bf16x2(exp2f(score(n, 2 * i) - mu[i]), exp2f(score(n, 2 * i + 1) - mu[i]));
-                    s[4 * n + 2 * i] = __uint_as_float(pk);
+                    put(n, i, pk);
                     l[i] += bf16x2_lo(pk) + bf16x2_hi(pk);
                 }
     };
-    // PIPE main loop: the softmax's max, correction and sum while P V (kt - 1) is in flight, P itself after
-    // its wait (formed again from S: ptxas serializes every wgmma, C7513, when values made in that window
-    // live on into wgmma operands -- measured with nvcc 13 on every variant that kept them)
+    // S (raw scores of tile kt at k0) -> P as bf16 pairs written over S's own registers (s[4 n + 2 i]: each score
+    // is read before its slot is overwritten); fragment() then reads them out as wgmma A fragments (k16 step kk
+    // = S n-tiles 2 kk, 2 kk + 1). Why in place: S's accumulators, their wgmma waited for, are the registers
+    // no other wgmma reads.
+    auto softmax = [&](float (&s)[NT * 4], int k0, float (&corr)[2]) {
+        // scale (log2 units), causal mask where the tile crosses this warp's first row position
+        const bool diag = k0 + NK - 1 > wpos_lo;
+        auto score = [&](int n, int c) {
+            const float x = s[4 * n + c] * scale_log2;
+            return diag && k0 + n * 8 + 2 * tq + (c & 1) > rpos[c >> 1] ? -INFINITY : x;
+        };
+        float mu[2];
+        online(score, mu, corr, [&](int n, int i, u32 pk) { s[4 * n + 2 * i] = __uint_as_float(pk); });
+    };
+    // PIPE main loop: the softmax's max, correction and sum while P V (kt - 1) is in flight, P itself formed again
+    // after its wait (from S, mu and the same mask: the same bits). lim[i] = rpos[i] - k0 - 2 tq, made before the
+    // wgmma go out; the mask as integer ops: a predicate-based select inside the window made ptxas 13 serialize
+    // every wgmma of the kernel (C7513).
     auto softmax_e = [&](const float (&s)[NT * 4], bool diag, const int (&lim)[2], float (&mu)[2], float (&corr)[2]) {
         const int dmask = diag ? -1 : 0;
         auto score = [&](int n, int c) {
             const float x = s[4 * n + c] * scale_log2;
-            // the mask as integer ops: a predicate-based select here (inside the window where P V (kt - 1) is in
-            // flight) made ptxas serialize every wgmma of the kernel (C7513); the same bits (-inf or x)
-            const int b = (lim[c >> 1] - (n * 8 + (c & 1))) >> 31 & dmask;
+            const int b = (lim[c >> 1] - (n * 8 + (c & 1))) >> 31 & dmask;  // -1: masked (-inf), 0: x
             return __int_as_float((__float_as_int(x) & ~b) | (b & (int)0xff800000));
         };
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) mx[c >> 1] = fmaxf(mx[c >> 1], score(n, c));
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 2));
-            const float mn = fmaxf(m[i], mx[i]);
-            mu[i] = mn == -INFINITY ? 0.f : mn;
-            corr[i] = exp2f(m[i] - mu[i]);
-            m[i] = mn;
-            l[i] *= corr[i];
-        }
-#pragma unroll
-        for (int kk = 0; kk < NK / 16; kk++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const int n = 2 * kk + h;
-                    const u32 pk = pack_bf16x2(exp2f(score(n, 2 * i) - mu[i]), exp2f(score(n, 2 * i + 1) - mu[i]));
-                    l[i] += bf16x2_lo(pk) + bf16x2_hi(pk);
-                }
+        online(score, mu, corr, [](int, int, u32) {});
     };
     auto fragment = [&](const float (&s)[NT * 4], u32 (&p)[NK / 16][4]) {
 #pragma unroll
@@ -601,30 +578,9 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
         l[i] += __shfl_xor_sync(FULL_MASK, l[i], 2);
     }
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int R = r0 + warp * 16 + gq + 8 * i;
-        if (R >= nrows) continue;
-        const int ln = R / rep, h = g * rep + (R - ln * rep);
-        const int pos = pos0 + ln;
-        if (pos < kb0) continue;
-        if (pos < PF2_SPLIT_KEYS) {
-            const float* gate = qg + (i64)ln * ldqg + h * 2 * HD + HD;
-            float* dst = out + (i64)ln * ldo + h * HD;
-#pragma unroll
-            for (int d = 0; d < DT; d++) {
-                const int dd = d * 8 + 2 * tq;
-                const float2 gv = *reinterpret_cast<const float2*>(gate + dd);
-                dst[dd] = (o[4 * d + 2 * i] / l[i]) * sigmoid_f(gv.x);
-                dst[dd + 1] = (o[4 * d + 2 * i + 1] / l[i]) * sigmoid_f(gv.y);
-            }
-        } else {
-            float* dst = part + ((i64)(ln * nq + h) * nblk + blk) * (HD + 4);
-#pragma unroll
-            for (int d = 0; d < DT; d++)
-                *reinterpret_cast<float2*>(dst + d * 8 + 2 * tq) = make_float2(o[4 * d + 2 * i], o[4 * d + 2 * i + 1]);
-            if (tq == 0) *reinterpret_cast<float2*>(dst + HD) = make_float2(m[i], l[i]);
-        }
-    }
+    for (int i = 0; i < 2; i++)
+        prefill_attn_row_out<HD>([&](int d, int e) { return o[4 * d + e]; }, i, r0 + warp * 16 + gq + 8 * i, nrows, rep,
+                                 g, nq, pos0, kb0, blk, nblk, tq, m, l, qg, ldqg, out, ldo, part);
 }
 #endif
 

@@ -168,6 +168,40 @@ __device__ __forceinline__ void mma_bf16_16816(float& d0, float& d1, float& d2, 
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// The prefill attention epilogue of attention_prefill2.cu (mma.sync) and attention_prefill3.cu (wgmma): both
+// keep O in m16n8 C-fragment order, od(d, e) = dims 8 d + 2 tq + e of this thread's row half i (rows gq, gq + 8 of
+// its warp's 16: CTA row R). l[] must already be summed over the quad. A row whose keys all lie in block 0
+// (position < PF2_SPLIT_KEYS) is normalized and gated into out; any other writes this block's partial
+// {O, m, l} at part for attn_prefill2_combine; a row whose keys end before the block writes nothing.
+template <int HD, typename OD>
+__device__ __forceinline__ void prefill_attn_row_out(OD od, int i, int R, int nrows, int rep, int g, int nq, int pos0,
+                                                     int kb0, int blk, int nblk, int tq, const float (&m)[2],
+                                                     const float (&l)[2], const float* __restrict__ qg, int ldqg,
+                                                     float* __restrict__ out, int ldo, float* __restrict__ part) {
+    constexpr int DT = HD / 8;
+    if (R >= nrows) return;
+    const int ln = R / rep, h = g * rep + (R - ln * rep);
+    const int pos = pos0 + ln;
+    if (pos < kb0) return;  // the row's keys end before this block
+    if (pos < PF2_SPLIT_KEYS) {  // one block: the final output
+        const float* gate = qg + (i64)ln * ldqg + h * 2 * HD + HD;
+        float* dst = out + (i64)ln * ldo + h * HD;
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            const int dd = d * 8 + 2 * tq;
+            const float2 gv = *reinterpret_cast<const float2*>(gate + dd);
+            dst[dd] = (od(d, 2 * i) / l[i]) * sigmoid_f(gv.x);
+            dst[dd + 1] = (od(d, 2 * i + 1) / l[i]) * sigmoid_f(gv.y);
+        }
+    } else {
+        float* dst = part + ((i64)(ln * nq + h) * nblk + blk) * (HD + 4);
+#pragma unroll
+        for (int d = 0; d < DT; d++)
+            *reinterpret_cast<float2*>(dst + d * 8 + 2 * tq) = make_float2(od(d, 2 * i), od(d, 2 * i + 1));
+        if (tq == 0) *reinterpret_cast<float2*>(dst + HD) = make_float2(m[i], l[i]);
+    }
+}
 // torch softplus (beta 1, threshold 20)
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
