@@ -453,6 +453,53 @@ __device__ __forceinline__ void state_split_k(float* stage, float* klo, int tid)
     }
 }
 
+// The state pass's two products, shared by state_body (4 warps) and state8_body (8 warps): the same split
+// operands, the same k order, the same per-element ops in both.
+// p[nt] += S^T W^T for NT token tiles whose W rows start at float offset w0 of the stage's W: k = key dims
+// (permuted: W read as float2 along its row); W presplit (SPLIT: tf32 hi in sW, lo in sWl) or split per use.
+template <int KT, int NT, int DK, bool SPLIT>
+__device__ __forceinline__ void state_p_product(float (&p)[NT][4], const float (&S)[KT][4], const float* sW,
+                                                const u32* sWl, int w0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int s = 0; s < KT; s++) {
+        u32 ah[4], al[4];
+        split_ctile(S[s], ah, al);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int row = nt * 8 + g, at = w0 + row * DK + sw_row(row, 8 * s + 2 * t);
+            if constexpr (SPLIT) {
+                const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sW) + at);
+                const uint2 bl = *reinterpret_cast<const uint2*>(sWl + at);
+                mma3_split_b(p[nt], ah, al, bh.x, bl.x, bh.y, bl.y);
+            } else {
+                const float2 b = *reinterpret_cast<const float2*>(sW + at);
+                mma3(p[nt], ah, al, b.x, b.y);
+            }
+        }
+    }
+}
+
+// T[s] += (the split A fragment of token tile m: ah / al) K for NS key-dim tiles from column kcol (a multiple of
+// 32: sw_col / k_pair_at unchanged): K rows r0 = 8 m + 2 t and r0 + 1, presplit as row pairs (SPLIT) or split per use.
+template <int NS, int DK, bool SPLIT>
+__device__ __forceinline__ void state_update_tile(float (&T)[NS][4], const u32 (&ah)[4], const u32 (&al)[4], int r0,
+                                                  int kcol, const float* sK, const u32* sKl) {
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int s = 0; s < NS; s++) {
+        if constexpr (SPLIT) {
+            const int at = k_pair_at(r0, 8 * s + g, DK) + kcol;
+            const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sK) + at);
+            const uint2 bl = *reinterpret_cast<const uint2*>(sKl + at);
+            mma3_split_b(T[s], ah, al, bh.x, bl.x, bh.y, bl.y);
+        } else {
+            const int col = sw_col(r0, 8 * s + g) + kcol;  // rows r0 and r0 + 1 share the swizzle
+            mma3(T[s], ah, al, sK[r0 * DK + col], sK[(r0 + 1) * DK + col]);
+        }
+    }
+}
+
 template <int DK, int STAGES, bool PRESPLIT>
 __device__ __forceinline__ void state_body(float* __restrict__ state, const float* __restrict__ qkvn,
                                            const float* __restrict__ wsc, float* __restrict__ usc,
@@ -549,23 +596,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
         float p[CT][4];
 #pragma unroll
         for (int nt = 0; nt < CT; nt++) p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
-#pragma unroll
-        for (int s = 0; s < KT; s++) {
-            u32 ah[4], al[4];
-            split_ctile(S[s], ah, al);
-#pragma unroll
-            for (int nt = 0; nt < CT; nt++) {
-                const int row = nt * 8 + g, at = row * DK + sw_row(row, 8 * s + 2 * t);
-                if constexpr (PRESPLIT) {
-                    const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sW) + at);
-                    const uint2 bl = *reinterpret_cast<const uint2*>(sWl + at);
-                    mma3_split_b(p[nt], ah, al, bh.x, bl.x, bh.y, bl.y);
-                } else {
-                    const float2 b = *reinterpret_cast<const float2*>(sW + at);
-                    mma3(p[nt], ah, al, b.x, b.y);
-                }
-            }
-        }
+        state_p_product<KT, CT, DK, PRESPLIT>(p, S, sW, sWl, 0);
         // V_new^T = U^T - P (to scratch over U, for the output pass), then scaled by ED per token
         float* vn = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C + (warp * CT * 32 + lane) * 4;
 #pragma unroll
@@ -586,19 +617,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
         for (int m = 0; m < CT; m++) {
             u32 ah[4], al[4];
             split_ctile(p[m], ah, al);
-            const int r0 = m * 8 + 2 * t;
-#pragma unroll
-            for (int s = 0; s < KT; s++) {
-                if constexpr (PRESPLIT) {
-                    const int at = k_pair_at(r0, 8 * s + g, DK);
-                    const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sK) + at);
-                    const uint2 bl = *reinterpret_cast<const uint2*>(sKl + at);
-                    mma3_split_b(S[s], ah, al, bh.x, bl.x, bh.y, bl.y);
-                } else {
-                    const int col = sw_col(r0, 8 * s + g);  // rows r0 and r0 + 1 share the swizzle
-                    mma3(S[s], ah, al, sK[r0 * DK + col], sK[(r0 + 1) * DK + col]);
-                }
-            }
+            state_update_tile<KT, DK, PRESPLIT>(S, ah, al, m * 8 + 2 * t, 0, sK, sKl);
         }
         __syncthreads();  // every warp is done with this stage
     }
@@ -709,24 +728,7 @@ __device__ __forceinline__ void state8_body(float* __restrict__ state, const flo
         float p[CH][4];
 #pragma unroll
         for (int nt = 0; nt < CH; nt++) p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
-        const int wrow = 8 * CH * f * DK;
-#pragma unroll
-        for (int s = 0; s < KT; s++) {
-            u32 ah[4], al[4];
-            split_ctile(S[s], ah, al);
-#pragma unroll
-            for (int nt = 0; nt < CH; nt++) {
-                const int row = nt * 8 + g, at = wrow + row * DK + sw_row(row, 8 * s + 2 * t);
-                if constexpr (SW) {
-                    const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sW) + at);
-                    const uint2 bl = *reinterpret_cast<const uint2*>(sWl + at);
-                    mma3_split_b(p[nt], ah, al, bh.x, bl.x, bh.y, bl.y);
-                } else {
-                    const float2 b = *reinterpret_cast<const float2*>(sW + at);
-                    mma3(p[nt], ah, al, b.x, b.y);
-                }
-            }
-        }
+        state_p_product<KT, CH, DK, SW>(p, S, sW, sWl, 8 * CH * f * DK);
         // V_new^T = U^T - P (to scratch over U, for the output pass), scaled by ED per token, over the stage's U tile
         const int ut = (q * CT + CH * f) * 32 + lane;  // this lane's slot of the pair's first own U tile
         float* vn = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C + ut * 4;
@@ -754,19 +756,7 @@ __device__ __forceinline__ void state8_body(float* __restrict__ state, const flo
             const float4 a = *reinterpret_cast<const float4*>(sUp + m * 128);
             u32 ah[4], al[4];
             split_a(a.x, a.z, a.y, a.w, ah, al);  // split_ctile order
-            const int r0 = m * 8 + 2 * t;
-#pragma unroll
-            for (int s = 0; s < KH; s++) {
-                if constexpr (SK) {
-                    const int at = k_pair_at(r0, 8 * s + g, DK) + kcol;
-                    const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sK) + at);
-                    const uint2 bl = *reinterpret_cast<const uint2*>(sKl + at);
-                    mma3_split_b(T[s], ah, al, bh.x, bl.x, bh.y, bl.y);
-                } else {
-                    const int col = sw_col(r0, 8 * s + g) + kcol;  // rows r0 and r0 + 1 share the swizzle
-                    mma3(T[s], ah, al, sK[r0 * DK + col], sK[(r0 + 1) * DK + col]);
-                }
-            }
+            state_update_tile<KH, DK, SK>(T, ah, al, m * 8 + 2 * t, kcol, sK, sKl);
         }
         if (ci + 1 < nchunks) {
             // the pair's S^T through the stage's W: [pair][KT][32][4], each warp its half, then both read all of it
