@@ -32,6 +32,7 @@ from q27py.engine.scheduler import Scheduler
 from q27py.engine.spec import SpecDecoder
 from q27py.model.reference import ReferenceModel
 from fast_path_rules import Probe
+from sched_jobs import Job, drain
 
 
 @pytest.fixture(scope="module")
@@ -67,40 +68,6 @@ def make_engine(model, tok, slots, spec=True, batch=True, **engine):
     for k, v in engine.items():
         setattr(cfg.engine, k, v)
     return LocalEngine(cfg, model, tok)
-
-
-class Job:
-    def __init__(self, name, request, log=None):
-        self.name, self.request, self.log = name, request, log if log is not None else []
-        self.submitted = time.monotonic()
-        self.items = []
-
-    def deliver(self, item):
-        self.items.append(item)
-        self.log.append((self.name, item))
-
-    @property
-    def tokens(self):
-        return [t for c in self.items if isinstance(c, GenerationChunk) for t in c.token_ids]
-
-    @property
-    def logprobs(self):
-        return [(r.token, r.logprob, r.top) for c in self.items if isinstance(c, GenerationChunk)
-                for r in (c.logprobs or [])]
-
-    @property
-    def finish(self):
-        last = self.items[-1] if self.items else None
-        return last.finish_reason if isinstance(last, GenerationChunk) else None
-
-
-def drain(sched, limit=5000):
-    n = 0
-    while sched.wait(timeout=0):
-        sched.round()
-        n += 1
-        assert n < limit, "scheduler never went idle"
-    return n
 
 
 def alone(model, tok, request, spec=True, **engine):

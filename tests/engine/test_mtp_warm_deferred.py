@@ -31,6 +31,7 @@ from q27py.engine.engine import LocalEngine
 from q27py.engine.scheduler import Scheduler
 from q27py.io import prefix_entry
 from fast_path_rules import Probe
+from sched_jobs import Job, drain
 
 TEXT = ("def parse(line):\n    fields = line.split(',')\n    return [f.strip() for f in fields]\n\n"
         "The river runs through the old town, and the bridges are older than the town. ")
@@ -276,34 +277,6 @@ def test_a_stop_id_on_the_first_token_leaves_the_state_at_rest(fast, tok):
 # ---- the scheduler and cancellation -----------------------------------------------------
 
 
-class Job:
-    def __init__(self, name, request, log):
-        self.name, self.request, self.log = name, request, log
-        self.submitted = time.monotonic()
-        self.items = []
-
-    def deliver(self, item):
-        self.items.append(item)
-        self.log.append(("deliver", self.name, item))
-
-    @property
-    def tokens(self):
-        return [t for c in self.items if isinstance(c, GenerationChunk) for t in c.token_ids]
-
-    @property
-    def finish(self):
-        last = self.items[-1] if self.items else None
-        return last.finish_reason if isinstance(last, GenerationChunk) else None
-
-
-def drain(sched, limit=5000):
-    n = 0
-    while sched.wait(timeout=0):
-        sched.round()
-        n += 1
-        assert n < limit, "scheduler never went idle"
-
-
 @pytest.mark.parametrize("batch", [False, True], ids=["solo-rounds", "shared-rounds"])
 def test_interleaved_slots_match_eager_and_share_one_bound(fast, tok, batch):
     prompts = {"a": ids_of(tok, 300), "b": ids_of(tok, 1100, "Once upon a time, in a kingdom by the sea, "),
@@ -317,7 +290,7 @@ def test_interleaved_slots_match_eager_and_share_one_bound(fast, tok, batch):
         held = []
         rec.check = lambda: held.append(engine.decoder.hold_budget.held())
         sched = Scheduler(engine)
-        jobs = {name: Job(name, ask(ids, 25), log) for name, ids in prompts.items()}
+        jobs = {name: Job(name, ask(ids, 25), log, tag="deliver") for name, ids in prompts.items()}
         sched.submit(jobs["a"])
         for _ in range(3):
             sched.round()
@@ -355,7 +328,8 @@ def test_pieces_cut_for_decoding_slots_warm_with_their_piece(fast, tok):
         log = []
         rec = Recorder(fast, log)
         engine = make_engine(rec, tok, defer, slots=2, interleave_chunk=64)
-        long, short = Job("long", ask(long_ids, 12), log), Job("short", ask(short_ids, 200), log)
+        long = Job("long", ask(long_ids, 12), log, tag="deliver")
+        short = Job("short", ask(short_ids, 200), log, tag="deliver")
         seen = []
         rec.check = lambda: seen.append((short.tokens != [] and short.finish is None,
                                          engine.decoder.hold_budget.held()))
@@ -380,8 +354,8 @@ def test_cancel_mid_prefill_drops_the_held_writes(fast, tok):
     rec = Recorder(fast, log)
     engine = make_engine(rec, tok, 32768, slots=2)
     sched = Scheduler(engine)
-    a = Job("a", ask(ids_of(tok, 300), 40), log)
-    b = Job("b", ask(ids_of(tok, 1200, "Once upon a time, in a kingdom by the sea, "), 10), log)
+    a = Job("a", ask(ids_of(tok, 300), 40), log, tag="deliver")
+    b = Job("b", ask(ids_of(tok, 1200, "Once upon a time, in a kingdom by the sea, "), 10), log, tag="deliver")
     sched.submit(a)
     for _ in range(4):
         sched.round()

@@ -15,6 +15,7 @@ from q27py.engine.engine import LocalEngine
 from q27py.engine.scheduler import Scheduler
 from q27py.model.reference import ReferenceModel
 from fast_path_rules import Probe
+from sched_jobs import Job, drain
 
 
 @pytest.fixture(scope="module")
@@ -32,43 +33,8 @@ def make_engine(model, tok, slots=2, spec=True, **engine):
     return LocalEngine(cfg, model, tok)
 
 
-class Job:
-    """What the bridge hands the scheduler, recording every delivery in one shared log."""
-
-    def __init__(self, name, request, log):
-        self.name, self.request, self.log = name, request, log
-        self.submitted = time.monotonic()
-        self.items = []
-
-    def deliver(self, item):
-        self.items.append(item)
-        self.log.append((self.name, item))
-
-    @property
-    def tokens(self):
-        return [t for c in self.items if isinstance(c, GenerationChunk) for t in c.token_ids]
-
-    @property
-    def finish(self):
-        last = self.items[-1] if self.items else None
-        return last.finish_reason if isinstance(last, GenerationChunk) else None
-
-    @property
-    def stats(self):
-        return self.items[-1].stats
-
-
 def ask(ids, n, **kw):
     return GenerationRequest(prompt_ids=list(ids), max_tokens=n, stop_ids=frozenset(), **kw)
-
-
-def drain(sched, limit=10000):
-    rounds = 0
-    while sched.wait(timeout=0):
-        sched.round()
-        rounds += 1
-        assert rounds < limit, "scheduler never went idle"
-    return rounds
 
 
 def prompt(tok, text, n=None):
