@@ -551,18 +551,7 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
         const u32* sKl = reinterpret_cast<const u32*>(smem + STAGES * L::STAGE + L::K);
         if constexpr (PRESPLIT) {
             // W elementwise, 16 bytes at a time (the split keeps positions: sw_row reads are unchanged)
-            u32* wh = reinterpret_cast<u32*>(smem + st * L::STAGE + L::W);
-            u32* wl = const_cast<u32*>(sWl);
-            for (int idx = tid * 4; idx < C * DK; idx += NW * 32 * 4) {
-                const float4 v = *reinterpret_cast<const float4*>(wh + idx);
-                uint4 hi, lo;
-                split_tf32(v.x, hi.x, lo.x);
-                split_tf32(v.y, hi.y, lo.y);
-                split_tf32(v.z, hi.z, lo.z);
-                split_tf32(v.w, hi.w, lo.w);
-                *reinterpret_cast<uint4*>(wh + idx) = hi;
-                *reinterpret_cast<uint4*>(wl + idx) = lo;
-            }
+            state_split_w<DK, NW * 32>(smem + st * L::STAGE, smem + STAGES * L::STAGE + L::W, tid);
             // K by (row pair, column octet): 4 slots read, the same 4 written as pairs (k_pair_at)
             u32* kh = reinterpret_cast<u32*>(smem + st * L::STAGE + L::K);
             u32* kl = const_cast<u32*>(sKl);
