@@ -13,7 +13,7 @@ import numpy as np
 
 from q27py.gpu import constants as C
 from q27py.gpu import layout as L
-from q27py.gpu.runtime import Runtime, f32, i32, i64, ptr, u64
+from q27py.gpu.runtime import ARCH_SPECIFIC, Runtime, f32, i32, i64, ptr, u64
 from q27py.model.kvformat import KV_FORMATS
 
 # Kernel constants live in one table (q27py/gpu/constants.py) that the CUDA sources are compiled
@@ -1635,8 +1635,6 @@ def attention_prefill3_supported(hd: int, fp8: bool, cc: tuple[int, int] | None 
     if cc is None or smem_optin is None:
         rt = Runtime.get()
         cc, smem_optin = rt.cc, rt.smem_optin
-    from q27py.gpu.runtime import ARCH_SPECIFIC
-
     return cc in ARCH_SPECIFIC["attention_prefill3"] and attention_prefill3_bytes() <= smem_optin
 
 
