@@ -181,6 +181,11 @@ class EngineConfig:
     # the bits never change. Capped at a third of the card's L2. Off: measured on the H200 (device
     # run g1, docs/PERF.md) 8 MiB neutral, 16-32 MiB 3-4% slower at decode 2K.
     gemv_prefetch_mb: float = 0.0
+    # cuda, a8 GEMV on q4 weights on sm_90 (H100 / H200): which launch widths run the warpgroup-MMA kernel
+    # (cuda/gemv_wg.cu, built for sm_90a; bitwise the mma.sync kernel's outputs at every width, so the
+    # choice is speed only): "auto" (where it measured faster in whole decode steps: 1 lane, 9-16 lanes,
+    # and the lm_head at any width), "off", "wide" (every q4 launch of 9-16 lanes) or "all".
+    gemv_wgmma: str = "auto"
     # cuda: the GDN decode / verify step (conv, gates, delta rule, gated norm, window commit) as one
     # kernel (cuda/gdn_decode.cu, bitwise the kernel chain) instead of four launches. Off until the
     # device run has held it bitwise and measured it (docs/PERF.md).
@@ -459,6 +464,7 @@ ENV_VARS = {
     "Q27_MTP_DEFER_ROWS": ("engine", "mtp_defer_rows", int),
     "Q27_GEMV": ("engine", "gemv", str),
     "Q27_GEMV_PREFETCH_MB": ("engine", "gemv_prefetch_mb", float),
+    "Q27_GEMV_WGMMA": ("engine", "gemv_wgmma", str),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
     "Q27_GDN_OUT_FUSED": ("engine", "gdn_out_fused", parse_switch),
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),

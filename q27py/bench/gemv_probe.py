@@ -1,6 +1,7 @@
 """GEMV micro-benchmark: matrix shapes rotated over enough distinct copies to defeat the L2, timed
 with CUDA graphs; achieved GB/s per lane count against a streaming-read probe measured in the same
-run (cuda/probe.cu), for either GEMV implementation (cuda/gemv.cu v1, cuda/gemv2.cu v2).
+run (cuda/probe.cu), for any GEMV implementation (cuda/gemv.cu v1 / a8, cuda/gemv2.cu v2; "a8w": a8
+with its q4 launches on cuda/gemv_wg.cu).
 
     python3 -m q27py.bench.gemv_probe --rows 34816 --cols 5120 --fmt q4 --lanes 1 8 16
     python3 -m q27py.bench.gemv_probe --shapes 27b --impl v1 v2 --lanes 1 2 4 8 9 12 16
@@ -77,7 +78,9 @@ def measure(mats_spec, impls, lanes, copies: int | None = None, partition=None, 
     stream = cp.cuda.Stream(non_blocking=True)
     out = {"bytes": one, "copies": copies}
     for impl in impls:
-        plans = [K.GemvPlan(ms, [(y, y.shape[1]) for y in ys], ws, impl=impl, partition=partition) for ms in sets]
+        # "a8w": the a8 kernels with their q4 launches on cuda/gemv_wg.cu (wgmma, sm_90a), every width
+        plans = [K.GemvPlan(ms, [(y, y.shape[1]) for y in ys], ws, impl="a8" if impl == "a8w" else impl,
+                            partition=partition, wgmma="all" if impl == "a8w" else "off") for ms in sets]
         out[impl] = {"partition": [list(p) for p in zip(plans[0].rgb, plans[0].splits)],
                      "ctas": [u for _, _, _, u in plans[0].launches], "us": {}}
         for n in lanes:
@@ -102,7 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fmt", choices=["q4", "q8", "bf16"], default="q4")
     ap.add_argument("--shapes", nargs="*", default=None,
                     help="'27b' (every 27B launch) or names from it; default: the one --rows/--cols/--fmt matrix")
-    ap.add_argument("--impl", nargs="+", choices=list(K.GEMV_IMPLS), default=None, help="default: the configured one")
+    ap.add_argument("--impl", nargs="+", choices=[*K.GEMV_IMPLS, "a8w"], default=None,
+                    help="default: the configured one; a8w: a8 with its q4 launches on the wgmma kernel (sm_90a)")
     ap.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--copies", type=int, default=None, help="distinct copies rotated (default: enough to defeat L2)")
     ap.add_argument("--partition", type=int, nargs=2, metavar=("RGB", "SPLITS"), default=None,

@@ -49,6 +49,12 @@ GEMV_TAIL_SPLIT = 0
 # a launch may prefetch for the launch after it (its last warp's lanes 0..GEMV_PF_PER-1, one each)
 GEMV_PF_PER = 8
 GEMV_TRACE = 0  # tools/gemv_trace.py: per-CTA %globaltimer stamps of the unit kernels' phases
+# a8 q4 GEMV on wgmma (cuda/gemv_wg.cu, sm_90a): CTAs of one warpgroup, one unit each. A ring stage holds
+# GWG_CPS consecutive 64-k chunks of the unit's 64 rows (2 KB of weights each); stages per CTA, and
+# resident CTAs per SM at 8 / 16 lanes (their launch bounds: 128 / 170 registers)
+GWG_CPS = 4
+GWG_STAGES = 5
+GWG_CTAS_N8, GWG_CTAS_N16 = 3, 2
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
 G2_WARPS = 4

@@ -1404,6 +1404,7 @@ def load_fast_model(cfg) -> FastModel:
     K.GDN_PREFILL = K.gdn_prefill_mode(e.gdn_prefill)
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_PREFILL_WGMMA = bool(e.attn_prefill_wgmma)
+    K.GEMV_WGMMA = K.gemv_wgmma_mode(e.gemv_wgmma)
     K.GDN2_OUT_GATED = bool(e.gdn_out_fused)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)

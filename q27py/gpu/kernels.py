@@ -210,6 +210,50 @@ def gemv_shared_bytes(fmt: int, nt: int, a8: bool = False) -> int:
     return max(ring, red)
 
 
+# ---------------------------------------------------------------- a8 GEMV on wgmma (cuda/gemv_wg.cu)
+# The a8 kernels' q4 launches as one warpgroup per unit on Hopper's warpgroup MMA (the sm_90a build:
+# runtime.ARCH_SPECIFIC): the same units, int32 chunk sums and fp32 operations in the same order, so
+# the outputs are bitwise gemv8_q4_*'s and the choice is speed only. Set from EngineConfig.gemv_wgmma:
+# "off", "auto" (the widths it measured faster at in whole decode steps: 1 lane and 9-16 lanes, and any
+# width for launches of at least GWG_AUTO_WAVES waves of its resident CTAs, i.e. the lm_head), "wide"
+# (every q4 launch of 9-16 lanes) or "all". Device runs k1-k4 (H100, docs/PERF.md): "all" against "off"
+# decode 2K -1.9%, verify W=16 -8.2%, 16-lane batched round -7.0%, MTP step -5.3%, but verify W=8 +1.6%.
+GEMV_WGMMA_MODES = ("off", "auto", "wide", "all")
+GWG_AUTO_WAVES = 4
+
+
+def _gemv_wgmma_default() -> str:
+    from q27py.config import Q27Config, apply_env
+
+    return gemv_wgmma_mode(apply_env(Q27Config()).engine.gemv_wgmma)
+
+
+def gemv_wgmma_mode(mode: str) -> str:
+    """EngineConfig.gemv_wgmma, checked when the model loads."""
+    if mode not in GEMV_WGMMA_MODES:
+        raise ValueError(f"gemv_wgmma must be one of {', '.join(GEMV_WGMMA_MODES)}, not {mode!r}")
+    return mode
+
+
+GEMV_WGMMA = _gemv_wgmma_default()
+
+
+def gemv_wg_shared_bytes(nl: int) -> int:
+    """Dynamic shared memory of one gemv_wg CTA (WgStage<NL>::BYTES x GWG_STAGES; the unit's reduced tile
+    reuses it): per stage GWG_CPS chunks of 4 tiles' fragments, their scale words, NL lanes' activations
+    and chunk scales."""
+    stage = C.GWG_CPS * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
+    return max(C.GWG_STAGES * stage, GEMV_ROWS_PER_CTA * nl * 4)
+
+
+def gemv_wgmma_supported(cc: tuple[int, int] | None = None, smem_optin: int | None = None) -> bool:
+    """Whether this card has the sm_90a build of cuda/gemv_wg.cu (and the shared memory its CTAs take)."""
+    if cc is None or smem_optin is None:
+        rt = Runtime.get()
+        cc, smem_optin = rt.cc, rt.smem_optin
+    return cc in ARCH_SPECIFIC["gemv_wg"] and gemv_wg_shared_bytes(16) <= smem_optin
+
+
 def a8_act_in_ring(cc: tuple[int, int]) -> bool:
     """Whether the a8 q4 kernels carry activations in the cp.async ring (cuda/gemv.cu kA8ActRing):
     the 228 KB shared-memory parts (sm_90, sm_100), where two such CTAs fit one SM."""
@@ -226,10 +270,12 @@ class GemvPlan:
     """
 
     def __init__(self, mats: list[GpuMatrix], outputs: list[tuple[object, int]], workspace: Workspace,
-                 impl: str | None = None, partition: tuple[int, int] | None = None):
+                 impl: str | None = None, partition: tuple[int, int] | None = None, wgmma: str | None = None):
         assert 1 <= len(mats) <= 4 and len(mats) == len(outputs)
         rt = Runtime.get()
         self.impl = gemv_impl() if impl is None else impl
+        # a8 q4 launches on the wgmma kernel (GEMV_WGMMA's modes; read at run time when None)
+        self.wgmma = None if wgmma is None else gemv_wgmma_mode(wgmma)
         if self.impl not in GEMV_IMPLS:
             raise ValueError(f"unknown GEMV implementation {self.impl!r}")
         assert len({m.shape.kchunks for m in mats}) == 1, "matrices in one plan share K"
@@ -396,7 +442,13 @@ class GemvPlan:
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
                 pf = self.pf if (final and li == last and not use_gemm) else None
-                if self.a8 and fmt != L.FMT_BF16:
+                if self.a8 and fmt == L.FMT_Q4 and pf is None and cluster == 1 and self._wgmma(n, units):
+                    nl = 8 * nt
+                    rt.launch("gemv_wg", f"gemv8w_q4_n{nl}", units, 128,
+                              (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
+                               np.uint32(0x80808080), i32(n), i32(lane0 + done)),
+                              shared_mem=gemv_wg_shared_bytes(nl))
+                elif self.a8 and fmt != L.FMT_BF16:
                     rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
                               (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
                                np.uint32(0x80808080), i32(n), i32(lane0 + done), pf),
@@ -409,6 +461,17 @@ class GemvPlan:
                               (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(lane0 + done), pf),
                               shared_mem=gemv_shared_bytes(fmt, nt), cluster=cluster)
             done += n
+
+    def _wgmma(self, n: int, units: int) -> bool:
+        """Whether this plan's a8 q4 launch of `units` CTAs and n lanes runs cuda/gemv_wg.cu (the next-launch
+        prefetch and thread-block clusters are gemv.cu's only: such launches stay there)."""
+        mode = GEMV_WGMMA if self.wgmma is None else self.wgmma
+        if mode == "off" or not gemv_wgmma_supported():
+            return False
+        if mode == "auto":
+            slots = (C.GWG_CTAS_N8 if n <= 8 else C.GWG_CTAS_N16) * Runtime.get().sm_count
+            return n == 1 or n > 8 or units >= GWG_AUTO_WAVES * slots
+        return mode == "all" or n > 8
 
     @property
     def nbytes(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 from collections import Counter
 from contextlib import contextmanager
@@ -37,12 +38,12 @@ def _find_cuda_dir() -> Path:
 
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
-KERNEL_FILES = ("gemv", "gemv2", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_decode", "gdn_chunk", "gdn_chunk2", "rope", "attention",
+KERNEL_FILES = ("gemv", "gemv2", "gemv_wg", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_decode", "gdn_chunk", "gdn_chunk2", "rope", "attention",
                 "attention_prefill", "attention_prefill2", "attention_prefill3", "sampling", "probe", "kv_rotated")
 # Modules with an architecture-specific build on some cards: there they compile for the "a" target
 # (sm_90a: wgmma, setmaxnreg), whose instructions the plain sm_90 target rejects; the source's entry
 # points trap in any other build, and kernels.py only launches them where this table gives a target.
-ARCH_SPECIFIC = {"attention_prefill3": {(9, 0): "sm_90a"}}
+ARCH_SPECIFIC = {"attention_prefill3": {(9, 0): "sm_90a"}, "gemv_wg": {(9, 0): "sm_90a"}}
 
 
 class GpuUnavailable(Q27Error):
@@ -111,7 +112,7 @@ PDL_MODES = ("off", "on", "early")
 # Modules every kernel of which starts with pdl_entry() (or, the GEMVs, waits in gemv_loop after
 # its weight prefetch): only these may be launched with the attribute (tests/gpu/test_pdl.py
 # checks the sources). The rest (prefill-only kernels, packing) launch plainly.
-PDL_MODULES = frozenset({"attention", "chain", "conv", "embed", "gdn", "gdn_decode", "gemv", "gemv2", "kv_rotated",
+PDL_MODULES = frozenset({"attention", "chain", "conv", "embed", "gdn", "gdn_decode", "gemv", "gemv2", "gemv_wg", "kv_rotated",
                          "norm", "rope", "sampling"})
 _PDL_MODE: str | None = None
 
@@ -200,11 +201,23 @@ class PdlLauncher:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
 
 
-def source_text(name: str) -> str:
-    """The kernel source with cuda/common.cuh spliced in (what NVRTC compiles)."""
-    src = (CUDA_DIR / f"{name}.cu").read_text(encoding="utf-8")
-    header = (CUDA_DIR / "common.cuh").read_text(encoding="utf-8").replace("#pragma once", "")
-    return src.replace('#include "common.cuh"', header)
+_INCLUDE = re.compile(r'^#include "(\w+\.cuh)"[ \t]*$', re.M)
+
+
+def source_text(name: str, path: Path | None = None) -> str:
+    """The kernel source (cuda/<name>.cu, or `path`) with its cuda/*.cuh headers spliced in, each
+    once (what NVRTC compiles: it is given one string, no include path)."""
+    src = (path or CUDA_DIR / f"{name}.cu").read_text(encoding="utf-8")
+    seen: set[str] = set()
+
+    def splice(m: re.Match) -> str:
+        if m.group(1) in seen:
+            return ""
+        seen.add(m.group(1))
+        text = (CUDA_DIR / m.group(1)).read_text(encoding="utf-8").replace("#pragma once", "")
+        return _INCLUDE.sub(splice, text)
+
+    return _INCLUDE.sub(splice, src)
 
 
 def nvrtc_cubin(name: str, options: tuple[str, ...], arch: str) -> Path:

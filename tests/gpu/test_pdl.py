@@ -45,7 +45,8 @@ def test_every_pdl_kernel_waits_first():
         src = (R.CUDA_DIR / f"{mod}.cu").read_text()
         for name, body in _kernels(src):
             first = body.lstrip().lstrip("\\").lstrip()
-            ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<"))
+            ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<")) or (
+                mod == "gemv_wg" and first.startswith("GWG_CALL("))
             if not ok and "pdl_entry();" in first:
                 # constants loaded before the wait (norm.cu: the norm weights): every statement before
                 # pdl_entry() is a register array declaration or a *_preload( call, nothing that could
@@ -62,6 +63,13 @@ def test_every_pdl_kernel_waits_first():
     first_act = min(loop.index("a8_load_act"), loop.index("a8_issue_act"))
     assert prologue_end < wait < first_act, "gemv_loop: prefetch weights, then wait, then read activations"
     assert loop.index("pdl_trigger();") > wait
+    # gemv_wg.cu: the same order in wg_body (its weights only before the wait, then its activations)
+    wg = (R.CUDA_DIR / "gemv_wg.cu").read_text()
+    body = wg[wg.index("void wg_body("):]
+    body = body[: body.index("\n}\n")]
+    wait = body.index("pdl_wait();")
+    assert body.index("issue(k, k, true, false);") < wait < body.index("issue(k, k, false, true);")
+    assert body.index("pdl_trigger();") > wait
 
 
 def test_pdl_entry_is_arch_guarded():

@@ -1,0 +1,132 @@
+// Pieces of the a8 weight-streaming GEMV shared by its two kernel families: cuda/gemv.cu (mma.sync,
+// every card) and cuda/gemv_wg.cu (wgmma, sm_90a). Both compute the same units (row group x K split)
+// in the same order, so they share the a8 unpacking and everything after a unit's reduction: the
+// split-K combine and the epilogue. The including file defines GSTAMP (gemv.cu's trace stamps).
+#pragma once
+#include "common.cuh"
+
+// ---- a8 helpers
+// int4 nibbles of a word -> int8 x 16 (signed, exact): the low nibbles (even slots: row g) and
+// the high nibbles (odd slots: row g + 8). Nibbles hold code + 8; flipping the top bit of the
+// byte's high nibble turns (code + 8) << 4 into the two's complement byte code << 4.
+// sgn = 0x80808080 arrives as a kernel argument on purpose: held in a register, (w & mask) ^ sgn
+// is one LOP3 (a literal would make ptxas split it into two: LOP3 takes one immediate).
+__device__ __forceinline__ u32 lop3_and_xor(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "n"(0xF0F0F0F0u), "r"(c));  // (a & b) ^ c
+    return r;
+}
+__device__ __forceinline__ u32 q4_lo8(u32 w, u32 sgn) { return lop3_and_xor(w << 4, 0xF0F0F0F0u, sgn); }
+__device__ __forceinline__ u32 q4_hi8(u32 w, u32 sgn) { return lop3_and_xor(w, 0xF0F0F0F0u, sgn); }
+
+// ---- split-K through a thread-block cluster (sm_90): when a row group's `splits` CTAs are one
+// cluster (the host launches clusters of `splits` CTAs; units of a row group are consecutive), the
+// partials never leave the SMs: each CTA's reduced tile stays in its shared memory, the split-0 CTA
+// reads the others' through DSMEM and sums them in split order -- the same additions in the same
+// order as the ticket path (v = p0, v += p1, ...), so the bits do not change. Saves the ticket
+// path's partial write, fence, atomic and L2 read-back (~2.5 us of a small launch's ~12, measured
+// by tools/gemv_trace.py).
+__device__ __forceinline__ int cluster_ctas() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return (int)n;
+#else
+    return 1;
+#endif
+}
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+// value at shared address `a` (this CTA's layout) in cluster CTA `rank`
+__device__ __forceinline__ float ld_dsmem_f32(u32 a, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+    return v;
+#else
+    return 0.f;
+#endif
+}
+
+// Element i of a row group's valid partial tile (rows x the launch's nv lanes) in the full
+// [rows][cols] layout.
+__device__ __forceinline__ int valid_elem(int i, int nv, int cols) {
+    const int rl = i / nv;
+    return rl * cols + (i - rl * nv);
+}
+
+// A unit's reduced tile red0 (GEMV_R x 16 rows x COLS lanes in shared memory; the launch's nv lanes
+// valid) to its outputs. A unit with splits > 1 writes its partial tile; the CTA that arrives last for
+// the row group (integer ticket) sums the partials in split order and runs the epilogue (a cluster of
+// the row group's splits sums them through DSMEM instead, in the same order). The bits never depend
+// on timing, nor on the launch width.
+template <int COLS>
+__device__ __forceinline__ void gemv_unit_finish(const i64* __restrict__ d, float* red0, int rg, int sp, int splits,
+                                                 int nv, float* __restrict__ y, int ldy, int nout, int mode) {
+    constexpr int E = GEMV_R * 16 * COLS;
+    __shared__ int s_last;
+    const int tid = threadIdx.x, EV = GEMV_R * 16 * nv;
+    if (splits > 1 && cluster_ctas() == splits) {
+        cluster_sync_all();  // every split's red0 is final (release / acquire)
+        if (sp == 0) {
+            const u32 base = smem_addr(red0);
+            for (int i = tid; i < EV; i += blockDim.x) {
+                const int e = valid_elem(i, nv, COLS);
+                float v = red0[e];
+                for (int s2 = 1; s2 < splits; s2++) v += ld_dsmem_f32(base + e * 4, s2);
+                red0[e] = v;
+            }
+        }
+        cluster_sync_all();  // the other splits' shared memory stays alive until split 0 has read it
+        GSTAMP(6);
+        if (sp != 0) return;
+    } else if (splits > 1) {
+        float* ws = reinterpret_cast<float*>(d[D_WS]);
+        int* cnt = reinterpret_cast<int*>(d[D_CNT]);
+        float* mine = ws + ((i64)rg * splits + sp) * E;
+        for (int i = tid; i < EV; i += blockDim.x) {
+            const int e = valid_elem(i, nv, COLS);
+            mine[e] = red0[e];
+        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) s_last = (atomicAdd(cnt + rg, 1) == splits - 1);
+        __syncthreads();
+        GSTAMP(6);  // ticket taken
+        if (!s_last) return;
+        __threadfence();
+        const float* all = ws + (i64)rg * splits * E;
+        for (int i = tid; i < EV; i += blockDim.x) {
+            const int e = valid_elem(i, nv, COLS);
+            float v = __ldcg(all + e);
+            for (int s2 = 1; s2 < splits; s2++) v += __ldcg(all + (i64)s2 * E + e);
+            red0[e] = v;
+        }
+        if (tid == 0) cnt[rg] = 0;  // every other CTA of this row group has already counted in
+    }
+    __syncthreads();
+    for (int i = tid; i < EV; i += blockDim.x) {
+        const int rl = i / nv, ln = i - rl * nv, e = rl * COLS + ln;
+        if (mode == MODE_SWIGLU) {
+            // rows 0..7 of a tile are gate rows, 8..15 the matching up rows
+            if ((rl & 15) >= 8) continue;
+            const int o = (rg * GEMV_R + (rl >> 4)) * 8 + (rl & 7);
+            if (o >= nout) continue;
+            const float gt = red0[e], up = red0[e + 8 * COLS];
+            y[(i64)ln * ldy + o] = gt * sigmoid_f(gt) * up;
+        } else {
+            const int row = rg * GEMV_R * 16 + rl;
+            if (row >= nout) continue;
+            float* dst = y + (i64)ln * ldy + row;
+            if (mode == MODE_ADD)
+                *dst += red0[e];
+            else
+                *dst = red0[e];
+        }
+    }
+}

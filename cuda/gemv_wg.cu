@@ -1,0 +1,333 @@
+// The a8 weight-streaming GEMV on warpgroup MMA (wgmma, sm_90a only; kernels.GEMV_WGMMA): the same
+// units, the same exact int32 chunk sums and the same fp32 operations in the same order as
+// cuda/gemv.cu's gemv8_q4_* kernels, so its outputs are bitwise theirs at every width; what changes
+// is how a CTA gets there.
+//
+// Why: the mma.sync kernels hold every lane tile's accumulators in each of 8 warps (a warp owns all
+// 64 rows of its unit and a slice of K), so each 8 lanes add a second mma per k32 step, another 16
+// accumulators per thread and the register pressure that caps the ring at 3 stages: 16 lanes stream
+// at ~0.75x the 1-lane rate (docs/PERF.md, runs d9-d10). Here one warpgroup owns the unit and each of
+// its 4 warps one 16-row tile: per 64-k chunk a wgmma m64nNk32 takes A (the tile's int4 codes as int8,
+// unpacked in registers exactly as gemv.cu unpacks them) and B (the chunk's int8 activations, N lanes,
+// straight from shared memory), so the lane count only widens the instruction's N.
+//
+// Order (bitwise gemv.cu): gemv.cu's warp w sums its unit's chunks c0 + w, c0 + w + 8, ... in order
+// into its own fp32 partial, then the partials are added in warp order. The warpgroup here walks the
+// chunks residue by residue (c0, c0 + 8, ..., then c0 + 1, c0 + 9, ...), keeps the running residue's
+// partial in `acc` and folds it into `v` when the residue ends: the same additions in the same order.
+//
+// Data: each warp's 16-byte weight fragment per chunk is what gemv.cu's thread loads, but wgmma's
+// register A fragment wants, per k32 step, the bytes of the activation slots 32 b + 4 t + j (see the
+// activation order in gemv.cu): thread t of a quad needs word t of each of the quad's four fragments
+// (a 4 x 4 transpose). The ring stores the fragments at XOR-rotated 16-byte positions so those 4-byte
+// reads are conflict-free. Activations are copied 16 bytes at a time into wgmma's K-major,
+// no-swizzle canonical layout (8 lanes x 16 bytes per core matrix), in gemv.cu's slot order, which is
+// therefore the k order both operands agree on.
+#include "common.cuh"
+#define GSTAMP(i)
+#include "gemv_common.cuh"
+
+// the runtime asked for the sm_90a build (runtime.ARCH_SPECIFIC): fail loudly if the compiler targets plain sm_90
+#if defined(Q27_ARCH_SPECIFIC) && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "gemv_wg was asked for sm_90a but is being built without its features"
+#endif
+
+typedef unsigned long long u64;
+
+// One stage of the ring: GWG_CPS consecutive chunks (byte offsets): per chunk the 4 tiles' fragments
+// (512 B per warp), the 4 tiles' scale words (8 per tile), the N lanes' 64 activation bytes (B layout
+// below) and the N chunk scales.
+template <int NL>
+struct WgStage {
+    enum {
+        WC = GEMV_R * 512,  // one chunk's fragments
+        XC = NL * 64,       // one chunk's activations
+        W_OFF = 0,
+        S_OFF = W_OFF + GWG_CPS * WC,
+        X_OFF = S_OFF + GWG_CPS * GEMV_R * 32,
+        XS_OFF = X_OFF + GWG_CPS * XC,
+        BYTES = XS_OFF + GWG_CPS * NL * 4
+    };
+};
+
+// Where lane quad position (g, tp) stores its 16-byte fragment within its warp's 512 bytes: rotated
+// so that the reads "word t of fragment (g, tp)" of a warp (fixed tp) hit 32 distinct banks
+__device__ __forceinline__ u32 wg_frag_pos(int g, int tp) { return (u32)(g * 4 + (tp ^ ((g >> 1) & 3))) * 16u; }
+
+// Byte of activation 16-byte piece q (k32 step q >> 1, core-matrix column q & 1) of lane n in a stage's
+// B region: per k32 step NL x 32 bytes, core matrix (n / 8, q & 1) at 256 (n / 8) + 128 (q & 1), row n % 8
+template <int NL>
+__device__ __forceinline__ u32 wg_act_off(int n, int q) {
+    return (u32)((q >> 1) * NL * 32 + (n >> 3) * 256 + (q & 1) * 128 + (n & 7) * 16);
+}
+
+// wgmma shared-memory descriptor, no swizzle: start, leading (K-adjacent core matrices) = 128 B,
+// stride (8-lane groups) = 256 B
+__device__ __forceinline__ u64 wg_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(256 >> 4) << 32);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// D (64 x NL int32) {=, +=} A (64 x 32 s8, registers) B (32 x NL s8, shared memory). ACC: 0 writes D, 1 adds.
+template <int NL, int ACC>
+__device__ __forceinline__ void wg_mma(int (&d)[NL / 2], const u32 (&a)[4], u64 db);
+template <>
+__device__ __forceinline__ void wg_mma<8, 0>(int (&d)[4], const u32 (&a)[4], u64 db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.s32.s8.s8 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 0;"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wg_mma<8, 1>(int (&d)[4], const u32 (&a)[4], u64 db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.s32.s8.s8 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1;"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wg_mma<16, 0>(int (&d)[8], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 0;"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wg_mma<16, 1>(int (&d)[8], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1;"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+// the accumulators are outputs of the issuing asm: keep their reads below the wait
+template <int N>
+__device__ __forceinline__ void wg_reg_fence(int (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// a compile-time stage parity (NVRTC has no <type_traits>)
+template <int V>
+struct WgPar {
+    static constexpr int value = V;
+};
+
+template <int NL>
+__device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
+                                        const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
+    typedef WgStage<NL> SG;
+    constexpr int S = GWG_STAGES, CPS = GWG_CPS, NT = NL / 8, ND = NL / 2;
+    static_assert(GEMV_WARPS % CPS == 0 && (GEMV_WARPS / CPS) == 2, "two stages span the 8 residues");
+    extern __shared__ __align__(128) u8 dyn_smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+    const int u = blockIdx.x;
+    int m = 0;
+    for (int i = 1; i < nmat; i++)
+        if (u >= (int)desc[i * D_NFIELDS + D_CTA0]) m = i;
+    const i64* d = desc + m * D_NFIELDS;
+    const u8* w = reinterpret_cast<const u8*>(d[D_W]);
+    const u32* sc = reinterpret_cast<const u32*>(d[D_S]);
+    const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], kch = (int)d[D_KCH];
+    const int mode = (int)d[D_MODE], splits = (int)d[D_SPLITS], ngroups = (int)d[D_NGROUPS];
+    float* y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * ldy;
+    const int local = u - (int)d[D_CTA0];
+    const int rg = local / splits, sp = local - rg * splits;
+    const int c0 = (int)((i64)sp * kch / splits), c1 = (int)((i64)(sp + 1) * kch / splits);
+    const int nst = (c1 - c0 + CPS - 1) / CPS;  // stages: CPS consecutive chunks each, the last maybe partial
+
+    // This thread's copies per stage (chunks c .. c + CPS - 1, those < c1):
+    // - its 16-byte fragment of its warp's tile for each chunk (gemv.cu's thread loads the same bytes)
+    const int tstride = kch * CB_Q4, sstride = ngroups * 8;
+    const u8* wsrc = w + (i64)(rg * GEMV_R + warp) * tstride + lane * 16;
+    const u32 wdst = SG::W_OFF + warp * 512 + wg_frag_pos(g, t);
+    // - one 16-byte piece of the scales ([chunk][tile][8 words], threads < CPS * 8)
+    const int sj = tid >> 3, sw = (tid >> 1) & 3, sh = tid & 1;
+    const u32* ssrc = sc + (i64)(rg * GEMV_R + sw) * sstride + sh * 4;
+    const u32 sdst = SG::S_OFF + (sj * GEMV_R + sw) * 32 + sh * 16;
+    // - activation pieces (chunk j, lane n, 16-byte piece q): CPS * NL * 4 over the 128 threads
+    constexpr int XP = CPS * NL * 4 / 128;
+    static_assert(XP * 128 == CPS * NL * 4, "whole activation pieces per thread");
+    const u8* xsrc[XP];
+    u32 xdst[XP];
+    int xj[XP];
+#pragma unroll
+    for (int e = 0; e < XP; e++) {
+        const int p = tid + e * 128, j = p / (NL * 4), ln = (p >> 2) % NL, q = p & 3;
+        xj[e] = j;
+        xsrc[e] = xq + (i64)min(ln, nlanes - 1) * ldq + j * 64 + q * 16;  // lanes past the launch's repeat its last
+        xdst[e] = SG::X_OFF + j * SG::XC + wg_act_off<NL>(ln, q);
+    }
+    // - chunk scales (chunk j, 4 lanes per piece): CPS * NL / 4 pieces
+    const int aj = tid / (NL / 4), ap = tid % (NL / 4);
+    const u32 ring = smem_addr(dyn_smem);
+    // FULL: every chunk of the stage is < c1 (all but a unit's last stage)
+    auto issue_w = [&](int slot, int c, auto full) {
+        constexpr bool FULL = decltype(full)::value;
+        const u32 base = ring + slot * SG::BYTES;
+#pragma unroll
+        for (int j = 0; j < CPS; j++)
+            if (FULL || c + j < c1) cp_async_cg16(base + wdst + j * SG::WC, wsrc + (i64)(c + j) * CB_Q4);
+        if (tid < CPS * 8 && (FULL || c + sj < c1))
+            cp_async_ca16(base + sdst, ssrc + (((unsigned)(c + sj) / GSC_Q4) << 3));
+    };
+    auto issue_x = [&](int slot, int c, auto full) {
+        constexpr bool FULL = decltype(full)::value;
+        const u32 base = ring + slot * SG::BYTES;
+#pragma unroll
+        for (int e = 0; e < XP; e++)
+            if (FULL || c + xj[e] < c1) cp_async_ca16(base + xdst[e], xsrc[e] + c * 64);
+        if (tid < CPS * NL / 4 && (FULL || c + aj < c1))
+            cp_async_ca16(base + SG::XS_OFF + (aj * NL + ap * 4) * 4, xs + (c + aj) * GEMV_MAX_LANES + ap * 4);
+    };
+    const int nfull = (c1 - c0) / CPS;  // stages whose chunks are all < c1
+    auto issue = [&](int slot, int k, bool weights, bool acts) {
+        const int c = c0 + k * CPS;
+        if (k < nfull) {
+            if (weights) issue_w(slot, c, WgPar<1>());
+            if (acts) issue_x(slot, c, WgPar<1>());
+        } else {
+            if (weights) issue_w(slot, c, WgPar<0>());
+            if (acts) issue_x(slot, c, WgPar<0>());
+        }
+    };
+
+    // The weights are constants: their first S - 1 stages go out before the wait on the kernel that wrote
+    // the activations (PDL); group 0 = those weights + stage 0's activations, group k = stage k's
+#pragma unroll 1
+    for (int k = 0; k < S - 1; k++)
+        if (k < nst) issue(k, k, true, false);
+    pdl_wait();
+    pdl_trigger();
+#pragma unroll 1
+    for (int k = 0; k < S - 1; k++) {
+        if (k < nst) issue(k, k, false, true);
+        cp_async_commit();
+    }
+
+    // acc[r]: the partial of residue r (gemv.cu's warp r), summed over its chunks in order
+    float acc[GEMV_WARPS][NT][4];
+#pragma unroll
+    for (int r = 0; r < GEMV_WARPS; r++)
+#pragma unroll
+        for (int i = 0; i < NT; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[r][i][q] = 0.f;
+    const u8* rbase = dyn_smem + SG::W_OFF + warp * 512 + t * 4;
+    // the B descriptor of stage slot 0's first chunk; others by adding their offset / 16 to the start field
+    // (shared addresses < 256 KB: the 14-bit field never carries)
+    const u64 xdesc0 = wg_desc(ring + SG::X_OFF);
+    int rd = 0, wr = S - 1;  // the slot read this stage, the slot refilled
+    // stage k (chunks c0 + CPS k + j: residues CPS PAR + j, PAR = k & 1 as a constant); FULL: no chunk >= c1
+    auto stage = [&](int k, auto par, auto full) {
+        constexpr int PAR = decltype(par)::value;
+        constexpr bool FULL = decltype(full)::value;
+        cp_async_wait<S - 2>();  // this thread's copies of stage k have landed
+        wg_fence_proxy();        // ... and are visible to the async proxy (wgmma reads B through it)
+        __syncthreads();         // every thread's have; every thread is done with stage k - 1's slot
+        if (k + S - 1 < nst) issue(wr, k + S - 1, true, true);
+        cp_async_commit();
+        const u8* st = dyn_smem + rd * SG::BYTES;
+        const u64 xd = xdesc0 + (u64)((rd * SG::BYTES) >> 4);
+        u32 a[CPS][2][4];
+        int dd[CPS][ND];
+#pragma unroll
+        for (int j = 0; j < CPS; j++) {
+            u32 wv[4];
+#pragma unroll
+            for (int tp = 0; tp < 4; tp++)
+                wv[tp] = *reinterpret_cast<const u32*>(rbase + rd * SG::BYTES + j * SG::WC + wg_frag_pos(g, tp));
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                a[j][b][0] = q4_lo8(wv[2 * b], sgn);
+                a[j][b][1] = q4_hi8(wv[2 * b], sgn);
+                a[j][b][2] = q4_lo8(wv[2 * b + 1], sgn);
+                a[j][b][3] = q4_hi8(wv[2 * b + 1], sgn);
+            }
+        }
+        // chunks past c1 (a partial last stage) compute on stale bytes and are dropped below
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < CPS; j++) {
+            wg_mma<NL, 0>(dd[j], a[j][0], xd + (j * SG::XC >> 4));
+            wg_mma<NL, 1>(dd[j], a[j][1], xd + ((j * SG::XC + NL * 32) >> 4));
+        }
+        wg_commit();
+        wg_wait0();
+#pragma unroll
+        for (int j = 0; j < CPS; j++) wg_reg_fence(dd[j]);
+        rd = rd + 1 == S ? 0 : rd + 1;
+        wr = wr + 1 == S ? 0 : wr + 1;
+        // gemv.cu compute_stage8's arithmetic, term for term (q4 codes carry a factor 16)
+#pragma unroll
+        for (int j = 0; j < CPS; j++) {
+            constexpr int R0 = PAR * CPS;
+            if (!FULL && c0 + k * CPS + j >= c1) continue;
+            const u32 sv = *reinterpret_cast<const u32*>(st + SG::S_OFF + (j * GEMV_R + warp) * 32 + g * 4);
+            const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                const float2 x0 = *reinterpret_cast<const float2*>(st + SG::XS_OFF + (j * NL + 8 * i + 2 * t) * 4);
+                const float2 x2 = make_float2(x0.x * 0.0625f, x0.y * 0.0625f);
+                float* p = acc[R0 + j][i];
+                p[0] = fmaf(s_lo * x2.x, (float)dd[j][4 * i + 0], p[0]);
+                p[1] = fmaf(s_lo * x2.y, (float)dd[j][4 * i + 1], p[1]);
+                p[2] = fmaf(s_hi * x2.x, (float)dd[j][4 * i + 2], p[2]);
+                p[3] = fmaf(s_hi * x2.y, (float)dd[j][4 * i + 3], p[3]);
+            }
+        }
+    };
+    int k = 0;
+#pragma unroll 1
+    for (; k + 1 < nfull; k += 2) {
+        stage(k, WgPar<0>(), WgPar<1>());
+        stage(k + 1, WgPar<1>(), WgPar<1>());
+    }
+    if (k < nfull) {  // k even
+        stage(k, WgPar<0>(), WgPar<1>());
+        k++;
+    }
+    if (k < nst) {  // the partial last stage
+        if (k & 1)
+            stage(k, WgPar<1>(), WgPar<0>());
+        else
+            stage(k, WgPar<0>(), WgPar<0>());
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring becomes the unit's tile
+
+    // gemv.cu's reduction: the residue (warp) partials added in order
+    float* red0 = reinterpret_cast<float*>(dyn_smem);
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float v = acc[0][i][q];
+#pragma unroll
+            for (int r = 1; r < GEMV_WARPS; r++) v += acc[r][i][q];
+            red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v;
+        }
+    __syncthreads();
+    gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode);
+}
+
+#endif
+
+// xq / xs / sgn / nlanes / lane0: as gemv.cu's gemv8_* kernels (the a8 activations of the launch's lanes)
+#define GWG_KERNEL(NAME, NL, CTAS)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
+        GWG_CALL(NL)                                                                                           \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GWG_CALL(NL) wg_body<NL>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
+#else
+#define GWG_CALL(NL) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
+#endif
+GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8)
+GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16)
+
