@@ -505,10 +505,7 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
     // the prefetch words are constants (written before the graph): loaded before the PDL wait
     const bool pf_lane = pf != nullptr && warp == GEMV_WARPS - 1 && lane < GEMV_PF_PER;
     const unsigned long long pf_word = pf_lane ? __ldg(pf + (i64)u * GEMV_PF_PER + lane) : 0ull;
-    int m = 0;
-    for (int i = 1; i < nmat; i++)
-        if (u >= (int)desc[i * D_NFIELDS + D_CTA0]) m = i;
-    const i64* d = desc + m * D_NFIELDS;
+    const i64* d = gemv_unit_desc(desc, nmat, u);
     const u8* w = reinterpret_cast<const u8*>(d[D_W]);
     const u32* sc = reinterpret_cast<const u32*>(d[D_S]);
     const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], kch = (int)d[D_KCH];

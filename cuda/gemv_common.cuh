@@ -60,6 +60,14 @@ __device__ __forceinline__ int valid_elem(int i, int nv, int cols) {
     return rl * cols + (i - rl * nv);
 }
 
+// The descriptor row of the matrix unit u belongs to (rows list their first CTA, D_CTA0, in order)
+__device__ __forceinline__ const i64* gemv_unit_desc(const i64* __restrict__ desc, int nmat, int u) {
+    int m = 0;
+    for (int i = 1; i < nmat; i++)
+        if (u >= (int)desc[i * D_NFIELDS + D_CTA0]) m = i;
+    return desc + m * D_NFIELDS;
+}
+
 // A unit's reduced tile red0 (GEMV_R x 16 rows x COLS lanes in shared memory; the launch's nv lanes
 // valid) to its outputs. A unit with splits > 1 writes its partial tile; the CTA that arrives last for
 // the row group (integer ticket) sums the partials in split order and runs the epilogue (a cluster of

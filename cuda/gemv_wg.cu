@@ -125,10 +125,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
     const int u = blockIdx.x;
-    int m = 0;
-    for (int i = 1; i < nmat; i++)
-        if (u >= (int)desc[i * D_NFIELDS + D_CTA0]) m = i;
-    const i64* d = desc + m * D_NFIELDS;
+    const i64* d = gemv_unit_desc(desc, nmat, u);
     const u8* w = reinterpret_cast<const u8*>(d[D_W]);
     const u32* sc = reinterpret_cast<const u32*>(d[D_S]);
     const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], kch = (int)d[D_KCH];

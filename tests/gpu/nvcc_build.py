@@ -21,6 +21,15 @@ def build(tmp_path, name: str, arch: str, extra=()) -> tuple[int, str]:
     return r.returncode, r.stderr
 
 
+def build_with(tmp_path, name: str, extra) -> subprocess.CompletedProcess:
+    """nvcc -cubin -Xptxas -v of cuda/<name>.cu with `extra` naming the target (e.g. -gencode for an "a"
+    arch, or -DQ27_ARCH_SPECIFIC with a plain -arch to see the #error guard)."""
+    src = tmp_path / f"{name}.cu"
+    src.write_text(source_text(name), encoding="utf-8")
+    return subprocess.run([NVCC, *compile_options(), *extra, "-cubin", "-Xptxas", "-v", "-o",
+                           str(tmp_path / f"{name}.cubin"), str(src)], capture_output=True, text=True)
+
+
 def ptxas_report(text: str) -> dict[str, tuple[int, int]]:
     """kernel -> (registers, spill bytes stored + loaded) from ptxas -v output."""
     out, cur, spill = {}, None, 0

@@ -16,7 +16,6 @@ bits; a warm turn over a 20K-token cache.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -145,12 +144,7 @@ def test_selection_rule(monkeypatch):
 
 # ---------------------------------------------------------------- CPU: build
 def _build_90a(tmp_path, extra=()):
-    from q27py.gpu.runtime import compile_options, source_text
-
-    src = tmp_path / "attention_prefill3.cu"
-    src.write_text(source_text("attention_prefill3"), encoding="utf-8")
-    return subprocess.run([NVCC, *compile_options(), *extra, "-cubin", "-Xptxas", "-v", "-o",
-                           str(tmp_path / "a3.cubin"), str(src)], capture_output=True, text=True)
+    return nvcc_build.build_with(tmp_path, "attention_prefill3", extra)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")

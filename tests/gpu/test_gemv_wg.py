@@ -163,14 +163,7 @@ def test_engine_config_maps_the_switch(monkeypatch):
 
 
 def _build(tmp_path, extra):
-    import subprocess
-
-    from q27py.gpu.runtime import compile_options, source_text
-
-    src = tmp_path / "gemv_wg.cu"
-    src.write_text(source_text("gemv_wg"), encoding="utf-8")
-    return subprocess.run([NVCC, *compile_options(), *extra, "-cubin", "-Xptxas", "-v", "-o",
-                           str(tmp_path / "wg.cubin"), str(src)], capture_output=True, text=True)
+    return nvcc_build.build_with(tmp_path, "gemv_wg", extra)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
