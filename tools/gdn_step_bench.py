@@ -57,9 +57,7 @@ def main() -> int:
 
     ref = None
     if args.ref:
-        src = Path(args.ref).read_text(encoding="utf-8")
-        header = (Path(__file__).resolve().parents[1] / "cuda" / "common.cuh").read_text(encoding="utf-8")
-        ref = cp.RawModule(code=src.replace('#include "common.cuh"', header.replace("#pragma once", "")),
+        ref = cp.RawModule(code=source_text("gdn", Path(args.ref)),
                            options=compile_options() + ("-DGDN_PF_COLS=4", "-DGDN_PF_WARPS=4")  # an older table's
                            ).get_function("gdn_step_k4")
 
@@ -93,9 +91,7 @@ def main() -> int:
         opts = tuple(o for o in compile_options() if not o.startswith(("-DGDN_ST_LPC=", "-DGDN_ST_WARPS=")))
         code = source_text("gdn")
         if args.variant_src:
-            code = Path(args.variant_src).read_text(encoding="utf-8").replace(
-                '#include "common.cuh"', (Path(__file__).resolve().parents[1] / "cuda" / "common.cuh").read_text(
-                    encoding="utf-8").replace("#pragma once", ""))
+            code = source_text("gdn", Path(args.variant_src))
         mod = cp.RawModule(code=code, options=opts + (f"-DGDN_ST_LPC={lpc}", f"-DGDN_ST_WARPS={warps}"))
         f = mod.get_function("gdn_step_k4")
         grid = hv * -(-dv // (32 // lpc * warps))

@@ -31,11 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 @contextmanager
 def module_source(rt, name: str, path: Path):
-    """Inside: module `name` is compiled from `path` (common.cuh spliced, the same options)."""
-    from q27py.gpu.runtime import CUDA_DIR, compile_options
+    """Inside: module `name` is compiled from `path` (its cuda/*.cuh headers spliced, the same options)."""
+    from q27py.gpu.runtime import compile_options, source_text
 
-    header = (CUDA_DIR / "common.cuh").read_text(encoding="utf-8").replace("#pragma once", "")
-    text = path.read_text(encoding="utf-8").replace('#include "common.cuh"', header)
+    text = source_text(name, path)
     saved_mod = rt._modules.get(name)
     saved_fns = {k: v for k, v in rt._functions.items() if k[0] == name}
     # the shared-memory opt-in is set once per function object: the swapped-in functions need their own

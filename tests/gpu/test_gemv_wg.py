@@ -27,7 +27,6 @@ except ImportError:  # run from the repository root
     from tests.gpu import nvcc_build
 
 NVCC = nvcc_build.NVCC
-SRC = (L.__file__.rsplit("/", 3)[0] + "/cuda/gemv_wg.cu")
 
 
 # ---------------------------------------------------------------- the kernel's formulas, read from its source
