@@ -222,10 +222,15 @@ class EngineConfig:
     # of solo forwards (no bandwidth to share) and would only cost the speculation shared rounds
     # give up (batch_spec).
     batch_rounds: bool | None = None
-    # What speculation does when a round is shared: "solo-only" (a slot alone runs its speculative
-    # rounds; in a shared round every slot is one width-1 lane, its drafters fed so they are right
-    # when it is alone again). The hook for drafts in the shared sweep is SpecDecoder._shared_round.
-    batch_spec: str = "solo-only"
+    # What speculation does while two or more slots decode (engine/share_policy.py). A shared round
+    # runs every slot as one width-1 lane of ONE weight sweep, its drafters fed so they are right
+    # when it runs its own round again. "solo-only": every decoding slot shares once two or more
+    # decode (speculation for a slot alone). "adaptive" (default): each round splits the slots
+    # between the sweep and their own speculative rounds taken in turn, by the tokens per second
+    # each has measured (two streams with the trained MTP head: solo rounds in turn; sixteen: the
+    # sweep). Only speed changes: a slot's tokens are the same either way. Without speculation it
+    # is "solo-only". The hook for drafts in the shared sweep is SpecDecoder._shared_round.
+    batch_spec: str = "adaptive"
     # Prefill tokens per round for a prompt prefilling while other slots decode (0 = off: always the
     # full engine_prefill_chunk). A 4096-token cuda chunk of the 27B holds the running streams
     # ~0.7 s per round; 512 gave a 109 ms p50 gap beside a 32K prefill (run c6), so cuda's auto
@@ -337,7 +342,7 @@ KV_CHOICES = ("auto", "bf16", "fp8", "k5v3", "k3v3")
 PREFILL_SMALL_GEMM_CHOICES = ("bf16x3", "f32")  # EngineConfig.prefill_small_gemm
 # EngineConfig.batch_spec. Reserved for later: "drafts" (each slot's drafts as extra lanes of the
 # shared sweep, verify-mode batching).
-BATCH_SPEC_CHOICES = ("solo-only",)
+BATCH_SPEC_CHOICES = ("adaptive", "solo-only")
 
 
 def parse_max_context(value) -> int | str:

@@ -99,7 +99,7 @@ def drive(sched: Scheduler, after_round=None) -> dict:
         if after_round is not None:
             after_round()
     return {"rounds": rounds, "max_running": most, "batched_rounds": sched.batched_rounds,
-            "batched_lanes": sched.batched_lanes}
+            "batched_lanes": sched.batched_lanes, "solo_turns": sched.solo_turns}
 
 
 def _check(streams) -> None:
@@ -297,6 +297,8 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
         "spec": engine.cfg.spec.enabled is not False and bool(getattr(engine, "has_mtp", False)),
         # decoding slots share one decode_batch per round (EngineConfig.batch_rounds and a model with it)
         "batch_rounds": bool(getattr(engine, "shares_rounds", False)),
+        # which decoding slots share a round and which take their own rounds in turn (engine/share_policy.py)
+        "batch_spec": getattr(engine, "batch_spec", "solo-only"),
         "interleave_chunk": getattr(engine, "interleave_chunk", 0),
         "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "concurrency": rows,
         "aggregate_over_c1": {str(r["streams"]): r["aggregate_tokens_per_s"] / base for r in rows} if base else None,

@@ -53,20 +53,86 @@ def _detok(tokenizer):
     return _Detok(tokenizer)
 
 
-def run(traces: Path = TRACES, tier: str = "q4s", context: int = 2048, seed: int = 0, log=print) -> dict:
+class _Stream:
+    """One replayed sequence: its state, drafters and detokenizer, as the engine keeps them per slot."""
+
+    def __init__(self, m, st, tokenizer, rng, context: int):
+        from q27py.engine.drafters import MTPLadder, SuffixIndex
+
+        self.m, self.st = m, st
+        self.ladder = MTPLadder(m, st.mtp_kv)
+        self.suffix = SuffixIndex(key_len=4)
+        self.suffix.extend(rng.integers(0, 1000, context).tolist())
+        self.pending = 7
+        self.ladder.defer(rng.standard_normal((1, m.cfg.hidden_size)).astype(np.float32), [self.pending])
+        self.det = _detok(tokenizer)
+
+    def spec_round(self, r: dict, hooks=None) -> int:
+        """One trace round (module docstring): draft, verify, accept the trace's count, commit, feed the
+        drafters, detokenize. hooks = (mark, event): the profile pass's phase marks. Returns the tokens."""
+        m, st = self.m, self.st
+        mark, event = hooks if hooks else (None, None)
+        tp = time.perf_counter()
+        ev = event() if hooks else None
+        d = len(r["drafts"])
+        if r["source"] == "mtp" and d:
+            steps = max(d, int(r.get("mtp_steps", d)))
+            draft = self.ladder.draft(steps, float("-inf"), st.position).tokens[:d]
+        elif r["source"] == "suffix" and d:
+            self.suffix.propose(d, min_match=2)
+            draft = [int(x) for x in r["drafts"]]
+        else:
+            draft = []
+        if hooks:  # the draft: its chain on the device, its host call (ids read back inside)
+            tp, _ = mark("draft", tp, ev)
+            ev = event()
+        lanes = [self.pending] + draft
+        out = m.forward(st, lanes, logits_rows="all", verify=True)
+        if hooks:
+            tp, _ = mark("verify_launch", tp)
+        ids = out.greedy_ids()
+        if hooks:  # the verify forward on the device; the host's wait for its ids
+            tp, _ = mark("verify_wait", tp, ev)
+        n = min(int(r["accepted"]), len(lanes))
+        new = [int(x) for x in ids[:n]]
+        hidden = np.array(out.hidden[:n])
+        if hooks:
+            tp, _ = mark("hidden_copy", tp)
+            ev = event()
+        m.commit(st, out.trace, n)
+        if hooks:
+            tp, _ = mark("commit_launch", tp, ev)
+        self.feed(hidden, new)
+        if hooks:
+            mark("bookkeeping", tp)
+        return n
+
+    def feed(self, hidden, new: list[int]) -> None:
+        """What a committed round teaches the drafters (spec.py: solo and shared rounds alike)."""
+        self.ladder.defer(hidden, new)
+        self.suffix.extend(new)
+        self.det.add(new)
+        self.pending = new[-1]
+
+
+STREAM_ROUNDS = 40  # rounds per stream and mode in run(streams=...)
+
+
+def run(traces: Path = TRACES, tier: str = "q4s", context: int = 2048, seed: int = 0, log=print,
+        streams: list[int] | None = None) -> dict:
     from q27py.bench.random_weights import Bench
-    from q27py.engine.drafters import MTPLadder, SuffixIndex
     from q27py.model.tiny import FULL_TOKENIZER
     from q27py.tokenizer import Tokenizer
 
     meta, prompts = load_rounds(traces)
     total_tokens = sum(r["accepted"] for p in prompts for r in p)
-    b = Bench(tier=tier, seed=seed, max_context=context + total_tokens + 64, chunk=64, log=log)
+    widest = max(len(r["drafts"]) + 1 for p in prompts for r in p)
+    b = Bench(tier=tier, seed=seed, max_context=context + max(total_tokens, STREAM_ROUNDS * widest) + 64, chunk=64,
+              log=log)
     m = b.model
     m.enable_graphs()
     tokenizer = Tokenizer.from_file(FULL_TOKENIZER)
     st = b.state
-    h = m.cfg.hidden_size
     rng = np.random.default_rng(seed)
 
     def reset():
@@ -116,55 +182,14 @@ def run(traces: Path = TRACES, tier: str = "q4s", context: int = 2048, seed: int
 
     def replay(rounds_of_prompts, timed: bool, profile: bool = False) -> tuple[float, int, int]:
         reset()
-        ladder = MTPLadder(m, st.mtp_kv)
-        suffix = SuffixIndex(key_len=4)
-        stream_ids = rng.integers(0, 1000, context).tolist()
-        suffix.extend(stream_ids)
-        pending = 7
-        ladder.defer(rng.standard_normal((1, h)).astype(np.float32), [pending])
-        det = _detok(tokenizer)
+        sm = _Stream(m, st, tokenizer, rng, context)
         tokens = rounds = 0
+        hooks = (mark, event) if profile else None
         t0 = time.perf_counter()
         for rounds_ in rounds_of_prompts:
             for r in rounds_:
-                tp = time.perf_counter()
-                ev = event() if profile else None
-                d = len(r["drafts"])
-                if r["source"] == "mtp" and d:
-                    steps = max(d, int(r.get("mtp_steps", d)))
-                    draft = ladder.draft(steps, float("-inf"), st.position).tokens[:d]
-                elif r["source"] == "suffix" and d:
-                    suffix.propose(d, min_match=2)
-                    draft = [int(x) for x in r["drafts"]]
-                else:
-                    draft = []
-                if profile:  # the draft: its chain on the device, its host call (ids read back inside)
-                    tp, _ = mark("draft", tp, ev)
-                    ev = event()
-                lanes = [pending] + draft
-                out = m.forward(st, lanes, logits_rows="all", verify=True)
-                if profile:
-                    tp, _ = mark("verify_launch", tp)
-                ids = out.greedy_ids()
-                if profile:  # the verify forward on the device; the host's wait for its ids
-                    tp, _ = mark("verify_wait", tp, ev)
-                n = min(int(r["accepted"]), len(lanes))
-                new = [int(x) for x in ids[:n]]
-                hidden = np.array(out.hidden[:n])
-                if profile:
-                    tp, _ = mark("hidden_copy", tp)
-                    ev = event()
-                m.commit(st, out.trace, n)
-                if profile:
-                    tp, _ = mark("commit_launch", tp, ev)
-                ladder.defer(hidden, new)
-                suffix.extend(new)
-                det.add(new)
-                pending = new[-1]
-                tokens += n
+                tokens += sm.spec_round(r, hooks)
                 rounds += 1
-                if profile:
-                    mark("bookkeeping", tp)
         m.stream.synchronize()
         return time.perf_counter() - t0, tokens, rounds
 
@@ -195,7 +220,66 @@ def run(traces: Path = TRACES, tier: str = "q4s", context: int = 2048, seed: int
     log(f"spec replay ({meta.get('model')} traces, {spec_rounds} rounds, {res['tokens_per_round']:.2f} tokens/round, "
         f"ctx {context}): plain {plain_tps:.1f} t/s, speculative {spec_tps:.1f} t/s = {res['speedup']:.2f}x (host time included)")
     log("  per round (ms, profile pass): " + ", ".join(f"{k} {v:.3f}" for k, v in profile.items()))
+    if streams:
+        res["streams"] = _streams(m, [st] + [m.new_state() for _ in range(max(streams) - 1)], prompts, streams,
+                                  tokenizer, rng, context, log)
     return res
+
+
+def _streams(m, states, prompts, streams, tokenizer, rng, context: int, log) -> dict:
+    """C sequences at once: the two ways a scheduler round can move them (engine/share_policy.py), each
+    timed over STREAM_ROUNDS rounds with host time, after a warm pass that captures its graphs --
+    "shared": one decode_batch of C plain lanes per round, each stream's token and hidden row read and
+    its drafters fed (spec.py _shared_round's work), the MTP backlog written at the end;
+    "turns": every stream's own trace round in turn (stream i starts i / C of the way into the trace
+    rounds, so the streams replay different rounds). Aggregate tokens/s of each; SharePolicy measures
+    the same two quantities and takes the larger (or a mix)."""
+    flat = [r for p in prompts for r in p]
+    out = {}
+    for c in streams:
+        sts = states[:c]
+
+        def fresh():
+            for st in sts:
+                st.position = context
+                st.mtp_kv.length = context - 1
+                st.mtp_position = context - 1
+            return [_Stream(m, st, tokenizer, rng, context) for st in sts]
+
+        def turns():
+            ss = fresh()
+            tokens, t0 = 0, time.perf_counter()
+            for k in range(STREAM_ROUNDS):
+                for i, sm in enumerate(ss):
+                    tokens += sm.spec_round(flat[(k + i * len(flat) // c) % len(flat)])
+            m.stream.synchronize()
+            return tokens, time.perf_counter() - t0
+
+        def shared():
+            ss = fresh()
+            t0 = time.perf_counter()
+            for _ in range(STREAM_ROUNDS):
+                outs = m.decode_batch(sts, [sm.pending for sm in ss])
+                for sm, o in zip(ss, outs):
+                    sm.feed(np.array(o.hidden[-1:]), [int(o.greedy_ids()[0])])
+            for sm in ss:
+                sm.ladder.flush()
+            m.stream.synchronize()
+            return c * STREAM_ROUNDS, time.perf_counter() - t0
+
+        row = {}
+        for name, fn in (("turns", turns), ("shared", shared)):
+            fn()  # warm: its graphs captured
+            tokens, secs = fn()
+            row[name] = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
+                         "per_stream_tokens_per_s": tokens / secs / c}
+        row["faster"] = max(("turns", "shared"), key=lambda k: row[k]["tokens_per_s"])
+        row["turns_over_shared"] = row["turns"]["tokens_per_s"] / row["shared"]["tokens_per_s"]
+        out[c] = row
+        log(f"  C={c}: turns {row['turns']['tokens_per_s']:.1f} t/s ({row['turns']['per_stream_tokens_per_s']:.1f} per "
+            f"stream), shared {row['shared']['tokens_per_s']:.1f} t/s ({row['shared']['per_stream_tokens_per_s']:.1f}); "
+            f"turns / shared {row['turns_over_shared']:.2f}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -203,12 +287,14 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", type=Path, nargs="+", default=[TRACES])
     ap.add_argument("--tier", default="q4s")
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--streams", type=int, nargs="+", default=None, metavar="C",
+                    help="also C sequences at once: solo rounds in turn against one shared sweep per round")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import sys
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    results = [run(t, args.tier, args.context, log=log) for t in args.traces]
+    results = [run(t, args.tier, args.context, log=log, streams=args.streams) for t in args.traces]
     if args.json:
         print(json.dumps(results, indent=1, default=float))
     return 0

@@ -6,8 +6,9 @@
   q27py bench replay [--model DIR | --random-weights 27b] [--device cpu|cuda] [--json]
                                                            a Claude-Code-shaped session: prefix reuse and TTFT
   q27py bench grammar [--tokenizer FILE] [--json]         output-constraint cost per decode step (CPU)
-  q27py bench spec-replay [--traces FILE ...] [--tier q4s] [--json]
+  q27py bench spec-replay [--traces FILE ...] [--tier q4s] [--streams C ...] [--json]
                                                            recorded speculative rounds replayed on the 27B shapes
+                                                           (--streams: C sequences, own rounds in turn vs one sweep)
   q27py bench load [--model DIR | --random-weights 27b] [--device cpu|cuda] [--streams 1 2 4 8 16] [--json]
                  [--batch-rounds 0|1] [--interleave-chunk N]
                                                            C concurrent streams through the slot scheduler:
@@ -44,7 +45,8 @@ def add_arguments(p) -> None:
     p.add_argument("--traces", type=Path, nargs="+", default=None,
                    help="spec-replay: round traces (default: q27py/bench/data/spec_traces.json, tools/record_traces.py)")
     p.add_argument("--streams", type=int, nargs="+", default=None, metavar="C",
-                   help="load: concurrent streams per run (default 1 2 4 8 16)")
+                   help="load: concurrent streams per run (default 1 2 4 8 16); spec-replay: also C sequences at once, "
+                        "own rounds in turn against one shared sweep (off by default)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="load: prompt tokens per stream")
     p.add_argument("--long-tokens", type=int, default=None,
                    help="load: the mixed case's long prompt (default 32768 on cuda, 2048 on cpu)")
@@ -91,7 +93,7 @@ def run(args) -> int:
     elif args.suite == "spec-replay":
         from q27py.bench import spec_replay
 
-        result = [spec_replay.run(t, args.tier or "q4s", seed=args.seed, log=log)
+        result = [spec_replay.run(t, args.tier or "q4s", seed=args.seed, log=log, streams=args.streams)
                   for t in (args.traces or [spec_replay.TRACES])]
     else:
         from q27py.bench.random_weights import Bench

@@ -28,7 +28,7 @@ from q27py.engine.constraint import ConstraintCache, ConstraintRun, VocabIndex
 from q27py.engine.decoder import DecodeStats, Lane, Pace, PrefillCancelled
 from q27py.engine.prefix_cache import DiskCache, PrefixCache, compat_hash
 from q27py.engine.sampling import TokenPicker
-from q27py.engine.spec import build_decoder
+from q27py.engine.spec import SpecDecoder, build_decoder
 from q27py.errors import Q27Error
 
 __all__ = ["ContextLengthError", "LocalEngine", "load_model"]
@@ -76,6 +76,9 @@ class LocalEngine:
         # Batched decode rounds (scheduler.py): asked for, and the model has the batched step (max_batch 0:
         # none, e.g. test doubles; the slots' rounds stay solo).
         self.shares_rounds = cfg.engine.shared_rounds() and model.max_batch > 0
+        # which decoding slots share a round (engine/share_policy.py): adaptive only where solo rounds
+        # can yield more than one token
+        self.batch_spec = cfg.engine.batch_spec if isinstance(self.decoder, SpecDecoder) else "solo-only"
         # prefill tokens per round beside decoding slots (0: off, full chunks always)
         self.interleave_chunk = cfg.engine.interleave()
         self.interleave_halving = int(cfg.engine.interleave_halving)  # the piece shrinks with the context

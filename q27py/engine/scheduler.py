@@ -15,14 +15,18 @@ Step 4's shape. A slot is decoding once it has delivered a token (its next step 
 decode round or its end), else prefilling.
 - Shared round: when two or more slots are decoding and the engine shares rounds
   (EngineConfig.batch_rounds, a model with decode_batch: LocalEngine.shares_rounds),
-  each decoding slot is resumed with pace.shared and hands out one plain-decode lane
+  each sharing slot is resumed with pace.shared and hands out one plain-decode lane
   (its pending token) instead of running its own forward; `engine.run_lanes` runs all
   of them in ONE model.decode_batch (max_batch at a time: one weight sweep for all,
   where a 27B step is weight-bound), each lane reads its own output row (its request's
   TokenPicker picks from it), and each slot is resumed again to commit, stop-check and
-  return its token. Speculation is for slots alone (EngineConfig.batch_spec
-  "solo-only"): a shared slot drafts nothing, but its drafters are fed every token, so
-  its drafts are right when it runs alone again (engine/spec.py).
+  return its token. A shared slot drafts nothing, but its drafters are fed every token,
+  so its drafts are right when it runs its own round again (engine/spec.py).
+- Which decoding slots share: engine/share_policy.py (EngineConfig.batch_spec). "adaptive"
+  (default) splits them each round by measured tokens per second -- each slot's own rounds
+  (timed here, free while it runs alone) against the sweep's cost by width -- so two
+  speculating streams take their own rounds in turn (each ~1.6x faster than sharing on the
+  27B shapes) and eight or more share; "solo-only" shares all of them.
 - Solo round: otherwise each decoding slot runs its own full round (speculative, when
   on), in slot order, exactly as a slot alone does.
 - Prefilling slots run one prefill piece each: the full chunk (engine_prefill_chunk;
@@ -66,11 +70,12 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from q27py.engine.api import GenerationChunk, GenerationRequest
 from q27py.engine.decoder import Pace
+from q27py.engine.share_policy import SharePolicy, SoloStats
 
 log = logging.getLogger("q27py.scheduler")
 
@@ -94,6 +99,7 @@ class Slot:
     rounds: int = 0  # steps taken
     pace: Pace | None = None  # what the next resume asks of the stepper (None: an engine without pace)
     decoding: bool = False  # has delivered a token: the next step is a decode round (or the end)
+    solo: SoloStats = field(default_factory=SoloStats)  # its own rounds' tokens and seconds (SharePolicy)
 
 
 def _prefill_left(slot: Slot) -> int:
@@ -134,6 +140,10 @@ class Scheduler:
         self._clock = clock
         self.batched_rounds = 0  # rounds whose shared forward ran two or more lanes
         self.batched_lanes = 0  # lanes those rounds ran
+        # which decoding slots share a round and which run their own (speculative) round in turn
+        mode = str(getattr(engine, "batch_spec", "solo-only") or "solo-only") if self._shares else "solo-only"
+        self.policy = SharePolicy(mode)
+        self.solo_turns = 0  # own rounds run while two or more slots were decoding
         self._open_tap = open_tap
         self._on_change = on_change
         self._cond = threading.Condition()
@@ -222,16 +232,31 @@ class Scheduler:
                 slot.pace.prefill_chunk = piece or None
                 slot.pace.halving = self._halving
         if self._shares and len(decoding) >= 2:
-            self._shared_round(decoding)
-            slots = prefilling
+            own = self.policy.plan([s.solo for s in decoding])
+            sharing = [s for s, o in zip(decoding, own) if not o]
+            if sharing:
+                t0 = self._clock()
+                lanes = self._shared_round(sharing)
+                self.policy.observe_shared(lanes, self._clock() - t0)
+            turns = [s for s, o in zip(decoding, own) if o]
+            self.solo_turns += len(turns)
+            slots = turns + prefilling
         for slot in slots:
-            if self._slots[slot.index] is slot:  # not ended earlier in this round
+            if self._slots[slot.index] is not slot:  # ended earlier in this round
+                continue
+            if slot.decoding:  # its own round: measured for the policy
+                t0 = self._clock()
+                chunk = self._step(slot)
+                if chunk is not None and chunk.token_ids and chunk.finish_reason is None:
+                    self.policy.observe_solo(slot.solo, len(chunk.token_ids), self._clock() - t0)
+            else:
                 self._step(slot)
         return bool(piece and prefilling)
 
-    def _shared_round(self, slots: list[Slot]) -> None:
-        """One decode_batch for every decoding slot: collect a lane from each, run them together, then
-        let each finish its round (pick already made from its own row; commit, stop check, tokens)."""
+    def _shared_round(self, slots: list[Slot]) -> int:
+        """One decode_batch for every sharing slot: collect a lane from each, run them together, then
+        let each finish its round (pick already made from its own row; commit, stop check, tokens).
+        Returns the lanes that ran (0 when none did)."""
         lanes: list[tuple[Slot, object]] = []
         for slot in slots:
             if self._slots[slot.index] is not slot:
@@ -249,14 +274,14 @@ class Scheduler:
             else:  # it ended (stop, length, cancel) or ran a round of its own (a stepper that ignores pace)
                 self._settle(slot, chunk, cancelled)
         if not lanes:
-            return
+            return 0
         try:
             self.engine.run_lanes([lane for _, lane in lanes])
         except Exception as exc:  # run_lanes keeps failures per lane; anything else ends every lane's slot
             log.exception("engine failed in a shared round")
             for slot, _ in lanes:
                 self._fail(slot, exc)
-            return
+            return 0
         if len(lanes) >= 2:
             self.batched_rounds += 1
             self.batched_lanes += len(lanes)
@@ -264,6 +289,7 @@ class Scheduler:
             # the rest of its round: its tokens (or the error its lane met). The round began before any
             # cancel that lands now: the engine sees that flag at its next step, as after a solo round.
             self._step(slot, cancelled=False)
+        return len(lanes)
 
     # ---- parts of a round -------------------------------------------------
 
@@ -311,17 +337,19 @@ class Scheduler:
         if admitted:
             self._changed()
 
-    def _step(self, slot: Slot, cancelled: bool | None = None) -> None:
-        """One resume of the slot's stepper; delivers what it produced; frees the slot at its end."""
+    def _step(self, slot: Slot, cancelled: bool | None = None) -> GenerationChunk | None:
+        """One resume of the slot's stepper; delivers what it produced; frees the slot at its end.
+        Returns the chunk (None when the step failed)."""
         if cancelled is None:
             cancelled = slot.job.request.cancel.is_set()  # set before this step: the engine must end now
         chunk = self._resume(slot)
         if chunk is None:
-            return
+            return None
         if chunk.lane is not None:  # a lane outside a shared round: the stepper broke the pace protocol
             self._fail(slot, RuntimeError("the engine handed out a decode lane in a round that is not shared"))
-            return
+            return None
         self._settle(slot, chunk, cancelled)
+        return chunk
 
     def _resume(self, slot: Slot) -> GenerationChunk | None:
         """next() of the slot's stepper; None when it raised (the error is delivered, the slot freed)."""

@@ -75,7 +75,7 @@ MAX_VERIFY_WIDTH = 16
 class SpecDecoder:
     """Speculative decoding with the plain Decoder's interface (engine/decoder.py)."""
 
-    def __init__(self, model, spec: SpecConfig, prefill_chunk: int = 2048, batch_spec: str = "solo-only",
+    def __init__(self, model, spec: SpecConfig, prefill_chunk: int = 2048, batch_spec: str = "adaptive",
                  defer_rows: int = MTP_DEFER_ROWS):
         if not 1 <= spec.max_verify_width <= MAX_VERIFY_WIDTH:
             raise ConfigError(f"spec.max_verify_width must be in 1..{MAX_VERIFY_WIDTH}, got {spec.max_verify_width}")
@@ -92,8 +92,10 @@ class SpecDecoder:
         self.cfg = spec
         self.prefill_chunk = prefill_chunk
         self.width = spec.max_verify_width
-        if batch_spec != "solo-only":  # EngineConfig.check_batching names the choices
-            raise ConfigError(f"batch_spec {batch_spec!r} is not built (solo-only)")
+        # both choices run the same rounds here (a shared round's lane carries no drafts); they differ
+        # in which slots the scheduler shares (engine/share_policy.py)
+        if batch_spec not in ("adaptive", "solo-only"):  # EngineConfig.check_batching names the choices
+            raise ConfigError(f"batch_spec {batch_spec!r} is not built (adaptive, solo-only)")
         self.batch_spec = batch_spec
         if isinstance(defer_rows, bool) or not isinstance(defer_rows, int) or defer_rows < 0:
             raise ConfigError(f"mtp_defer_rows must be a row count >= 0 (0 = warm every piece at once), not {defer_rows!r}")
@@ -281,9 +283,9 @@ class SpecDecoder:
         """A round inside the scheduler's shared forward: the pending token as one plain-decode lane
         (yielded; the caller runs it and reads its output into it), then what a solo round commits.
 
-        batch_spec "solo-only": no drafts here (a lane of a shared sweep costs little, a verify
-        lane per draft would widen every slot's share of it; drafting waits until the slot is
-        alone). The hook for drafts in the shared sweep: plan drafts here as `_round` does, hand
+        No drafts here, under either batch_spec (a lane of a shared sweep costs little, a verify
+        lane per draft would widen every slot's share of it; drafting waits until the slot runs
+        its own round: alone, or in turn when the scheduler's SharePolicy finds that faster). The hook for drafts in the shared sweep: plan drafts here as `_round` does, hand
         [pending] + drafts out as a verify lane group, accept / commit as `_round` does.
         Everything the drafters learn from a committed token is fed, as `_round` feeds it: the
         ladder's backlog grows by this row (kv.length + backlog == position holds; a long run of

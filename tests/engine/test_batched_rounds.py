@@ -60,11 +60,14 @@ class NoBatch:
 
 
 def make_engine(model, tok, slots, spec=True, batch=True, **engine):
+    """batch_spec "solo-only" unless asked: these tests look at the shared rounds' structure, which
+    "adaptive" (tested below) makes depend on measured speed."""
     cfg = Q27Config()
     cfg.spec.enabled = spec
     cfg.engine.max_slots = slots
     cfg.engine.checkpoint_every = 0
     cfg.engine.batch_rounds = batch
+    cfg.engine.batch_spec = "solo-only"
     for k, v in engine.items():
         setattr(cfg.engine, k, v)
     return LocalEngine(cfg, model, tok)

@@ -14,14 +14,15 @@ from q27py.engine.engine import LocalEngine
 ROW_KEYS = {"streams", "slots", "prompt_tokens", "gen_tokens", "tokens", "wall_s", "aggregate_tokens_per_s",
             "per_stream_decode_tokens_per_s_mean", "per_stream_decode_tokens_per_s_min", "per_stream_tokens_per_s_mean",
             "ttft_p50_s", "ttft_p99_s", "ttft_max_s", "itl_p50_s", "itl_p99_s", "overlapping_stream_pairs", "finish",
-            "rounds", "max_running", "batched_rounds", "batched_lanes"}
+            "rounds", "max_running", "batched_rounds", "batched_lanes", "solo_turns"}
 MIXED_KEYS = {"slots", "prefill_chunk", "interleave_chunk", "running_prompt_tokens", "long_prompt_tokens", "short_prompt_tokens",
               "short_gen_tokens", "running_itl_before_p50_s", "running_itl_during_prefill_p50_s",
               "running_itl_during_prefill_p99_s", "running_itl_during_prefill_max_s",
               "running_deliveries_during_prefill", "long_ttft_s", "short_ttft_s", "short_done_s",
               "short_first_before_long", "running_finish", "rounds", "max_running", "batched_rounds",
-              "batched_lanes", "interleave_budget_ms", "piece_at_end"}
-TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "batch_rounds", "interleave_chunk",
+              "batched_lanes", "solo_turns", "interleave_budget_ms", "piece_at_end"}
+TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "batch_rounds", "batch_spec",
+            "interleave_chunk",
             "prompt_tokens", "gen_tokens", "concurrency", "aggregate_over_c1", "mixed", "memory"}
 
 
@@ -67,9 +68,11 @@ def test_batched_rounds_and_interleaved_prefill_are_counted(fast, tok):
     """With batch_rounds on the concurrent streams share decode_batch rounds (counted per run, one lane
     per decoding stream); the mixed case's long prompt goes in interleave_chunk pieces beside the
     running stream, so that stream gets a delivery every piece (64 / 16 = 4 per chunk)."""
-    e = engine(fast, tok, slots=3, batch_rounds=True, interleave_chunk=16)
+    # "solo-only": every decoding slot shares (with "adaptive" the split follows measured speed)
+    e = engine(fast, tok, slots=3, batch_rounds=True, interleave_chunk=16, batch_spec="solo-only")
     r = run_load(e, tok, streams=(1, 3), prompt_tokens=24, gen_tokens=6, long_tokens=640, log=lambda *a: None)
-    assert r["batch_rounds"] and r["interleave_chunk"] == 16
+    assert r["batch_rounds"] and r["interleave_chunk"] == 16 and r["batch_spec"] == "solo-only"
+    assert all(row["solo_turns"] == 0 for row in r["concurrency"])
     one, three = r["concurrency"]
     assert one["batched_rounds"] == 0 and one["tokens"] == 6  # alone: its own (speculative) rounds
     assert three["tokens"] == 18 and three["batched_rounds"] >= 3

@@ -32,6 +32,7 @@ def _cfg(slots, spec, batch=True, **engine):
     cfg.engine.batch_rounds = batch
     cfg.engine.batch_sweep = batch  # FastModel.max_batch 16 (off: 1, no shared sweep to test)
     cfg.spec.enabled = spec
+    cfg.engine.batch_spec = "solo-only"  # these tests look at the sweep; "adaptive" is tested last
     for k, v in engine.items():
         setattr(cfg.engine, k, v)
     return cfg
@@ -206,3 +207,24 @@ def test_load_bench_counts_batched_rounds_on_the_fast_path(model, tok):
     assert r["batch_rounds"] and r["concurrency"][0]["batched_rounds"] == 0
     assert r["concurrency"][1]["batched_rounds"] > 0 and r["concurrency"][1]["tokens"] == 24
     assert r["mixed"]["interleave_chunk"] == 16 and r["mixed"]["running_deliveries_during_prefill"] >= 20
+
+
+def test_adaptive_turns_keep_the_tokens_on_the_fast_path(model, tok):
+    """batch_spec "adaptive" (the default) on the device: two speculating streams split between the
+    sweep and their own rounds by measured speed (engine/share_policy.py); whatever the split, each
+    request's tokens are its solo ones, and the probes alone give each some own rounds."""
+    from test_scheduler import Job, drain
+
+    from q27py.engine.scheduler import Scheduler
+
+    reqs = _requests(tok, None, None)[:2]
+    alone = [[t for c in _engine(model, tok, 1, True, batch=False).generate(r) for t in c.token_ids] for r in reqs]
+    engine = _engine(model, tok, 2, True, batch_spec="adaptive")
+    assert engine.batch_spec == "adaptive"
+    sched = Scheduler(engine)
+    jobs = [Job(str(i), r) for i, r in enumerate(_requests(tok, None, None)[:2])]
+    for j in jobs:
+        sched.submit(j)
+    drain(sched)
+    assert [j.tokens for j in jobs] == alone
+    assert sched.solo_turns > 0 and sched.policy.plans > 0

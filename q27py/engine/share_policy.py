@@ -1,0 +1,130 @@
+"""Which decoding slots share the round's weight sweep and which run their own speculative round
+(EngineConfig.batch_spec "adaptive"; issue 15 item 2: deep drafts alone, none in the sweep).
+
+Two ways to move a decoding slot by one round:
+- a lane of the shared sweep: one plain-decode token per slot, all slots in ONE decode_batch
+  (on a weight-bound 27B step, n lanes cost little more than one);
+- its own round: drafts + a verify forward + commit (engine/spec.py), a + 1 tokens on average
+  (a = accepted drafts) for one verify forward of its own.
+With the trained MTP head a solo round yields ~2.7-3.7 tokens for about one decode step, so two
+streams each running solo rounds in turn move ~1.8x faster than the same two sharing plain
+lanes; at eight or sixteen streams the shared sweep wins. Where the crossover sits depends on
+the card, the acceptance of each stream's text and the context, so it is measured, not guessed:
+
+- each slot keeps an average of its solo rounds (tokens, seconds) -- free while it runs alone;
+- the shared round keeps an average cost per lane count;
+- a round's plan maximizes tokens per second: starting from all slots sharing, slots move to
+  solo rounds in order of their marginal rate (extra tokens over extra seconds), while that
+  rate beats the plan's (the ratio optimum). A sweep left with one lane is that slot's solo
+  round instead (a one-lane sweep is a plain step: the slot would give up its drafts).
+- a slot with no solo average borrows the others' mean; with none at all it is probed: one
+  slot runs a solo round (the rest share), at most one probe per round, each slot's probes
+  spaced further apart (PROBE_FIRST rounds, doubling to PROBE_MAX) while they keep losing.
+
+Only speed changes: a slot's tokens are the same solo, shared or mixed (the decode_batch
+contract and exact speculation; tests/engine/test_batched_rounds.py). Nothing here knows about
+the model; the scheduler feeds it wall-clock measurements (engine/scheduler.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALPHA = 0.25  # weight of the newest measurement in each running average
+PROBE_FIRST = 2  # plan rounds before a slot's first probe (the first one measures the sweep)
+PROBE_MAX = 512  # the longest spacing between one slot's probes
+
+
+@dataclass
+class SoloStats:
+    """A slot's solo rounds: running averages of tokens and seconds per round, and its probe clock."""
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0
+    probe_at: int = PROBE_FIRST  # the plan round at which a shared slot is next probed
+    probe_every: int = PROBE_FIRST
+
+    def add(self, tokens: int, seconds: float) -> None:
+        a = 1.0 if self.rounds == 0 else ALPHA
+        self.tokens += a * (tokens - self.tokens)
+        self.seconds += a * (max(seconds, 1e-9) - self.seconds)
+        self.rounds += 1
+
+
+@dataclass
+class SharePolicy:
+    """Plans each round's solo / shared split (module docstring). mode: "solo-only" (every decoding
+    slot shares once two or more decode: the behaviour before "adaptive") or "adaptive"."""
+    mode: str = "adaptive"
+    shared_cost: dict[int, float] = field(default_factory=dict)  # lane count -> seconds per shared round
+    plans: int = 0  # rounds planned with two or more decoding slots
+    probes: int = 0  # solo rounds run only to measure
+
+    def observe_solo(self, stats: SoloStats, tokens: int, seconds: float) -> None:
+        stats.add(tokens, seconds)
+
+    def observe_shared(self, lanes: int, seconds: float) -> None:
+        if lanes < 1:
+            return
+        old = self.shared_cost.get(lanes)
+        self.shared_cost[lanes] = seconds if old is None else old + ALPHA * (seconds - old)
+
+    def cost(self, lanes: int) -> float | None:
+        """Seconds of a shared round of `lanes` lanes: measured, else the nearest measured width's
+        (a weight-bound sweep is nearly flat in its width), else None."""
+        if lanes in self.shared_cost:
+            return self.shared_cost[lanes]
+        if not self.shared_cost:
+            return None
+        near = min(self.shared_cost, key=lambda n: (abs(n - lanes), -n))
+        return self.shared_cost[near]
+
+    def plan(self, stats: list[SoloStats]) -> list[bool]:
+        """For two or more decoding slots (their SoloStats, in round order): True where the slot runs
+        its own round this time, False where it is a lane of the shared sweep."""
+        n = len(stats)
+        if self.mode != "adaptive" or n < 2:
+            return [False] * n
+        self.plans += 1
+        if self.cost(n) is None:  # measure the sweep first
+            return [False] * n
+        solo = self._best(stats)
+        # one probe per round: the shared slot whose probe is due first (never measured, or stale)
+        due = [i for i in range(n) if not solo[i] and stats[i].probe_at <= self.plans]
+        if due:
+            i = min(due, key=lambda j: (stats[j].probe_at, j))
+            solo[i] = True
+            s = stats[i]
+            s.probe_at = self.plans + s.probe_every
+            s.probe_every = min(PROBE_MAX, 2 * s.probe_every)
+            self.probes += 1
+        if sum(solo) == n - 1:  # a one-lane sweep is a plain step: that slot keeps its drafts
+            solo = [True] * n
+        for i in range(n):
+            if solo[i] and stats[i].probe_at <= self.plans:  # measured anyway: its next probe waits
+                stats[i].probe_at = self.plans + stats[i].probe_every
+        return solo
+
+    def _best(self, stats: list[SoloStats]) -> list[bool]:
+        """The tokens-per-second optimum from the averages (a slot never measured borrows the measured
+        ones' mean; with none measured every slot shares)."""
+        n = len(stats)
+        known = [s for s in stats if s.rounds]
+        solo = [False] * n
+        if not known:
+            return solo
+        prior = (sum(s.tokens for s in known) / len(known), sum(s.seconds for s in known) / len(known))
+        est = [(s.tokens, s.seconds) if s.rounds else prior for s in stats]
+        lane = lambda m: self.cost(m) - (self.cost(m - 1) if m > 1 else 0.0)  # noqa: E731 (one lane's share)
+
+        def rate(i, m):  # extra tokens per extra second when slot i leaves a sweep of m lanes
+            d_tok, d_sec = est[i][0] - 1.0, est[i][1] - lane(m)
+            return float("inf") if d_sec <= 0 < d_tok else d_tok / d_sec if d_sec > 0 else float("-inf")
+
+        tokens, seconds, shared = float(n), self.cost(n), n
+        for i in sorted(range(n), key=lambda i: (-rate(i, n), i)):
+            d_tok, d_sec = est[i][0] - 1.0, est[i][1] - lane(shared)
+            if d_tok <= 0 or (d_sec > 0 and d_tok / d_sec <= tokens / seconds):
+                break
+            solo[i] = True
+            tokens, seconds, shared = tokens + d_tok, seconds + d_sec, shared - 1
+        return solo

@@ -1,0 +1,193 @@
+"""EngineConfig.batch_spec "adaptive" (engine/share_policy.py, issue 15 item 2): each round with two
+or more decoding slots splits them between the shared weight sweep and their own speculative
+rounds taken in turn, by measured tokens per second. What must hold:
+
+- the plan is the tokens-per-second optimum of the averages it was fed (all shared, all solo, or
+  the high-acceptance slots solo beside a sweep), never a one-lane sweep, and unknown slots are
+  probed one per round with growing spacing;
+- through the scheduler and the real engine (CPU fast path, a clock that charges model work as a
+  weight-bound GPU does): two speculating streams run their own rounds in turn, a batch of plain
+  streams shares, and every request's tokens and logprobs are bitwise those it gets alone.
+"""
+
+import pytest
+
+from q27py.config import Q27Config
+from q27py.engine.api import GenerationRequest, SamplingParams
+from q27py.engine.engine import LocalEngine
+from q27py.engine.scheduler import Scheduler
+from q27py.engine.share_policy import PROBE_FIRST, PROBE_MAX, SharePolicy, SoloStats
+from fast_path_rules import Probe
+from sched_jobs import Job, drain
+
+
+def measured(tokens, seconds, rounds=3):
+    s = SoloStats()
+    for _ in range(rounds):
+        s.add(tokens, seconds)
+    s.probe_at = 10**9  # no probe in the way of the plan under test
+    return s
+
+
+def test_solo_only_and_unmeasured_sweeps_share():
+    stats = [measured(3.0, 0.010), measured(3.0, 0.010)]
+    assert SharePolicy("solo-only").plan(stats) == [False, False]
+    p = SharePolicy("adaptive")
+    assert p.plan(stats) == [False, False], "the sweep is measured first"
+    assert p.plan([measured(3.0, 0.010)]) == [False], "one slot is never planned"
+
+
+def test_two_speculating_streams_take_turns_sixteen_share():
+    p = SharePolicy("adaptive")
+    p.observe_shared(2, 0.0105)
+    p.observe_shared(16, 0.013)
+    # 3 tokens per own round of ~one step: 6 tokens / 20 ms beat 2 / 10.5 ms
+    assert p.plan([measured(3.0, 0.010), measured(3.0, 0.010)]) == [True, True]
+    # 16 streams: 16 tokens / 13 ms beat every split (a turn adds 2 tokens for 10 ms)
+    assert p.plan([measured(3.0, 0.010) for _ in range(16)]) == [False] * 16
+    # no gain per own round (no drafts accepted): share
+    assert p.plan([measured(1.0, 0.009), measured(1.0, 0.009)]) == [False, False]
+
+
+def test_a_high_acceptance_slot_runs_solo_beside_a_sweep():
+    p = SharePolicy("adaptive")
+    p.observe_shared(4, 0.011)
+    p.observe_shared(3, 0.011)
+    stats = [measured(1.1, 0.010), measured(6.0, 0.010), measured(1.1, 0.010), measured(1.2, 0.010)]
+    # all shared 4 / 11 ms = 0.36 per ms; slot 1 on its own: (3 + 6) / 21 ms = 0.43; the others add ~0.1 token
+    assert p.plan(stats) == [False, True, False, False]
+    # ... and when slot 1 leaves a sweep of two, the remaining lane would be alone: it runs its own round too
+    p2 = SharePolicy("adaptive")
+    p2.observe_shared(3, 0.011)
+    p2.observe_shared(2, 0.011)
+    plan = p2.plan([measured(1.1, 0.010), measured(6.0, 0.010), measured(1.1, 0.010)])
+    assert plan.count(True) in (1, 3) and plan[1] and plan.count(False) != 1
+
+
+def test_unknown_slots_borrow_the_mean_and_are_probed_with_growing_spacing():
+    p = SharePolicy("adaptive")
+    p.observe_shared(3, 0.012)
+    fresh = [SoloStats(), SoloStats(), SoloStats()]
+    plans = [p.plan(fresh) for _ in range(PROBE_FIRST + 2)]
+    assert all(pl == [False] * 3 for pl in plans[: PROBE_FIRST - 1]), "nothing known: share until a probe is due"
+    # from round PROBE_FIRST on: one probe per round, the earliest due first
+    assert plans[PROBE_FIRST - 1] == [True, False, False]
+    assert plans[PROBE_FIRST] == [False, True, False]
+    assert plans[PROBE_FIRST + 1] == [False, False, True]
+    assert p.probes == 3
+    two = SharePolicy("adaptive")
+    two.observe_shared(2, 0.012)
+    pair = [SoloStats(), SoloStats()]
+    assert [two.plan(pair) for _ in range(PROBE_FIRST)][-1] == [True, True], "a probe never leaves a one-lane sweep"
+    # a probe that keeps losing waits twice as long each time, up to PROBE_MAX
+    s = fresh[0]
+    assert s.probe_every == 2 * PROBE_FIRST
+    for _ in range(20):
+        s.probe_at = 0
+        p.plan([s, measured(1.0, 0.01), measured(1.0, 0.01)])
+    assert s.probe_every == PROBE_MAX
+    # a slot with no average borrows the measured ones' mean
+    p3 = SharePolicy("adaptive")
+    p3.observe_shared(2, 0.0105)
+    unknown = SoloStats(probe_at=10**9)
+    assert p3.plan([measured(3.0, 0.010), unknown]) == [True, True]
+
+
+# ---- through the scheduler and the engine -------------------------------------------------------
+
+
+def make_engine(model, tok, slots, spec=True, batch_spec="adaptive"):
+    cfg = Q27Config()
+    cfg.spec.enabled = spec
+    cfg.engine.max_slots = slots
+    cfg.engine.checkpoint_every = 0
+    cfg.engine.batch_rounds = True
+    cfg.engine.batch_spec = batch_spec
+    cfg.engine.cpu_prefill_chunk = 32
+    return LocalEngine(cfg, model, tok)
+
+
+def gpu_clock(probe, step_ms=10.0, lane_ms=0.2, prefill_ms_per_token=0.05):
+    """A clock charging model work as a weight-bound GPU does: a decode or verify forward of <= 16 lanes
+    about one step (+ lane_ms per lane), a decode_batch one step + lane_ms per lane, an MTP pass a
+    tenth of a step, a prefill piece its tokens."""
+    def clock():
+        ms = 0.0
+        for c in probe.calls:
+            if c[0] == "forward":
+                ms += step_ms + lane_ms * c[2] if (c[3] or c[2] == 1) else prefill_ms_per_token * c[2]
+            elif c[0] == "batch":
+                ms += step_ms + lane_ms * c[1]
+            elif c[0] == "mtp":
+                ms += step_ms / 10
+        return ms / 1000.0
+    return clock
+
+
+TEXTS = ("def parse(line):\n    return line.split(',')\n\ndef parse(", "for i in range(10):\n    print(i)\nfor i in ",
+         "The river runs through the old town, and ", "List three colours: red, green, ")
+
+
+def alone(model, tok, request, spec=True):
+    job = Job("alone", request)
+    for chunk in make_engine(model, tok, 1, spec=spec).generate(request):
+        job.deliver(chunk)
+    return job
+
+
+def requests(tok, n, sampled):
+    return [GenerationRequest(prompt_ids=tok.encode(TEXTS[i % len(TEXTS)]), max_tokens=72 + 3 * i,
+                              sampling=SamplingParams(temperature=0.8, seed=5 + i) if sampled else SamplingParams(),
+                              logprobs=2 if i % 2 == 0 else None)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_two_speculating_streams_take_turns_and_keep_their_tokens(fast, tok, sampled):
+    probe = Probe(fast)
+    # MTP passes are model calls the probe forwards; count them for the clock
+    inner_mtp = probe.mtp_forward
+
+    def mtp_forward(*args, **kwargs):
+        probe.calls.append(("mtp",))
+        return inner_mtp(*args, **kwargs)
+
+    probe.mtp_forward = mtp_forward
+    engine = make_engine(probe, tok, 2)
+    assert engine.batch_spec == "adaptive"
+    sched = Scheduler(engine, clock=gpu_clock(probe))
+    assert sched.policy.mode == "adaptive"
+    jobs = [Job(str(i), r) for i, r in enumerate(requests(tok, 2, sampled))]
+    for j in jobs:
+        sched.submit(j)
+    drain(sched)
+    solo = [alone(fast, tok, r) for r in requests(tok, 2, sampled)]
+    assert [j.tokens for j in jobs] == [s.tokens for s in solo]
+    assert [j.logprobs for j in jobs] == [s.logprobs for s in solo]
+    # the sweep was measured (a shared round ran first), then turns won: speculation pays on this model
+    assert sched.batched_rounds >= 1 and sched.solo_turns >= 10, (sched.batched_rounds, sched.solo_turns)
+    if not sampled:  # greedy drafts are accepted from the start (sampled ones less: the averages learn slower)
+        assert sched.solo_turns > 2 * sched.batched_rounds, (sched.batched_rounds, sched.solo_turns)
+    verifies = [c for c in probe.calls if c[0] == "forward" and c[3] and c[2] > 1]
+    assert len(verifies) >= sched.solo_turns // 2, "own rounds beside another stream verified drafts"
+
+
+def test_plain_streams_share_and_solo_only_never_takes_turns(fast, tok):
+    probe = Probe(fast)
+    engine = make_engine(probe, tok, 3, spec=False)
+    assert engine.batch_spec == "solo-only", "without speculation there is nothing to take turns for"
+    sched = Scheduler(engine, clock=gpu_clock(probe))
+    jobs = [Job(str(i), r) for i, r in enumerate(requests(tok, 3, False))]
+    for j in jobs:
+        sched.submit(j)
+    drain(sched)
+    assert sched.solo_turns == 0 and sched.batched_rounds > 20
+    # speculation on, "solo-only": shared rounds whenever two decode
+    probe2 = Probe(fast)
+    sched2 = Scheduler(make_engine(probe2, tok, 2, batch_spec="solo-only"), clock=gpu_clock(probe2))
+    jobs2 = [Job(str(i), r) for i, r in enumerate(requests(tok, 2, False))]
+    for j in jobs2:
+        sched2.submit(j)
+    drain(sched2)
+    assert sched2.solo_turns == 0 and sched2.batched_rounds > 10
+    assert [j.tokens for j in jobs2] == [j.tokens for j in jobs[:2]]
