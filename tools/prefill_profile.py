@@ -29,17 +29,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # label module -> family; gated_rmsnorm (norm.cu) belongs to the GDN block; the rest is "other"
 # (gemm: every linear layer's work, cuBLAS and its expansions / conversions / epilogues, mma GEMM, GEMV)
-FAMILY = {**dict.fromkeys(("cublas", "blas", "dequant", "gemm", "gemv", "gemv2", "quant"), "gemm"),
-          **dict.fromkeys(("attention", "attention_prefill", "attention_prefill2", "rope", "kv_rotated"), "attention"),
+FAMILY = {**dict.fromkeys(("cublas", "blas", "dequant", "gemm", "gemv", "gemv2", "gemv_wg", "quant"), "gemm"),
+          **dict.fromkeys(("attention", "attention_prefill", "attention_prefill2", "attention_prefill3", "rope",
+                           "kv_rotated"), "attention"),
           **dict.fromkeys(("gdn", "gdn_chunk", "gdn_chunk2", "gdn_decode", "conv"), "gdn"),
           "norm": "norm", "embed": "norm"}
 FAMILIES = ("gemm", "attention", "gdn", "norm", "other")
-ATTN_PREFILL_MODULES = ("attention_prefill", "attention_prefill2")
+ATTN_PREFILL_MODULES = ("attention_prefill", "attention_prefill2", "attention_prefill3")
+
+
+def module_of(label: str) -> str:
+    """A label's module ("module:kernel")."""
+    return label.partition(":")[0]
 
 
 def family(label: str) -> str:
-    module, _, kernel = label.partition(":")
-    return "gdn" if kernel == "gated_rmsnorm" else FAMILY.get(module, "other")
+    kernel = label.partition(":")[2]
+    return "gdn" if kernel == "gated_rmsnorm" else FAMILY.get(module_of(label), "other")
 
 
 def attention_flops(cfg, pos: int, t: int, layers: int) -> float:
@@ -86,7 +92,7 @@ def summarize(name: str, prof, calls: list, wall_s: float, cfg, shapes) -> dict:
     # VERIFY_SPAN or fewer take the decode kernels, not the prefill ones
     n_full = len(cfg.full_layers)
     att_f = sum(attention_flops(cfg, p, t, n_full if kind == "main" else 1) for kind, p, t in calls if t > VERIFY_SPAN)
-    att_labels = [k for k in res if k.split(":")[0] in ATTN_PREFILL_MODULES]
+    att_labels = [k for k in res if module_of(k) in ATTN_PREFILL_MODULES]
     att_ms = sum(res[k]["ms"] for k in att_labels)
     main_att = [k for k in att_labels if "combine" not in k]
     gemm_labels = [k for k in res if "flops" in res[k]]
@@ -189,7 +195,7 @@ def main() -> int:
     for n in args.tokens:
         st = m.new_state()
         ids = rng.integers(0, cfg.vocab_size, n)
-        profiled(f"prefill {n}", lambda: m.forward(st, ids, logits_rows="last"))
+        profiled(f"prefill {n}", lambda st=st, ids=ids: m.forward(st, ids, logits_rows="last"))
         del st
     if args.warm_new:
         from q27py.config import Q27Config, apply_env, apply_overrides

@@ -100,6 +100,9 @@ class Slot:
     pace: Pace | None = None  # what the next resume asks of the stepper (None: an engine without pace)
     decoding: bool = False  # has delivered a token: the next step is a decode round (or the end)
     solo: SoloStats = field(default_factory=SoloStats)  # its own rounds' tokens and seconds (SharePolicy)
+    # decode steps taken (own or shared). The first one is never timed for the policy: it carries the
+    # prompt's deferred MTP warm-up (engine/spec.py), a one-off of up to tens of ms on a long prompt
+    decode_steps: int = 0
 
 
 def _prefill_left(slot: Slot) -> int:
@@ -235,19 +238,23 @@ class Scheduler:
             own = self.policy.plan([s.solo for s in decoding])
             sharing = [s for s, o in zip(decoding, own) if not o]
             if sharing:
+                warm = all(s.decode_steps for s in sharing)  # no first decode step (its one-off work) inside
                 t0 = self._clock()
                 lanes = self._shared_round(sharing)
-                self.policy.observe_shared(lanes, self._clock() - t0)
+                if warm:
+                    self.policy.observe_shared(lanes, self._clock() - t0)
             turns = [s for s, o in zip(decoding, own) if o]
             self.solo_turns += len(turns)
             slots = turns + prefilling
         for slot in slots:
             if self._slots[slot.index] is not slot:  # ended earlier in this round
                 continue
-            if slot.decoding:  # its own round: measured for the policy
+            if slot.decoding:  # its own round: measured for the policy (not its first decode step)
+                warm = slot.decode_steps > 0
+                slot.decode_steps += 1
                 t0 = self._clock()
                 chunk = self._step(slot)
-                if chunk is not None and chunk.token_ids and chunk.finish_reason is None:
+                if warm and chunk is not None and chunk.token_ids and chunk.finish_reason is None:
                     self.policy.observe_solo(slot.solo, len(chunk.token_ids), self._clock() - t0)
             else:
                 self._step(slot)
@@ -263,6 +270,7 @@ class Scheduler:
                 continue
             cancelled = slot.job.request.cancel.is_set()
             slot.pace.shared = True
+            slot.decode_steps += 1
             chunk = self._resume(slot)
             slot.pace.shared = False
             if chunk is None:

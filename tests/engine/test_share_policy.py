@@ -107,10 +107,11 @@ def make_engine(model, tok, slots, spec=True, batch_spec="adaptive"):
     return LocalEngine(cfg, model, tok)
 
 
-def gpu_clock(probe, step_ms=10.0, lane_ms=0.2, prefill_ms_per_token=0.05):
+def gpu_clock(probe, step_ms=10.0, lane_ms=0.2, prefill_ms_per_token=0.05, mtp_ms_per_row=0.0):
     """A clock charging model work as a weight-bound GPU does: a decode or verify forward of <= 16 lanes
     about one step (+ lane_ms per lane), a decode_batch one step + lane_ms per lane, an MTP pass a
-    tenth of a step, a prefill piece its tokens."""
+    tenth of a step (+ mtp_ms_per_row per row: a prompt's MTP warm-up is one pass over its rows), a
+    prefill piece its tokens."""
     def clock():
         ms = 0.0
         for c in probe.calls:
@@ -119,9 +120,20 @@ def gpu_clock(probe, step_ms=10.0, lane_ms=0.2, prefill_ms_per_token=0.05):
             elif c[0] == "batch":
                 ms += step_ms + lane_ms * c[1]
             elif c[0] == "mtp":
-                ms += step_ms / 10
+                ms += step_ms / 10 + mtp_ms_per_row * c[1]
         return ms / 1000.0
     return clock
+
+
+def counting_mtp(probe):
+    """Log the probe's MTP passes ("mtp", rows) for the clock."""
+    inner = probe.mtp_forward
+
+    def mtp_forward(kv, hidden, next_ids, *args, **kwargs):
+        probe.calls.append(("mtp", len(next_ids)))
+        return inner(kv, hidden, next_ids, *args, **kwargs)
+
+    probe.mtp_forward = mtp_forward
 
 
 TEXTS = ("def parse(line):\n    return line.split(',')\n\ndef parse(", "for i in range(10):\n    print(i)\nfor i in ",
@@ -145,14 +157,7 @@ def requests(tok, n, sampled):
 @pytest.mark.parametrize("sampled", [False, True])
 def test_two_speculating_streams_take_turns_and_keep_their_tokens(fast, tok, sampled):
     probe = Probe(fast)
-    # MTP passes are model calls the probe forwards; count them for the clock
-    inner_mtp = probe.mtp_forward
-
-    def mtp_forward(*args, **kwargs):
-        probe.calls.append(("mtp",))
-        return inner_mtp(*args, **kwargs)
-
-    probe.mtp_forward = mtp_forward
+    counting_mtp(probe)
     engine = make_engine(probe, tok, 2)
     assert engine.batch_spec == "adaptive"
     sched = Scheduler(engine, clock=gpu_clock(probe))
@@ -191,3 +196,32 @@ def test_plain_streams_share_and_solo_only_never_takes_turns(fast, tok):
     drain(sched2)
     assert sched2.solo_turns == 0 and sched2.batched_rounds > 10
     assert [j.tokens for j in jobs2] == [j.tokens for j in jobs[:2]]
+
+
+def test_a_prompts_mtp_warm_up_is_not_timed_as_a_round(fast, tok):
+    """The first decode step after a prefill runs the prompt's deferred MTP warm-up (MTP passes over its
+    rows, held back until its first token was out): a one-off the policy must not average in, or a slot with a long prompt would look slow
+    for good. Here it costs 300 ms against 10 ms steps; the averages stay near a step."""
+    probe = Probe(fast)
+    counting_mtp(probe)
+    engine = make_engine(probe, tok, 2)
+    sched = Scheduler(engine, clock=gpu_clock(probe, mtp_ms_per_row=1.0))
+    seen = []
+    plan = sched.policy.plan
+
+    def watching(stats):
+        seen.extend(s.seconds for s in stats if s.rounds)
+        seen.append(sched.policy.cost(len(stats)) or 0.0)
+        return plan(stats)
+
+    sched.policy.plan = watching
+    long_prompt = tok.encode(TEXTS[0] * 30)[:300]
+    jobs = [Job("0", GenerationRequest(prompt_ids=long_prompt, max_tokens=60)),
+            Job("1", GenerationRequest(prompt_ids=tok.encode(TEXTS[1] * 30)[:300], max_tokens=60))]
+    for j in jobs:
+        sched.submit(j)
+    drain(sched)
+    warm_rows = sum(c[1] for c in probe.calls if c[0] == "mtp" and c[1] > 1)  # the prompts' held pieces
+    assert warm_rows >= 2 * 250, warm_rows
+    assert seen and max(seen) < 0.05, f"a warm-up was timed as a round: {max(seen):.3f} s"
+    assert sched.solo_turns >= 10

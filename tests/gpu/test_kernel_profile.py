@@ -121,3 +121,20 @@ def test_blas_marks_its_cupy_expansion(monkeypatch):
     with rt.profile_kernels() as prof:
         blas._expand_f32(m, out)
     assert prof.result["blas:expand"] == {"count": 1, "ms": 4.0}
+
+
+def test_prefill_profile_families_cover_the_wgmma_modules():
+    """tools/prefill_profile.py put the sm_90a modules' kernels under "other" (device run m1: the 8K
+    prefill's attention family read 10.5 ms of the ~40 the v3 kernel took, and its TFLOP/s counted
+    the combine alone)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "prefill_profile.py"
+    spec = importlib.util.spec_from_file_location("prefill_profile", path)
+    pp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pp)
+    assert pp.family("attention_prefill3:attn_prefill3_bf16_d256_ws") == "attention"
+    assert "attention_prefill3" in pp.ATTN_PREFILL_MODULES
+    assert pp.family("gemv_wg:gemv8w_q4_n8") == "gemm" and pp.family("norm:gated_rmsnorm") == "gdn"
+    assert pp.family("norm:rmsnorm_rows_wide") == "norm" and pp.family("sampling:top2_final") == "other"
