@@ -208,7 +208,8 @@ def main() -> int:
         engine = LocalEngine(ecfg, m, Tokenizer.from_file(FULL_TOKENIZER))
         prior = [int(v) for v in rng.integers(0, cfg.vocab_size, args.warm_context)]
         turn = prior + [int(v) for v in rng.integers(0, cfg.vocab_size, args.warm_new)]
-        first_token(engine, prior, len(prior))  # the earlier turns: the live state ends at warm_context
+        if prior:  # the earlier turns: the live state ends at warm_context (--warm-context 0: a cold turn)
+            first_token(engine, prior, len(prior))
         r: dict = {}
         profiled(f"warm turn {args.warm_context}+{args.warm_new}",
                  lambda: r.update(first_token(engine, turn, len(turn))))
