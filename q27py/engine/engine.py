@@ -91,6 +91,7 @@ class LocalEngine:
         self.prefix = PrefixCache(model, max_sequences=cfg.engine.live_sequences(sized),
                                   checkpoint_every=cfg.engine.checkpoint_every,
                                   checkpoint_min_piece=cfg.engine.checkpoint_min_piece, disk=self._disk_cache(cfg))
+        self.prefix.reserve(1)  # the first request's state, allocated now rather than inside its TTFT
         # Output constraints: the vocabulary index (about 1.5 s for the 248K vocabulary) is built
         # when the server starts (serve calls constraints.prepare(), then gc.freeze), else on the first constrained
         # request; compiled grammars and their masks are kept.

@@ -607,6 +607,13 @@ class FastModel:
     def new_state(self) -> FastState:
         return FastState(self)
 
+    def reset_state(self, state: FastState) -> None:
+        """new_state()'s state in the same memory: positions to 0, GDN state and conv windows zeroed (on
+        the model's stream). KV rows need no clearing: a row is written before any forward reads it."""
+        if state.model is not self:
+            raise ValueError("reset_state: a state of another model")
+        state.reset()
+
     def forward(self, state: FastState, ids, logits_rows="all", verify: bool = False) -> FastOutput:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         t = int(ids.shape[0])

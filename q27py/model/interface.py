@@ -33,6 +33,12 @@ class ForwardModel(Protocol):
 
     def new_state(self) -> Any: ...
 
+    def reset_state(self, state) -> None:
+        """Make `state` what new_state() gives, in its own memory: the prefix cache reuses an evicted
+        sequence's state for a new prompt (the fast path allocates and zero-fills ~3 GB per state at
+        a 44K window, ~50-100 ms, where a reset zeroes the recurrent state alone; its captured graphs
+        stay valid)."""
+
     def forward(self, state, ids, logits_rows="all", verify: bool = False) -> Any:
         """Logits (host [R, V] for the requested rows), hidden rows (`hidden`, host [T, H];
         `hidden_owned()`, the model's own memory, the caller's to keep) and, for verify, a trace
@@ -58,5 +64,5 @@ class ForwardModel(Protocol):
 
 # The attributes (not methods) every implementation carries: the engine reads them unguarded.
 ATTRIBUTES = ("cfg", "has_mtp", "chunk", "max_pos", "max_batch", "sized_slots", "drafts_on_device", "state_format")
-METHODS = ("new_state", "forward", "decode_batch", "commit", "mtp_forward", "save_recurrent", "rewind",
+METHODS = ("new_state", "reset_state", "forward", "decode_batch", "commit", "mtp_forward", "save_recurrent", "rewind",
            "export_prefix", "import_prefix")

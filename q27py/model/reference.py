@@ -84,6 +84,11 @@ class ReferenceModel:
         state_dtype = np.float64 if self.dtype == np.float64 else np.float32
         return SequenceState.new(self.cfg, self.dtype, state_dtype, with_mtp=self.has_mtp, kv_format=self.kv_format)
 
+    def reset_state(self, state: SequenceState) -> None:
+        fresh = self.new_state()  # host arrays that grow with the sequence: nothing to keep
+        state.position, state.kv, state.gdn, state.mtp_kv = fresh.position, fresh.kv, fresh.gdn, fresh.mtp_kv
+        state.hidden_last, state.suffix_index = None, None
+
     # ------------------------------------------------------------------ primitives
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
         w = self.w[name]

@@ -54,6 +54,11 @@ class MarkovModel:
         gdn = {0: GDNState(np.full((1, 1, 1), -1.0, dtype=np.float32), np.zeros((0, 1), dtype=np.float32))}
         return SequenceState(0, {}, gdn, KVCache(1, 1, np.float32) if self.has_mtp else None)
 
+    def reset_state(self, state: SequenceState) -> None:
+        fresh = self.new_state()
+        state.position, state.kv, state.gdn, state.mtp_kv = fresh.position, fresh.kv, fresh.gdn, fresh.mtp_kv
+        state.hidden_last, state.suffix_index = None, None
+
     def _hidden(self, ids) -> np.ndarray:
         return np.eye(self.vocab, dtype=np.float32)[np.asarray(ids, dtype=np.int64)]
 

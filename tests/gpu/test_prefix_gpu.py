@@ -42,6 +42,35 @@ def test_rewind_and_import_reproduce_logits_bitwise():
     assert np.array_equal(model.forward(other, b).logits, want)
 
 
+def test_a_reset_state_gives_a_fresh_states_logits_bitwise():
+    """model.reset_state (the prefix cache reuses an evicted sequence's memory): after a long prompt and
+    a verify, the reset state prefills and decodes another prompt -- shorter, so stale KV rows lie past
+    its end -- exactly as a new state does (logits, hidden rows, MTP rows)."""
+    from q27py.config import Q27Config
+    from q27py.gpu.forward import load_fast_model
+
+    cfg = Q27Config()
+    cfg.engine.device = "cuda"
+    model = load_fast_model(cfg)
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 16000, 300).tolist(), rng.integers(0, 16000, 90).tolist()
+    used = model.new_state()
+    model.forward(used, a)
+    out = model.forward(used, [5, 6, 7], verify=True)
+    model.commit(used, out.trace, 2)
+    model.reset_state(used)
+    fresh = model.new_state()
+    for ids in (b, [11], [12]):
+        got, want = model.forward(used, ids), model.forward(fresh, ids)
+        assert np.array_equal(got.logits, want.logits) and np.array_equal(got.hidden, want.hidden)
+    assert used.position == fresh.position == len(b) + 2
+    if model.has_mtp:
+        h = np.zeros((1, model.cfg.hidden_size), np.float32)
+        lg1, _ = model.mtp_forward(used.mtp_kv, h, [3], 0)
+        lg2, _ = model.mtp_forward(fresh.mtp_kv, h, [3], 0)
+        assert np.array_equal(lg1, lg2)
+
+
 def test_warm_engine_equals_cold_engine_over_turns(tmp_path):
     from q27py.chat.render import render_messages
     from q27py.engine.api import GenerationRequest
