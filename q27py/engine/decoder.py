@@ -120,6 +120,27 @@ def reads_mtp(callback) -> bool:
     return bool(getattr(callback, "reads_mtp", False))
 
 
+def restarts_grid(callback) -> bool:
+    """Whether a prefill break is a boundary mark (a system / stable snapshot) the chunk grid restarts
+    at (chunk_cuts)."""
+    return bool(getattr(callback, "restarts_grid", False))
+
+
+def chunk_cuts(start: int, end: int, chunk: int, restarts=()) -> list[int]:
+    """The full-chunk cuts of a prefill of positions start..end: every `chunk` tokens from `start`,
+    the grid starting over at each position in `restarts` (the boundary marks, themselves cuts).
+    Why restart: a mark cuts a piece anyway, and a grid kept from `start` would then leave a short
+    piece just after it (bench replay's cold 25K turn: a system mark at 20,234, then a 246-token
+    piece to 20,480), which on cuda streams every bf16 expansion (~16 ms) for a few tokens; and a
+    warm turn restored at that mark cuts from it, so after the mark a cold run now cuts as the warm
+    one does. Cuts strictly inside (start, end), ascending."""
+    bounds = sorted({start, *(r for r in restarts if start < r < end)}) + [end]
+    cuts = []
+    for a, b in zip(bounds, bounds[1:]):
+        cuts.extend(range(a + chunk, b, chunk))
+    return cuts
+
+
 @dataclass
 class Pace:
     """What the scheduler asks of a slot's next step; it sets both fields before every resume.
@@ -214,8 +235,9 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
     after a chunk's callbacks and before the cancel check of the next one: a paused
     prefill holds no pending model work.
 
-    Cuts: every `chunk` tokens from the start, and at every break strictly inside the
-    prompt. A break at the start position runs first, on the state as it stands (a snapshot of
+    Cuts: every `chunk` tokens from the start, the grid starting over at each boundary mark
+    (a break whose callback restarts_grid: chunk_cuts), and at every break strictly inside
+    the prompt. A break at the start position runs first, on the state as it stands (a snapshot of
     the resume point: no piece, no pause); a break at the end runs after the last piece, on
     the state that holds the whole prompt. pace.prefill_chunk (read
     before each piece: the scheduler sets it while other slots are decoding) cuts a piece
@@ -228,6 +250,7 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
     chunk = min(chunk, model.chunk or chunk)
     start, end = state.position, state.position + len(ids)
     marks = sorted(p for p in (breaks or {}) if start < p < end)
+    grid = chunk_cuts(start, end, chunk, [p for p in marks if restarts_grid(breaks[p])])
     if breaks and start in breaks:
         breaks[start](state)  # the resume point itself (a checkpoint snapped there): before any forward
     last, done = None, start
@@ -238,7 +261,7 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
             yield
             if cancel is not None and cancel.is_set():
                 raise PrefillCancelled(f"cancelled after {done - start} of {len(ids)} prefill tokens")
-        cut = min(end, start + ((done - start) // chunk + 1) * chunk, *(m for m in marks if m > done))
+        cut = min([end, *(c for c in grid if c > done), *(m for m in marks if m > done)])
         small = pace.prefill_chunk if pace is not None else None
         if small and pace.halving > 0:
             small = max(1, round(small / (1 + done / pace.halving)))

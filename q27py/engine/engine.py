@@ -26,7 +26,7 @@ from q27py.engine.api import (ContextLengthError, GenerationChunk, GenerationReq
                               clamp_max_tokens)
 from q27py.engine.constraint import ConstraintCache, ConstraintRun, VocabIndex
 from q27py.engine.decoder import DecodeStats, Lane, Pace, PrefillCancelled
-from q27py.engine.prefix_cache import DiskCache, PrefixCache, compat_hash
+from q27py.engine.prefix_cache import BOUNDARY_KINDS, DiskCache, PrefixCache, compat_hash
 from q27py.engine.sampling import TokenPicker
 from q27py.engine.spec import SpecDecoder, build_decoder
 from q27py.errors import Q27Error
@@ -250,8 +250,8 @@ class LocalEngine:
         says where the shared blocks end (token offsets); the engine knows no chat layout.
         A checkpoint snapped to the resume point (seq.state.position) saves the restored state
         before the first piece; one snapped to the prompt's end, the state after the last."""
-        # the prefill's own chunk cuts (prefill_steps: every chunk tokens from the resume point) are
-        # boundaries a checkpoint may snap to as well
+        # the prefill's own chunk cuts (prefill_steps: every chunk tokens from the resume point, starting
+        # over at the system / stable marks, decoder.chunk_cuts) are boundaries a checkpoint may snap to as well
         chunk = min(self.decoder.prefill_chunk, self.model.chunk or self.decoder.prefill_chunk)
         marks = self.prefix.snapshot_positions(seq.state.position, prompt, stable_len, system_len,
                                                taken=seq.snapshots, chunk=chunk)
@@ -262,6 +262,7 @@ class LocalEngine:
                 self.prefix.save(seq, kind)
             # a disk entry exports the MTP rows: the decoder writes any it held back first (decoder.reads_mtp)
             save.reads_mtp = self.prefix.exports_mtp(kind)
+            save.restarts_grid = kind in BOUNDARY_KINDS  # the chunk grid starts over there (decoder.chunk_cuts)
             return save
 
         return {pos: saver(kind) for pos, kind in marks.items()}

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from q27py.engine.decoder import chunk_cuts
 from q27py.io import prefix_entry
 from q27py.io.blobfile import BlobFileError, open_regular
 from q27py.io.prefix_entry import FORMAT_VERSION, ForeignEntry
@@ -47,6 +48,7 @@ log = logging.getLogger("q27py.prefix")
 
 
 DISK_KINDS = ("stable", "system")  # the snapshots also written to the disk tier (when it is on)
+BOUNDARY_KINDS = ("stable", "system")  # the marks the caller places; prefill's chunk grid restarts there
 
 
 @dataclass
@@ -211,8 +213,9 @@ class PrefixCache:
             where `taken` (the positions the sequence already holds snapshots at) has one;
           - at the prompt's end: the state after the last piece (unless a stable mark is there);
           - at a boundary mark: that mark's own snapshot serves; nothing is added;
-          - at a chunk cut (chunk > 0: prefill_steps cuts every `chunk` tokens from `start`): the state
-            after the piece that ends there (a mark on an existing cut adds no cut).
+          - at a chunk cut (chunk > 0: prefill_steps cuts every `chunk` tokens from `start`, the grid
+            starting over at each boundary mark, decoder.chunk_cuts): the state after the piece that ends
+            there (a mark on an existing cut adds no cut).
         m = 0 keeps every grid point. Grid points are checkpoint_every apart, so only a grid
         finer than m leaves pieces shorter than m between two checkpoints.
         """
@@ -225,7 +228,7 @@ class PrefixCache:
         if self.checkpoint_every <= 0:
             return marks
         m = max(0, int(self.checkpoint_min_piece))
-        cuts = range(start + chunk, end, chunk) if chunk > 0 else ()
+        cuts = chunk_cuts(start, end, chunk, marks) if chunk > 0 else ()  # prefill_steps' grid
         edges = sorted({start, end, *marks, *cuts})  # the boundaries a checkpoint may snap to
         first = (start // self.checkpoint_every + 1) * self.checkpoint_every
         for p in range(first, end, self.checkpoint_every):

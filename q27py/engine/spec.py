@@ -61,7 +61,7 @@ import numpy as np
 from q27py.config import MTP_DEFER_ROWS, SpecConfig
 from q27py.engine.api import SamplingParams
 from q27py.engine.decoder import (DecodeStats, Decoder, Lane, Pace, PrefillBreaks, begin_run, paused, prefill_steps,
-                                  prompt_suffix, reads_mtp)
+                                  prompt_suffix, reads_mtp, restarts_grid)
 from q27py.engine.drafters import DraftPlanner, HoldBudget, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
@@ -316,6 +316,7 @@ def _settling(breaks: PrefillBreaks | None, ladder: MTPLadder) -> PrefillBreaks 
         def run(state):
             ladder.write_held()
             fn(state)
+        run.reads_mtp, run.restarts_grid = True, restarts_grid(fn)  # the break's own flags (decoder.py)
         return run
 
     return {p: settled(fn) if reads_mtp(fn) else fn for p, fn in breaks.items()}

@@ -279,7 +279,9 @@ def test_snapshot_positions_properties():
         where = f"every={every} m={m} n={n} start={start} stable={stable} system={system} taken={taken} chunk={chunk}"
         if m == 0:
             assert got == old, where
-        chunk_cuts = set(range(start + chunk, n, chunk)) if chunk else set()
+        # prefill_steps' grid: every chunk from the start, starting over at each boundary mark
+        bounds = sorted({start, *(p for p, k in old.items() if k != "checkpoint" and start < p < n)}) + [n]
+        chunk_cuts = {c for a, b in zip(bounds, bounds[1:]) for c in range(a + chunk, b, chunk)} if chunk else set()
         # boundary marks exactly where they were, with their kinds
         assert {p: k for p, k in got.items() if k != "checkpoint"} == {p: k for p, k in old.items() if k != "checkpoint"}, where
         grid = list(range((start // every + 1) * every, n, every)) if every else []
