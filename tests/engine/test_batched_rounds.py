@@ -17,14 +17,12 @@ speculative rounds. What must hold, tested on the bundled model through LocalEng
 - EngineConfig.interleave_chunk cuts a prompt's prefill pieces only while another slot decodes.
 """
 
-import time
-
 import numpy as np
 import pytest
 
 from q27py import DEFAULT_MODEL_DIR
 from q27py.config import ConfigError, Q27Config, apply_env
-from q27py.engine.api import GenerationChunk, GenerationRequest, OutputConstraint, SamplingParams
+from q27py.engine.api import GenerationRequest, OutputConstraint, SamplingParams
 from q27py.engine.decoder import DecodeStats, Decoder, Lane, Pace
 from q27py.engine.engine import LocalEngine
 from q27py.engine.sampling import TokenPicker
@@ -432,28 +430,12 @@ def test_interleave_pieces_shrink_with_the_context():
     """Pace.halving: the piece at position p is prefill_chunk / (1 + p / halving), so a piece's
     attention (which grows with the keys it reads) keeps the waiting streams' gap flat; the full
     chunks' cuts stay cuts, and without halving every piece is prefill_chunk."""
-    from types import SimpleNamespace
+    from prefill_recorder import pieces
 
-    from q27py.engine.decoder import Pace, prefill_steps
+    from q27py.engine.decoder import Pace
 
-    class Recorder:
-        chunk = 10**9
-
-        def __init__(self):
-            self.pieces = []
-
-        def forward(self, state, ids, logits_rows="last"):
-            self.pieces.append(len(ids))
-            state.position += len(ids)
-            hidden = np.zeros((len(ids), 2), np.float32)
-            return SimpleNamespace(hidden=hidden, hidden_owned=lambda: hidden, logits=np.zeros((1, 3), np.float32))
-
-    def run(pace, n=1000, chunk=256):
-        model, state = Recorder(), SimpleNamespace(position=0, hidden_last=None)
-        steps = prefill_steps(model, state, list(range(n)), chunk, pace=pace)
-        for _ in steps:
-            pass
-        return model.pieces
+    def run(pace):
+        return pieces(pace=pace)
 
     flat = run(Pace(prefill_chunk=64))
     assert flat[:4] == [64] * 4

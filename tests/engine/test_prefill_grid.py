@@ -11,15 +11,12 @@ the warm one does after it, so their rows come from the same pieces. What must h
   mark, the same as a warm turn's restored at that mark, and the tokens match that warm turn's.
 """
 
-from types import SimpleNamespace
-
-import numpy as np
-
 from q27py.config import Q27Config
 from q27py.engine.api import GenerationRequest
-from q27py.engine.decoder import chunk_cuts, drive, prefill_steps
+from q27py.engine.decoder import chunk_cuts
 from q27py.engine.engine import LocalEngine
 from fast_path_rules import Probe
+from prefill_recorder import pieces
 
 
 def test_chunk_cuts():
@@ -30,34 +27,15 @@ def test_chunk_cuts():
     assert chunk_cuts(0, 25278, 4096, [20234, 25273]) == [4096, 8192, 12288, 16384, 24330]
 
 
-class Recorder:
-    chunk = None
-
-    def __init__(self):
-        self.pieces = []
-
-    def forward(self, state, ids, logits_rows="last"):
-        self.pieces.append(len(ids))
-        state.position += len(ids)
-        hidden = np.zeros((len(ids), 2), np.float32)
-        return SimpleNamespace(hidden=hidden, hidden_owned=lambda: hidden, logits=np.zeros((1, 3), np.float32))
-
-
-def pieces(breaks, n=1000, chunk=256):
-    model, state = Recorder(), SimpleNamespace(position=0, hidden_last=None)
-    drive(prefill_steps(model, state, list(range(n)), chunk, breaks=breaks))
-    return model.pieces
-
-
 def test_a_boundary_mark_restarts_the_grid_and_a_checkpoint_does_not():
     def mark(restart):
         fn = lambda state: None  # noqa: E731
         fn.restarts_grid = restart
         return fn
 
-    assert pieces({600: mark(True)}) == [256, 256, 88, 256, 144]
-    assert pieces({600: mark(False)}) == [256, 256, 88, 168, 232], "a checkpoint break adds a cut, the grid stays"
-    assert pieces({}) == [256, 256, 256, 232]
+    assert pieces(breaks={600: mark(True)}) == [256, 256, 88, 256, 144]
+    assert pieces(breaks={600: mark(False)}) == [256, 256, 88, 168, 232], "a checkpoint break adds a cut, the grid stays"
+    assert pieces(breaks={}) == [256, 256, 256, 232]
 
 
 def _engine(model, tok, chunk=64):

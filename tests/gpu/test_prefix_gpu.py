@@ -21,13 +21,18 @@ def _engine(**engine):
     return LocalEngine.load(cfg)
 
 
-def test_rewind_and_import_reproduce_logits_bitwise():
-    from q27py.gpu.forward import load_fast_model
+@pytest.fixture(scope="module")
+def model():
+    """The bundled model on the fast path (one load for the state tests)."""
     from q27py.config import Q27Config
+    from q27py.gpu.forward import load_fast_model
 
     cfg = Q27Config()
     cfg.engine.device = "cuda"
-    model = load_fast_model(cfg)
+    return load_fast_model(cfg)
+
+
+def test_rewind_and_import_reproduce_logits_bitwise(model):
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 16000, 100).tolist(), rng.integers(0, 16000, 7).tolist()
     st = model.new_state()
@@ -42,16 +47,10 @@ def test_rewind_and_import_reproduce_logits_bitwise():
     assert np.array_equal(model.forward(other, b).logits, want)
 
 
-def test_a_reset_state_gives_a_fresh_states_logits_bitwise():
+def test_a_reset_state_gives_a_fresh_states_logits_bitwise(model):
     """model.reset_state (the prefix cache reuses an evicted sequence's memory): after a long prompt and
     a verify, the reset state prefills and decodes another prompt -- shorter, so stale KV rows lie past
     its end -- exactly as a new state does (logits, hidden rows, MTP rows)."""
-    from q27py.config import Q27Config
-    from q27py.gpu.forward import load_fast_model
-
-    cfg = Q27Config()
-    cfg.engine.device = "cuda"
-    model = load_fast_model(cfg)
     rng = np.random.default_rng(1)
     a, b = rng.integers(0, 16000, 300).tolist(), rng.integers(0, 16000, 90).tolist()
     used = model.new_state()
