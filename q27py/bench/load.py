@@ -89,6 +89,15 @@ def pct(values, q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
 
 
+def _acceptance(model) -> dict | None:
+    from q27py.bench.trace_accept import TraceAcceptance
+
+    if not isinstance(model, TraceAcceptance):
+        return None
+    return {"verify_rounds": model.rounds, "drafts_offered": model.drafts_offered,
+            "drafts_accepted": model.drafts_accepted}
+
+
 def drive(sched: Scheduler, after_round=None) -> dict:
     """The engine thread's loop, synchronously: rounds until nothing is queued or running."""
     rounds = most = 0
@@ -299,6 +308,8 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
         "batch_rounds": bool(getattr(engine, "shares_rounds", False)),
         # which decoding slots share a round and which take their own rounds in turn (engine/share_policy.py)
         "batch_spec": getattr(engine, "batch_spec", "solo-only"),
+        # `--traces` on random weights (bench/trace_accept.py): the verify rounds forced and their drafts
+        "recorded_acceptance": _acceptance(engine.model),
         "interleave_chunk": getattr(engine, "interleave_chunk", 0),
         "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "concurrency": rows,
         "aggregate_over_c1": {str(r["streams"]): r["aggregate_tokens_per_s"] / base for r in rows} if base else None,

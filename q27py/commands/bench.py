@@ -10,7 +10,7 @@
                                                            recorded speculative rounds replayed on the 27B shapes
                                                            (--streams: C sequences, own rounds in turn vs one sweep)
   q27py bench load [--model DIR | --random-weights 27b] [--device cpu|cuda] [--streams 1 2 4 8 16] [--json]
-                 [--batch-rounds 0|1] [--interleave-chunk N]
+                 [--batch-rounds 0|1] [--interleave-chunk N] [--traces FILE ...]
                                                            C concurrent streams through the slot scheduler:
                                                            aggregate / per-stream t/s, TTFT, gaps, a long prefill,
                                                            batched rounds (one decode_batch for the decoding slots)
@@ -43,7 +43,8 @@ def add_arguments(p) -> None:
     p.add_argument("--system-tokens", type=int, default=20000, help="replay: size of the system + tools block")
     p.add_argument("--turns", type=int, default=30, help="replay: turns in the session")
     p.add_argument("--traces", type=Path, nargs="+", default=None,
-                   help="spec-replay: round traces (default: q27py/bench/data/spec_traces.json, tools/record_traces.py)")
+                   help="spec-replay: round traces (default: q27py/bench/data/spec_traces.json, tools/record_traces.py); "
+                        "load --random-weights: speculation on, each verify accepting drafts as these rounds did")
     p.add_argument("--streams", type=int, nargs="+", default=None, metavar="C",
                    help="load: concurrent streams per run (default 1 2 4 8 16); spec-replay: also C sequences at once, "
                         "own rounds in turn against one shared sweep (off by default)")
@@ -175,14 +176,22 @@ def _load(args, log) -> dict:
         from q27py.model.config import qwen36_27b_config
         from q27py.model.tiny import FULL_TOKENIZER
 
-        cfg.spec.enabled = False  # random weights accept no drafts: plain greedy rounds, the honest cost
+        # random weights accept no drafts: plain greedy rounds, the honest cost -- unless --traces gives
+        # the trained model's recorded acceptance (bench/trace_accept.py), then speculation is on
+        cfg.spec.enabled = bool(args.traces)
         model = FastModel(random_weights(qwen36_27b_config(), args.tier or "q4s", args.seed),
                           max_context=window, kv_dtype="bf16", chunk=cfg.engine.gpu_prefill_chunk)
         configure_memory(model, cfg.engine)  # the server's --max-slots auto at this window, and its weight cache
         model.enable_graphs()
         model.rt.warm_all()  # as load_fast_model: no compile inside a timed row
+        if args.traces:
+            from q27py.bench.trace_accept import TraceAcceptance, recorded_acceptance
+
+            model = TraceAcceptance(model, recorded_acceptance(args.traces))
         engine = LocalEngine(cfg, model, Tokenizer.from_file(FULL_TOKENIZER))
     else:
+        if args.traces:
+            raise SystemExit("bench load: --traces (recorded acceptance) is for --random-weights 27b")
         engine = LocalEngine.load(cfg)
     return run_load(engine, engine.tokenizer, streams, args.prompt_tokens, tokens, long_tokens or None,
                     mixed=not args.no_mixed, seed=args.seed, log=log)

@@ -22,7 +22,7 @@ MIXED_KEYS = {"slots", "prefill_chunk", "interleave_chunk", "running_prompt_toke
               "short_first_before_long", "running_finish", "rounds", "max_running", "batched_rounds",
               "batched_lanes", "solo_turns", "interleave_budget_ms", "piece_at_end"}
 TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "batch_rounds", "batch_spec",
-            "interleave_chunk",
+            "recorded_acceptance", "interleave_chunk",
             "prompt_tokens", "gen_tokens", "concurrency", "aggregate_over_c1", "mixed", "memory"}
 
 
