@@ -225,3 +225,43 @@ def test_a_prompts_mtp_warm_up_is_not_timed_as_a_round(fast, tok):
     assert warm_rows >= 2 * 250, warm_rows
     assert seen and max(seen) < 0.05, f"a warm-up was timed as a round: {max(seen):.3f} s"
     assert sched.solo_turns >= 10
+
+
+def test_mixed_rounds_keep_every_requests_tokens(fast, tok):
+    """Rounds where some decoding slots run their own speculative rounds while the others share one
+    sweep, the split changing every round (a plan forced in rotation, whatever the clock says): every
+    request's tokens and logprobs are its solo ones, sampled and constrained ones included."""
+    from q27py.engine.api import OutputConstraint
+
+    def reqs():
+        out = []
+        for i, r in enumerate(requests(tok, 5, sampled=(True))):
+            out.append(GenerationRequest(prompt_ids=r.prompt_ids, max_tokens=30 + 4 * i, sampling=r.sampling,
+                                         logprobs=r.logprobs,
+                                         constraint=OutputConstraint("json_object") if i == 2 else None,
+                                         stop_ids=frozenset(tok.eos_ids) if i == 2 else frozenset()))
+        return out
+
+    probe = Probe(fast)
+    engine = make_engine(probe, tok, 5)
+    sched = Scheduler(engine)
+    turn = [0]
+
+    def rotating(stats):
+        turn[0] += 1
+        n = len(stats)
+        own = [(turn[0] + i) % 3 == 0 for i in range(n)]
+        if sum(own) == n - 1:  # never a one-lane sweep (the scheduler's contract with the policy)
+            own = [True] * n
+        return own
+
+    sched.policy.plan = rotating
+    jobs = [Job(str(i), r) for i, r in enumerate(reqs())]
+    for j in jobs:
+        sched.submit(j)
+    drain(sched)
+    solo = [alone(fast, tok, r) for r in reqs()]
+    assert [j.tokens for j in jobs] == [s.tokens for s in solo]
+    assert [j.logprobs for j in jobs] == [s.logprobs for s in solo]
+    assert [j.finish for j in jobs] == [s.finish for s in solo]
+    assert sched.solo_turns > 10 and sched.batched_rounds > 10, (sched.solo_turns, sched.batched_rounds)
