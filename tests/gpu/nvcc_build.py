@@ -44,3 +44,24 @@ def ptxas_report(text: str) -> dict[str, tuple[int, int]]:
         if m and cur:
             out[cur] = (int(m.group(1)), spill)
     return out
+
+
+SM90A = ("-DQ27_ARCH_SPECIFIC", "-gencode=arch=compute_90a,code=sm_90a")  # what runtime.ARCH_SPECIFIC builds
+
+
+def sm90a_report(tmp_path, name: str) -> dict[str, tuple[int, int]]:
+    """ptxas_report of cuda/<name>.cu's sm_90a build, after checking that it builds and that ptxas kept
+    every wgmma asynchronous (no C7510 "wgmma serialized": a wait after every wgmma)."""
+    r = build_with(tmp_path, name, SM90A)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "C7510" not in r.stderr and "serialized" not in r.stderr, r.stderr[-2000:]
+    return ptxas_report(r.stderr)
+
+
+def assert_refused_without_sm90a(tmp_path, name: str, portable_arch: str) -> None:
+    """runtime._arch_module relies on this: a compile that lost the "a" target fails (the #error guard)
+    instead of trapping later, while the portable build (entry points that trap) still compiles."""
+    r = build_with(tmp_path, name, ("-DQ27_ARCH_SPECIFIC", "-arch=sm_90"))
+    assert r.returncode != 0 and "sm_90a" in r.stderr
+    r = build_with(tmp_path, name, (f"-arch={portable_arch}",))
+    assert r.returncode == 0, r.stderr[-2000:]

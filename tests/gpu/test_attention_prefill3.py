@@ -143,29 +143,18 @@ def test_selection_rule(monkeypatch):
 
 
 # ---------------------------------------------------------------- CPU: build
-def _build_90a(tmp_path, extra=()):
-    return nvcc_build.build_with(tmp_path, "attention_prefill3", extra)
-
-
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_registers_and_async_wgmma(tmp_path):
     """The sm_90a build: no spills under the 255-register bound of 8 warps, and no ptxas C7510
     ("wgmma serialized"), which would wait after every wgmma."""
-    r = _build_90a(tmp_path, ("-DQ27_ARCH_SPECIFIC", "-gencode=arch=compute_90a,code=sm_90a"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = nvcc_build.ptxas_report(r.stderr)
+    rep = nvcc_build.sm90a_report(tmp_path, "attention_prefill3")
     assert sorted(rep) == ["attn_prefill3_bf16_d256", "attn_prefill3_bf16_d256_pipe", "attn_prefill3_bf16_d256_ws"], rep
     assert all(spill == 0 and regs <= 255 for regs, spill in rep.values()), rep
-    assert "C7510" not in r.stderr and "serialized" not in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_plain_sm90_build_is_refused_when_sm90a_was_asked(tmp_path):
-    """runtime._arch_module relies on this: a compile that lost the "a" target must fail, not trap later."""
-    r = _build_90a(tmp_path, ("-DQ27_ARCH_SPECIFIC", "-arch=sm_90"))
-    assert r.returncode != 0 and "sm_90a" in r.stderr
-    r = _build_90a(tmp_path, ("-arch=sm_90",))  # the portable build: the entry point traps, it compiles
-    assert r.returncode == 0, r.stderr[-2000:]
+    nvcc_build.assert_refused_without_sm90a(tmp_path, "attention_prefill3", "sm_90")
 
 
 # ---------------------------------------------------------------- GPU

@@ -161,27 +161,17 @@ def test_engine_config_maps_the_switch(monkeypatch):
     assert apply_env(Q27Config()).engine.gemv_wgmma == "all"
 
 
-def _build(tmp_path, extra):
-    return nvcc_build.build_with(tmp_path, "gemv_wg", extra)
-
-
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
-    r = _build(tmp_path, ("-DQ27_ARCH_SPECIFIC", "-gencode=arch=compute_90a,code=sm_90a"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = nvcc_build.ptxas_report(r.stderr)
+    rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
     assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n8"], rep
     bound = {k: 65536 // (128 * (C.GWG_CTAS_N8 if k.endswith("8") else C.GWG_CTAS_N16)) for k in rep}
     assert all(spill == 0 and regs <= bound[k] for k, (regs, spill) in rep.items()), rep
-    assert "C7510" not in r.stderr and "serialized" not in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_plain_sm90_build_is_refused_when_sm90a_was_asked(tmp_path):
-    r = _build(tmp_path, ("-DQ27_ARCH_SPECIFIC", "-arch=sm_90"))
-    assert r.returncode != 0 and "sm_90a" in r.stderr
-    r = _build(tmp_path, ("-arch=sm_86",))  # the portable build: the entry points trap, it compiles
-    assert r.returncode == 0, r.stderr[-2000:]
+    nvcc_build.assert_refused_without_sm90a(tmp_path, "gemv_wg", "sm_86")
 
 
 # ---------------------------------------------------------------- GPU
