@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -166,20 +166,20 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
         grep -E "spec replay|per round" "$OUT/pending_spec.txt"
         timeout 150 python3 -m q27py.bench.batch_probe --reps 10 --json "$OUT/pending_batch.json" \
           > "$OUT/pending_batch.txt" 2>&1 || rc=1; tail -7 "$OUT/pending_batch.txt" ;;
-    reuse)  # what the 2026-12-05 night session left unrun on a GPU: the in-place state reset (its bitwise
-            # test, the prefix / slot suites, the gates), the cold and warm 25K turns of bench replay (state
-            # reuse + the prefill grid restarted at the marks; m1: 2,722 ms cold on an H100), and the load
-            # bench with recorded acceptance (bench/trace_accept.py)
-        timeout 300 $PYTEST tests/gpu/test_prefix_gpu.py tests/gpu/test_slots_gpu.py tests/gpu/test_batched_rounds_gpu.py \
-          tests/gpu/test_forward.py > "$OUT/reuse_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/reuse_tests.txt"
-        timeout 150 python3 gates/run.py > "$OUT/reuse_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/reuse_gates.txt"
-        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 -m q27py bench replay --random-weights 27b \
+    reuse)  # what the 2026-12-05 night session left unrun on a GPU, most telling first: the cold and warm 25K
+            # turns of bench replay (state reuse + the prefill grid restarted at the marks; m1: 2,722 ms cold on an
+            # H100), the in-place state reset (its bitwise test, the prefix / slot / batched / forward suites), the
+            # gates, then the load bench with recorded acceptance (bench/trace_accept.py)
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 220 python3 -m q27py bench replay --random-weights 27b \
           --tier q4s --system-tokens 20000 --turns 10 > "$OUT/reuse_replay.txt" 2>&1 || rc=1
         tail -12 "$OUT/reuse_replay.txt"
-        # the batch_spec policy through the real scheduler, with the trained model's recorded acceptance
-        timeout 300 python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 2 4 8 --no-mixed \
+        timeout 220 $PYTEST tests/gpu/test_prefix_gpu.py tests/gpu/test_slots_gpu.py tests/gpu/test_batched_rounds_gpu.py \
+          tests/gpu/test_forward.py > "$OUT/reuse_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/reuse_tests.txt"
+        timeout 120 python3 gates/run.py > "$OUT/reuse_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/reuse_gates.txt" ;;
+    load)  # the batch_spec policy through the real scheduler, with the trained model's recorded acceptance
+        timeout ${LOAD_S:-300} python3 -m q27py bench load --random-weights 27b --tier q4s --streams ${STREAMS:-1 2 4 8} --no-mixed \
           --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
-          > "$OUT/reuse_load.txt" 2>&1 || rc=1; tail -8 "$OUT/reuse_load.txt" ;;
+          > "$OUT/load.txt" 2>&1 || rc=1; tail -10 "$OUT/load.txt" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done
