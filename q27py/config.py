@@ -223,13 +223,17 @@ class EngineConfig:
     # give up (batch_spec).
     batch_rounds: bool | None = None
     # What speculation does while two or more slots decode (engine/share_policy.py). A shared round
-    # runs every slot as one width-1 lane of ONE weight sweep, its drafters fed so they are right
-    # when it runs its own round again. "solo-only": every decoding slot shares once two or more
-    # decode (speculation for a slot alone). "adaptive" (default): each round splits the slots
-    # between the sweep and their own speculative rounds taken in turn, by the tokens per second
-    # each has measured (two streams with the trained MTP head: solo rounds in turn; sixteen: the
-    # sweep). Only speed changes: a slot's tokens are the same either way. Without speculation it
-    # is "solo-only". The hook for drafts in the shared sweep is SpecDecoder._shared_round.
+    # runs every sharing slot as one lane group of ONE weight sweep: its pending token plus, where the
+    # model has verify_batch (model.verify_lanes > 0: the CPU paths; cuda with verify_groups), up to
+    # its share of the sweep's flat width in drafts (16 lanes / sharing slots), verified and
+    # committed per slot; without drafts a plain decode lane, its drafters fed so they are right
+    # when it runs its own round again. "adaptive" (default): each round splits the slots between
+    # the sweep and their own speculative rounds taken in turn, by the tokens per second each has
+    # measured (two streams with the trained MTP head and plain lanes: solo rounds in turn; sixteen:
+    # the sweep). "drafts": every decoding slot shares, its group carrying drafts (the sweep alone,
+    # for measuring it). "solo-only": every decoding slot shares with plain lanes (speculation for a
+    # slot alone). Only speed changes: a slot's tokens are the same either way. Without speculation
+    # it is "solo-only".
     batch_spec: str = "adaptive"
     # Prefill tokens per round for a prompt prefilling while other slots decode (0 = off: always the
     # full engine_prefill_chunk). A 4096-token cuda chunk of the 27B holds the running streams
@@ -260,6 +264,12 @@ class EngineConfig:
     # kernels read each sequence's state from a lane table; bitwise the per-sequence forwards: 81
     # GPU tests, run c6). Off: max_batch = 1, every sequence its own forward.
     batch_sweep: bool = True
+    # cuda: FastModel.verify_batch (the shared sweep with drafts, batch_spec "adaptive" / "drafts"):
+    # every sharing slot's verify lanes (its pending token and drafts) in one weight sweep, the GDN and
+    # conv steps run per lane group by the group entries of cuda/gdn.cu and cuda/conv.cu. Off (the
+    # default until its GPU tests have run on a device, tests/gpu/test_verify_groups_gpu.py):
+    # verify_lanes 0, shared rounds carry plain lanes only. The CPU paths always have verify_batch.
+    verify_groups: bool = False
 
     def shared_rounds(self) -> bool:
         """batch_rounds with auto resolved for this device."""
@@ -300,8 +310,7 @@ class EngineConfig:
     def check_batching(self) -> None:
         """Reject batch settings with no meaning (the engine calls this when it is built)."""
         if self.batch_spec not in BATCH_SPEC_CHOICES:
-            hint = " (drafts in the shared sweep are not built yet)" if self.batch_spec == "drafts" else ""
-            raise ConfigError(f"batch_spec must be one of {', '.join(BATCH_SPEC_CHOICES)}, not {self.batch_spec!r}{hint}")
+            raise ConfigError(f"batch_spec must be one of {', '.join(BATCH_SPEC_CHOICES)}, not {self.batch_spec!r}")
         if not isinstance(self.interleave_halving, int) or self.interleave_halving < 0:
             raise ConfigError(f"interleave_halving must be a token count >= 0 (0 = fixed pieces), not {self.interleave_halving!r}")
         if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int) or self.interleave_chunk < 0):
@@ -340,9 +349,8 @@ GPU_AUTO_MAX_SLOTS = 16
 GPU_AUTO_MIN_SLOTS = 2
 KV_CHOICES = ("auto", "bf16", "fp8", "k5v3", "k3v3")
 PREFILL_SMALL_GEMM_CHOICES = ("bf16x3", "f32")  # EngineConfig.prefill_small_gemm
-# EngineConfig.batch_spec. Reserved for later: "drafts" (each slot's drafts as extra lanes of the
-# shared sweep, verify-mode batching).
-BATCH_SPEC_CHOICES = ("adaptive", "solo-only")
+# EngineConfig.batch_spec (engine/share_policy.py)
+BATCH_SPEC_CHOICES = ("adaptive", "drafts", "solo-only")
 
 
 def parse_max_context(value) -> int | str:
@@ -489,6 +497,7 @@ ENV_VARS = {
     "Q27_INTERLEAVE_HALVING": ("engine", "interleave_halving", int),
     "Q27_INTERLEAVE_BUDGET_MS": ("engine", "interleave_budget_ms", float),
     "Q27_BATCH_SWEEP": ("engine", "batch_sweep", parse_switch),
+    "Q27_VERIFY_GROUPS": ("engine", "verify_groups", parse_switch),
     "Q27_HOST": ("server", "host", str),
     "Q27_PORT": ("server", "port", int),
     "Q27_API_KEY": ("server", "api_keys", _key_list),

@@ -9,7 +9,9 @@ engine's own ladder / suffix drafter offered, accepts min(recorded drafts accept
 them. Everything else is the real engine: drafting (the MTP chain on the device), the verify
 forward and commit, the scheduler, the policy, host time. Only greedy device picks are forced
 (FastOutput.greedy_ids: what a plain greedy request reads), so the load bench's greedy streams
-are what this is for; plain decode steps and shared lanes are untouched.
+are what this is for; plain decode steps and plain shared lanes are untouched. A shared round's
+verify groups (verify_batch: drafts in the sweep) are forced as solo verify forwards are, one recorded
+round per group of two or more lanes.
 """
 
 from __future__ import annotations
@@ -68,8 +70,17 @@ class TraceAcceptance:
 
     def forward(self, state, ids, logits_rows="all", verify: bool = False):
         out = self._m.forward(state, ids, logits_rows=logits_rows, verify=verify)
-        lanes = [int(t) for t in np.asarray(ids).reshape(-1)]
-        if not verify or len(lanes) < 2:
+        if not verify:
+            return out
+        return self._force(out, [int(t) for t in np.asarray(ids).reshape(-1)])
+
+    def verify_batch(self, states, groups):
+        outs = self._m.verify_batch(states, groups)
+        return [self._force(out, [int(t) for t in g]) for out, g in zip(outs, groups)]
+
+    def _force(self, out, lanes: list[int]):
+        """The next recorded round's acceptance on a verify output of `lanes` (one-lane ones untouched)."""
+        if len(lanes) < 2:
             return out
         a = min(self._accepted[self._next % len(self._accepted)], len(lanes) - 1)
         self._next += 1

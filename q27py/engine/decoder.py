@@ -145,13 +145,16 @@ def chunk_cuts(start: int, end: int, chunk: int, restarts=()) -> list[int]:
 class Pace:
     """What the scheduler asks of a slot's next step; it sets both fields before every resume.
 
-    shared: a decode round runs as one lane of the round's shared forward (the decoder yields a
-        Lane instead of calling the model); False: the decoder's own round (speculative, if on).
+    shared: a decode round runs as one lane group of the round's shared forward (the decoder yields
+        a Lane instead of calling the model); False: the decoder's own round (speculative, if on).
     prefill_chunk: at most this many prompt tokens in the next prefill piece (None: the decoder's
         full chunk). Pieces tile the full chunks' grid, so every cut of an unpaced run stays a cut.
     """
 
     shared: bool = False
+    # lanes this slot's group of a shared round may take: its pending token and up to lanes - 1 drafts
+    # (the scheduler's share of the sweep's flat width, LocalEngine.sweep_lanes); 1: a plain lane
+    lanes: int = 1
     prefill_chunk: int | None = None
     # written by the stepper: prompt tokens still to prefill (None until its prefill has started);
     # the scheduler ranks prefilling slots by it (a warm turn restored from the prefix cache has few)
@@ -163,45 +166,81 @@ class Pace:
 
 
 class Lane:
-    """One plain-decode lane a decoder hands its caller instead of running the forward itself.
+    """One lane group a decoder hands its caller instead of running the forward itself.
 
-    `token` runs at state.position in commit mode, in a model.decode_batch over several
-    sequences (LocalEngine.run_lanes). The caller calls take(out) with this lane's output
-    before the next model call of any state (on the fast path the batch's outputs live in
+    A plain lane (no drafts): `token` runs at state.position in commit mode, in a model.decode_batch
+    over several sequences (LocalEngine.run_lanes). With drafts (a shared round that carries them,
+    Pace.lanes > 1): `tokens` = [token, *drafts] run in verify mode, every sharing slot's group in
+    one model.verify_batch, and the caller commits each group's accepted tokens (commit_batch) right
+    after every group has read its output. Either way the caller calls take(out) with this group's
+    output before the next model call of any state (on the fast path the batch's outputs live in
     shared scratch until then), and then resumes the decoder, which finishes its round from
-    result(). take() only reads: the pick (the request's own TokenPicker on this lane's own
-    row: the same token it would choose alone) and a copy of the hidden row (what the MTP
-    ladder is fed). Nothing here calls the model, so every lane of a batch reads before any
-    of them moves on (an MTP flush, a finished stream putting its state at rest).
+    result(). take() only reads: the picks (the request's own TokenPicker on this group's own rows,
+    walking the drafts as a solo round does: accept_walk) and a copy of the hidden rows (what the
+    MTP ladder is fed). Nothing here calls the model, so every group of a batch reads before any of
+    them moves on (an MTP flush, a finished stream putting its state at rest).
     """
 
-    def __init__(self, state: SequenceState, token: int, picker: TokenPicker):
+    def __init__(self, state: SequenceState, token: int, picker: TokenPicker, drafts=(), stop_ids=frozenset()):
         self.state = state
         self.token = int(token)
+        self.drafts = [int(t) for t in drafts]  # guesses for the positions after `token`'s
+        self.stop_ids = stop_ids  # the walk ends at one (accept_walk)
         self.position = state.position  # where `token` runs
         self._picker = picker
-        self.picked: int | None = None  # the token chosen from the lane's logits row (at position + 1)
-        self.hidden: np.ndarray | None = None  # [1, H] post-norm hidden row of `token`, a host copy
+        self.picked: list[int] | None = None  # the tokens chosen from the rows (at position + 1 ..)
+        self.hidden: np.ndarray | None = None  # [len(picked), H] post-norm hidden rows, a host copy
+        self.trace = None  # a verify group's trace (commit_batch keeps len(picked) of its tokens)
         self.error: BaseException | None = None
 
-    def take(self, out) -> None:
-        """Read this lane's output of the shared forward (no model call)."""
+    @property
+    def tokens(self) -> list[int]:
+        """What the group runs: its pending token, then its drafts."""
+        return [self.token, *self.drafts]
+
+    def take(self, out, verified: bool = False) -> None:
+        """Read this group's output of the shared forward (no model call). verified: it ran in a
+        verify_batch (the state has not moved yet: commit_batch follows); else in a decode_batch,
+        which committed the one token."""
+        if verified:
+            if self.state.position != self.position:
+                raise RuntimeError(f"verify_batch moved a state from {self.position} to {self.state.position}")
+            self.picked = accept_walk(self._picker, out, self.position, self.drafts, self.stop_ids)
+            self.hidden = np.array(out.hidden[: len(self.picked)])
+            self.trace = out.trace
+            return
         if self.state.position != self.position + 1:
             raise RuntimeError(f"decode_batch moved a state from {self.position} to {self.state.position}, not by one")
         self._picker.prefetch(out, [])  # a device-masked pick in one launch (if on), as a solo round's
-        self.picked = self._picker.pick_output(out, 0, self.state.position)
+        self.picked = [self._picker.pick_output(out, 0, self.state.position)]
         self.hidden = np.array(out.hidden[-1:])
 
     def fail(self, exc: BaseException) -> None:
         """The shared forward, or this lane's read of it, failed: the resumed decoder raises it."""
         self.error = exc
 
-    def result(self) -> tuple[int, np.ndarray]:
+    def result(self) -> tuple[list[int], np.ndarray]:
+        """(tokens committed, their hidden rows [n, H])."""
         if self.error is not None:
             raise self.error
         if self.picked is None:
             raise RuntimeError("a decode lane was resumed before its shared forward ran")
         return self.picked, self.hidden
+
+
+def accept_walk(picker: TokenPicker, out, position: int, drafts: list[int], stop_ids) -> list[int]:
+    """The tokens a verify forward of [pending, *drafts] at `position` commits (engine/spec.py step 3):
+    row t's pick is the token at position + t + 1 (the position-keyed sampler: the token a plain step
+    there picks); the walk goes on only while that pick equals draft t + 1 (so row t + 1 saw the right
+    prefix) and is no stop id. A solo round and a shared round's verify group both walk here."""
+    picker.prefetch(out, drafts)  # device-masked picks of every row in one launch (if on)
+    new: list[int] = []
+    for t in range(len(drafts) + 1):
+        tok = picker.pick_output(out, t, position + t + 1, drafts[:t])
+        new.append(tok)
+        if tok in stop_ids or t >= len(drafts) or tok != drafts[t]:
+            break
+    return new
 
 
 class PrefillCancelled(Exception):
@@ -385,7 +424,8 @@ class Decoder:
             if pace is not None and pace.shared:
                 lane = Lane(state, tok, sampler)
                 yield lane  # the caller runs it in the round's decode_batch and reads its output into it
-                tok, state.hidden_last = lane.result()
+                picked, state.hidden_last = lane.result()
+                tok = picked[0]
                 continue
             out = self.model.forward(state, [tok])
             state.hidden_last = out.hidden[-1:].copy()

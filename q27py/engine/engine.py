@@ -11,8 +11,10 @@ engine/scheduler.py): each `steps()` generator holds its own live sequence (acqu
 from the prefix cache, which never hands a busy one out twice) and advances by one
 bounded unit per resume, so the scheduler interleaves them on the one model. With
 EngineConfig.batch_rounds on (and a model with decode_batch) the scheduler also shares
-decode rounds: each decoding slot hands out one lane (a chunk carrying it), `run_lanes`
-runs them all in one model.decode_batch, and each slot finishes its round from its lane.
+decode rounds: each decoding slot hands out one lane group (a chunk carrying it: its pending
+token, and its drafts where the sweep carries them, `sweep_lanes`), `run_lanes` runs them all
+in one weight sweep (model.decode_batch, or verify_batch + commit_batch for groups with drafts),
+and each slot finishes its round from its group.
 """
 
 from __future__ import annotations
@@ -31,7 +33,26 @@ from q27py.engine.sampling import TokenPicker
 from q27py.engine.spec import SpecDecoder, build_decoder
 from q27py.errors import Q27Error
 
-__all__ = ["ContextLengthError", "LocalEngine", "load_model"]
+__all__ = ["ContextLengthError", "LocalEngine", "load_model", "sweep_parts"]
+
+
+def sweep_parts(widths: list[int], max_groups: int, max_lanes: int) -> list[list[int]]:
+    """Indices of lane groups (their widths, in order) cut into consecutive verify_batch calls of at
+    most max_groups groups and max_lanes lanes each. A group wider than max_lanes is refused (the
+    scheduler never hands one out: Pace.lanes <= sweep_lanes)."""
+    if max_groups < 1 or max_lanes < 1:
+        raise RuntimeError("the model has no verify_batch (verify_lanes 0): a shared round cannot carry drafts")
+    parts: list[list[int]] = []
+    lanes = 0
+    for i, w in enumerate(widths):
+        if not 1 <= w <= max_lanes:
+            raise ValueError(f"a lane group of {w} tokens does not fit a sweep of {max_lanes} lanes")
+        if not parts or len(parts[-1]) >= max_groups or lanes + w > max_lanes:
+            parts.append([])
+            lanes = 0
+        parts[-1].append(i)
+        lanes += w
+    return parts
 
 
 def load_model(cfg: Q27Config):
@@ -79,6 +100,11 @@ class LocalEngine:
         # which decoding slots share a round (engine/share_policy.py): adaptive only where solo rounds
         # can yield more than one token
         self.batch_spec = cfg.engine.batch_spec if isinstance(self.decoder, SpecDecoder) else "solo-only"
+        # lanes a shared round's sweep takes in all, drafts included (the scheduler shares them out:
+        # Pace.lanes): the model's verify_batch width where drafts ride in the sweep, else 0 (plain
+        # lanes through decode_batch, one per sharing slot)
+        self.sweep_lanes = (int(model.verify_lanes)
+                            if self.shares_rounds and self.batch_spec in ("adaptive", "drafts") else 0)
         # prefill tokens per round beside decoding slots (0: off, full chunks always)
         self.interleave_chunk = cfg.engine.interleave()
         self.interleave_halving = int(cfg.engine.interleave_halving)  # the piece shrinks with the context
@@ -223,11 +249,17 @@ class LocalEngine:
         yield GenerationChunk([], finish_reason=finish, stats=final_stats)
 
     def run_lanes(self, lanes: list[Lane]) -> None:
-        """The shared forward of a batched round: every lane (one per decoding slot, distinct
-        sequences) through model.decode_batch, max_batch at a time. Each lane reads its output
-        (take: pick, hidden row) straight after its batch and before the next model call, as the
-        fast path's scratch rules require. A failure stays with the lanes it hit: their slots'
-        steppers raise it when resumed (their sequences are dropped); the other lanes go on."""
+        """The shared forward of a batched round: every lane group (one per sharing slot, distinct
+        sequences) through one weight sweep. Plain lanes go through model.decode_batch, max_batch at
+        a time; when any group carries drafts, every group goes through model.verify_batch (max_batch
+        groups and verify_lanes tokens at a time: a one-token group verified and committed is the
+        plain step, bitwise) and commit_batch keeps each group's accepted tokens. Each group reads its
+        output (take: picks, hidden rows) straight after its batch and before the next model call, as
+        the fast path's scratch rules require. A failure stays with the groups it hit: their slots'
+        steppers raise it when resumed (their sequences are dropped); the other groups go on."""
+        if any(lane.drafts for lane in lanes):
+            self._run_groups(lanes)
+            return
         step = max(1, int(self.model.max_batch))
         for i in range(0, len(lanes), step):
             part = lanes[i : i + step]
@@ -243,6 +275,35 @@ class LocalEngine:
                 try:
                     lane.take(out)
                 except Exception as exc:
+                    lane.fail(exc)
+
+    def _run_groups(self, lanes: list[Lane]) -> None:
+        """run_lanes with drafts: verify_batch, every group's take, then one commit_batch."""
+        for part in sweep_parts([len(lane.tokens) for lane in lanes], int(self.model.max_batch),
+                                int(self.model.verify_lanes)):
+            part = [lanes[i] for i in part]
+            try:
+                outs = self.model.verify_batch([lane.state for lane in part], [lane.tokens for lane in part])
+                if len(outs) != len(part):
+                    raise RuntimeError(f"verify_batch returned {len(outs)} outputs for {len(part)} groups")
+            except Exception as exc:
+                for lane in part:
+                    lane.fail(exc)
+                continue
+            took = []
+            for lane, out in zip(part, outs):
+                try:
+                    lane.take(out, verified=True)
+                    took.append(lane)
+                except Exception as exc:
+                    lane.fail(exc)
+            if not took:
+                continue
+            try:
+                self.model.commit_batch([lane.state for lane in took], [lane.trace for lane in took],
+                                        [len(lane.picked) for lane in took])
+            except Exception as exc:
+                for lane in took:
                     lane.fail(exc)
 
     def _prefill_breaks(self, seq, prompt: list[int], stable_len: int | None, system_len: int | None) -> dict:

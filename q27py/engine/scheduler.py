@@ -15,18 +15,23 @@ Step 4's shape. A slot is decoding once it has delivered a token (its next step 
 decode round or its end), else prefilling.
 - Shared round: when two or more slots are decoding and the engine shares rounds
   (EngineConfig.batch_rounds, a model with decode_batch: LocalEngine.shares_rounds),
-  each sharing slot is resumed with pace.shared and hands out one plain-decode lane
-  (its pending token) instead of running its own forward; `engine.run_lanes` runs all
-  of them in ONE model.decode_batch (max_batch at a time: one weight sweep for all,
-  where a 27B step is weight-bound), each lane reads its own output row (its request's
-  TokenPicker picks from it), and each slot is resumed again to commit, stop-check and
-  return its token. A shared slot drafts nothing, but its drafters are fed every token,
-  so its drafts are right when it runs its own round again (engine/spec.py).
+  each sharing slot is resumed with pace.shared and hands out one lane group instead of
+  running its own forward: its pending token plus, where the sweep carries drafts
+  (LocalEngine.sweep_lanes > 0: a model with verify_batch, batch_spec "adaptive" or
+  "drafts"), up to pace.lanes - 1 drafts, pace.lanes being its equal share of the sweep's
+  flat width (16 lanes: 8 each for two slots, a plain lane each for sixteen).
+  `engine.run_lanes` runs all of them in ONE weight sweep (decode_batch for plain lanes;
+  verify_batch + commit_batch once any group has drafts), each group reads its own output
+  rows (its request's TokenPicker walks them as a solo round does), and each slot is
+  resumed again to settle, stop-check and return its tokens. A slot's drafters are fed
+  every committed token either way, so its drafts are right when it runs its own round.
 - Which decoding slots share: engine/share_policy.py (EngineConfig.batch_spec). "adaptive"
   (default) splits them each round by measured tokens per second -- each slot's own rounds
-  (timed here, free while it runs alone) against the sweep's cost by width -- so two
-  speculating streams take their own rounds in turn (each ~1.6x faster than sharing on the
-  27B shapes) and eight or more share; "solo-only" shares all of them.
+  (timed here, free while it runs alone) and the tokens its shared rounds yield, against
+  the sweep's cost by sharing count -- so two speculating streams take their own rounds in
+  turn when the sweep carries plain lanes (each ~1.6x faster than sharing on the 27B
+  shapes) and share once it carries their drafts; "drafts" shares them all with drafts;
+  "solo-only" shares them all with plain lanes.
 - Solo round: otherwise each decoding slot runs its own full round (speculative, when
   on), in slot order, exactly as a slot alone does.
 - Prefilling slots run one prefill piece each: the full chunk (engine_prefill_chunk;
@@ -52,11 +57,12 @@ Nothing here knows about the model, trio or HTTP: jobs are anything with a `requ
 `submitted` time and a `deliver(item)` (the bridge's, server/bridge.py), so the whole
 policy is tested synchronously, round by round (tests/engine/test_scheduler.py). The
 engine side is duck-typed: `steps(request, pace)` (or `steps(request)` / `generate`
-alone: solo rounds, full chunks), plus `run_lanes`, `shares_rounds` and
+alone: solo rounds, full chunks), plus `run_lanes`, `shares_rounds`, `sweep_lanes` and
 `interleave_chunk` for the pace protocol (engine/decoder.py Pace and Lane).
 
 Determinism: each slot's stepper runs on its own state; a shared round's lanes are
-bitwise the solo decode steps they replace (the decode_batch contract), and the token
+bitwise the solo decode steps they replace, its groups the solo verify forwards (the
+decode_batch and verify_batch contracts), and the token
 at a position is a function of its row, seed and position only (engine/sampling.py),
 so a slot's tokens are the same alone, mixed, shared or speculative (tested on the
 CPU paths). Interleaved prefill pieces cut the prompt differently from an unpaced run:
@@ -146,6 +152,9 @@ class Scheduler:
         # which decoding slots share a round and which run their own (speculative) round in turn
         mode = str(getattr(engine, "batch_spec", "solo-only") or "solo-only") if self._shares else "solo-only"
         self.policy = SharePolicy(mode)
+        # lanes a shared round's sweep takes in all, drafts included (LocalEngine.sweep_lanes; 0: plain
+        # lanes, one per sharing slot); each sharing slot's group gets an equal share (Pace.lanes)
+        self.sweep_lanes = int(getattr(engine, "sweep_lanes", 0) or 0) if self._shares else 0
         self.solo_turns = 0  # own rounds run while two or more slots were decoding
         self._open_tap = open_tap
         self._on_change = on_change
@@ -265,14 +274,15 @@ class Scheduler:
         let each finish its round (pick already made from its own row; commit, stop check, tokens).
         Returns the lanes that ran (0 when none did)."""
         lanes: list[tuple[Slot, object]] = []
+        each = max(1, self.sweep_lanes // len(slots)) if self.sweep_lanes else 1  # a group's lanes
         for slot in slots:
             if self._slots[slot.index] is not slot:
                 continue
             cancelled = slot.job.request.cancel.is_set()
-            slot.pace.shared = True
+            slot.pace.shared, slot.pace.lanes = True, each
             slot.decode_steps += 1
             chunk = self._resume(slot)
-            slot.pace.shared = False
+            slot.pace.shared, slot.pace.lanes = False, 1
             if chunk is None:
                 continue  # the engine failed: delivered and freed
             if chunk.lane is not None and not cancelled:
@@ -296,7 +306,9 @@ class Scheduler:
         for slot, _ in lanes:
             # the rest of its round: its tokens (or the error its lane met). The round began before any
             # cancel that lands now: the engine sees that flag at its next step, as after a solo round.
-            self._step(slot, cancelled=False)
+            chunk = self._step(slot, cancelled=False)
+            if chunk is not None and chunk.token_ids and chunk.finish_reason is None:
+                self.policy.observe_shared_tokens(slot.solo, len(chunk.token_ids))
         return len(lanes)
 
     # ---- parts of a round -------------------------------------------------

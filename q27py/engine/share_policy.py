@@ -1,18 +1,23 @@
 """Which decoding slots share the round's weight sweep and which run their own speculative round
-(EngineConfig.batch_spec "adaptive"; issue 15 item 2: deep drafts alone, none in the sweep).
+(EngineConfig.batch_spec; issue 15 item 2: deep drafts alone, shallower in a shared sweep).
 
 Two ways to move a decoding slot by one round:
-- a lane of the shared sweep: one plain-decode token per slot, all slots in ONE decode_batch
-  (on a weight-bound 27B step, n lanes cost little more than one);
+- a lane group of the shared sweep: all sharing slots in ONE weight sweep (on a weight-bound 27B
+  step, n lanes cost little more than one). Each group is the slot's pending token plus, where the
+  model has verify_batch, up to its share of the sweep's flat width in drafts (LocalEngine
+  .sweep_lanes / sharing slots: 16 lanes are 8 each for two slots, 2 each for eight, a plain lane
+  each for sixteen), so a shared round yields y >= 1 tokens per slot (y = 1: plain lanes);
 - its own round: drafts + a verify forward + commit (engine/spec.py), a + 1 tokens on average
   (a = accepted drafts) for one verify forward of its own.
 With the trained MTP head a solo round yields ~2.7-3.7 tokens for about one decode step, so two
-streams each running solo rounds in turn move ~1.8x faster than the same two sharing plain
+streams each running solo rounds in turn move ~1.6x faster than the same two sharing plain
 lanes; at eight or sixteen streams the shared sweep wins. Where the crossover sits depends on
-the card, the acceptance of each stream's text and the context, so it is measured, not guessed:
+the card, the acceptance of each stream's text, the context and whether the sweep carries drafts,
+so it is measured, not guessed:
 
-- each slot keeps an average of its solo rounds (tokens, seconds) -- free while it runs alone;
-- the shared round keeps an average cost per lane count;
+- each slot keeps an average of its solo rounds (tokens, seconds) -- free while it runs alone --
+  and of the tokens its shared rounds yield;
+- the shared round keeps an average cost per sharing-slot count (its drafting and verify, all in);
 - a round's plan maximizes tokens per second: starting from all slots sharing, slots move to
   solo rounds in order of their marginal rate (extra tokens over extra seconds), while that
   rate beats the plan's (the ratio optimum). A sweep left with one lane is that slot's solo
@@ -21,9 +26,13 @@ the card, the acceptance of each stream's text and the context, so it is measure
   slot runs a solo round (the rest share), at most one probe per round, each slot's probes
   spaced further apart (PROBE_FIRST rounds, doubling to PROBE_MAX) while they keep losing.
 
-Only speed changes: a slot's tokens are the same solo, shared or mixed (the decode_batch
-contract and exact speculation; tests/engine/test_batched_rounds.py). Nothing here knows about
-the model; the scheduler feeds it wall-clock measurements (engine/scheduler.py)."""
+Modes: "adaptive" (above), "drafts" (every decoding slot shares, groups with drafts: the sweep
+alone) and "solo-only" (every decoding slot shares, plain lanes: speculation for a slot alone).
+
+Only speed changes: a slot's tokens are the same solo, shared or mixed (the decode_batch and
+verify_batch contracts and exact speculation; tests/engine/test_batched_rounds.py,
+test_sweep_drafts.py). Nothing here knows about the model; the scheduler feeds it wall-clock
+measurements (engine/scheduler.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +51,8 @@ class SoloStats:
     rounds: int = 0
     probe_at: int = PROBE_FIRST  # the plan round at which a shared slot is next probed
     probe_every: int = PROBE_FIRST
+    shared_tokens: float = 0.0  # running average of the tokens its shared rounds yield (1: plain lanes)
+    shared_rounds: int = 0
 
     def add(self, tokens: int, seconds: float) -> None:
         a = 1.0 if self.rounds == 0 else ALPHA
@@ -49,28 +60,38 @@ class SoloStats:
         self.seconds += a * (max(seconds, 1e-9) - self.seconds)
         self.rounds += 1
 
+    def add_shared(self, tokens: int) -> None:
+        a = 1.0 if self.shared_rounds == 0 else ALPHA
+        self.shared_tokens += a * (tokens - self.shared_tokens)
+        self.shared_rounds += 1
+
 
 @dataclass
 class SharePolicy:
     """Plans each round's solo / shared split (module docstring). mode: "solo-only" (every decoding
     slot shares once two or more decode: the behaviour before "adaptive") or "adaptive"."""
     mode: str = "adaptive"
-    shared_cost: dict[int, float] = field(default_factory=dict)  # lane count -> seconds per shared round
+    shared_cost: dict[int, float] = field(default_factory=dict)  # sharing slots -> seconds per shared round
     plans: int = 0  # rounds planned with two or more decoding slots
     probes: int = 0  # solo rounds run only to measure
 
     def observe_solo(self, stats: SoloStats, tokens: int, seconds: float) -> None:
         stats.add(tokens, seconds)
 
+    def observe_shared_tokens(self, stats: SoloStats, tokens: int) -> None:
+        """A slot's shared round committed `tokens` (one for a plain lane; 1 + accepted drafts for a group)."""
+        stats.add_shared(tokens)
+
     def observe_shared(self, lanes: int, seconds: float) -> None:
+        """A shared round of `lanes` sharing slots (lane groups) took `seconds`, its drafting included."""
         if lanes < 1:
             return
         old = self.shared_cost.get(lanes)
         self.shared_cost[lanes] = seconds if old is None else old + ALPHA * (seconds - old)
 
     def cost(self, lanes: int) -> float | None:
-        """Seconds of a shared round of `lanes` lanes: measured, else the nearest measured width's
-        (a weight-bound sweep is nearly flat in its width), else None."""
+        """Seconds of a shared round of `lanes` sharing slots: measured, else the nearest measured
+        count's (a weight-bound sweep is nearly flat in its width), else None."""
         if lanes in self.shared_cost:
             return self.shared_cost[lanes]
         if not self.shared_cost:
@@ -114,15 +135,19 @@ class SharePolicy:
             return solo
         prior = (sum(s.tokens for s in known) / len(known), sum(s.seconds for s in known) / len(known))
         est = [(s.tokens, s.seconds) if s.rounds else prior for s in stats]
+        # what each yields in the sweep: measured, else the measured slots' mean, else a plain lane's one
+        seen = [s.shared_tokens for s in stats if s.shared_rounds]
+        y_prior = sum(seen) / len(seen) if seen else 1.0
+        y = [s.shared_tokens if s.shared_rounds else y_prior for s in stats]
         lane = lambda m: self.cost(m) - (self.cost(m - 1) if m > 1 else 0.0)  # noqa: E731 (one lane's share)
 
         def rate(i, m):  # extra tokens per extra second when slot i leaves a sweep of m lanes
-            d_tok, d_sec = est[i][0] - 1.0, est[i][1] - lane(m)
+            d_tok, d_sec = est[i][0] - y[i], est[i][1] - lane(m)
             return float("inf") if d_sec <= 0 < d_tok else d_tok / d_sec if d_sec > 0 else float("-inf")
 
-        tokens, seconds, shared = float(n), self.cost(n), n
+        tokens, seconds, shared = float(sum(y)), self.cost(n), n
         for i in sorted(range(n), key=lambda i: (-rate(i, n), i)):
-            d_tok, d_sec = est[i][0] - 1.0, est[i][1] - lane(shared)
+            d_tok, d_sec = est[i][0] - y[i], est[i][1] - lane(shared)
             if d_tok <= 0 or (d_sec > 0 and d_tok / d_sec <= tokens / seconds):
                 break
             solo[i] = True

@@ -42,13 +42,18 @@ land on those slots' wait at once; a prefill cancelled, closed or failed before 
 token drops what it held (its state is thrown away).
 
 Shared rounds (the scheduler's batched decode, engine/scheduler.py): while the round
-is shared (pace.shared) a slot runs no draft and no verify of its own; its pending
-token is one width-1 lane of the round's decode_batch (`_shared_round`,
-EngineConfig.batch_spec "solo-only"). The drafters are still fed every committed
-token (the MTP ladder its hidden row, deferred to the next ladder's step 0; the
-suffix index the token), so when the slot is alone again its drafts are those it
-would have made had it never shared a round. Same tokens either way: a lane's row
-is the plain decode step's row.
+is shared (pace.shared) a slot runs no verify of its own: its pending token and, when
+pace.lanes > 1 (its share of a sweep that carries drafts), drafts planned as a solo
+round plans them (at most pace.lanes - 1) are one lane group of the round's sweep
+(`_shared_round`): the caller runs every group in one model.verify_batch, the group's
+rows are walked as `_round` walks its own (decoder.accept_walk), commit_batch keeps the
+accepted tokens, and the round settles as `_round` settles. With one lane (batch_spec
+"solo-only", a model without verify_batch, or as many sharing slots as the sweep has
+lanes) it is a plain decode lane of a decode_batch, and the drafters are still fed every
+committed token (the MTP ladder its hidden row, deferred to the next ladder's step 0;
+the suffix index the token), so when the slot runs its own round again its drafts are
+those it would have made had it never shared one. Same tokens either way: a group's
+rows are the solo verify's rows, a plain lane's row the plain decode step's.
 """
 
 from __future__ import annotations
@@ -58,11 +63,11 @@ from typing import Iterator
 
 import numpy as np
 
-from q27py.config import MTP_DEFER_ROWS, SpecConfig
+from q27py.config import BATCH_SPEC_CHOICES, MTP_DEFER_ROWS, SpecConfig
 from q27py.engine.api import SamplingParams
-from q27py.engine.decoder import (DecodeStats, Decoder, Lane, Pace, PrefillBreaks, begin_run, paused, prefill_steps,
-                                  prompt_suffix, reads_mtp, restarts_grid)
-from q27py.engine.drafters import DraftPlanner, HoldBudget, MTPLadder, SuffixIndex
+from q27py.engine.decoder import (DecodeStats, Decoder, Lane, Pace, PrefillBreaks, accept_walk, begin_run, paused,
+                                  prefill_steps, prompt_suffix, reads_mtp, restarts_grid)
+from q27py.engine.drafters import NONE, Draft, DraftPlanner, HoldBudget, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
 
@@ -92,10 +97,11 @@ class SpecDecoder:
         self.cfg = spec
         self.prefill_chunk = prefill_chunk
         self.width = spec.max_verify_width
-        # both choices run the same rounds here (a shared round's lane carries no drafts); they differ
-        # in which slots the scheduler shares (engine/share_policy.py)
-        if batch_spec not in ("adaptive", "solo-only"):  # EngineConfig.check_batching names the choices
-            raise ConfigError(f"batch_spec {batch_spec!r} is not built (adaptive, solo-only)")
+        # every choice runs the same rounds here (a shared round's group carries the drafts its
+        # Pace.lanes allows); they differ in which slots the scheduler shares and how many lanes each
+        # gets (engine/share_policy.py, LocalEngine.sweep_lanes)
+        if batch_spec not in BATCH_SPEC_CHOICES:  # EngineConfig.check_batching names the choices
+            raise ConfigError(f"batch_spec {batch_spec!r} is not built ({', '.join(BATCH_SPEC_CHOICES)})")
         self.batch_spec = batch_spec
         if isinstance(defer_rows, bool) or not isinstance(defer_rows, int) or defer_rows < 0:
             raise ConfigError(f"mtp_defer_rows must be a row count >= 0 (0 = warm every piece at once), not {defer_rows!r}")
@@ -233,7 +239,8 @@ class SpecDecoder:
                     ladder.flush(keep_last=True)
                 return
             if pace is not None and pace.shared:
-                new = yield from self._shared_round(state, pending, sampler, ladder, suffix, stats)
+                new = yield from self._shared_round(state, pending, pace.lanes, max_tokens - produced, sampler,
+                                                    planner, ladder, suffix, stop_ids, stats)
             else:
                 new = self._round(state, pending, max_tokens - produced, sampler, planner, ladder, suffix, stop_ids,
                                   stats)
@@ -250,58 +257,64 @@ class SpecDecoder:
 
     def _round(self, state, pending, remaining, sampler, planner, ladder, suffix, stop_ids, stats) -> list[int]:
         position = state.position  # the pending token's position
-        draft = planner.plan(min(self.width - 1, remaining - 1), position)
-        # Drafts the output constraint refuses are cut here: their lanes could never be accepted.
-        draft.tokens = sampler.viable(draft.tokens)
+        draft = self._draft(planner, sampler, self.width, remaining, position)
         lanes = [pending] + draft.tokens
         out = self.model.forward(state, lanes, logits_rows="all", verify=True)
-        sampler.prefetch(out, draft.tokens)  # device-masked picks of every lane in one launch (if on)
-        new: list[int] = []
-        for t in range(len(lanes)):
-            tok = sampler.pick_output(out, t, position + t + 1, draft.tokens[:t])
-            new.append(tok)
-            if tok in stop_ids or t >= len(draft.tokens) or tok != draft.tokens[t]:
-                break
+        new = accept_walk(sampler, out, position, draft.tokens, stop_ids)
+        n = len(new)
+        hidden = np.array(out.hidden[:n])  # read before commit: the fast path reuses its scratch
+        self.model.commit(state, out.trace, n)
+        self._settle(state, new, hidden, draft, sampler, planner, ladder, suffix, stats)
+        return new
+
+    def _draft(self, planner, sampler, lanes: int, remaining: int, position: int) -> Draft:
+        """Drafts for a round of at most `lanes` lanes (its pending token + drafts) with `remaining`
+        tokens left to produce. Drafts the output constraint refuses are cut here: their lanes could
+        never be accepted."""
+        draft = planner.plan(min(lanes - 1, remaining - 1), position)
+        draft.tokens = sampler.viable(draft.tokens)
+        return draft
+
+    @staticmethod
+    def _settle(state, new, hidden, draft, sampler, planner, ladder, suffix, stats) -> None:
+        """After a round's commit (its own or a shared one): the tokens into the picker, hidden_last,
+        the drafters fed (the ladder its rows, the suffix index the tokens), the depth controller and
+        the stats told what was accepted."""
         n = len(new)
         accepted = 0
         while accepted < min(n, len(draft.tokens)) and new[accepted] == draft.tokens[accepted]:
             accepted += 1
         sampler.commit(new)
-        hidden = np.array(out.hidden[:n])  # read before commit: the fast path reuses its scratch
-        self.model.commit(state, out.trace, n)
         state.hidden_last = hidden[n - 1 :]
         if ladder is not None:
             ladder.defer(hidden, new)
         if suffix is not None:
             suffix.extend(new)
         planner.observe(draft, accepted)
-        stats.record_round(draft.source, draft.tokens, accepted, n, lanes=len(lanes), mtp_steps=draft.mtp_steps)
-        return new
+        stats.record_round(draft.source, draft.tokens, accepted, n, lanes=1 + len(draft.tokens),
+                           mtp_steps=draft.mtp_steps)
 
+    def _shared_round(self, state, pending, lanes, remaining, sampler, planner, ladder, suffix, stop_ids, stats):
+        """A round inside the scheduler's shared forward: the pending token and, when the scheduler
+        gives this slot more than one lane of the sweep (Pace.lanes, its share of the sweep's flat
+        width), drafts planned as `_round` plans them; the group is yielded (the caller runs every
+        slot's group in one verify_batch, or plain lanes in one decode_batch, reads this group's rows
+        into it and commits what the walk accepted), then the round settles exactly as `_round`'s.
 
-    def _shared_round(self, state, pending, sampler, ladder, suffix, stats):
-        """A round inside the scheduler's shared forward: the pending token as one plain-decode lane
-        (yielded; the caller runs it and reads its output into it), then what a solo round commits.
-
-        No drafts here, under either batch_spec (a lane of a shared sweep costs little, a verify
-        lane per draft would widen every slot's share of it; drafting waits until the slot runs
-        its own round: alone, or in turn when the scheduler's SharePolicy finds that faster). The hook for drafts in the shared sweep: plan drafts here as `_round` does, hand
-        [pending] + drafts out as a verify lane group, accept / commit as `_round` does.
-        Everything the drafters learn from a committed token is fed, as `_round` feeds it: the
-        ladder's backlog grows by this row (kv.length + backlog == position holds; a long run of
-        shared rounds is written eagerly past MTPLadder.MAX_BACKLOG, after the whole batch was
-        read), the suffix index gets the token. The depth controller sees only MTP rounds."""
-        lane = Lane(state, pending, sampler)
+        With one lane (batch_spec "solo-only", a model without verify_batch, or a sweep shared by
+        as many slots as it has lanes) there are no drafts: a plain decode lane. Everything the
+        drafters learn from a committed token is fed either way: the ladder's backlog grows by the
+        rows (kv.length + backlog == position holds; a long run of plain shared rounds is written
+        eagerly past MTPLadder.MAX_BACKLOG, after the whole batch was read; a group's drafting
+        flushes it), the suffix index gets the tokens. The depth controller sees the rounds the
+        ladder drafted, so a shared slot's depth follows what its narrower groups accept."""
+        draft = Draft(NONE)
+        if lanes > 1 and remaining > 1:
+            draft = self._draft(planner, sampler, min(lanes, self.width), remaining, state.position)
+        lane = Lane(state, pending, sampler, drafts=draft.tokens, stop_ids=stop_ids)
         yield lane
-        tok, hidden = lane.result()
-        new = [tok]
-        sampler.commit(new)
-        state.hidden_last = hidden
-        if ladder is not None:
-            ladder.defer(hidden, new)
-        if suffix is not None:
-            suffix.extend(new)
-        stats.record_round("none", [], 0, 1, lanes=1)
+        new, hidden = lane.result()
+        self._settle(state, new, hidden, draft, sampler, planner, ladder, suffix, stats)
         return new
 
 

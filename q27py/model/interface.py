@@ -29,6 +29,10 @@ class ForwardModel(Protocol):
     max_batch: int
     sized_slots: int | None  # slots the model sized its memory for at load; None: the engine's setting
     drafts_on_device: bool  # mtp_draft_chain runs the whole greedy MTP ladder in one device call
+    # The most lanes (every group together) one verify_batch takes: the shared sweep's flat width, the
+    # lanes a weight-bound sweep runs for about one step's cost. 0: no verify_batch (the engine keeps
+    # drafts out of shared rounds: each sharing slot is one plain decode_batch lane).
+    verify_lanes: int
     state_format: str  # what export_prefix's arrays mean (the prefix disk cache's compatibility hash)
 
     def new_state(self) -> Any: ...
@@ -48,6 +52,18 @@ class ForwardModel(Protocol):
 
     def commit(self, state, trace, n: int) -> None: ...
 
+    def verify_batch(self, states: list, groups: list) -> list:
+        """Verify forwards of several sequences in one weight sweep (the shared round with drafts,
+        engine/scheduler.py): group i = the tokens [pending, drafts..] of states[i] at its position..;
+        output i is forward(states[i], groups[i], logits_rows="all", verify=True)'s, bitwise (logits
+        [W_i, V], hidden rows, trace). At most max_batch distinct states, each group 1..16 tokens,
+        verify_lanes tokens in all. Outputs are read before any other model call, and commit_batch
+        follows directly (only where verify_lanes > 0)."""
+
+    def commit_batch(self, states: list, traces: list, ns: list) -> None:
+        """Keep the first ns[i] tokens of each group of the verify_batch just run (any subset of its
+        states, each once): states[i] becomes that of ns[i] plain decode steps, as commit() does."""
+
     def mtp_forward(self, kv, hidden, next_ids, start: int, logits_rows="all") -> tuple[np.ndarray, np.ndarray]: ...
 
     def mtp_draft_chain(self, kv, hidden, next_ids, start: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,6 +79,7 @@ class ForwardModel(Protocol):
 
 
 # The attributes (not methods) every implementation carries: the engine reads them unguarded.
-ATTRIBUTES = ("cfg", "has_mtp", "chunk", "max_pos", "max_batch", "sized_slots", "drafts_on_device", "state_format")
-METHODS = ("new_state", "reset_state", "forward", "decode_batch", "commit", "mtp_forward", "save_recurrent", "rewind",
-           "export_prefix", "import_prefix")
+ATTRIBUTES = ("cfg", "has_mtp", "chunk", "max_pos", "max_batch", "sized_slots", "drafts_on_device", "verify_lanes",
+              "state_format")
+METHODS = ("new_state", "reset_state", "forward", "decode_batch", "commit", "verify_batch", "commit_batch",
+           "mtp_forward", "save_recurrent", "rewind", "export_prefix", "import_prefix")

@@ -221,6 +221,9 @@ class ReferenceModel:
     max_pos: int | None = None
     sized_slots: int | None = None
     drafts_on_device = False
+    # verify_batch's lanes, all groups together: the GPU sweep's flat width (16, the GEMV's lanes), so
+    # the engine splits its shared rounds here as it does there and the CPU tests see the same shapes
+    verify_lanes = 16
 
     def decode_batch(self, states: list[SequenceState], ids: list[int]) -> list[ForwardOutput]:
         """One decode step for each of several sequences: here literally the loop of solo forwards,
@@ -234,6 +237,29 @@ class ReferenceModel:
         if len(states) > self.max_batch:
             raise ValueError(f"decode_batch: {len(states)} lanes > max_batch {self.max_batch}")
         return [self.forward(state, [int(t)]) for state, t in zip(states, ids)]
+
+    def verify_batch(self, states: list[SequenceState], groups: list) -> list[ForwardOutput]:
+        """The verify forwards of several sequences (the shared round with drafts): here the loop of
+        solo verify forwards, so bitwise by construction (no sweep to share on the CPU, as for
+        decode_batch). Each forward leaves its own Trace (copies of every lane's recurrent state), so
+        the commits that follow may come in any order."""
+        groups = [[int(t) for t in g] for g in groups]
+        if len(states) != len(groups):
+            raise ValueError(f"verify_batch: {len(states)} states but {len(groups)} groups")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("verify_batch: a state appears twice (each group is its own sequence)")
+        if len(states) > self.max_batch:
+            raise ValueError(f"verify_batch: {len(states)} groups > max_batch {self.max_batch}")
+        if any(not 1 <= len(g) <= SMALL_T for g in groups) or sum(map(len, groups)) > self.verify_lanes:
+            raise ValueError(f"verify_batch: groups of 1..{SMALL_T} tokens, at most {self.verify_lanes} in all")
+        return [self.forward(state, g, logits_rows="all", verify=True) for state, g in zip(states, groups)]
+
+    def commit_batch(self, states: list[SequenceState], traces: list, ns: list) -> None:
+        """commit() for each group of the verify_batch just run."""
+        if not len(states) == len(traces) == len(ns):
+            raise ValueError("commit_batch: one trace and one count per state")
+        for state, trace, n in zip(states, traces, ns):
+            self.commit(state, trace, int(n))
 
     def commit(self, state: SequenceState, trace: Trace, n: int) -> None:
         """Keep the first n tokens of a verify forward: the state becomes that of n plain steps."""

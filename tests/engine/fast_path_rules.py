@@ -54,12 +54,15 @@ class _DeviceOut(_Out):
 class Probe:
     """A CPU model with one scratch for every state, as the CUDA fast path has: an output (a whole
     decode_batch's outputs) is readable until the next forward / decode_batch / MTP call of any
-    state, and commit must follow its own verify forward. Logs every call: ("forward", state, T, verify)
-    and ("batch", B, states); `fail_batch` makes decode_batch raise (after the lanes' states moved, as a
+    state, and commit must follow its own verify forward (commit_batch its verify_batch). Logs every
+    call: ("forward", state, T, verify), ("batch", B, states), ("groups", widths, states) and
+    ("commit_groups", ns, states); `fail_batch` makes decode_batch / verify_batch raise (after the lanes' states moved, as a
     device fault mid-batch would leave them)."""
 
-    def __init__(self, inner, max_batch=16, device=False):
+    def __init__(self, inner, max_batch=16, device=False, verify_lanes=None):
         self._m, self.max_batch, self._device = inner, max_batch, device
+        # verify_batch's width (None: the inner model's; 0: a model without it, plain shared lanes only)
+        self.verify_lanes = inner.verify_lanes if verify_lanes is None else verify_lanes
         self.serial, self.pending, self.calls = 0, None, []
         self.logits_reads = self.masked_launches = 0
         self.fail_batch = None  # a set of state ids: a batch holding one of them raises
@@ -95,6 +98,27 @@ class Probe:
         self.pending = None
         self._m.commit(state, trace, n)
 
+    def verify_batch(self, states, groups):
+        outs = self._m.verify_batch(states, groups)
+        self.serial += 1
+        # commit_batch must come next: the groups' traces, by state
+        self.pending = ("groups", {id(s): o.trace for s, o in zip(states, outs)})
+        self.calls.append(("groups", tuple(len(g) for g in groups), tuple(id(s) for s in states)))
+        if self.on_batch is not None:
+            self.on_batch()
+        if self.fail_batch and any(id(s) in self.fail_batch for s in states):
+            raise RuntimeError("device fault in verify_batch")
+        return [self._wrap(o) for o in outs]
+
+    def commit_batch(self, states, traces, ns):
+        held = self.pending[1] if self.pending is not None and self.pending[0] == "groups" else None
+        if held is None or any(held.get(id(s)) is not t for s, t in zip(states, traces)) \
+                or len({id(s) for s in states}) != len(states):
+            raise RuntimeError("commit_batch must follow its verify_batch, with no model call in between")
+        self.pending = None
+        self.calls.append(("commit_groups", tuple(int(n) for n in ns), tuple(id(s) for s in states)))
+        self._m.commit_batch(states, traces, ns)
+
     def mtp_forward(self, *args, **kwargs):
         self.serial += 1
         self.pending = None
@@ -102,3 +126,7 @@ class Probe:
 
     def batches(self):
         return [c[1] for c in self.calls if c[0] == "batch"]
+
+    def group_batches(self):
+        """The widths of each verify_batch's groups, in call order."""
+        return [c[1] for c in self.calls if c[0] == "groups"]

@@ -30,6 +30,7 @@ class MarkovModel:
     max_batch = 0
     sized_slots: int | None = None
     drafts_on_device = False
+    verify_lanes = 0  # no verify_batch either: shared rounds (none: max_batch 0) would carry plain lanes
     state_format = "markov"
 
     def __init__(self, logits: np.ndarray, mtp_logits: np.ndarray | None = None):
@@ -84,6 +85,15 @@ class MarkovModel:
         assert 1 <= n <= trace.n_tokens
         state.position += n
         state.gdn[0] = GDNState(trace.recurrent[0][n - 1].copy(), trace.conv[0][n - 1].copy())
+
+    def decode_batch(self, states, ids):
+        raise NotImplementedError("max_batch 0: the engine never shares a round on this model")
+
+    def verify_batch(self, states, groups):
+        raise NotImplementedError("verify_lanes 0: the engine never runs a verify group on this model")
+
+    def commit_batch(self, states, traces, ns):
+        raise NotImplementedError("verify_lanes 0: nothing to commit")
 
     def mtp_forward(self, kv: KVCache, hidden, next_ids, start: int, logits_rows="all"):
         kv.truncate(start)

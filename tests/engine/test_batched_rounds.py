@@ -419,9 +419,14 @@ def test_batch_settings_env_and_validation(fast, tok):
     assert (d.shared_rounds(), d.interleave()) == (False, 0)
     with pytest.raises(ValueError):
         apply_env(Q27Config(), {"Q27_BATCH_ROUNDS": "yes"})
-    for bad in ({"batch_spec": "drafts"}, {"batch_spec": "wide"}, {"interleave_chunk": -1}):
+    for bad in ({"batch_spec": "wide"}, {"batch_spec": "draft"}, {"interleave_chunk": -1}):
         with pytest.raises(ConfigError):
             make_engine(fast, tok, 2, **bad)
+    # "drafts" (reserved until the shared sweep could carry drafts) is a choice now, from the env too
+    assert apply_env(Q27Config(), {"Q27_BATCH_SPEC": "drafts"}).engine.batch_spec == "drafts"
+    assert make_engine(fast, tok, 2, batch_spec="drafts").sweep_lanes == fast.verify_lanes > 0
+    assert apply_env(Q27Config(), {"Q27_VERIFY_GROUPS": "1"}).engine.verify_groups is True
+    assert Q27Config().engine.verify_groups is False  # cuda's verify_batch waits for its GPU tests
     e = make_engine(fast, tok, 2, interleave_chunk=256)
     assert e.shares_rounds and e.interleave_chunk == 256
 

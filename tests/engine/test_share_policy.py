@@ -119,6 +119,8 @@ def gpu_clock(probe, step_ms=10.0, lane_ms=0.2, prefill_ms_per_token=0.05, mtp_m
                 ms += step_ms + lane_ms * c[2] if (c[3] or c[2] == 1) else prefill_ms_per_token * c[2]
             elif c[0] == "batch":
                 ms += step_ms + lane_ms * c[1]
+            elif c[0] == "groups":  # verify_batch: one sweep for every group's lanes
+                ms += step_ms + lane_ms * sum(c[1])
             elif c[0] == "mtp":
                 ms += step_ms / 10 + mtp_ms_per_row * c[1]
         return ms / 1000.0
@@ -156,7 +158,9 @@ def requests(tok, n, sampled):
 
 @pytest.mark.parametrize("sampled", [False, True])
 def test_two_speculating_streams_take_turns_and_keep_their_tokens(fast, tok, sampled):
-    probe = Probe(fast)
+    """With a sweep of plain lanes (a model without verify_batch), two speculating streams do better
+    in turns."""
+    probe = Probe(fast, verify_lanes=0)
     counting_mtp(probe)
     engine = make_engine(probe, tok, 2)
     assert engine.batch_spec == "adaptive"
@@ -201,8 +205,9 @@ def test_plain_streams_share_and_solo_only_never_takes_turns(fast, tok):
 def test_a_prompts_mtp_warm_up_is_not_timed_as_a_round(fast, tok):
     """The first decode step after a prefill runs the prompt's deferred MTP warm-up (MTP passes over its
     rows, held back until its first token was out): a one-off the policy must not average in, or a slot with a long prompt would look slow
-    for good. Here it costs 300 ms against 10 ms steps; the averages stay near a step."""
-    probe = Probe(fast)
+    for good. Here it costs 300 ms against 10 ms steps; the averages stay near a step. (Plain shared lanes,
+    so that turns win and both kinds of round are timed.)"""
+    probe = Probe(fast, verify_lanes=0)
     counting_mtp(probe)
     engine = make_engine(probe, tok, 2)
     sched = Scheduler(engine, clock=gpu_clock(probe, mtp_ms_per_row=1.0))
@@ -265,3 +270,5 @@ def test_mixed_rounds_keep_every_requests_tokens(fast, tok):
     assert [j.logprobs for j in jobs] == [s.logprobs for s in solo]
     assert [j.finish for j in jobs] == [s.finish for s in solo]
     assert sched.solo_turns > 10 and sched.batched_rounds > 10, (sched.solo_turns, sched.batched_rounds)
+    # the shared sweeps carried drafts (verify_batch groups wider than one token)
+    assert sum(max(w) > 1 for w in probe.group_batches()) > 5, probe.group_batches()

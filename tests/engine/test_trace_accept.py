@@ -73,3 +73,30 @@ def test_the_load_bench_reports_the_forced_rounds(fast, tok):
     assert ra["verify_rounds"] > 0 and 0 < ra["drafts_accepted"] <= ra["drafts_offered"]
     assert r["spec"] and r["batch_spec"] == "adaptive"
     assert all(row["tokens"] == row["streams"] * 24 for row in r["concurrency"])
+
+
+def test_verify_groups_of_a_shared_sweep_are_forced_too(fast, tok):
+    """Drafts in the shared sweep (batch_spec "drafts": every group through verify_batch): each group of
+    two or more lanes takes one recorded round, as a solo verify forward does."""
+    from q27py.engine.scheduler import Scheduler
+    from sched_jobs import Job, drain
+
+    model = TraceAcceptance(fast, [2])
+    cfg = Q27Config()
+    cfg.spec.enabled = True
+    cfg.spec.trace = True
+    cfg.engine.max_slots = 2
+    cfg.engine.checkpoint_every = 0
+    cfg.engine.batch_rounds = True
+    cfg.engine.batch_spec = "drafts"
+    e = LocalEngine(cfg, model, tok)
+    sched = Scheduler(e)
+    jobs = [Job(str(i), GenerationRequest(prompt_ids=tok.encode(t), max_tokens=40))
+            for i, t in enumerate(("The river runs through the old town, and ", "def parse(line):\n    "))]
+    for j in jobs:
+        sched.submit(j)
+    drain(sched)
+    assert sched.batched_rounds > 5
+    traces = [[r for r in j.stats["trace"] if r["drafts"]] for j in jobs]
+    assert sum(map(len, traces)) == model.rounds > 10
+    assert all(r["accepted"] - 1 == min(2, len(r["drafts"])) for t in traces for r in t)

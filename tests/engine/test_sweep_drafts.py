@@ -1,0 +1,159 @@
+"""Drafts inside the shared sweep (issue 15 item 2, EngineConfig.batch_spec "drafts" / "adaptive"): each
+sharing slot's group -- its pending token plus up to its share of the sweep's flat width in drafts --
+runs in ONE model.verify_batch, each group walks its own rows as a solo round does (decoder.accept_walk)
+and one commit_batch keeps every group's accepted tokens.
+
+What must hold, on the CPU fast path through LocalEngine and the scheduler (the Probe model enforces the
+CUDA fast path's scratch rules: every group reads its rows before any later model call, commit_batch
+directly after its verify_batch):
+- every request's tokens, logprobs and finish are bitwise those it gets alone (greedy, sampled,
+  constrained, different lengths, slots joining and leaving);
+- the groups really carried drafts, within each slot's share of the sweep (sweep_lanes / sharing slots)
+  and never past the model's verify_lanes or max_batch in one call;
+- a failed verify_batch ends only the slots whose groups it carried;
+- with plain lanes two speculating streams take turns (test_share_policy); with drafts in the sweep,
+  sharing yields as much as turns for one sweep, and the policy shares.
+"""
+
+import pytest
+
+from q27py.engine.api import GenerationRequest, OutputConstraint, SamplingParams
+from q27py.engine.engine import sweep_parts
+from q27py.engine.scheduler import Scheduler
+from fast_path_rules import Probe
+from sched_jobs import Job, drain
+from test_share_policy import TEXTS, alone, counting_mtp, gpu_clock, make_engine
+
+
+def reqs(tok, n, sampled=False, constrained=False, lengths=None):
+    out = []
+    for i in range(n):
+        constrain = constrained and i == 2
+        out.append(GenerationRequest(
+            prompt_ids=tok.encode(TEXTS[i % len(TEXTS)] * (1 + i % 2)),
+            max_tokens=(lengths or [48 + 5 * j for j in range(n)])[i],
+            sampling=SamplingParams(temperature=0.8, seed=11 + i) if sampled else SamplingParams(),
+            logprobs=2 if i % 2 == 0 else None,
+            constraint=OutputConstraint("json_object") if constrain else None,
+            stop_ids=frozenset(tok.eos_ids) if constrain else frozenset()))
+    return out
+
+
+def run(engine, requests, arrivals=None, clock=None):
+    sched = Scheduler(engine, clock=clock) if clock else Scheduler(engine)
+    jobs = [Job(str(i), r) for i, r in enumerate(requests)]
+    arrivals = arrivals or [0] * len(jobs)
+    rnd = 0
+    while True:
+        for j, at in zip(jobs, arrivals):
+            if at == rnd:
+                sched.submit(j)
+        if rnd > max(arrivals) and not sched.wait(timeout=0):
+            break
+        sched.round()
+        rnd += 1
+    return sched, jobs
+
+
+@pytest.mark.parametrize("sampled,constrained", [(False, False), (True, False), (True, True)])
+def test_groups_in_the_sweep_keep_every_requests_tokens(fast, tok, sampled, constrained):
+    probe = Probe(fast)
+    engine = make_engine(probe, tok, 4, batch_spec="drafts")
+    assert engine.sweep_lanes == fast.verify_lanes == 16
+    requests = reqs(tok, 4, sampled, constrained)
+    sched, jobs = run(engine, requests, arrivals=[0, 0, 3, 9])  # slots join while others decode
+    solo = [alone(fast, tok, r) for r in reqs(tok, 4, sampled, constrained)]
+    assert [j.tokens for j in jobs] == [s.tokens for s in solo]
+    assert [j.logprobs for j in jobs] == [s.logprobs for s in solo]
+    assert [j.finish for j in jobs] == [s.finish for s in solo]
+    groups = probe.group_batches()
+    assert sched.solo_turns == 0 and len(groups) > 10
+    assert sum(max(w) > 1 for w in groups) > 5, "the sweep carried drafts"
+    # each call within the model's limits, each group within its slot's share of the sweep
+    assert all(sum(w) <= 16 and len(w) <= probe.max_batch for w in groups)
+    assert all(max(w) <= 16 // len(w) for w in groups), groups
+    # every verify_batch was followed by its commit_batch, nothing in between (the Probe raises otherwise)
+    calls = [c[0] for c in probe.calls]
+    assert all(calls[i + 1] == "commit_groups" for i, c in enumerate(calls) if c == "groups")
+
+
+def test_a_slots_share_follows_the_sharing_count(fast, tok):
+    """Two sharing slots get 8 lanes each, three get 5, four get 4 (a group never wider than the
+    decoder's own verify width either)."""
+    probe = Probe(fast)
+    engine = make_engine(probe, tok, 4, batch_spec="drafts")
+    run(engine, reqs(tok, 4, lengths=[150, 150, 150, 150]), arrivals=[0, 0, 3, 6])
+    widest = {}
+    for w in probe.group_batches():
+        widest[len(w)] = max(widest.get(len(w), 0), max(w))
+    assert set(widest) >= {2, 3, 4}, widest
+    for n, w in widest.items():
+        assert 1 < w <= min(16 // n, engine.decoder.width), widest
+
+
+def test_a_failed_verify_batch_ends_only_its_groups(fast, tok):
+    probe = Probe(fast, max_batch=2)  # two groups per call: four slots take two calls
+    engine = make_engine(probe, tok, 4, batch_spec="drafts")
+    sched = Scheduler(engine)
+    jobs = [Job(str(i), GenerationRequest(tok.encode(TEXTS[i]), 24)) for i in range(4)]
+    for j in jobs:
+        sched.submit(j)
+    for _ in range(4):
+        sched.round()
+    doomed = [seq.state for seq in engine.prefix.slots if seq.busy][:1]
+    probe.fail_batch = {id(s) for s in doomed}
+    sched.round()
+    probe.fail_batch = None
+    failed = [j for j in jobs if j.items and isinstance(j.items[-1], RuntimeError)]
+    assert len(failed) == 2, "the call of two groups with the faulty one ended both of its slots, nothing else"
+    drain(sched)
+    for i, j in enumerate(jobs):
+        if j not in failed:
+            assert j.tokens == alone(fast, tok, GenerationRequest(tok.encode(TEXTS[i]), 24)).tokens
+    assert len([s for s in engine.prefix.slots if s.tokens]) == 2  # the failed slots' sequences dropped
+
+
+def test_adaptive_shares_when_the_sweep_carries_drafts(fast, tok):
+    """The weight-bound clock of test_share_policy (a sweep of <= 16 lanes costs about one step): with
+    plain lanes two speculating streams take turns; with drafts in the sweep one shared round yields
+    what two turns yield, so the policy keeps them sharing (probing turns now and then). Tokens are
+    the solo ones either way."""
+    want = [alone(fast, tok, r).tokens for r in reqs(tok, 2, lengths=[300, 300])]
+    split = {}
+    for lanes in (0, None):  # a model without verify_batch, then the CPU path's (16 lanes)
+        probe = Probe(fast, verify_lanes=lanes)
+        counting_mtp(probe)
+        engine = make_engine(probe, tok, 2)
+        assert engine.batch_spec == "adaptive" and engine.sweep_lanes == (lanes if lanes is not None else 16)
+        sched, jobs = run(engine, reqs(tok, 2, lengths=[300, 300]), clock=gpu_clock(probe))
+        assert [j.tokens for j in jobs] == want
+        split[lanes] = (sched.batched_rounds, sched.solo_turns)
+        if lanes is None:
+            # the shared rounds verified drafts: more tokens than rounds, drafts proposed and accepted
+            stats = [j.stats for j in jobs]
+            assert all(s["tokens_per_round"] > 1.5 and sum(s["accepted_by_depth"]) > 10 for s in stats), stats
+    (plain_shared, plain_turns), (drafts_shared, drafts_turns) = split[0], split[None]
+    assert plain_turns > 2 * plain_shared, split  # turns win against plain lanes
+    assert drafts_shared > drafts_turns, split  # the sweep wins once it carries drafts
+
+
+def test_solo_only_and_plain_decoding_keep_plain_lanes(fast, tok):
+    probe = Probe(fast)
+    engine = make_engine(probe, tok, 2, batch_spec="solo-only")
+    assert engine.sweep_lanes == 0
+    run(engine, reqs(tok, 2))
+    assert probe.batches() and not probe.group_batches()
+    plain = make_engine(Probe(fast), tok, 2, spec=False)
+    assert plain.batch_spec == "solo-only" and plain.sweep_lanes == 0
+    assert make_engine(Probe(fast, verify_lanes=0), tok, 2).sweep_lanes == 0  # a model without verify_batch
+
+
+def test_sweep_parts():
+    assert sweep_parts([8, 8], 16, 16) == [[0, 1]]
+    assert sweep_parts([5, 5, 5, 5], 16, 16) == [[0, 1, 2], [3]]
+    assert sweep_parts([1] * 5, 2, 16) == [[0, 1], [2, 3], [4]]
+    assert sweep_parts([3, 16, 1], 16, 16) == [[0], [1], [2]]
+    with pytest.raises(ValueError):
+        sweep_parts([17], 16, 16)
+    with pytest.raises(RuntimeError):
+        sweep_parts([2], 16, 0)
