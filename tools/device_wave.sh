@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -180,6 +180,20 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
         timeout ${LOAD_S:-300} python3 -m q27py bench load --random-weights 27b --tier q4s --streams ${STREAMS:-1 2 4 8} --no-mixed \
           --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
           > "$OUT/load.txt" 2>&1 || rc=1; tail -10 "$OUT/load.txt" ;;
+    groups)  # drafts in the shared sweep (FastModel.verify_batch, Q27_VERIFY_GROUPS): its bitwise GPU tests and the
+             # batched-round suites with it on, then the spec replay's three ways of moving C streams (turns / plain
+             # sweep / sweep with drafts) and the load bench's scheduler with recorded acceptance, off vs on
+        Q27_VERIFY_GROUPS=1 timeout 300 $PYTEST tests/gpu/test_verify_groups_gpu.py tests/gpu/test_batched_rounds_gpu.py \
+          tests/gpu/test_slots_gpu.py > "$OUT/groups_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/groups_tests.txt"
+        Q27_VERIFY_GROUPS=1 timeout 240 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \
+          --streams 2 4 8 16 --json > "$OUT/groups_replay.json" 2> "$OUT/groups_replay.txt" || rc=1
+        grep -E "C=" "$OUT/groups_replay.txt"
+        for g in 0 1; do
+          Q27_VERIFY_GROUPS=$g timeout ${LOAD_S:-200} python3 -m q27py bench load --random-weights 27b --tier q4s \
+            --streams ${STREAMS:-1 2 4 8 16} --no-mixed --traces q27py/bench/data/spec_traces.json \
+            q27py/bench/data/spec_traces_code.json > "$OUT/groups_load$g.txt" 2>&1 || rc=1
+          echo "--- verify groups $g"; tail -8 "$OUT/groups_load$g.txt"
+        done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done

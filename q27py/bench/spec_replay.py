@@ -74,15 +74,7 @@ class _Stream:
         mark, event = hooks if hooks else (None, None)
         tp = time.perf_counter()
         ev = event() if hooks else None
-        d = len(r["drafts"])
-        if r["source"] == "mtp" and d:
-            steps = max(d, int(r.get("mtp_steps", d)))
-            draft = self.ladder.draft(steps, float("-inf"), st.position).tokens[:d]
-        elif r["source"] == "suffix" and d:
-            self.suffix.propose(d, min_match=2)
-            draft = [int(x) for x in r["drafts"]]
-        else:
-            draft = []
+        draft = self.draft(r)
         if hooks:  # the draft: its chain on the device, its host call (ids read back inside)
             tp, _ = mark("draft", tp, ev)
             ev = event()
@@ -106,6 +98,19 @@ class _Stream:
         if hooks:
             mark("bookkeeping", tp)
         return n
+
+    def draft(self, r: dict, cap: int | None = None) -> list[int]:
+        """The trace round's drafts, made as the engine makes them (the MTP chain on the device for its
+        recorded steps; the suffix drafter's lookup, its recorded tokens), at most `cap` of them (a
+        shared sweep's group: its share of the lanes; the chain then runs only that deep)."""
+        d = len(r["drafts"]) if cap is None else min(len(r["drafts"]), cap)
+        if r["source"] == "mtp" and d:
+            steps = max(d, int(r.get("mtp_steps", d))) if d == len(r["drafts"]) else d
+            return self.ladder.draft(steps, float("-inf"), self.st.position).tokens[:d]
+        if r["source"] == "suffix" and d:
+            self.suffix.propose(d, min_match=2)
+            return [int(x) for x in r["drafts"][:d]]
+        return []
 
     def feed(self, hidden, new: list[int]) -> None:
         """What a committed round teaches the drafters (spec.py: solo and shared rounds alike)."""
@@ -227,13 +232,16 @@ def run(traces: Path = TRACES, tier: str = "q4s", context: int = 2048, seed: int
 
 
 def _streams(m, states, prompts, streams, tokenizer, rng, context: int, log) -> dict:
-    """C sequences at once: the two ways a scheduler round can move them (engine/share_policy.py), each
+    """C sequences at once: the ways a scheduler round can move them (engine/share_policy.py), each
     timed over STREAM_ROUNDS rounds with host time, after a warm pass that captures its graphs --
     "shared": one decode_batch of C plain lanes per round, each stream's token and hidden row read and
-    its drafters fed (spec.py _shared_round's work), the MTP backlog written at the end;
+    its drafters fed (spec.py _shared_round's work with one lane), the MTP backlog written at the end;
+    "groups" (a model with verify_batch, C <= max_batch): one verify_batch per round of every stream's
+    trace round, its drafts cut to its share of the sweep (verify_lanes // C lanes, as the scheduler
+    shares them), each group's recorded count accepted, one commit_batch;
     "turns": every stream's own trace round in turn (stream i starts i / C of the way into the trace
     rounds, so the streams replay different rounds). Aggregate tokens/s of each; SharePolicy measures
-    the same two quantities and takes the larger (or a mix)."""
+    the same quantities and takes the largest (or a mix)."""
     flat = [r for p in prompts for r in p]
     out = {}
     for c in streams:
@@ -246,12 +254,15 @@ def _streams(m, states, prompts, streams, tokenizer, rng, context: int, log) -> 
                 st.mtp_position = context - 1
             return [_Stream(m, st, tokenizer, rng, context) for st in sts]
 
+        def rounds_at(k):
+            return [flat[(k + i * len(flat) // c) % len(flat)] for i in range(c)]
+
         def turns():
             ss = fresh()
             tokens, t0 = 0, time.perf_counter()
             for k in range(STREAM_ROUNDS):
-                for i, sm in enumerate(ss):
-                    tokens += sm.spec_round(flat[(k + i * len(flat) // c) % len(flat)])
+                for sm, r in zip(ss, rounds_at(k)):
+                    tokens += sm.spec_round(r)
             m.stream.synchronize()
             return tokens, time.perf_counter() - t0
 
@@ -267,18 +278,45 @@ def _streams(m, states, prompts, streams, tokenizer, rng, context: int, log) -> 
             m.stream.synchronize()
             return c * STREAM_ROUNDS, time.perf_counter() - t0
 
+        def groups():
+            ss = fresh()
+            cap = max(1, m.verify_lanes // c) - 1  # drafts per group: its share of the sweep, less its token
+            tokens, t0 = 0, time.perf_counter()
+            for k in range(STREAM_ROUNDS):
+                rs = rounds_at(k)
+                lanes = [[sm.pending] + sm.draft(r, cap) for sm, r in zip(ss, rs)]
+                outs = m.verify_batch(sts, lanes)
+                kept = []
+                for r, o, ln in zip(rs, outs, lanes):  # every group read before the commit (scratch rule)
+                    n = min(int(r["accepted"]), len(ln))
+                    kept.append(([int(x) for x in o.greedy_ids()[:n]], np.array(o.hidden[:n])))
+                m.commit_batch(sts, [o.trace for o in outs], [len(new) for new, _ in kept])
+                for sm, (new, hidden) in zip(ss, kept):
+                    sm.feed(hidden, new)
+                    tokens += len(new)
+            m.stream.synchronize()
+            return tokens, time.perf_counter() - t0
+
+        modes = [("turns", turns), ("shared", shared)]
+        if m.verify_lanes > 0 and c <= m.max_batch:
+            modes.append(("groups", groups))
         row = {}
-        for name, fn in (("turns", turns), ("shared", shared)):
+        for name, fn in modes:
             fn()  # warm: its graphs captured
             tokens, secs = fn()
             row[name] = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
                          "per_stream_tokens_per_s": tokens / secs / c}
-        row["faster"] = max(("turns", "shared"), key=lambda k: row[k]["tokens_per_s"])
+        row["faster"] = max((name for name, _ in modes), key=lambda k: row[k]["tokens_per_s"])
         row["turns_over_shared"] = row["turns"]["tokens_per_s"] / row["shared"]["tokens_per_s"]
+        line = (f"  C={c}: turns {row['turns']['tokens_per_s']:.1f} t/s ({row['turns']['per_stream_tokens_per_s']:.1f} per "
+                f"stream), shared {row['shared']['tokens_per_s']:.1f} t/s ({row['shared']['per_stream_tokens_per_s']:.1f}); "
+                f"turns / shared {row['turns_over_shared']:.2f}")
+        if "groups" in row:
+            row["groups_over_shared"] = row["groups"]["tokens_per_s"] / row["shared"]["tokens_per_s"]
+            line += (f"; groups {row['groups']['tokens_per_s']:.1f} t/s ({row['groups']['per_stream_tokens_per_s']:.1f}), "
+                     f"groups / shared {row['groups_over_shared']:.2f}")
         out[c] = row
-        log(f"  C={c}: turns {row['turns']['tokens_per_s']:.1f} t/s ({row['turns']['per_stream_tokens_per_s']:.1f} per "
-            f"stream), shared {row['shared']['tokens_per_s']:.1f} t/s ({row['shared']['per_stream_tokens_per_s']:.1f}); "
-            f"turns / shared {row['turns_over_shared']:.2f}")
+        log(line)
     return out
 
 
@@ -288,7 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tier", default="q4s")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--streams", type=int, nargs="+", default=None, metavar="C",
-                    help="also C sequences at once: solo rounds in turn against one shared sweep per round")
+                    help="also C sequences at once: solo rounds in turn against one shared sweep per round (and, with "
+                         "Q27_VERIFY_GROUPS=1, the sweep carrying each stream's drafts)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import sys
