@@ -7,7 +7,10 @@
 // applies the sigmoid output gate. The tensor-core kernel below (attn_mma_*) reads the KV once per
 // round for all lanes (EngineConfig.attn_decode). The *_lanes entries are FastModel.decode_batch's:
 // lanes of different sequences (common.cuh lane table), each run by the same body as its own
-// one-token decode, so a lane's bits never depend on the others.
+// one-token decode, so a lane's bits never depend on the others. The *_groups entries are
+// FastModel.verify_batch's: each sequence's verify lanes (a group of consecutive lane rows, common.cuh
+// group table) run as that sequence's solo verify round runs them -- pos0 and split size of the round,
+// lane t = its offset in the group -- whatever the other groups are.
 #include "common.cuh"
 
 
@@ -223,6 +226,39 @@ ATT_LANES_KERNEL(attn_split_lanes_fp8_d2, u8, 2)
 ATT_LANES_KERNEL(attn_split_lanes_fp8_d4, u8, 4)
 ATT_LANES_KERNEL(attn_split_lanes_fp8_d8, u8, 8)
 
+// verify_batch (common.cuh group table): grid (nkv, NSPLIT, lanes), lane b = lane t = b - r0 of its group's
+// verify (r0: the group's first row, at the round's pos0 = that row's position): the split size of that
+// sequence's solo verify round (from its pos0, not the lane's own position, which can cross a split-size
+// step), its state's K / V (+ kv_off bytes: this layer; fp8 exponents + x_off), its q row and partials.
+// The lane stores of every lane ran before (the store launch), so lane t sees its group's rows pos0 .. pos0 + t.
+#define ATT_GROUPS_KERNEL(NAME, KVT, DPL)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const float* q, int ldq, const i64* lanes,                \
+                                                           const int* groups, i64 kv_off, i64 x_off, int max_pos,      \
+                                                           int nq, int nkv, float scale, int span, float* part) {      \
+        pdl_entry();                                                                                                   \
+        const int b = blockIdx.z, r0 = group_first_of_lane(groups, b);                                                 \
+        constexpr bool FP8 = sizeof(KVT) == 1;                                                                         \
+        attn_split_body<KVT, DPL>(q + (i64)b * ldq, lane_ptr<const KVT>(lanes, b, LT_K, kv_off),                      \
+                                  lane_ptr<const KVT>(lanes, b, LT_V, kv_off), max_pos, nq, nkv, scale,               \
+                                  lane_positions(lanes)[r0], b - r0, span,                                            \
+                                  part + (i64)b * nq * NSPLIT * (32 * DPL + 2),                                       \
+                                  FP8 ? lane_ptr<const signed char>(lanes, b, LT_KX, x_off) : nullptr,                \
+                                  FP8 ? lane_ptr<const signed char>(lanes, b, LT_VX, x_off) : nullptr);               \
+    }
+
+ATT_GROUPS_KERNEL(attn_split_groups_f32_d1, float, 1)
+ATT_GROUPS_KERNEL(attn_split_groups_f32_d2, float, 2)
+ATT_GROUPS_KERNEL(attn_split_groups_f32_d4, float, 4)
+ATT_GROUPS_KERNEL(attn_split_groups_f32_d8, float, 8)
+ATT_GROUPS_KERNEL(attn_split_groups_bf16_d1, u16, 1)
+ATT_GROUPS_KERNEL(attn_split_groups_bf16_d2, u16, 2)
+ATT_GROUPS_KERNEL(attn_split_groups_bf16_d4, u16, 4)
+ATT_GROUPS_KERNEL(attn_split_groups_bf16_d8, u16, 8)
+ATT_GROUPS_KERNEL(attn_split_groups_fp8_d1, u8, 1)
+ATT_GROUPS_KERNEL(attn_split_groups_fp8_d2, u8, 2)
+ATT_GROUPS_KERNEL(attn_split_groups_fp8_d4, u8, 4)
+ATT_GROUPS_KERNEL(attn_split_groups_fp8_d8, u8, 8)
+
 // Merge of the split partials {m, l, acc[hd]} of (lane t, q head h) in split order, then the sigmoid
 // output gate: out[t][h*hd + d] = (sum_s acc e^(m_s-M)) / (sum_s l e^(m_s-M)) * sigmoid(gate).
 // ssz: the launch's split size; stride: splits per (lane, head) in the partials buffer.
@@ -262,6 +298,17 @@ extern "C" __global__ void attn_combine_lanes(const float* __restrict__ part, in
     pdl_entry();
     const int pos0 = lane_positions(lanes)[blockIdx.x];
     combine_body(part, nq, hd, pos0, 0, blockIdx.x, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
+}
+
+// verify_batch: grid (lanes, nq), lane b = lane b - r0 of its group's round at pos0 = row r0's position
+// (attn_split_groups_*' partials).
+extern "C" __global__ void attn_combine_groups(const float* __restrict__ part, int nq, int hd,
+                                               const i64* __restrict__ lanes, const int* __restrict__ groups, int span,
+                                               const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
+    pdl_entry();
+    const int b = blockIdx.x, r0 = group_first_of_lane(groups, b);
+    const int pos0 = lane_positions(lanes)[r0];
+    combine_body(part, nq, hd, pos0, b - r0, b, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
 }
 
 // ================================================================ tensor-core decode / verify (attn_mma_*)
@@ -667,6 +714,45 @@ ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d64_bq, 64, true, false, true)
 ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d128_bq, 128, true, false, true)
 ATTD_LANES_KERNEL(attn_mma_lanes_fp8_d256_bq, 256, true, false, true)
 
+// verify_batch (common.cuh group table): grid (nkv, nsplit, groups), group g = one sequence's verify round
+// exactly as its one-sequence launch runs it: nlanes GT_COUNT[g], pos0 its first row r0's position, its
+// state's K / V (+ kv_off; fp8 exponents + x_off), its q rows r0 .. and partials (rows r0 .. of the
+// buffer, as attn_mma_combine_groups reads them). The block is sized for the widest group of the launch:
+// the extra warps only stage tiles (kernels.attention_mma_warps), no row's math changes.
+#define ATTD_GROUPS_KERNEL(NAME, HD, FP8, QS, BUILD)                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * ATTD_MAX_WARPS)                                          \
+        NAME(const float* q, int ldq, const i64* lanes, const int* groups, i64 kv_off, i64 x_off, int max_pos,  \
+             int nq, int nkv, float scale, int span, int nsplit, float* part) {                                 \
+        pdl_entry();                                                                                            \
+        const int g = blockIdx.z, r0 = group_field(groups, GT_FIRST, g);                                        \
+        if constexpr (BUILD)                                                                                    \
+            attn_mma_body<HD, FP8, QS>(q + (i64)r0 * ldq, ldq,                                                  \
+                                       lane_ptr<const unsigned char>(lanes, r0, LT_K, kv_off),                  \
+                                       lane_ptr<const unsigned char>(lanes, r0, LT_V, kv_off), max_pos, nq, nkv, \
+                                       scale, lane_positions(lanes) + r0, span, nsplit,                         \
+                                       group_field(groups, GT_COUNT, g), part + (i64)r0 * nq * nsplit * (HD + 2), \
+                                       FP8 ? lane_ptr<const signed char>(lanes, r0, LT_KX, x_off) : nullptr,    \
+                                       FP8 ? lane_ptr<const signed char>(lanes, r0, LT_VX, x_off) : nullptr);   \
+        else                                                                                                    \
+            __trap();                                                                                           \
+    }
+ATTD_GROUPS_KERNEL(attn_mma_groups_bf16_d32, 32, false, true, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_bf16_d64, 64, false, true, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_bf16_d128, 128, false, true, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_bf16_d256, 256, false, true, ATTD_SM90_BUILD)
+ATTD_GROUPS_KERNEL(attn_mma_groups_fp8_d32, 32, true, true, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_fp8_d64, 64, true, true, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_fp8_d128, 128, true, true, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_fp8_d256, 256, true, true, ATTD_SM90_BUILD)
+ATTD_GROUPS_KERNEL(attn_mma_groups_bf16_d32_bq, 32, false, false, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_bf16_d64_bq, 64, false, false, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_bf16_d128_bq, 128, false, false, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_bf16_d256_bq, 256, false, false, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_fp8_d32_bq, 32, true, false, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_fp8_d64_bq, 64, true, false, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_fp8_d128_bq, 128, true, false, true)
+ATTD_GROUPS_KERNEL(attn_mma_groups_fp8_d256_bq, 256, true, false, true)
+
 // grid (nlanes, nq), block hd: the tensor-core kernel's partials (nsplit per lane and head).
 extern "C" __global__ void attn_mma_combine(const float* __restrict__ part, int nq, int hd,
                                             const int* __restrict__ pos0_dev, int span, int nsplit,
@@ -685,4 +771,16 @@ extern "C" __global__ void attn_mma_combine_lanes(const float* __restrict__ part
     pdl_entry();
     const int pos0 = lane_positions(lanes)[blockIdx.x];
     combine_body(part, nq, hd, pos0, 0, blockIdx.x, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo);
+}
+
+// verify_batch: grid (lanes, nq), lane b = lane b - r0 of its group's round at pos0 = row r0's position
+// (attn_mma_groups_*' partials).
+extern "C" __global__ void attn_mma_combine_groups(const float* __restrict__ part, int nq, int hd,
+                                                   const i64* __restrict__ lanes, const int* __restrict__ groups,
+                                                   int span, int nsplit, const float* __restrict__ qg, int ldq,
+                                                   float* __restrict__ out, int ldo) {
+    pdl_entry();
+    const int b = blockIdx.x, r0 = group_first_of_lane(groups, b);
+    const int pos0 = lane_positions(lanes)[r0];
+    combine_body(part, nq, hd, pos0, b - r0, b, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo);
 }

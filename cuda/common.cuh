@@ -63,6 +63,16 @@ __device__ __forceinline__ T* lane_ptr(const i64* __restrict__ lanes, int b, int
 __device__ __forceinline__ const int* lane_positions(const i64* __restrict__ lanes) {
     return reinterpret_cast<const int*>(lanes + LANES_MAX * LT_NFIELDS);
 }
+// verify_batch group table (q27py/gpu/constants.py GT_*): group g = lane rows GT_FIRST[g] .. + GT_COUNT[g] - 1, one
+// sequence's verify lanes (row r0 + j at that sequence's position + j); GT_KEEP[g]: the lanes commit_batch keeps;
+// GT_GROUP[b]: lane b's group. Entry i of field f at word f * LANES_MAX + i.
+__device__ __forceinline__ int group_field(const int* __restrict__ groups, int field, int i) {
+    return groups[field * LANES_MAX + i];
+}
+// first lane row of lane b's group (b - that: b's offset in its group, the solo verify's lane index)
+__device__ __forceinline__ int group_first_of_lane(const int* __restrict__ groups, int b) {
+    return group_field(groups, GT_FIRST, group_field(groups, GT_GROUP, b));
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

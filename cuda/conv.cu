@@ -4,7 +4,9 @@
 // Lane t's conv taps are [window (K-1 committed raw rows), raw rows of lanes 0..t]: lanes
 // never write the window, so a verify round leaves committed state untouched, and the
 // commit (gdn_conv_commit) later slides the window by the n accepted raw rows. Raw rows are
-// the in_proj_qkv outputs, kept per layer until the commit.
+// the in_proj_qkv outputs, kept per layer until the commit. The *_groups entries are
+// FastModel.verify_batch's: several sequences' verify lanes in one launch, each group run by the
+// one-sequence body at its own offsets (common.cuh group table), so a lane's bits are its solo verify's.
 #include "common.cuh"
 
 // Conv + SiLU (+ l2 norm for q / k) of one lane's channel c of head slot `slot`. Taps: t + j in
@@ -76,6 +78,23 @@ extern "C" __global__ void gdn_conv_lanes(const float* __restrict__ raw, int ldr
                   gb + (i64)b * 2 * HV);
 }
 
+// verify_batch (common.cuh group table): lane b is lane t = b - r0 of its group's verify (r0: the group's first
+// row) -- taps [its state's window (+ win_off bytes: this layer) ; the group's raw rows r0 .. b], i.e. gdn_conv's
+// lane t of that sequence's solo verify, its outputs in rows b. No window commit (commit_batch slides it).
+// grid (lanes, 2H + HV), block as gdn_conv.
+extern "C" __global__ void gdn_conv_groups(const float* __restrict__ raw, int ldr, const i64* __restrict__ lanes,
+                                           const int* __restrict__ groups, i64 win_off,
+                                           const float* __restrict__ convw, const float* __restrict__ ab, int ldab,
+                                           const float* __restrict__ neg_a, const float* __restrict__ dt_bias, int H,
+                                           int HV, int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,
+                                           float* __restrict__ gb) {
+    pdl_entry();
+    const int b = blockIdx.x, r0 = group_first_of_lane(groups, b);
+    gdn_conv_body(raw + (i64)r0 * ldr, ldr, lane_ptr<const float>(lanes, b, LT_WIN, win_off), convw, ab + (i64)b * ldab,
+                  neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, b - r0, qkvn + (i64)b * (2 * H * dk + HV * dv),
+                  gb + (i64)b * 2 * HV);
+}
+
 // One channel's window slide by n raw rows: rows n.. of [window ; raw rows 0..n-1] become the window.
 __device__ __forceinline__ void conv_commit_body(float* __restrict__ win, const float* __restrict__ rw, int ldr, int C,
                                                  int KW, int n, int ch) {
@@ -108,6 +127,22 @@ extern "C" __global__ void gdn_conv_commit_lanes(const i64* __restrict__ lanes, 
     if (ch >= C) return;
     const int b = blockIdx.y;
     conv_commit_body(lane_ptr<float>(lanes, b, LT_WIN, win_off), raw + (i64)b * ldr, ldr, C, KW, 1, ch);
+}
+
+// commit_batch: slide group g's window (its state's, layer blockIdx.y: + that many win_layer_bytes) by its
+// GT_KEEP[g] = n kept raw rows r0 .. r0 + n - 1 (layer blockIdx.y's records), as gdn_conv_commit slides one
+// state's; n = 0 leaves the group's state untouched. grid (ceil(C/256), layers, groups), block 256.
+extern "C" __global__ void gdn_conv_commit_groups(const i64* __restrict__ lanes, const int* __restrict__ groups,
+                                                  i64 win_layer_bytes, const float* __restrict__ raw, int ldr,
+                                                  i64 raw_layer_stride, int C, int KW) {
+    pdl_entry();
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    const int g = blockIdx.z, n = group_field(groups, GT_KEEP, g);
+    if (n == 0) return;
+    const int r0 = group_field(groups, GT_FIRST, g);
+    conv_commit_body(lane_ptr<float>(lanes, r0, LT_WIN, blockIdx.y * win_layer_bytes),
+                     raw + blockIdx.y * raw_layer_stride + (i64)r0 * ldr, ldr, C, KW, n, ch);
 }
 
 // gdn_conv for prefill chunks: CONV_ROWS consecutive tokens of one head slot per block, KW a compile-time

@@ -212,3 +212,28 @@ GDN_KERNEL(gdn_step_k4, 4)
 GDN_LANES_KERNEL(gdn_step_lanes_k1, 1)
 GDN_LANES_KERNEL(gdn_step_lanes_k2, 2)
 GDN_LANES_KERNEL(gdn_step_lanes_k4, 4)
+
+// verify_batch / commit_batch (common.cuh group table): grid (HV * column blocks, layers, groups), block
+// 32 * GDN_ST_WARPS. Group g is one sequence's verify run as gdn_step runs it alone: its state's S
+// (lane row r0 = GT_FIRST[g]; + state_off + layer x state_layer_bytes), its rows r0 .. of qkvn / gb
+// (+ layer x *_stride floats) and of out, nlanes = the group table's count_field entry -- GT_COUNT for
+// the verify (emit 1, write_state 0, one layer), GT_KEEP for the commit replay (emit 0, write_state 1,
+// every GDN layer; 0 kept: the group is left alone). gdn_body exactly as the one-sequence launch runs it.
+#define GDN_GROUPS_KERNEL(NAME, KPL)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * GDN_ST_WARPS)                                                  \
+        NAME(const i64* lanes, const int* groups, int count_field, i64 state_off, i64 state_layer_bytes,            \
+             const float* qkvn, i64 qkvn_stride, const float* gb, i64 gb_stride, float* out, int ldo, int H, int HV,  \
+             int dk, int dv, int emit, int write_state) {                                                             \
+        pdl_entry();                                                                                                  \
+        const int L = blockIdx.y, g = blockIdx.z;                                                                     \
+        const int n = group_field(groups, count_field, g);                                                            \
+        if (n == 0) return;                                                                                           \
+        const i64 r0 = group_field(groups, GT_FIRST, g);                                                              \
+        gdn_body<KPL>(lane_ptr<float>(lanes, (int)r0, LT_GDN, state_off + L * state_layer_bytes),                     \
+                      qkvn + L * qkvn_stride + r0 * (2 * H * dk + HV * dv), gb + L * gb_stride + r0 * 2 * HV,         \
+                      emit ? out + r0 * ldo : out, ldo, H, HV, dk, dv, n, emit, write_state, blockIdx.x);             \
+    }
+
+GDN_GROUPS_KERNEL(gdn_step_groups_k1, 1)
+GDN_GROUPS_KERNEL(gdn_step_groups_k2, 2)
+GDN_GROUPS_KERNEL(gdn_step_groups_k4, 4)

@@ -143,6 +143,15 @@ TOP2_BLOCKS = 16  # partial blocks per row of the argmax / sampling pass
 LANES_MAX = GEMV_MAX_LANES
 LT_K, LT_V, LT_KX, LT_VX, LT_GDN, LT_WIN = 0, 1, 2, 3, 4, 5  # K / V rows, fp8 K / V exponents, GDN S, conv window
 LT_NFIELDS = 6
+# ---------------------------------------------------------------- verify_batch group table (FastModel.verify_batch)
+# A verify_batch runs several sequences' verify forwards in one sweep: group g is the W_g consecutive lane-table
+# rows of one sequence (its pending token and drafts, row r0 + j at that state's position + j; every row carries
+# the state's addresses). The kernels whose bits depend on the group (the GDN conv / recurrence / window commit,
+# attention's split size) read it from this int32 table, the host's image written with the lane table: field f
+# of entry i at word f * LANES_MAX + i. GT_FIRST / GT_COUNT: group g's first lane row and lane count; GT_KEEP:
+# its kept lanes for commit_batch (0: untouched); GT_GROUP: lane b's group.
+GT_FIRST, GT_COUNT, GT_KEEP, GT_GROUP = 0, 1, 2, 3
+GT_NFIELDS = 4
 
 
 def table() -> dict[str, int]:

@@ -31,6 +31,16 @@ window, the fused GDN step) run through their *_lanes entries, which read each l
 addresses and position from a small device lane table the host writes first (so the captured graph
 of a width serves any states) and run the one-sequence body as a one-token decode of that lane's
 sequence; every lane's bits are its solo forward's.
+
+verify_batch(states, groups) is that sweep with speculative drafts (EngineConfig.verify_groups): group i
+= the tokens [pending, drafts..] of states[i], W_i consecutive lanes at positions p_i, p_i + 1, .., all
+groups together at most verify_lanes = 16 (the records' span). The lane table gives every lane its state
+and position (the KV stores, then attention, run per lane); a group table beside it (constants GT_*)
+gives the kernels whose bits depend on the whole round -- the GDN conv taps and recurrence (lanes of one
+sequence in order), attention's split size (from the round's pos0) -- each group, run by their *_groups
+entries exactly as that sequence's solo verify runs them. So output i is forward(states[i], groups[i],
+verify=True)'s bitwise, and commit_batch(states, traces, ns) replays each group's first ns[i] records
+as commit() does (the window slide and the recurrence per group, every GDN layer in one launch each).
 """
 
 from __future__ import annotations
@@ -67,6 +77,16 @@ class FastTrace:
     n_tokens: int
     serial: int
     state_id: int
+
+
+@dataclass
+class FastGroupTrace(FastTrace):
+    """Handle of group `group` of a verify_batch (lane rows first .. first + n_tokens - 1): its records
+    live in those rows of the model's scratch until commit_batch. commit() refuses it (its rows are not
+    a solo verify's), as commit_batch refuses a solo verify's trace."""
+
+    group: int = 0
+    first: int = 0
 
 
 class FastOutput:
@@ -224,6 +244,80 @@ class FastLaneOutput:
         return m.hidden[self.lane : self.lane + 1]
 
 
+class _GroupBatch(_LaneBatch):
+    """What the outputs of one verify_batch share: _LaneBatch's rows 0..n-1, freshness mark and greedy ids,
+    plus what commit_batch checks and replays (the group widths, the trace serial, the layer strides)."""
+
+    def __init__(self, model: "FastModel", widths: list[int], serial: int, offs: tuple):
+        super().__init__(model, sum(widths))
+        self.widths = widths
+        self.trace_serial = serial
+        self.offs = offs
+
+    def check_fresh(self) -> None:
+        if self.serial != self.model._out_serial:
+            raise RuntimeError("verify_batch output read after a later forward reused the model's scratch")
+
+
+class FastGroupOutput:
+    """Output i of FastModel.verify_batch: the surface of the FastOutput forward(states[i], groups[i],
+    logits_rows="all", verify=True) returns, read from the group's rows first .. first + W - 1 of the
+    model's buffers -- logits [W, V], greedy_ids() [W], masked_greedy_ids(picks, words), hidden [W, H]
+    (post final norm), hidden_device, hidden_owned(), trace (a FastGroupTrace for commit_batch). Valid
+    until the next forward / decode_batch / verify_batch / MTP call."""
+
+    def __init__(self, batch: _GroupBatch, first: int, width: int, trace: FastGroupTrace):
+        self._batch = batch
+        self.first = first
+        self._t = width
+        self.rows = np.arange(width, dtype=np.int64)
+        self.trace = trace
+        self._logits = None
+        self._hidden = None
+
+    @property
+    def logits(self) -> np.ndarray:
+        if self._logits is None:
+            self._batch.check_fresh()
+            m = self._batch.model
+            self._logits = m.logits[self.first : self.first + self._t].get(stream=m.stream)
+        return self._logits
+
+    def greedy_ids(self) -> np.ndarray:
+        if self._logits is not None:
+            return np.argmax(self._logits, axis=1)
+        return self._batch.ids()[self.first : self.first + self._t]
+
+    def masked_greedy_ids(self, picks: list[int], words: np.ndarray) -> np.ndarray:
+        """As FastOutput.masked_greedy_ids; picks index the group's rows (0 .. W - 1)."""
+        rows = self.rows[np.asarray(picks, dtype=np.int64)]  # IndexError for a row this output does not have
+        if self._logits is not None:
+            return _masked_argmax_host(self._logits, picks, words)
+        self._batch.check_fresh()
+        return self._batch.model._fetch_masked_ids(self.first + rows, words)
+
+    @property
+    def hidden(self) -> np.ndarray:
+        if self._hidden is None:
+            self._batch.check_fresh()
+            m = self._batch.model
+            self._hidden = m.hidden[self.first : self.first + self._t, : m.cfg.hidden_size].get(stream=m.stream)
+        return self._hidden
+
+    @property
+    def hidden_device(self):
+        return self._batch.model.hidden[self.first : self.first + self._t]
+
+    def hidden_owned(self):
+        """FastOutput.hidden_owned for the group's rows: a device copy the caller owns, complete when returned."""
+        self._batch.check_fresh()
+        m = self._batch.model
+        with m.stream:
+            rows = m.hidden[self.first : self.first + self._t, : m.cfg.hidden_size].copy()
+        m.stream.synchronize()
+        return rows
+
+
 def batch_sweep_default() -> bool:
     """EngineConfig.batch_sweep with Q27_BATCH_SWEEP applied (models built directly follow the env)."""
     from q27py.config import Q27Config, apply_env
@@ -256,6 +350,63 @@ def pack_lane_table(addresses, positions, ids) -> np.ndarray:
     words[at - C.LANES_MAX : at - C.LANES_MAX + n] = np.asarray(positions, dtype=np.int32)
     words[at : at + n] = np.asarray(ids, dtype=np.int32)
     return buf
+
+
+def verify_groups_default() -> bool:
+    """EngineConfig.verify_groups with Q27_VERIFY_GROUPS applied (models built directly follow the env)."""
+    from q27py.config import Q27Config, apply_env
+
+    return bool(apply_env(Q27Config()).engine.verify_groups)
+
+
+def group_table_words() -> int:
+    """int64 words of the verify_batch group table (GT_NFIELDS x LANES_MAX int32, common.cuh group_field),
+    which sits right after the lane table in one buffer: one upload per verify_batch."""
+    return C.GT_NFIELDS * C.LANES_MAX // 2
+
+
+def pack_group_table(widths, keep=None) -> np.ndarray:
+    """Host image (int32, GT_NFIELDS x LANES_MAX) of the group table for groups of widths[g] consecutive lane
+    rows from row 0: first rows, lane counts, kept counts (keep; zeros: commit_batch writes them) and each
+    lane's group."""
+    widths = [int(w) for w in widths]
+    n = sum(widths)
+    if not widths or min(widths) < 1 or n > C.LANES_MAX:
+        raise ValueError(f"a group table holds 1..{C.LANES_MAX} lanes in groups of at least one lane")
+    buf = np.zeros((C.GT_NFIELDS, C.LANES_MAX), dtype=np.int32)
+    first = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int32)
+    buf[C.GT_FIRST, : len(widths)] = first
+    buf[C.GT_COUNT, : len(widths)] = widths
+    if keep is not None:
+        buf[C.GT_KEEP, : len(widths)] = np.asarray(keep, dtype=np.int32)
+    buf[C.GT_GROUP, :n] = np.repeat(np.arange(len(widths), dtype=np.int32), widths)
+    return buf.reshape(-1)
+
+
+def check_groups(states, groups, max_batch: int, max_lanes: int, max_pos: int, vocab: int) -> list[np.ndarray]:
+    """verify_batch's arguments: 1..max_batch distinct states, one group of 1..VERIFY_SPAN ids in range per
+    state, at most max_lanes ids in all, room in every state's window for its group. Returns the groups
+    as int64 arrays."""
+    if len(states) != len(groups):
+        raise ValueError(f"verify_batch: {len(states)} states but {len(groups)} groups")
+    if not states:
+        raise ValueError("verify_batch needs at least one sequence")
+    if len(states) > max_batch:
+        raise ValueError(f"verify_batch of {len(states)} sequences: at most {max_batch} per call")
+    if len({id(s) for s in states}) != len(states):
+        raise ValueError("verify_batch: the same sequence state twice in one call")
+    out = [np.asarray(g, dtype=np.int64).reshape(-1) for g in groups]
+    if any(not 1 <= g.size <= VERIFY_SPAN for g in out):
+        raise ValueError(f"verify_batch: groups of 1..{VERIFY_SPAN} tokens")
+    if sum(g.size for g in out) > max_lanes:
+        raise ValueError(f"verify_batch: {sum(g.size for g in out)} tokens > {max_lanes} lanes in all")
+    allids = np.concatenate(out)
+    if allids.min() < 0 or allids.max() >= vocab:
+        raise ValueError(f"token id out of range 0..{vocab - 1}")
+    for s, g in zip(states, out):
+        if s.position + g.size > max_pos:
+            raise ValueError(f"context overflow: {s.position + g.size} > {max_pos} positions")
+    return out
 
 
 def check_batch(states, ids, max_batch: int, max_pos: int, vocab: int) -> np.ndarray:
@@ -401,7 +552,8 @@ class FastModel:
 
     def __init__(self, weights: ModelWeights, max_context: int = 4096, kv_dtype: str = "bf16", chunk: int = 64,
                  device_snapshot_bytes: int | None = None, gdn_fused: bool | None = None,
-                 attn_decode: str | None = None, batch_sweep: bool | None = None):
+                 attn_decode: str | None = None, batch_sweep: bool | None = None,
+                 verify_groups: bool | None = None):
         rt = Runtime.get()
         cp = rt.cp
         self.rt = rt
@@ -462,7 +614,20 @@ class FastModel:
         # max_batch = 1, so callers that respect it run every sequence through its own forward
         self.batch_sweep = batch_sweep_default() if batch_sweep is None else bool(batch_sweep)
         self.max_batch = min(C.LANES_MAX, VERIFY_SPAN) if self.batch_sweep else 1
-        self.lane_table = cp.zeros(lane_table_words(), dtype=cp.int64)
+        # verify_batch (EngineConfig.verify_groups, env Q27_VERIFY_GROUPS; None: the env default): the shared
+        # sweep with drafts, up to verify_lanes lanes of all groups together -- the GEMV's flat width, which
+        # the per-layer GDN records (VERIFY_SPAN rows) also hold. 0 (switched off, batch_sweep off, or a KV
+        # format without lane kernels: k5v3 / k3v3): the engine keeps drafts out of shared rounds.
+        verify_groups = verify_groups_default() if verify_groups is None else bool(verify_groups)
+        self.verify_lanes = (min(C.LANES_MAX, VERIFY_SPAN) if verify_groups and self.batch_sweep
+                             and self._groups_supported() else 0)
+        # the group table (group_table_words) sits right after the lane table: one upload per verify_batch;
+        # commit_batch rewrites its kept counts (group_keep) only
+        lw = lane_table_words()
+        self.lane_buf = cp.zeros(lw + group_table_words(), dtype=cp.int64)
+        self.lane_table = self.lane_buf[:lw]
+        self.group_table = self.lane_buf[lw:].view(cp.int32)
+        self.group_keep = self.group_table[C.GT_KEEP * C.LANES_MAX : (C.GT_KEEP + 1) * C.LANES_MAX]
         at = lane_table_ids_offset()
         self.lane_ids = self.lane_table.view(cp.int32)[at : at + C.LANES_MAX]
         self.gdn_tickets_lanes = cp.zeros((C.LANES_MAX, cfg.linear_num_key_heads + hv), dtype=cp.int32)
@@ -536,6 +701,7 @@ class FastModel:
         self._serial = 0
         self._out_serial = 0  # bumped by every forward / mtp_forward: outputs older than it are stale
         self._pending: FastTrace | None = None
+        self._pending_groups: _GroupBatch | None = None  # the verify_batch commit_batch may follow
         self.graphs = None  # q27py.gpu.graphs.GraphCache, attached by enable_graphs()
         self.stream = cp.cuda.Stream(non_blocking=True)
         # every buffer above was zero-filled on the legacy stream, which self.stream does not wait for
@@ -627,6 +793,7 @@ class FastModel:
             raise ValueError(f"verify width {t} > {VERIFY_SPAN}")
         rows = select_rows(t, logits_rows)
         self._pending = None
+        self._pending_groups = None
         self._out_serial += 1
         with self.stream:
             if t > self.chunk:
@@ -675,6 +842,7 @@ class FastModel:
         offs = self._lane_layer_strides(states)
         table = pack_lane_table([self._lane_addresses(st) for st in states], [st.position for st in states], ids)
         self._pending = None
+        self._pending_groups = None
         self._out_serial += 1
         with self.stream:
             self.lane_table.set(table, stream=self.stream)
@@ -699,6 +867,12 @@ class FastModel:
         if self.gdn_fused and K.gdn_fused_supported(*shape, 1, self.gdn_fused_warps):
             return K.gdn_fused_lanes_supported(*shape, self.gdn_fused_warps)
         return True
+
+    def _groups_supported(self) -> bool:
+        """Whether verify_batch has group kernels for this model: f32 / bf16 / fp8 KV (the rotated formats
+        have no lane kernels). The GDN step runs the chain's group entries even where gdn_fused is on (the
+        fused kernel is bitwise the chain: cuda/gdn_decode.cu, tests/gpu/test_gdn_fused.py)."""
+        return self.kv_bits is None
 
     @staticmethod
     def _lane_addresses(st: FastState) -> list[int]:
@@ -752,6 +926,100 @@ class FastModel:
                 self.enqueue_commit(state)
         state.position += n
         self._pending = None
+        self._pending_groups = None
+
+    def verify_batch(self, states: list[FastState], groups: list) -> list:
+        """Verify forwards of several sequences in one weight sweep (model/interface.py): group i = the
+        tokens [pending, drafts..] of states[i] at its position..; output i (a FastGroupOutput) is what
+        forward(states[i], groups[i], logits_rows="all", verify=True) returns, bitwise: logits [W_i, V],
+        device greedy ids, hidden rows -- and commit_batch then leaves each state as commit() would.
+
+        Group i runs as lanes r0_i .. r0_i + W_i - 1 (consecutive, in call order), each a row of the lane
+        table with states[i]'s addresses, position + j and token j. Norms, GEMVs, lm_head and argmax run
+        all lanes at once (width-invariant); the KV stores and per-lane attention read the lane table
+        (every store of the sweep lands before the attention launch, so lane j sees its group's rows
+        p .. p + j); what depends on the whole round (attention's split size, the conv taps over the
+        group's earlier raw rows, the recurrence over its lanes in order) runs per group through the
+        *_groups entries, from the group table. Like a verify forward, nothing committed is written:
+        KV rows past each position are overwritten later, GDN inputs stay in rows r0_i.. of the records.
+
+        At most max_batch distinct states, groups of 1..VERIFY_SPAN tokens, verify_lanes tokens in all;
+        ValueError when verify_lanes is 0 (EngineConfig.verify_groups off, batch_sweep off, or rotated KV).
+        Outputs are valid until the next forward / decode_batch / verify_batch / MTP call."""
+        if not self.verify_lanes:
+            raise ValueError("verify_batch: this model has no verify lanes (EngineConfig.verify_groups / batch_sweep "
+                             "off, or a KV format without lane kernels)")
+        states = list(states)
+        groups = check_groups(states, groups, self.max_batch, self.verify_lanes, self.max_pos, self.cfg.vocab_size)
+        for st in states:
+            if st.model is not self:
+                raise ValueError("verify_batch: a state of another model")
+        offs = self._lane_layer_strides(states)
+        widths = [int(g.size) for g in groups]
+        addresses, positions = [], []
+        for st, w in zip(states, widths):
+            row = self._lane_addresses(st)
+            addresses += [row] * w
+            positions += range(st.position, st.position + w)
+        image = np.concatenate([pack_lane_table(addresses, positions, np.concatenate(groups)),
+                                pack_group_table(widths).view(np.int64)])
+        n, ng = sum(widths), len(widths)
+        self._pending = None
+        self._pending_groups = None
+        self._out_serial += 1
+        with self.stream:
+            self.lane_buf.set(image, stream=self.stream)
+            # model-level key: the tables carry every state pointer, position and width, so one graph per
+            # (lanes, groups) serves every split of the lanes into that many groups, for any states
+            if self.graphs is not None:
+                self.graphs.run_model(("groups", n, ng) + offs, lambda: self.enqueue_groups(n, ng, offs))
+            else:
+                self.enqueue_groups(n, ng, offs)
+        self._serial += 1
+        batch = _GroupBatch(self, widths, self._serial, offs)
+        self._pending_groups = batch
+        first = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(int).tolist()
+        return [FastGroupOutput(batch, first[i], widths[i], FastGroupTrace(widths[i], self._serial, st.id, i, first[i]))
+                for i, st in enumerate(states)]
+
+    def commit_batch(self, states: list[FastState], traces: list, ns: list) -> None:
+        """Keep the first ns[i] tokens (1..W_i) of each listed group of the verify_batch just run (any subset
+        of its states, each once; traces[i] is states[i]'s output's trace): states[i] becomes that of ns[i]
+        plain decode steps, bitwise forward(verify=True) + commit(ns[i]). Must follow its verify_batch with
+        no forward / decode_batch / verify_batch / commit / rewind in between (RuntimeError), as commit()
+        its verify. One launch per kind for every group and GDN layer: the window slide by the kept raw
+        rows, then the recurrence replayed over the kept records (kept counts in the group table; groups
+        not listed keep 0: untouched)."""
+        if not self.verify_lanes:
+            raise ValueError("commit_batch: this model has no verify lanes (no verify_batch to commit)")
+        states, traces = list(states), list(traces)
+        ns = [int(n) for n in ns]
+        if not len(states) == len(traces) == len(ns):
+            raise ValueError("commit_batch: one trace and one count per state")
+        batch = self._pending_groups
+        if batch is None or any(not isinstance(tr, FastGroupTrace) or tr.serial != batch.trace_serial
+                                or tr.state_id != st.id for st, tr in zip(states, traces)):
+            raise RuntimeError("commit_batch must follow its verify_batch, with no forward in between")
+        if len({tr.group for tr in traces}) != len(traces):
+            raise ValueError("commit_batch: a group twice")
+        for tr, n in zip(traces, ns):
+            if not 1 <= n <= tr.n_tokens:
+                raise ValueError(f"commit_batch n={n} outside 1..{tr.n_tokens}")
+        keep = np.zeros(C.LANES_MAX, dtype=np.int32)
+        for tr, n in zip(traces, ns):
+            keep[tr.group] = n
+        ng = len(batch.widths)
+        if states:
+            with self.stream:
+                self.group_keep.set(keep, stream=self.stream)
+                if self.graphs is not None:
+                    self.graphs.run_model(("commit-groups", ng) + batch.offs,
+                                          lambda: self.enqueue_commit_groups(ng, batch.offs))
+                else:
+                    self.enqueue_commit_groups(ng, batch.offs)
+        for st, n in zip(states, ns):
+            st.position += n
+        self._pending_groups = None
 
     def mtp_forward(self, kv: MtpKV, hidden, next_ids, start: int, logits_rows="all") -> tuple[np.ndarray, np.ndarray]:
         """One MTP pass over rows at positions start.. (writes their MTP KV rows); host arrays out.
@@ -926,6 +1194,43 @@ class FastModel:
                    cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                    cfg.linear_value_head_dim, VERIFY_SPAN, layers=ng, n_dev=n_dev, emit=False, write_state=True)
 
+    def enqueue_groups(self, n: int, ngroups: int, offs: tuple[int, int, int, int]) -> None:
+        """verify_batch's forward for n lanes in ngroups groups whose ids, positions and state addresses are
+        in the lane table and whose rows / widths are in the group table: enqueue_main's verify steps for
+        t = n, the state-dependent ones through the lane (KV store) and group kernels. offs: the layer
+        strides (bytes) of K / V, fp8 exponents, GDN state, conv window."""
+        cfg = self.cfg
+        h, hp = cfg.hidden_size, self.hp
+        K.embed(self.lane_ids, n, self.w.embed, h, self.h, hp)
+        ai = 0
+        for li, lw in enumerate(self.w.layers):
+            plan = self.layer_plans[li]
+            self._input_norm(plan, lw, n)
+            if lw.kind == FULL:
+                self._attention_groups(lw, plan, n, ngroups, ai * offs[0], ai * offs[1])
+                ai += 1
+            else:
+                self._gdn_groups(lw, plan, n, ngroups, plan["gi"] * offs[2], plan["gi"] * offs[3])
+            self._mlp(lw, plan, n)
+        K.rmsnorm(self.h, hp, self.w.final_norm, cfg.rms_norm_eps, h, self.hidden, hp, n)
+        self._logits_rows(self.hidden, np.arange(n))
+
+    def enqueue_commit_groups(self, ngroups: int, offs: tuple[int, int, int, int]) -> None:
+        """enqueue_commit for every group of the last verify_batch at once: each group's state window slid
+        and its S replayed by its kept count (group table GT_KEEP) over its rows of every GDN layer's
+        records."""
+        cfg = self.cfg
+        ng = len(cfg.linear_layers)
+        if ng == 0:
+            return
+        c, kw = cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim
+        K.gdn_conv_commit_groups(self.lane_table, self.group_table, offs[3], self.proj, self.ld_proj, self.proj[0].size,
+                                 c, kw, ng, ngroups)
+        K.gdn_step_groups(self.lane_table, self.group_table, C.GT_KEEP, 0, offs[2], self.qkvn, self.qkvn[0].size, self.gb,
+                          self.gb[0].size, None, 0, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                          cfg.linear_key_head_dim, cfg.linear_value_head_dim, ngroups, layers=ng, emit=False,
+                          write_state=True)
+
     def enqueue_mtp(self, state: FastState, t: int, rows="all", pos0: int | None = None) -> None:
         """MTP layer for t lanes: ids in self.mtp_ids, hidden in self.mtp_hidden_in, pos0 = state.ctl[1]
         (pos0: its host copy, given by eager prefill-sized calls)."""
@@ -1027,6 +1332,54 @@ class FastModel:
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, n, hv, dv, self.xo,
                         self.ld_xo, a8=plan["out"] if fuse else None)
         plan["out"].run(self.xo, self.ld_xo, n, prequantized=fuse)
+
+    def _gdn_groups(self, lw: LayerW, plan: dict, n: int, ngroups: int, state_off: int, win_off: int) -> None:
+        """_gdn for verify_batch lanes (each group a verify of its own state; offsets: this layer's bytes into
+        each state's S and window): the chain as a verify runs it -- conv (no window commit), the recurrence
+        emitting o without writing S -- per group; the output norm and GEMV over all lanes. The chain even
+        where gdn_fused is on: the fused kernel is bitwise the chain, and has no group entry."""
+        cfg = self.cfg
+        g = lw.gdn
+        gi = plan["gi"]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, kw, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim
+        raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]  # rows r0.. of each group: its records
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
+        K.gdn_conv_groups(raw, self.ld_proj, self.lane_table, self.group_table, win_off, g.conv_w, self.ab,
+                          self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n)
+        K.gdn_step_groups(self.lane_table, self.group_table, C.GT_COUNT, state_off, 0, qkvn, 0, gb, 0, self.o_gdn,
+                          hv * dv, hk, hv, dk, dv, ngroups, emit=True, write_state=False)
+        fuse = K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
+        K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, n, hv, dv, self.xo,
+                        self.ld_xo, a8=plan["out"] if fuse else None)
+        plan["out"].run(self.xo, self.ld_xo, n, prequantized=fuse)
+
+    def _attention_groups(self, lw: LayerW, plan: dict, n: int, ngroups: int, kv_off: int, x_off: int) -> None:
+        """_attention for verify_batch lanes: the lane store (each lane at its own position in its state),
+        then the kernel a verify round picks (span VERIFY_SPAN: mma where the model runs it, else split)
+        per group, lane j of a group as lane j of its sequence's solo round (pos0, split size)."""
+        cfg = self.cfg
+        a = lw.attn
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        fp8 = self.kv_name == "fp8"
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
+        if fp8:
+            K.qk_norm_rope_store_fp8_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
+                                           cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq,
+                                           self.lane_table, kv_off, x_off, self.qbuf, nq * hd, self.max_pos, n)
+        else:
+            K.qk_norm_rope_store_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
+                                       cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, self.lane_table,
+                                       kv_off, self.qbuf, nq * hd, self.kv_bf16, self.max_pos, n)
+        if self.attn_mma:  # as _attention's verify branch (span VERIFY_SPAN); never for fp32 rows
+            K.attention_mma_groups(self.qbuf, nq * hd, self.lane_table, self.group_table, kv_off, x_off, fp8,
+                                   self.max_pos, nq, nkv, hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa,
+                                   self.ld_xa, n, ngroups, n - ngroups + 1)
+        else:
+            K.attention_groups(self.qbuf, nq * hd, self.lane_table, self.group_table, kv_off, x_off, self.kv_name,
+                               self.max_pos, nq, nkv, hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa,
+                               self.ld_xa, n)
+        plan["out"].run(self.xa, self.ld_xa, n)
 
     def _attention_lanes(self, lw: LayerW, plan: dict, n: int, kv_off: int, x_off: int) -> None:
         """_attention for decode_batch lanes (f32 / bf16 / fp8 KV; offsets: this layer's bytes into
@@ -1270,6 +1623,7 @@ class FastModel:
                 else:
                     dst.set(np.ascontiguousarray(src), stream=self.stream)
         self._pending = None
+        self._pending_groups = None
 
     def export_prefix(self, state: FastState) -> dict[str, np.ndarray]:
         n = state.position
@@ -1416,7 +1770,7 @@ def load_fast_model(cfg) -> FastModel:
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused,
-                      batch_sweep=e.batch_sweep)
+                      batch_sweep=e.batch_sweep, verify_groups=e.verify_groups)
     configure_memory(model, e)
     model.enable_graphs()
     # every kernel module compiled now, not inside the first request that needs it (the first short

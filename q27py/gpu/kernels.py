@@ -864,6 +864,41 @@ def gdn_step_lanes(lanes, state_off: int, qkvn, gb, out, ldo: int, h: int, hv: i
                           i32(1), i32(1)))
 
 
+# verify_batch / commit_batch (FastModel.verify_batch): several sequences' verify lanes in one launch.
+# `groups` is the model's group table (constants GT_*: per group its first lane row, lane count and kept
+# count, per lane its group), beside the lane table. Each entry runs the one-sequence kernel's body on a
+# group as that sequence's solo verify (or commit) runs it, so every lane's bits are the solo call's.
+def gdn_conv_groups(raw, ldr: int, lanes, groups, win_off: int, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int,
+                    dk: int, dv: int, kw: int, qkvn, gb, nlanes: int) -> None:
+    """gdn_conv for the nlanes lanes of a verify_batch: lane b is lane b - r0 of its group's verify (its
+    state's window + win_off bytes, the group's raw rows from r0), outputs in rows b; no window commit."""
+    block = max(32, -(-max(dk, dv) // 32) * 32)
+    Runtime.get().launch("conv", "gdn_conv_groups", (nlanes, 2 * h + hv), block,
+                         (raw, i32(ldr), lanes, groups, i64(win_off), convw, ab, i32(ldab), neg_a, dt_bias, i32(h),
+                          i32(hv), i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb))
+
+
+def gdn_conv_commit_groups(lanes, groups, win_layer_bytes: int, raw, ldr: int, raw_stride: int, channels: int,
+                           kw: int, layers: int, ngroups: int) -> None:
+    """commit_batch's window slide: group g's state window (every layer: + layer x win_layer_bytes) by its
+    GT_KEEP kept raw rows from row r0 of each layer's records (raw_stride floats apart)."""
+    Runtime.get().launch("conv", "gdn_conv_commit_groups", (-(-channels // 256), layers, ngroups), 256,
+                         (lanes, groups, i64(win_layer_bytes), raw, i32(ldr), i64(raw_stride), i32(channels), i32(kw)))
+
+
+def gdn_step_groups(lanes, groups, count_field: int, state_off: int, state_layer_bytes: int, qkvn, qkvn_stride: int,
+                    gb, gb_stride: int, out, ldo: int, h: int, hv: int, dk: int, dv: int, ngroups: int,
+                    layers: int = 1, emit: bool = True, write_state: bool = False) -> None:
+    """gdn_step per group: group g on its state's S (+ state_off + layer x state_layer_bytes), its rows r0..
+    of qkvn / gb (+ layer x *_stride floats) and out, over the group table's count_field lanes (C.GT_COUNT:
+    the verify, emit; C.GT_KEEP: the commit replay, write_state, 0 = untouched)."""
+    Runtime.get().launch("gdn", _gdn_step_kernel(dk, "_groups"), (gdn_column_blocks(hv, dv), layers, ngroups),
+                         32 * C.GDN_ST_WARPS,
+                         (lanes, groups, i32(count_field), i64(state_off), i64(state_layer_bytes), qkvn, i64(qkvn_stride),
+                          gb, i64(gb_stride), out, i32(ldo), i32(h), i32(hv), i32(dk), i32(dv), i32(1 if emit else 0),
+                          i32(1 if write_state else 0)))
+
+
 # Fused decode / verify step (cuda/gdn_decode.cu): conv + gates + q/k norm, the delta rule step,
 # the gated RMSNorm and (commit) the window slide in one launch, bitwise the chain above.
 def gdn_fused_shared_floats(nlanes: int, dk: int, warps: int) -> int:
@@ -1455,6 +1490,45 @@ def attention_mma_lanes(q, ldq: int, lanes, kv_off: int, x_off: int, fp8: bool, 
               shared_mem=attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit))
     rt.launch("attention", "attn_mma_combine_lanes", (nlanes, nq), hd,
               (part, i32(nq), i32(hd), lanes, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo)))
+
+
+def attention_groups(q, ldq: int, lanes, groups, kv_off: int, x_off: int, kv: str, max_pos: int, nq: int, nkv: int,
+                     hd: int, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+    """attention() / attention_fp8() for the nlanes lanes of a verify_batch: lane b is lane b - r0 of its
+    group's verify round (the round's pos0 = row r0's position and its split size; its state's K / V +
+    kv_off, fp8 exponents + x_off bytes). kv: "f32", "bf16" or "fp8"."""
+    dpl, rep = _split_shape(hd, nq, nkv)
+    if kv not in ("f32", "bf16", "fp8"):
+        raise ValueError(f"attention_groups: KV {kv!r} (f32, bf16 or fp8)")
+    rt = Runtime.get()
+    rt.launch("attention", f"attn_split_groups_{kv}_d{dpl}", (nkv, ATT_NSPLIT, nlanes), 32 * ATT_WARPS,
+              (q, i32(ldq), lanes, groups, i64(kv_off), i64(x_off), i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5),
+               i32(span), part), shared_mem=4 * ATT_WARPS * rep * (hd + 2))
+    rt.launch("attention", "attn_combine_groups", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), lanes, groups, i32(span), qg, i32(ldqg), out, i32(ldo)))
+
+
+def attention_mma_groups(q, ldq: int, lanes, groups, kv_off: int, x_off: int, fp8: bool, max_pos: int, nq: int,
+                         nkv: int, hd: int, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int, ngroups: int,
+                         max_width: int, qsplit: bool | None = None) -> None:
+    """attention_mma for a verify_batch of nlanes lanes in ngroups groups: grid z = group, each group (its
+    GT_COUNT lanes from its first row) the launch its sequence's solo verify makes -- its pos0, nlanes and
+    split count -- then the combine over every lane. The block is sized for max_width lanes (at least the
+    widest group: FastModel passes nlanes - ngroups + 1, so one graph serves every split of nlanes into
+    ngroups); the extra warps only stage tiles (attention_mma_warps), no row's math changes."""
+    if not 1 <= ngroups <= nlanes <= C.LANES_MAX or not nlanes - ngroups + 1 <= max_width <= span or ldq % 2:
+        raise ValueError(f"attention_mma_groups: 1..{C.LANES_MAX} lanes in 1..lanes groups, widths <= span "
+                         "(max_width covering the widest group), q rows 8-byte aligned (ldq even)")
+    rt = Runtime.get()
+    qsplit, nsplit = _attention_mma_variant(hd, nq, nkv, span, fp8, max_pos, qsplit)
+    kernel = f"attn_mma_groups_{'fp8' if fp8 else 'bf16'}_d{hd}{'' if qsplit else '_bq'}"
+    rep = nq // nkv
+    rt.launch("attention", kernel, (nkv, nsplit, ngroups), 32 * attention_mma_warps(max_width, rep),
+              (q, i32(ldq), lanes, groups, i64(kv_off), i64(x_off), i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5),
+               i32(span), i32(nsplit), part),
+              shared_mem=attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit))
+    rt.launch("attention", "attn_mma_combine_groups", (nlanes, nq), hd,
+              (part, i32(nq), i32(hd), lanes, groups, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo)))
 
 
 # ---------------------------------------------------------------- argmax / sampling

@@ -75,8 +75,9 @@ def test_attention_mma_kernels_build_without_spills(tmp_path, arch):
     rc, err = nvcc_build.build(tmp_path, "attention", arch)
     assert rc == 0, err[-2000:]
     rep = {k: v for k, v in nvcc_build.ptxas_report(err).items() if k.startswith("attn_mma")}
-    # 16 kernels + the combine, and their decode_batch (lane table) twins
-    assert len(rep) == 34 and sum(k.startswith("attn_mma_lanes_") for k in rep) == 16, sorted(rep)
+    # 16 kernels + the combine, their decode_batch (lane table) and verify_batch (group table) twins
+    assert len(rep) == 51 and sum(k.startswith("attn_mma_lanes_") for k in rep) == 16, sorted(rep)
+    assert sum(k.startswith("attn_mma_groups_") for k in rep) == 16, sorted(rep)
     assert all(spill == 0 for _, spill in rep.values()), rep
     assert all(regs <= 168 for regs, _ in rep.values()), rep
 
