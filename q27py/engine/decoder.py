@@ -12,7 +12,8 @@ Conventions shared by both decoders:
   through the model (as in plain decoding), so when generation ends the state
   holds prompt + output minus the last token.
 - state.hidden_last is kept as the post-norm hidden at position - 1:
-  what the MTP head needs to resume a restored state.
+  what the MTP head needs to resume a restored state (set after a prefill's last piece
+  and at each of its breaks; between two pieces it is None, not fetched).
 - `pace` (the scheduler's Pace, engine/scheduler.py) is read before every step: a
   prefill piece is capped at pace.prefill_chunk, and when pace.shared a decode round
   does not run its own forward: the decoder yields a Lane (its pending token), the
@@ -307,12 +308,23 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
         if small and small < cut - done:
             cut = done + small
         piece = ids[done - start : cut - start]
-        out = model.forward(state, piece, logits_rows="last")
-        # both rows read before on_chunk's MTP calls: on the fast path any later model call may
-        # reuse the scratch an output lives in. The hidden rows stay in the model's memory (a device
-        # array on the fast path: the MTP warm-up reads them there); the last one goes to the host.
-        last, hidden = out.logits[-1], out.hidden_owned()
-        state.hidden_last = host_rows(hidden[-1:]).copy()
+        final = cut == end
+        # Only the prompt's last row needs logits (the first token); a piece before it asks for none.
+        # And only a break and the prompt's end read hidden_last (a snapshot keeps it; the decoder
+        # resumes from it): elsewhere it is not fetched. On the fast path each of those host reads
+        # is a device sync, so a cold prompt's pieces now run back to back -- the host enqueues piece
+        # k + 1 while the device still runs piece k -- instead of idling the device at every cut.
+        out = model.forward(state, piece, logits_rows="last" if final else "none")
+        # both read before on_chunk's MTP calls: on the fast path any later model call may reuse the
+        # scratch an output lives in. The hidden rows stay in the model's memory (a device array on
+        # the fast path: the MTP warm-up reads them there).
+        hidden = out.hidden_owned()
+        if final:
+            last = out.logits[-1]
+        if final or (breaks and cut in breaks):
+            state.hidden_last = host_rows(hidden[-1:]).copy()
+        else:
+            state.hidden_last = None  # mid-prompt, unread: set at the next break or the end
         if on_chunk is not None:
             on_chunk(done, piece, hidden)
         done = cut

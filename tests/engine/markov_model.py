@@ -75,10 +75,10 @@ class MarkovModel:
         else:
             state.gdn[0] = GDNState(states[-1].copy(), np.zeros((0, 1), dtype=np.float32))
             state.position += len(ids)
-        if logits_rows == "last":
-            logits = logits[-1:]
-        elif logits_rows != "all":
-            logits = logits[np.asarray(logits_rows)]
+        if isinstance(logits_rows, str):  # select_rows' words ("none": a prefill piece before the last)
+            logits = {"all": logits, "last": logits[-1:], "none": logits[:0]}[logits_rows]
+        else:
+            logits = logits[np.asarray(logits_rows, dtype=np.int64)]
         return ForwardOutput(logits.copy(), hidden, trace)
 
     def commit(self, state: SequenceState, trace: Trace, n: int) -> None:

@@ -14,9 +14,11 @@ class Recorder:
 
     def __init__(self):
         self.pieces = []
+        self.rows = []  # logits_rows of each forward
 
     def forward(self, state, ids, logits_rows="last"):
         self.pieces.append(len(ids))
+        self.rows.append(logits_rows)
         state.position += len(ids)
         hidden = np.zeros((len(ids), 2), np.float32)
         return SimpleNamespace(hidden=hidden, hidden_owned=lambda: hidden, logits=np.zeros((1, 3), np.float32))

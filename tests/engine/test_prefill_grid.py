@@ -69,3 +69,36 @@ def test_cold_pieces_after_a_mark_are_the_warm_turns(fast, tok):
     warm_pieces = [c[2] for c in probe2.calls if c[0] == "forward" and c[2] > 1]
     assert warm_pieces == cold_pieces[2:], (warm_pieces, cold_pieces)
     assert warm == cold
+
+
+def test_only_the_last_piece_asks_for_logits_and_hidden_last_is_set_where_read():
+    """On the fast path reading a piece's logits row or its hidden_last is a device sync: the host waits
+    for the piece before it enqueues the next. Only the prompt's last row needs logits (the first token)
+    and only a break (a snapshot keeps hidden_last) and the end read hidden_last, so the pieces between
+    ask for no logits and leave hidden_last unset (None): a cold prompt's pieces run back to back."""
+    from types import SimpleNamespace
+
+    from prefill_recorder import Recorder
+
+    from q27py.engine.decoder import drive, prefill_steps
+
+    seen = {}
+
+    def snapshot(state):
+        seen[state.position] = state.hidden_last
+
+    model, state = Recorder(), SimpleNamespace(position=0, hidden_last=None)
+    hidden_during = []
+    inner = model.forward
+
+    def forward(st, ids, logits_rows="last"):
+        hidden_during.append(st.hidden_last)
+        return inner(st, ids, logits_rows)
+
+    model.forward = forward
+    last = drive(prefill_steps(model, state, list(range(1000)), 256, breaks={600: snapshot}))
+    assert model.pieces == [256, 256, 88, 168, 232]
+    assert model.rows == ["none"] * 4 + ["last"]
+    assert last.shape == (3,) and state.hidden_last is not None and state.hidden_last.shape == (1, 2)
+    assert seen[600] is not None and seen[600].shape == (1, 2)  # the snapshot saw the row at its position
+    assert hidden_during == [None, None, None, seen[600], None]
