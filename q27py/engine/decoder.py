@@ -317,8 +317,9 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
         out = model.forward(state, piece, logits_rows="last" if final else "none")
         # both read before on_chunk's MTP calls: on the fast path any later model call may reuse the
         # scratch an output lives in. The hidden rows stay in the model's memory (a device array on
-        # the fast path: the MTP warm-up reads them there).
-        hidden = out.hidden_owned()
+        # the fast path, its copy queued on the model's stream, not waited for: the MTP warm-up reads
+        # them there, in order; host_rows below waits where the host reads one).
+        hidden = out.hidden_owned(wait=False)
         if final:
             last = out.logits[-1]
         if final or (breaks and cut in breaks):
@@ -336,8 +337,15 @@ def prefill_steps(model, state: SequenceState, ids: list[int], chunk: int,
 
 
 def host_rows(a) -> np.ndarray:
-    """A host array of rows that may live on the device (ForwardOutput.hidden_owned's)."""
-    return a if isinstance(a, np.ndarray) else a.get()
+    """A host array of rows that may live on the device (ForwardOutput.hidden_owned's). Device rows may
+    still be in flight on the model's stream (hidden_owned(wait=False)): the device is synchronized
+    first (the only host read of a prefill piece's rows: at a break and at the prompt's end)."""
+    if isinstance(a, np.ndarray):
+        return a
+    import cupy as cp  # only reached with device rows, i.e. on the fast path
+
+    cp.cuda.Device().synchronize()
+    return a.get()
 
 
 def drive(steps: Generator[None, None, T]) -> T:

@@ -52,6 +52,9 @@ def concat_rows(blocks: list) -> np.ndarray:
         return np.concatenate(blocks)
     import cupy as cp  # only reached with device rows, i.e. on the fast path
 
+    # the blocks may still be in flight on the model's stream (a prefill piece's rows: hidden_owned(wait=
+    # False)), and this runs on another one: every stream of the device done first
+    cp.cuda.Device().synchronize()
     rows = cp.concatenate([cp.asarray(b) for b in blocks])
     cp.cuda.get_current_stream().synchronize()  # complete before the model's own stream reads it
     return rows

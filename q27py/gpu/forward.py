@@ -149,16 +149,21 @@ class FastOutput:
     def hidden_device(self):
         return self._model.hidden[: self._t]
 
-    def hidden_owned(self):
+    def hidden_owned(self, wait: bool = True):
         """The hidden rows [T, H] as a device array the caller owns (a copy: the next forward reuses
-        the scratch), complete when returned. Why: the prefill's MTP warm-up reads every chunk's
-        rows, and a host round trip (download, then upload by mtp_forward) of a 4,096-token chunk is
-        2 x 84 MB through pageable memory with the stream idle."""
+        the scratch). Why: the prefill's MTP warm-up reads every chunk's rows, and a host round trip
+        (download, then upload by mtp_forward) of a 4,096-token chunk is 2 x 84 MB through pageable
+        memory with the stream idle. wait (default): complete when returned, usable from any stream
+        and by the host. wait=False: the copy is only queued on the model's stream -- what the
+        model's own later calls read in order (mtp_forward) -- so the host need not wait for the
+        forward (engine.decoder.prefill_steps: a piece's rows while the next piece is queued);
+        engine.decoder.host_rows and drafters.concat_rows synchronize before they read such rows."""
         self._check_fresh()
         m = self._model
         with m.stream:
             rows = m.hidden[: self._t, : m.cfg.hidden_size].copy()
-        m.stream.synchronize()  # usable from any stream, and by the host (engine.decoder.host_rows)
+        if wait:
+            m.stream.synchronize()
         return rows
 
 
@@ -308,13 +313,15 @@ class FastGroupOutput:
     def hidden_device(self):
         return self._batch.model.hidden[self.first : self.first + self._t]
 
-    def hidden_owned(self):
-        """FastOutput.hidden_owned for the group's rows: a device copy the caller owns, complete when returned."""
+    def hidden_owned(self, wait: bool = True):
+        """FastOutput.hidden_owned for the group's rows: a device copy the caller owns (complete when
+        returned, unless wait=False: queued on the model's stream)."""
         self._batch.check_fresh()
         m = self._batch.model
         with m.stream:
             rows = m.hidden[self.first : self.first + self._t, : m.cfg.hidden_size].copy()
-        m.stream.synchronize()
+        if wait:
+            m.stream.synchronize()
         return rows
 
 

@@ -47,10 +47,11 @@ class ForwardOutput:
     hidden: np.ndarray  # [T, H] post-final-norm hidden states (what the MTP head consumes)
     trace: Trace | None = None
 
-    def hidden_owned(self) -> np.ndarray:
+    def hidden_owned(self, wait: bool = True) -> np.ndarray:
         """The hidden rows as an array the caller owns, in the model's own memory (host here; a
         device copy on the fast path, gpu/forward.py FastOutput): the prefill hands them to the MTP
-        warm-up without a round trip through the host."""
+        warm-up without a round trip through the host. wait=False lets the fast path's copy stay
+        queued on its stream (nothing to wait for here)."""
         return self.hidden
 
 

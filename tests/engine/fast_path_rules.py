@@ -31,7 +31,7 @@ class _Out:
         self._fresh()
         return self._out.hidden
 
-    def hidden_owned(self):
+    def hidden_owned(self, wait=True):
         self._fresh()
         return self._out.hidden.copy()
 

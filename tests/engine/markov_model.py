@@ -121,7 +121,7 @@ class _ScratchOutput:
         assert self._epoch == self._model.epoch, "hidden read after a later model call overwrote it"
         return self._hidden
 
-    def hidden_owned(self):
+    def hidden_owned(self, wait=True):
         """As the fast path's: a copy the caller keeps past later model calls."""
         return self.hidden.copy()
 

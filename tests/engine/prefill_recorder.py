@@ -21,7 +21,7 @@ class Recorder:
         self.rows.append(logits_rows)
         state.position += len(ids)
         hidden = np.zeros((len(ids), 2), np.float32)
-        return SimpleNamespace(hidden=hidden, hidden_owned=lambda: hidden, logits=np.zeros((1, 3), np.float32))
+        return SimpleNamespace(hidden=hidden, hidden_owned=lambda wait=True: hidden, logits=np.zeros((1, 3), np.float32))
 
 
 def pieces(n=1000, chunk=256, breaks=None, pace=None) -> list[int]:

@@ -36,6 +36,29 @@ def test_hidden_owned_is_the_rows_and_outlives_the_next_forward(model):
     np.testing.assert_array_equal(owned.get(), want)  # the scratch moved on, the copy did not
 
 
+def test_unwaited_rows_read_right_through_host_rows_and_concat_rows(model):
+    """hidden_owned(wait=False) (the prefill's pieces: the host does not wait for each piece) queues the
+    copy on the model's stream only; the host readers synchronize first, so they read the rows' bits
+    even with the next forward already queued."""
+    from q27py.engine.decoder import host_rows
+    from q27py.engine.drafters import concat_rows
+
+    rng = np.random.default_rng(2)
+    st = model.new_state()
+    a = model.forward(st, rng.integers(0, model.cfg.vocab_size, 200), logits_rows="none")
+    want_a = a.hidden.copy()
+    rows_a = model.forward(model.new_state(), rng.integers(0, model.cfg.vocab_size, 200), logits_rows="none")
+    want_b = rows_a.hidden.copy()
+    owned_b = rows_a.hidden_owned(wait=False)
+    nxt = model.forward(st, rng.integers(0, model.cfg.vocab_size, 300), logits_rows="none")  # queued behind
+    owned_c = nxt.hidden_owned(wait=False)
+    np.testing.assert_array_equal(host_rows(owned_b), want_b)
+    both = concat_rows([owned_b, owned_c])
+    np.testing.assert_array_equal(both.get()[:200], want_b)
+    np.testing.assert_array_equal(both.get()[200:], nxt.hidden)
+    assert want_a.shape == (200, model.cfg.hidden_size)
+
+
 def test_prefill_mtp_warmup_from_device_rows_matches_the_host_round_trip(model):
     from q27py.engine.decoder import drive, host_rows, prefill_steps
     from q27py.engine.drafters import MTPLadder
