@@ -1852,7 +1852,7 @@ def configure_memory(model: FastModel, e) -> None:
     free, _total = cp.cuda.runtime.memGetInfo()
     _size_auto_cache(model, e, free, max(1, e.max_sequences, e.max_slots),
                      model.memory_per_sequence(model.max_pos) + graph_bytes_per_state(model, e),
-                     batch_graph_reserve(model.max_batch))
+                     batch_graph_reserve(model.max_batch, model.verify_lanes))
 
 
 def expansion_cache_reserve() -> int:
@@ -1880,7 +1880,7 @@ def size_context_to_memory(model: FastModel, e) -> None:
     cp.get_default_memory_pool().free_all_blocks()
     free, _total = cp.cuda.runtime.memGetInfo()
     fixed = model.memory_per_sequence(0)
-    graphs = batch_graph_reserve(model.max_batch)
+    graphs = batch_graph_reserve(model.max_batch, model.verify_lanes)
 
     def plan_for(scratch: int):
         return plan_slots(free, model.memory_per_sequence(1) - fixed, kv_format=model.kv_name,

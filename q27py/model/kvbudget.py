@@ -122,10 +122,17 @@ def states_fit(free_bytes: int, window: int, kv_bytes_per_token: int, *, fixed_p
 BATCH_GRAPH_BYTES = 4 << 20
 
 
-def batch_graph_reserve(max_batch: int) -> int:
+def batch_graph_reserve(max_batch: int, verify_lanes: int = 0) -> int:
     """Bytes the model-level batch graphs can take: one graph per width 2..max_batch (the scheduler
-    runs a shared sweep at every width from two slots up to the sweep's lane limit)."""
-    return max(0, int(max_batch) - 1) * BATCH_GRAPH_BYTES
+    runs a shared sweep at every width from two slots up to the sweep's lane limit), and with
+    verify_batch (verify_lanes > 0) one per (lanes, groups) of a sweep with drafts -- 1 <= groups <=
+    min(max_batch, lanes), lanes <= verify_lanes: 136 for 16 and 16 -- plus one commit graph per group
+    count (FastModel.verify_batch / commit_batch key their graphs so)."""
+    graphs = max(0, int(max_batch) - 1)
+    v = max(0, int(verify_lanes))
+    if v:
+        graphs += sum(min(int(max_batch), lanes) for lanes in range(1, v + 1)) + min(int(max_batch), v)
+    return graphs * BATCH_GRAPH_BYTES
 
 
 def plan_slots(free_bytes: int, kv_bytes_per_token: int, *, max_slots, max_context, max_sequences: int,

@@ -235,17 +235,21 @@ def test_model_level_batch_graphs_are_reserved_once():
     from q27py.model.kvbudget import BATCH_GRAPH_BYTES, batch_graph_reserve
 
     assert batch_graph_reserve(16) == 15 * BATCH_GRAPH_BYTES and batch_graph_reserve(1) == 0
+    # verify_batch's graphs (lanes, groups) and its commit graphs (groups) count too where it is on
+    assert batch_graph_reserve(16, 16) == (15 + 136 + 16) * BATCH_GRAPH_BYTES
+    assert batch_graph_reserve(16, 0) == batch_graph_reserve(16)
     free = 124 * GIB
     cp = SimpleNamespace(get_default_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None),
                          cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free, 141 * GIB))))
     kv = F.bytes_per_token("bf16", F.Q27B_KV_LAYERS, F.Q27B_KV_HEADS, F.Q27B_HEAD_DIM)
 
-    def plan_for(max_batch):
+    def plan_for(max_batch, verify_lanes=0):
         model = SimpleNamespace(rt=SimpleNamespace(cp=cp), kv_name="bf16", max_pos=MPE, cfg=qwen36_27b_config(),
-                                has_mtp=True, max_batch=max_batch,
+                                has_mtp=True, max_batch=max_batch, verify_lanes=verify_lanes,
                                 memory_per_sequence=lambda positions: GDN_27B + positions * kv)
         size_context_to_memory(model, EngineConfig(prefill_weight_cache_gb=0))
         return model.slot_plan
 
-    solo, batched = plan_for(1), plan_for(16)
+    solo, batched, groups = plan_for(1), plan_for(16), plan_for(16, 16)
     assert batched.budget.reserved_bytes - solo.budget.reserved_bytes == 15 * BATCH_GRAPH_BYTES
+    assert groups.budget.reserved_bytes - batched.budget.reserved_bytes == (136 + 16) * BATCH_GRAPH_BYTES
