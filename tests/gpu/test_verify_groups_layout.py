@@ -310,3 +310,151 @@ def test_fast_model_verify_surface_without_a_gpu():
     st = types.SimpleNamespace(id=3)
     with pytest.raises(RuntimeError):
         m.commit(st, F.FastGroupTrace(2, 1, 3, 0, 0), 1)
+
+
+# ---------------------------------------------------------------- the same buffers and offsets
+def _addr(a) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _canon(a):
+    """A launch argument as comparable data: an array by its address, a scalar by its type and value."""
+    if a is None:
+        return None
+    if isinstance(a, np.ndarray):
+        return ("at", _addr(a))
+    if isinstance(a, np.generic):
+        return (type(a).__name__, a.item())
+    return ("obj", id(a))
+
+
+def _two_attention_layers(rec, kv, mma):
+    """_group_model with a second attention layer (so a layer's KV offset is not 0) and a state whose arrays
+    have the real layouts: K / V [layers][nkv][max_pos][hd], fp8 exponents [layers][nkv][max_pos], GDN S
+    [layers][hv][dv][dk], windows [layers][kw - 1][C]."""
+    import dataclasses
+
+    from q27py.model.config import FULL
+
+    m, _ = _group_model(rec, kv, mma)
+    m.cfg = dataclasses.replace(m.cfg, num_hidden_layers=4, layer_types=m.cfg.layer_types + (FULL,))
+    x = np.zeros(1, np.float32)
+    m.w.layers.append(types.SimpleNamespace(kind=FULL, input_ln=x, post_ln=x,
+                                            attn=types.SimpleNamespace(q_norm=x, k_norm=x)))
+    from test_decode_batch_layout import _Plan
+
+    m.layer_plans.append({k: _Plan(rec, f"{k}3") for k in ("in", "out", "up", "down")})
+    m.max_pos = 64
+    m.ld_qg, m.ld_xa, m.ld_xo, m.ld_act = 130, 132, 134, 136  # apart: a leading dimension passed for another is seen
+    m.lane_table, m.group_table = np.zeros(8, np.int64), np.zeros(8, np.int32)
+    cfg, z = m.cfg, (lambda dt, *s: np.zeros(s, dt))  # noqa: E731
+    kvt = {"bf16": np.uint16, "fp8": np.uint8}.get(kv, np.float32)
+    nkv, hd, hv = cfg.num_key_value_heads, cfg.head_dim, cfg.linear_num_value_heads
+    side = (z(np.int8, 2, nkv, m.max_pos), z(np.int8, 2, nkv, m.max_pos)) if kv == "fp8" else ()
+    st = types.SimpleNamespace(
+        k=z(kvt, 2, nkv, m.max_pos, hd), v=z(kvt, 2, nkv, m.max_pos, hd),
+        gdn=z(np.float32, 2, hv, cfg.linear_value_head_dim, cfg.linear_key_head_dim),
+        window=z(np.float32, 2, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim), position=7,
+        ctl=types.SimpleNamespace(data=types.SimpleNamespace(ptr=4096)),
+        side_rows=lambda ai: tuple(a[ai] for a in side) if ai is not None else ())
+    st.k_exp, st.v_exp = side if side else (None, None)
+    offs = (st.k.strides[0], side[0].strides[0] if side else 0, st.gdn.strides[0], st.window.strides[0])
+    return m, st, offs
+
+
+def _resolve(call, st, m, w: int, commit: bool):
+    """The arguments of a *_groups / *_lanes launch of a one-group round (w lanes of state st, row 0) with
+    every lane-table address + offset resolved to the address it names and the pos0 pointer as "pos0":
+    the argument list of the solo launch it stands for (None: not a state kernel)."""
+    base = {C.LT_K: st.k, C.LT_V: st.v, C.LT_KX: st.k_exp, C.LT_VX: st.v_exp, C.LT_GDN: st.gdn,
+            C.LT_WIN: st.window}
+
+    def at(field, off):
+        return ("at", _addr(base[field]) + int(off))
+
+    a = [_canon(x) for x in call.args]
+    k = call.kernel
+    if "_lanes" in k or "_groups" in k:
+        assert call.args[a.index(("at", _addr(m.lane_table)))] is m.lane_table, k
+    if "_groups" in k:
+        assert ("at", _addr(m.group_table)) in a, k
+    if k in ("qk_norm_rope_store_lanes", "qk_norm_rope_store_fp8_lanes"):
+        fp8 = "fp8" in k
+        kv_off = call.args[13].item()
+        store = [at(C.LT_K, kv_off), at(C.LT_V, kv_off)]
+        if fp8:
+            x_off = call.args[14].item()
+            return a[:12] + ["pos0"] + a[15:17] + store + [at(C.LT_KX, x_off), at(C.LT_VX, x_off)] + a[17:]
+        return a[:12] + ["pos0"] + a[14:16] + store + a[16:]
+    if k == "gdn_conv_groups":
+        return a[:2] + [at(C.LT_WIN, call.args[4].item())] + a[5:]
+    if k.startswith("gdn_step_groups"):
+        assert call.args[2].item() == (C.GT_KEEP if commit else C.GT_COUNT)
+        n = ("int32", F.VERIFY_SPAN if commit else w)
+        return ([at(C.LT_GDN, call.args[3].item()), ("int64", call.args[4].item() // 4)] + a[5:15] + [n]
+                + ["n_dev" if commit else None] + a[15:])
+    if k == "gdn_conv_commit_groups":
+        return [at(C.LT_WIN, 0), ("int64", call.args[2].item() // 4)] + a[3:8] + ["n_dev", ("int32", 0)]
+    if k.startswith("attn_split_groups"):
+        kv_off, x_off = call.args[4].item(), call.args[5].item()
+        out = a[:2] + [at(C.LT_K, kv_off), at(C.LT_V, kv_off)] + a[6:10] + ["pos0"] + a[10:]
+        return out + ([at(C.LT_KX, x_off), at(C.LT_VX, x_off)] if "fp8" in k else [])
+    if k.startswith("attn_mma_groups"):
+        kv_off, x_off = call.args[4].item(), call.args[5].item()
+        fp8 = "fp8" in k
+        return (a[:2] + [at(C.LT_K, kv_off), at(C.LT_V, kv_off)] + a[6:10] + ["pos0"] + a[10:12] + [("int32", w)]
+                + a[12:] + ([at(C.LT_KX, x_off), at(C.LT_VX, x_off)] if fp8 else [None, None]))
+    if k in ("attn_combine_groups", "attn_mma_combine_groups"):
+        return a[:3] + ["pos0"] + a[5:]
+    return None
+
+
+def _solo_args(call, commit: bool):
+    a = [_canon(x) for x in call.args]
+    k = call.kernel
+    pos0 = ("uint64", 4096)  # ptr(state.ctl): the round's pos0
+    if k.startswith(("qk_norm_rope_store", "attn_split_", "attn_mma_", "attn_combine")):
+        a = ["pos0" if x == pos0 else x for x in a]
+    if commit and k.startswith(("gdn_step_k", "gdn_conv_commit")):
+        a = ["n_dev" if x == ("uint64", 4096 + 8) else x for x in a]
+    return a
+
+
+@pytest.mark.parametrize("kv,mma", [("bf16", True), ("bf16", False), ("f32", False), ("fp8", False), ("fp8", True)])
+@pytest.mark.parametrize("w", [1, 4, 16])
+def test_one_group_passes_the_solo_verify_arguments(rec, monkeypatch, kv, mma, w):
+    """A one-group verify_batch / commit_batch hands every launch the buffers, leading dimensions, strides
+    and scalars its solo verify / commit gives it, and each lane-table address + layer offset names the
+    array (layer) the solo launch passes: K / V and fp8 exponents of each attention layer, S and the
+    window of each GDN layer, all layers' records for the commit."""
+    m, st, offs = _two_attention_layers(rec, kv, mma)
+    monkeypatch.setattr(F, "ptr", lambda a, off=0: np.uint64(4096 + off))
+    for commit in (False, True):
+        rec.calls.clear()
+        if commit:
+            m.enqueue_commit(st)
+        else:
+            m.enqueue_main(st, w, True, np.arange(w))
+        solo = rec.calls[:]
+        rec.calls.clear()
+        if commit:
+            m.enqueue_commit_groups(1, offs)
+        else:
+            m.enqueue_groups(w, 1, offs)
+        grp = rec.calls[:]
+        assert len(grp) == len(solo)
+        resolved = 0
+        for g, s in zip(grp, solo):
+            if g.module == "plan":
+                continue
+            want = _solo_args(s, commit)
+            got = _resolve(g, st, m, w, commit)
+            if got is None:  # a launch the group path makes as the solo one does
+                if g.kernel == "embed_rows":  # the ids: the lane table's instead of the model's
+                    got, want = [_canon(x) for x in g.args[1:]], want[1:]
+                else:
+                    got = [_canon(x) for x in g.args]
+            else:
+                resolved += 1
+            assert got == want, (g.kernel, s.kernel)
+        assert resolved == (2 if commit else 2 * 2 + 2 * 3), resolved
