@@ -107,7 +107,9 @@ def test_verify_batch_equals_solo_verify_and_commit(name, graphs):
     run_rounds(model, [0, 37, 150, 301], WIDTHS, seed=len(name))
     if graphs:
         assert model.graphs.model_replays > 0, "the grouped sweep never replayed its graph"
-        assert not any(isinstance(k[0], str) for k in model.graphs.graphs), "group graphs keyed per state"
+        # per-state keys are (state id, kind, ..): no grouped sweep or commit among them, both at model level
+        assert not any(k[1] in ("groups", "commit-groups") for k in model.graphs.graphs), "group graphs keyed per state"
+        assert {k[0] for k in model.graphs.model_graphs} >= {"groups", "commit-groups"}, list(model.graphs.model_graphs)
 
 
 @pytest.mark.parametrize("widths", [[16], [1] * 16, [5, 3, 8], [1, 15]], ids=["one16", "sixteen1", "5-3-8", "1-15"])
@@ -229,11 +231,12 @@ def test_outputs_surface_and_freshness():
         words[:, a // 32] |= np.uint32(1 << (a % 32))
     for o, w in zip(outs, (2, 1, 3)):
         assert o.rows.tolist() == list(range(w))
+        greedy = o.greedy_ids()  # the device argmax (once the logits are on the host, greedy_ids is the host's)
         picks = [w - 1, 0][: min(2, w)]
         dev = o.masked_greedy_ids(picks, words[: len(picks)])
         host = [int(np.argmax(np.where(np.isin(np.arange(v), allowed), o.logits[p], -np.inf))) for p in picks]
         assert dev.tolist() == host and all(d in allowed for d in host)
-        np.testing.assert_array_equal(o.greedy_ids(), np.argmax(o.logits, axis=1))
+        np.testing.assert_array_equal(greedy, np.argmax(o.logits, axis=1))
         np.testing.assert_array_equal(o.hidden_device.get()[:, : model.cfg.hidden_size], o.hidden)
         with pytest.raises(IndexError):
             o.masked_greedy_ids([w], words[:1])
