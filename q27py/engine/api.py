@@ -106,6 +106,8 @@ class GenerationChunk:
     # Engine-internal, between LocalEngine.steps and the scheduler only (never delivered): a decode
     # lane waiting for the round's shared forward (engine/decoder.py Lane; engine/scheduler.py).
     lane: object | None = None
+    # ... and a ladder's MTP chain waiting for the round's batched drafting (engine/spec.py DraftCall)
+    draft: object | None = None
 
 
 class Engine(Protocol):

@@ -156,6 +156,9 @@ class Pace:
     # lanes this slot's group of a shared round may take: its pending token and up to lanes - 1 drafts
     # (the scheduler's share of the sweep's flat width, LocalEngine.sweep_lanes); 1: a plain lane
     lanes: int = 1
+    # with drafts in the group: hand the MTP ladder's chain out (engine/spec.py DraftCall) so that the
+    # round runs every sharing slot's chain in one batch (LocalEngine.batch_drafts)
+    batch_drafts: bool = False
     prefill_chunk: int | None = None
     # written by the stepper: prompt tokens still to prefill (None until its prefill has started);
     # the scheduler ranks prefilling slots by it (a warm turn restored from the prefix cache has few)

@@ -202,19 +202,58 @@ class MTPLadder:
         """The same ladder with every step chained on the device (the fast path's mtp_draft_chain):
         all max_drafts steps run in one graph, then the gate and the probe cut the list here --
         the drafts kept are exactly the host ladder's; the extra steps only cost device time."""
-        ids, margins = self.model.mtp_draft_chain(self.kv, rows, self._next, self.kv.length, max_drafts)
+        call = self._chain_call(rows, max_drafts, position)
+        ids, margins = self.model.mtp_draft_chain(call.kv, call.rows, call.next_ids, call.start, call.depth)
+        return self.chain_result(call, ids, margins, min_margin, stop_if_first)
+
+    def chain_call(self, max_drafts: int, position: int) -> "ChainCall":
+        """What a device chain of max_drafts steps needs from this ladder -- its backlog rows and ids, the
+        MTP KV and where they start -- for a caller that runs several ladders' chains in one batch
+        (model.mtp_draft_batch: the scheduler's shared round, engine.run_drafts). The backlog is handed
+        over (step 0 writes it); chain_result then cuts the drafts as draft() does."""
+        self.release()
+        assert self.kv.length + self.backlog == position, "MTP backlog out of step with the committed position"
+        return self._chain_call(concat_rows(self._hidden), max_drafts, position)
+
+    def _chain_call(self, rows, max_drafts: int, position: int) -> "ChainCall":
+        call = ChainCall(self.kv, rows, list(self._next), self.kv.length, max(1, int(max_drafts)), position)
         self._hidden, self._next = [], []
+        return call
+
+    def chain_result(self, call: "ChainCall", ids, margins, min_margin: float, stop_if_first=None) -> Draft:
+        """The Draft of a chain run for `call` (ids / margins of at least call.depth steps): the gate
+        and the probe cut it as the host ladder stops, and the draft rows are dropped."""
         tokens: list[int] = []
         gated = False
-        for k in range(max_drafts):
+        for k in range(call.depth):
             if margins[k] < min_margin:
                 gated = True
                 break
             tokens.append(int(ids[k]))
             if len(tokens) == 1 and stop_if_first and stop_if_first(tokens[0]):
                 break
-        self.kv.truncate(position)  # draft rows are guesses: never keep them
-        return Draft(MTP if tokens else NONE, tokens, gated, max_drafts)
+        self.kv.truncate(call.position)  # draft rows are guesses: never keep them
+        return Draft(MTP if tokens else NONE, tokens, gated, call.depth)
+
+
+@dataclass
+class ChainCall:
+    """One ladder's device chain (MTPLadder.chain_call): step 0 over `rows` / `next_ids` at MTP KV rows
+    start.., then depth - 1 steps; position = the pending token's (the committed rows end there)."""
+    kv: object
+    rows: object
+    next_ids: list[int]
+    start: int
+    depth: int
+    position: int
+
+
+@dataclass
+class LadderAsk:
+    """What DraftPlanner.plan_steps asks of the MTP ladder: up to `depth` drafts, stopping after the
+    first when stop_if_first(it) holds (the "agree" probe)."""
+    depth: int
+    stop_if_first: Callable[[int], bool] | None = None
 
 
 class HoldBudget:
@@ -409,6 +448,20 @@ class DraftPlanner:
 
     def plan(self, max_drafts: int, position: int) -> Draft:
         """Drafts for the token positions after `position` (the pending token's), at most max_drafts."""
+        steps = self.plan_steps(max_drafts, position)
+        answer = None
+        try:
+            while True:
+                ask = steps.send(answer)
+                answer = self.ladder.draft(ask.depth, self.cfg.confidence_margin, position,
+                                           stop_if_first=ask.stop_if_first)
+        except StopIteration as done:
+            return done.value
+
+    def plan_steps(self, max_drafts: int, position: int):
+        """plan() as a generator: where it asks the MTP ladder for drafts it yields a LadderAsk and is
+        sent the ladder's Draft (plan() answers at once with ladder.draft; a shared round answers from
+        a chain run in one batch with the other slots' chains, engine/spec.py). Returns the Draft."""
         if max_drafts <= 0:
             return Draft(NONE)
         proposal: list[int] = []
@@ -429,10 +482,9 @@ class DraftPlanner:
                 return Draft(SUFFIX, proposal) if proposal else Draft(NONE)
             depth = 1  # the probe: one draft, the cheapest round that can end the pause
         if not proposal:
-            return self.ladder.draft(depth, self.cfg.confidence_margin, position)
+            return (yield LadderAsk(depth))
         # "agree": the ladder's first step decides; when it agrees the ladder stops there.
-        ladder = self.ladder.draft(depth, self.cfg.confidence_margin, position,
-                                   stop_if_first=lambda tok: tok == proposal[0])
+        ladder = yield LadderAsk(depth, lambda tok: tok == proposal[0])
         if ladder.tokens and ladder.tokens[0] == proposal[0]:
             return Draft(SUFFIX, proposal, mtp_steps=ladder.mtp_steps)
         return ladder

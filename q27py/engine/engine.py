@@ -30,7 +30,7 @@ from q27py.engine.constraint import ConstraintCache, ConstraintRun, VocabIndex
 from q27py.engine.decoder import DecodeStats, Lane, Pace, PrefillCancelled
 from q27py.engine.prefix_cache import BOUNDARY_KINDS, DiskCache, PrefixCache, compat_hash
 from q27py.engine.sampling import TokenPicker
-from q27py.engine.spec import SpecDecoder, build_decoder
+from q27py.engine.spec import DraftCall, SpecDecoder, build_decoder
 from q27py.errors import Q27Error
 
 __all__ = ["ContextLengthError", "LocalEngine", "load_model", "sweep_parts"]
@@ -105,6 +105,10 @@ class LocalEngine:
         # lanes through decode_batch, one per sharing slot)
         self.sweep_lanes = (int(model.verify_lanes)
                             if self.shares_rounds and self.batch_spec in ("adaptive", "drafts") else 0)
+        # ... and the MTP ladders of a shared round draft in one batch (run_drafts) where the model chains
+        # its ladder on the device (drafts_on_device: one call per chain instead of a host round trip
+        # per step, so one batch per round instead of one chain per slot)
+        self.batch_drafts = bool(self.sweep_lanes and model.drafts_on_device)
         # prefill tokens per round beside decoding slots (0: off, full chunks always)
         self.interleave_chunk = cfg.engine.interleave()
         self.interleave_halving = int(cfg.engine.interleave_halving)  # the piece shrinks with the context
@@ -200,6 +204,9 @@ class LocalEngine:
                 if isinstance(tokens, Lane):  # a shared round: the scheduler runs its forward
                     yield GenerationChunk([], lane=tokens)
                     continue
+                if isinstance(tokens, DraftCall):  # ... and, before it, its MTP chain with the others'
+                    yield GenerationChunk([], draft=tokens)
+                    continue
                 if not tokens:  # a prefill chunk ran: a point where other slots may run
                     yield GenerationChunk([])
                     continue
@@ -276,6 +283,26 @@ class LocalEngine:
                     lane.take(out)
                 except Exception as exc:
                     lane.fail(exc)
+
+    def run_drafts(self, calls: list[DraftCall]) -> None:
+        """The MTP chains of a shared round's ladders (engine/spec.py DraftCall) in model.mtp_draft_batch,
+        max_batch at a time, every chain as deep as the deepest (each ladder cuts its own: the extra steps
+        only cost device time). A failure stays with the chains it hit: their slots' steppers raise it."""
+        step = max(1, int(self.model.max_batch))
+        for i in range(0, len(calls), step):
+            part = calls[i : i + step]
+            try:
+                outs = self.model.mtp_draft_batch([c.chain.kv for c in part], [c.chain.rows for c in part],
+                                                  [c.chain.next_ids for c in part], [c.chain.start for c in part],
+                                                  max(c.chain.depth for c in part))
+                if len(outs) != len(part):
+                    raise RuntimeError(f"mtp_draft_batch returned {len(outs)} chains for {len(part)}")
+            except Exception as exc:
+                for c in part:
+                    c.fail(exc)
+                continue
+            for c, (ids, margins) in zip(part, outs):
+                c.done(ids, margins)
 
     def _run_groups(self, lanes: list[Lane]) -> None:
         """run_lanes with drafts: verify_batch, every group's take, then one commit_batch."""

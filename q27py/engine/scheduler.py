@@ -155,6 +155,8 @@ class Scheduler:
         # lanes a shared round's sweep takes in all, drafts included (LocalEngine.sweep_lanes; 0: plain
         # lanes, one per sharing slot); each sharing slot's group gets an equal share (Pace.lanes)
         self.sweep_lanes = int(getattr(engine, "sweep_lanes", 0) or 0) if self._shares else 0
+        # the sharing slots' MTP chains run in one batch before the sweep (LocalEngine.batch_drafts, run_drafts)
+        self.batch_drafts = bool(getattr(engine, "batch_drafts", False)) and self.sweep_lanes > 0
         self.solo_turns = 0  # own rounds run while two or more slots were decoding
         self._open_tap = open_tap
         self._on_change = on_change
@@ -270,27 +272,39 @@ class Scheduler:
         return bool(piece and prefilling)
 
     def _shared_round(self, slots: list[Slot]) -> int:
-        """One decode_batch for every sharing slot: collect a lane from each, run them together, then
-        let each finish its round (pick already made from its own row; commit, stop check, tokens).
-        Returns the lanes that ran (0 when none did)."""
+        """One weight sweep for every sharing slot: collect a lane group from each (after one batch of
+        their MTP chains where the engine batches drafting), run them together, then let each finish
+        its round (picks already made from its own rows; commit done, stop check, tokens). Returns the
+        groups that ran (0 when none did)."""
         lanes: list[tuple[Slot, object]] = []
+        drafting: list[tuple[Slot, object]] = []
         each = max(1, self.sweep_lanes // len(slots)) if self.sweep_lanes else 1  # a group's lanes
         for slot in slots:
             if self._slots[slot.index] is not slot:
                 continue
             cancelled = slot.job.request.cancel.is_set()
-            slot.pace.shared, slot.pace.lanes = True, each
+            chunk = self._resume_shared(slot, each)
             slot.decode_steps += 1
-            chunk = self._resume(slot)
-            slot.pace.shared, slot.pace.lanes = False, 1
             if chunk is None:
                 continue  # the engine failed: delivered and freed
-            if chunk.lane is not None and not cancelled:
-                lanes.append((slot, chunk.lane))
-            elif chunk.lane is not None:  # a lane despite the cancel flag: end it here, the lane unrun
-                self._settle(slot, GenerationChunk([]), cancelled)
-            else:  # it ended (stop, length, cancel) or ran a round of its own (a stepper that ignores pace)
-                self._settle(slot, chunk, cancelled)
+            if chunk.draft is not None and not cancelled:
+                drafting.append((slot, chunk.draft))
+            else:
+                self._take_lane(slot, chunk, cancelled, lanes)
+        if drafting:
+            # every sharing slot's MTP chain in one batch (engine.run_drafts keeps failures per chain),
+            # then each slot is resumed to hand out its group
+            try:
+                self.engine.run_drafts([call for _, call in drafting])
+            except Exception as exc:
+                log.exception("engine failed drafting a shared round")
+                for slot, _ in drafting:
+                    self._fail(slot, exc)
+                drafting = []
+            for slot, _ in drafting:
+                chunk = self._resume_shared(slot, each)
+                if chunk is not None:
+                    self._take_lane(slot, chunk, False, lanes)
         if not lanes:
             return 0
         try:
@@ -310,6 +324,23 @@ class Scheduler:
             if chunk is not None and chunk.token_ids and chunk.finish_reason is None:
                 self.policy.observe_shared_tokens(slot.solo, len(chunk.token_ids))
         return len(lanes)
+
+    def _resume_shared(self, slot: Slot, lanes: int):
+        """Resume a sharing slot with the shared pace (its group's lanes, batched drafting)."""
+        slot.pace.shared, slot.pace.lanes, slot.pace.batch_drafts = True, lanes, self.batch_drafts
+        try:
+            return self._resume(slot)
+        finally:
+            slot.pace.shared, slot.pace.lanes, slot.pace.batch_drafts = False, 1, False
+
+    def _take_lane(self, slot: Slot, chunk: GenerationChunk, cancelled: bool, lanes: list) -> None:
+        """A sharing slot's resume: its lane group joins the sweep, or the slot ends here."""
+        if chunk.lane is not None and not cancelled:
+            lanes.append((slot, chunk.lane))
+        elif chunk.lane is not None or chunk.draft is not None:  # despite the cancel flag: end it, unrun
+            self._settle(slot, GenerationChunk([]), cancelled)
+        else:  # it ended (stop, length, cancel) or ran a round of its own (a stepper that ignores pace)
+            self._settle(slot, chunk, cancelled)
 
     # ---- parts of a round -------------------------------------------------
 
@@ -365,7 +396,7 @@ class Scheduler:
         chunk = self._resume(slot)
         if chunk is None:
             return None
-        if chunk.lane is not None:  # a lane outside a shared round: the stepper broke the pace protocol
+        if chunk.lane is not None or chunk.draft is not None:  # outside a shared round: the pace protocol broken
             self._fail(slot, RuntimeError("the engine handed out a decode lane in a round that is not shared"))
             return None
         self._settle(slot, chunk, cancelled)

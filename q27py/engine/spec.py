@@ -67,7 +67,7 @@ from q27py.config import BATCH_SPEC_CHOICES, MTP_DEFER_ROWS, SpecConfig
 from q27py.engine.api import SamplingParams
 from q27py.engine.decoder import (DecodeStats, Decoder, Lane, Pace, PrefillBreaks, accept_walk, begin_run, paused,
                                   prefill_steps, prompt_suffix, reads_mtp, restarts_grid)
-from q27py.engine.drafters import NONE, Draft, DraftPlanner, HoldBudget, MTPLadder, SuffixIndex
+from q27py.engine.drafters import NONE, ChainCall, Draft, DraftPlanner, HoldBudget, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
 
@@ -239,7 +239,7 @@ class SpecDecoder:
                     ladder.flush(keep_last=True)
                 return
             if pace is not None and pace.shared:
-                new = yield from self._shared_round(state, pending, pace.lanes, max_tokens - produced, sampler,
+                new = yield from self._shared_round(state, pending, pace, max_tokens - produced, sampler,
                                                     planner, ladder, suffix, stop_ids, stats)
             else:
                 new = self._round(state, pending, max_tokens - produced, sampler, planner, ladder, suffix, stop_ids,
@@ -294,12 +294,14 @@ class SpecDecoder:
         stats.record_round(draft.source, draft.tokens, accepted, n, lanes=1 + len(draft.tokens),
                            mtp_steps=draft.mtp_steps)
 
-    def _shared_round(self, state, pending, lanes, remaining, sampler, planner, ladder, suffix, stop_ids, stats):
+    def _shared_round(self, state, pending, pace, remaining, sampler, planner, ladder, suffix, stop_ids, stats):
         """A round inside the scheduler's shared forward: the pending token and, when the scheduler
         gives this slot more than one lane of the sweep (Pace.lanes, its share of the sweep's flat
         width), drafts planned as `_round` plans them; the group is yielded (the caller runs every
         slot's group in one verify_batch, or plain lanes in one decode_batch, reads this group's rows
         into it and commits what the walk accepted), then the round settles exactly as `_round`'s.
+        With Pace.batch_drafts the MTP ladder's chain is yielded first (a DraftCall): the caller runs
+        every sharing slot's chain in one model.mtp_draft_batch and resumes this one with its ids.
 
         With one lane (batch_spec "solo-only", a model without verify_batch, or a sweep shared by
         as many slots as it has lanes) there are no drafts: a plain decode lane. Everything the
@@ -309,13 +311,56 @@ class SpecDecoder:
         flushes it), the suffix index gets the tokens. The depth controller sees the rounds the
         ladder drafted, so a shared slot's depth follows what its narrower groups accept."""
         draft = Draft(NONE)
-        if lanes > 1 and remaining > 1:
-            draft = self._draft(planner, sampler, min(lanes, self.width), remaining, state.position)
+        if pace.lanes > 1 and remaining > 1:
+            max_drafts = min(min(pace.lanes, self.width) - 1, remaining - 1)
+            if pace.batch_drafts and ladder is not None:
+                draft = yield from self._plan_batched(planner, ladder, max_drafts, state.position)
+            else:
+                draft = planner.plan(max_drafts, state.position)
+            draft.tokens = sampler.viable(draft.tokens)
         lane = Lane(state, pending, sampler, drafts=draft.tokens, stop_ids=stop_ids)
         yield lane
         new, hidden = lane.result()
         self._settle(state, new, hidden, draft, sampler, planner, ladder, suffix, stats)
         return new
+
+    def _plan_batched(self, planner, ladder, max_drafts: int, position: int):
+        """planner.plan with the ladder's chain handed out (a DraftCall, yielded) instead of run here."""
+        steps = planner.plan_steps(max_drafts, position)
+        answer = None
+        try:
+            while True:
+                ask = steps.send(answer)
+                call = DraftCall(ladder.chain_call(ask.depth, position))
+                yield call
+                ids, margins = call.result()
+                answer = ladder.chain_result(call.chain, ids, margins, self.cfg.confidence_margin, ask.stop_if_first)
+        except StopIteration as done:
+            return done.value
+
+
+class DraftCall:
+    """A ladder's MTP chain waiting for the scheduler's batched drafting (LocalEngine.run_drafts: every
+    sharing slot's chain in one model.mtp_draft_batch, the weights of the MTP layer and lm_head swept
+    once per step for all of them instead of once per slot). Nothing here calls the model."""
+
+    def __init__(self, chain: ChainCall):
+        self.chain = chain
+        self.ids = self.margins = None
+        self.error: BaseException | None = None
+
+    def done(self, ids, margins) -> None:
+        self.ids, self.margins = ids, margins
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        if self.ids is None:
+            raise RuntimeError("a draft call was resumed before its chain ran")
+        return self.ids, self.margins
 
 
 def _settling(breaks: PrefillBreaks | None, ladder: MTPLadder) -> PrefillBreaks | None:

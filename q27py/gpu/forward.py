@@ -1133,6 +1133,15 @@ class FastModel:
         state.mtp_position = kv.length
         return ids, margins
 
+    def mtp_draft_batch(self, kvs: list, hiddens: list, next_ids: list, starts: list, depth: int) -> list:
+        """mtp_draft_chain for several sequences (the shared round's ladders, engine.run_drafts): output i
+        is mtp_draft_chain(kvs[i], hiddens[i], next_ids[i], starts[i], depth)'s. Here one chain per
+        sequence in turn (each its own graph and download); one sweep of the MTP layer per step for
+        every chain is the batched form still to build."""
+        if not len(kvs) == len(hiddens) == len(next_ids) == len(starts):
+            raise ValueError("mtp_draft_batch: one MTP KV, row block, id list and start per chain")
+        return [self.mtp_draft_chain(kv, h, ids, int(s), depth) for kv, h, ids, s in zip(kvs, hiddens, next_ids, starts)]
+
     # ------------------------------------------------------------------ device-side steps
     def _run_main(self, state: FastState, ids: np.ndarray, verify: bool, rows: np.ndarray) -> None:
         t = int(ids.shape[0])

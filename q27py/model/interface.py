@@ -67,7 +67,13 @@ class ForwardModel(Protocol):
     def mtp_forward(self, kv, hidden, next_ids, start: int, logits_rows="all") -> tuple[np.ndarray, np.ndarray]: ...
 
     def mtp_draft_chain(self, kv, hidden, next_ids, start: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
-        """Only where drafts_on_device."""
+        """The greedy MTP ladder in one call (the ladder uses it where drafts_on_device; the CPU paths
+        run it as the host ladder's steps): (ids [depth], top1 - top2 margins [depth])."""
+
+    def mtp_draft_batch(self, kvs: list, hiddens: list, next_ids: list, starts: list, depth: int) -> list:
+        """mtp_draft_chain for several sequences at once (the shared round's ladders): output i is
+        mtp_draft_chain(kvs[i], hiddens[i], next_ids[i], starts[i], depth)'s, bitwise (the fast path:
+        one weight sweep of the MTP layer per step for every chain). Used where drafts_on_device."""
 
     def save_recurrent(self, state) -> dict: ...
 
@@ -82,4 +88,5 @@ class ForwardModel(Protocol):
 ATTRIBUTES = ("cfg", "has_mtp", "chunk", "max_pos", "max_batch", "sized_slots", "drafts_on_device", "verify_lanes",
               "state_format")
 METHODS = ("new_state", "reset_state", "forward", "decode_batch", "commit", "verify_batch", "commit_batch",
-           "mtp_forward", "save_recurrent", "rewind", "export_prefix", "import_prefix")
+           "mtp_forward", "mtp_draft_chain", "mtp_draft_batch", "save_recurrent", "rewind", "export_prefix",
+           "import_prefix")

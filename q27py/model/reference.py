@@ -272,6 +272,34 @@ class ReferenceModel:
             state.gdn[i] = GDNState(trace.recurrent[i][n - 1].copy(), trace.conv[i][n - 1].copy())
 
     # ------------------------------------------------------------------ MTP head
+    def mtp_draft_chain(self, kv: KVCache, hidden, next_ids, start: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """The fast path's whole greedy MTP ladder as one call, here as its host steps (the same
+        mtp_forward calls the host ladder makes, engine/drafters.py MTPLadder.draft): step 0 over the
+        rows at start.., then depth - 1 steps each fed the previous argmax and post-norm row. Returns
+        (ids [depth], top1 - top2 margins [depth]); the MTP KV ends at start + t + depth - 1 rows (the
+        caller truncates). What lets the engine batch several ladders' chains (mtp_draft_batch) and be
+        tested without a GPU: the drafts a caller keeps are the host ladder's, bit for bit."""
+        next_ids = [int(t) for t in np.asarray(next_ids).reshape(-1)]
+        t, depth = len(next_ids), max(1, int(depth))
+        logits, h = self.mtp_forward(kv, hidden, next_ids, start, logits_rows="last")
+        step, h = logits[-1], h[-1:]
+        ids, margins = np.zeros(depth, np.int64), np.zeros(depth, np.float32)
+        for k in range(depth):
+            top = np.partition(step, -2)[-2:] if step.shape[0] >= 2 else None
+            margins[k] = float(top[1] - top[0]) if top is not None else float("inf")  # drafters.top2_margin
+            ids[k] = int(np.argmax(step))
+            if k + 1 < depth:
+                lg, h = self.mtp_forward(kv, h, [int(ids[k])], start + t - 1 + k + 1)
+                step = lg[0]
+        return ids, margins
+
+    def mtp_draft_batch(self, kvs: list, hiddens: list, next_ids: list, starts: list, depth: int) -> list:
+        """mtp_draft_chain for several sequences (the shared round's ladders, engine.run_drafts): here
+        the loop of chains, bitwise by construction."""
+        if not len(kvs) == len(hiddens) == len(next_ids) == len(starts):
+            raise ValueError("mtp_draft_batch: one MTP KV, row block, id list and start per chain")
+        return [self.mtp_draft_chain(kv, h, ids, int(s), depth) for kv, h, ids, s in zip(kvs, hiddens, next_ids, starts)]
+
     def mtp_forward(self, kv: KVCache, hidden: np.ndarray, next_ids, start: int,
                     logits_rows="all") -> tuple[np.ndarray, np.ndarray]:
         """One MTP layer pass over rows at positions start.. (appends their KV rows).

@@ -55,18 +55,23 @@ class Probe:
     """A CPU model with one scratch for every state, as the CUDA fast path has: an output (a whole
     decode_batch's outputs) is readable until the next forward / decode_batch / MTP call of any
     state, and commit must follow its own verify forward (commit_batch its verify_batch). Logs every
-    call: ("forward", state, T, verify), ("batch", B, states), ("groups", widths, states) and
-    ("commit_groups", ns, states); `fail_batch` makes decode_batch / verify_batch raise (after the lanes' states moved, as a
-    device fault mid-batch would leave them)."""
+    call: ("forward", state, T, verify), ("batch", B, states), ("groups", widths, states),
+    ("commit_groups", ns, states), ("chain", 1, depth) and ("chains", B, depth); `fail_batch` makes
+    decode_batch / verify_batch raise (after the lanes' states moved, as a device fault mid-batch would
+    leave them); `fail_chains` = n makes the next n mtp_draft_batch calls raise."""
 
-    def __init__(self, inner, max_batch=16, device=False, verify_lanes=None):
+    def __init__(self, inner, max_batch=16, device=False, verify_lanes=None, drafts_on_device=None):
         self._m, self.max_batch, self._device = inner, max_batch, device
         # verify_batch's width (None: the inner model's; 0: a model without it, plain shared lanes only)
         self.verify_lanes = inner.verify_lanes if verify_lanes is None else verify_lanes
+        # True: the ladder drafts through mtp_draft_chain and a shared round's ladders through one
+        # mtp_draft_batch, as on the fast path (the CPU models run both as the host ladder's steps)
+        self.drafts_on_device = inner.drafts_on_device if drafts_on_device is None else drafts_on_device
         self.serial, self.pending, self.calls = 0, None, []
         self.logits_reads = self.masked_launches = 0
         self.fail_batch = None  # a set of state ids: a batch holding one of them raises
         self.on_batch = None  # called inside decode_batch (a client leaving mid-forward)
+        self.fail_chains = 0  # the next this many mtp_draft_batch calls raise
 
     def __getattr__(self, name):
         return getattr(self._m, name)
@@ -123,6 +128,21 @@ class Probe:
         self.serial += 1
         self.pending = None
         return self._m.mtp_forward(*args, **kwargs)
+
+    def mtp_draft_chain(self, *args, **kwargs):
+        self.serial += 1
+        self.pending = None
+        self.calls.append(("chain", 1, int(args[4] if len(args) > 4 else kwargs["depth"])))
+        return self._m.mtp_draft_chain(*args, **kwargs)
+
+    def mtp_draft_batch(self, kvs, hiddens, next_ids, starts, depth):
+        self.serial += 1
+        self.pending = None
+        self.calls.append(("chains", len(kvs), int(depth)))
+        if self.fail_chains:
+            self.fail_chains -= 1
+            raise RuntimeError("device fault in mtp_draft_batch")
+        return self._m.mtp_draft_batch(kvs, hiddens, next_ids, starts, depth)
 
     def batches(self):
         return [c[1] for c in self.calls if c[0] == "batch"]

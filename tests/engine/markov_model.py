@@ -95,6 +95,12 @@ class MarkovModel:
     def commit_batch(self, states, traces, ns):
         raise NotImplementedError("verify_lanes 0: nothing to commit")
 
+    def mtp_draft_chain(self, kv, hidden, next_ids, start, depth):
+        raise NotImplementedError("drafts_on_device False: the ladder runs its host steps")
+
+    def mtp_draft_batch(self, kvs, hiddens, next_ids, starts, depth):
+        raise NotImplementedError("drafts_on_device False: no batched chains")
+
     def mtp_forward(self, kv: KVCache, hidden, next_ids, start: int, logits_rows="all"):
         kv.truncate(start)
         next_ids = [int(t) for t in np.asarray(next_ids).reshape(-1)]

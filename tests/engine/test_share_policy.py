@@ -123,6 +123,8 @@ def gpu_clock(probe, step_ms=10.0, lane_ms=0.2, prefill_ms_per_token=0.05, mtp_m
                 ms += step_ms + lane_ms * sum(c[1])
             elif c[0] == "mtp":
                 ms += step_ms / 10 + mtp_ms_per_row * c[1]
+            elif c[0] in ("chain", "chains"):  # a device MTP chain: one pass per step, for all its chains
+                ms += c[2] * step_ms / 10
         return ms / 1000.0
     return clock
 

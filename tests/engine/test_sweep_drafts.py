@@ -15,6 +15,7 @@ directly after its verify_batch):
   sharing yields as much as turns for one sweep, and the policy shares.
 """
 
+import numpy as np
 import pytest
 
 from q27py.engine.api import GenerationRequest, OutputConstraint, SamplingParams
@@ -157,3 +158,78 @@ def test_sweep_parts():
         sweep_parts([17], 16, 16)
     with pytest.raises(RuntimeError):
         sweep_parts([2], 16, 0)
+
+
+# ---- the sharing slots' MTP chains in one batch (LocalEngine.batch_drafts, run_drafts) -----------------
+
+
+def test_the_reference_chain_keeps_the_host_ladders_drafts(fast, tok):
+    """ReferenceModel.mtp_draft_chain (the fast path's one-call ladder, here its host steps) gives the
+    ladder the drafts its host steps give, gate and probe included, and leaves the same MTP KV."""
+    from q27py.engine.drafters import MTPLadder
+
+    rng = np.random.default_rng(3)
+    for margin, depth in ((float("-inf"), 5), (1.5, 6), (float("-inf"), 1)):
+        got = []
+        for on_device in (False, True):
+            model = Probe(fast, drafts_on_device=on_device)
+            st = fast.new_state()
+            ids = tok.encode(TEXTS[0] * 3)
+            out = fast.forward(st, ids)
+            ladder = MTPLadder(model, st.mtp_kv)
+            ladder.defer(out.hidden[:-1], ids[1:])
+            ladder.defer(out.hidden[-1:], [int(np.argmax(out.logits[-1]))])
+            probe_tok = int(rng.integers(0, 50))
+            d = ladder.draft(depth, margin, st.position, stop_if_first=lambda t: t == probe_tok)
+            got.append((d.tokens, d.gated, st.mtp_kv.length, [c[0] for c in model.calls]))
+        assert got[0][:3] == got[1][:3], (margin, depth, got)
+        assert "chain" in got[1][3] and "chain" not in got[0][3]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_batched_chains_keep_every_requests_tokens(fast, tok, sampled):
+    probe = Probe(fast, drafts_on_device=True)
+    engine = make_engine(probe, tok, 4, batch_spec="drafts")
+    assert engine.batch_drafts and engine.sweep_lanes == 16
+    requests = reqs(tok, 4, sampled, constrained=sampled)
+    sched, jobs = run(engine, requests, arrivals=[0, 0, 2, 5])
+    solo = [alone(fast, tok, r) for r in reqs(tok, 4, sampled, constrained=sampled)]
+    assert [j.tokens for j in jobs] == [s.tokens for s in solo]
+    assert [j.logprobs for j in jobs] == [s.logprobs for s in solo]
+    batches = [c for c in probe.calls if c[0] == "chains"]
+    assert len(batches) > 5 and max(c[1] for c in batches) >= 3, batches
+    # each batch runs as deep as its deepest ladder asked, within the groups' widths
+    assert all(1 <= c[2] <= 15 for c in batches)
+    # a chain batch precedes each sweep that carries MTP drafts; no chain runs alone inside a shared round
+    kinds = [c[0] for c in probe.calls if c[0] in ("chains", "chain", "groups", "batch")]
+    assert "groups" in kinds
+    assert not plain_engine_batches(fast, tok)
+
+
+def plain_engine_batches(fast, tok):
+    """A model that drafts on the host (drafts_on_device False) never batches chains."""
+    probe = Probe(fast)
+    engine = make_engine(probe, tok, 2, batch_spec="drafts")
+    assert not engine.batch_drafts
+    run(engine, reqs(tok, 2, lengths=[20, 20]))
+    return [c for c in probe.calls if c[0] == "chains"]
+
+
+def test_a_failed_chain_batch_ends_only_its_slots(fast, tok):
+    probe = Probe(fast, max_batch=2, drafts_on_device=True)
+    engine = make_engine(probe, tok, 4, batch_spec="drafts")
+    sched = Scheduler(engine)
+    jobs = [Job(str(i), GenerationRequest(tok.encode(TEXTS[i]), 24)) for i in range(4)]
+    for j in jobs:
+        sched.submit(j)
+    for _ in range(4):
+        sched.round()
+    probe.fail_chains = 1  # the round's first batch (two chains: max_batch 2) fails
+    sched.round()
+    failed = [j for j in jobs if j.items and isinstance(j.items[-1], RuntimeError)]
+    assert len(failed) == 2 and probe.fail_chains == 0
+    assert sum(c[0] == "chains" for c in probe.calls) >= 2
+    drain(sched)
+    for i, j in enumerate(jobs):
+        if j not in failed:
+            assert j.tokens == alone(fast, tok, GenerationRequest(tok.encode(TEXTS[i]), 24)).tokens
