@@ -231,6 +231,28 @@ def run(traces: Path = TRACES, tier: str = "q4s", context: int = 2048, seed: int
     return res
 
 
+def _batched_drafts(m, ss, rs, cap: int) -> list[list[int]]:
+    """Each stream's drafts for its trace round as a shared round makes them (engine.run_drafts): the
+    MTP rounds' chains in one model.mtp_draft_batch (as deep as the deepest), the suffix rounds' on
+    the host. Every draft is the chain's argmax (no gate: the trace decides acceptance)."""
+    drafts: list[list[int] | None] = [None] * len(ss)
+    calls = []
+    for i, (sm, r) in enumerate(zip(ss, rs)):
+        d = min(len(r["drafts"]), cap)
+        if r["source"] == "mtp" and d:
+            steps = max(d, int(r.get("mtp_steps", d))) if d == len(r["drafts"]) else d
+            calls.append((i, d, sm.ladder.chain_call(steps, sm.st.position)))
+        else:
+            drafts[i] = sm.draft(r, cap)
+    if calls:
+        outs = m.mtp_draft_batch([c.kv for _, _, c in calls], [c.rows for _, _, c in calls],
+                                 [c.next_ids for _, _, c in calls], [c.start for _, _, c in calls],
+                                 max(c.depth for _, _, c in calls))
+        for (i, d, call), (ids, margins) in zip(calls, outs):
+            drafts[i] = ss[i].ladder.chain_result(call, ids, margins, float("-inf")).tokens[:d]
+    return drafts
+
+
 def _streams(m, states, prompts, streams, tokenizer, rng, context: int, log) -> dict:
     """C sequences at once: the ways a scheduler round can move them (engine/share_policy.py), each
     timed over STREAM_ROUNDS rounds with host time, after a warm pass that captures its graphs --
@@ -238,7 +260,8 @@ def _streams(m, states, prompts, streams, tokenizer, rng, context: int, log) -> 
     its drafters fed (spec.py _shared_round's work with one lane), the MTP backlog written at the end;
     "groups" (a model with verify_batch, C <= max_batch): one verify_batch per round of every stream's
     trace round, its drafts cut to its share of the sweep (verify_lanes // C lanes, as the scheduler
-    shares them), each group's recorded count accepted, one commit_batch;
+    shares them) and the MTP ones drafted in one mtp_draft_batch, each group's recorded count accepted,
+    one commit_batch;
     "turns": every stream's own trace round in turn (stream i starts i / C of the way into the trace
     rounds, so the streams replay different rounds). Aggregate tokens/s of each; SharePolicy measures
     the same quantities and takes the largest (or a mix)."""
@@ -284,7 +307,7 @@ def _streams(m, states, prompts, streams, tokenizer, rng, context: int, log) -> 
             tokens, t0 = 0, time.perf_counter()
             for k in range(STREAM_ROUNDS):
                 rs = rounds_at(k)
-                lanes = [[sm.pending] + sm.draft(r, cap) for sm, r in zip(ss, rs)]
+                lanes = [[sm.pending] + d for sm, d in zip(ss, _batched_drafts(m, ss, rs, cap))]
                 outs = m.verify_batch(sts, lanes)
                 kept = []
                 for r, o, ln in zip(rs, outs, lanes):  # every group read before the commit (scratch rule)

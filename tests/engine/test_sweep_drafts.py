@@ -233,3 +233,40 @@ def test_a_failed_chain_batch_ends_only_its_slots(fast, tok):
     for i, j in enumerate(jobs):
         if j not in failed:
             assert j.tokens == alone(fast, tok, GenerationRequest(tok.encode(TEXTS[i]), 24)).tokens
+
+
+def test_spec_replay_batches_the_streams_chains_as_the_engine_does(fast, tok):
+    """bench spec-replay's "groups" mode drafts its MTP rounds in one mtp_draft_batch
+    (spec_replay._batched_drafts): each stream's drafts are those its own ladder gives for the round."""
+    from q27py.bench.spec_replay import _batched_drafts, _Stream
+
+    def streams():
+        out = []
+        for i, text in enumerate(TEXTS[:3]):
+            st = fast.new_state()
+            ids = tok.encode(text * 2)
+            fast.forward(st, ids)
+            sm = _Stream(fast, st, tok, np.random.default_rng(i), 0)
+            sm.suffix.extend(ids)
+            out.append(sm)
+        return out
+
+    rs = [{"source": "mtp", "drafts": [0] * 4, "mtp_steps": 5}, {"source": "suffix", "drafts": [5, 6]},
+          {"source": "mtp", "drafts": [0] * 2}]
+    # _Stream starts its ladder with one random backlog row at position 0: give it the prompt's
+    got = _batched_drafts(fast, [_rewarm(sm) for sm in streams()], rs, cap=3)
+    want = [sm.draft(r, 3) for sm, r in zip([_rewarm(sm) for sm in streams()], rs)]
+    assert got == want and len(got[0]) == 3 and len(got[2]) == 2 and got[1] == [5, 6]
+
+
+def _rewarm(sm):
+    """A replay stream whose MTP ladder holds the prompt's rows (kv.length + backlog == position)."""
+    from q27py.engine.drafters import MTPLadder
+
+    st = sm.st
+    st.mtp_kv.truncate(0)
+    sm.ladder = MTPLadder(sm.m, st.mtp_kv)
+    rng = np.random.default_rng(st.position)
+    sm.ladder.defer(rng.standard_normal((st.position, sm.m.cfg.hidden_size)).astype(np.float32),
+                    rng.integers(0, 100, st.position).tolist())
+    return sm
