@@ -308,6 +308,10 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
         "batch_rounds": bool(getattr(engine, "shares_rounds", False)),
         # which decoding slots share a round and which take their own rounds in turn (engine/share_policy.py)
         "batch_spec": getattr(engine, "batch_spec", "solo-only"),
+        # lanes a shared sweep takes in all, drafts included (0: plain lanes), and whether the sharing slots'
+        # MTP chains run in one batch (engine/engine.py sweep_lanes, batch_drafts)
+        "sweep_lanes": int(getattr(engine, "sweep_lanes", 0) or 0),
+        "batch_drafts": bool(getattr(engine, "batch_drafts", False)),
         # `--traces` on random weights (bench/trace_accept.py): the verify rounds forced and their drafts
         "recorded_acceptance": _acceptance(engine.model),
         "interleave_chunk": getattr(engine, "interleave_chunk", 0),

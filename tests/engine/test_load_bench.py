@@ -22,7 +22,7 @@ MIXED_KEYS = {"slots", "prefill_chunk", "interleave_chunk", "running_prompt_toke
               "short_first_before_long", "running_finish", "rounds", "max_running", "batched_rounds",
               "batched_lanes", "solo_turns", "interleave_budget_ms", "piece_at_end"}
 TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "batch_rounds", "batch_spec",
-            "recorded_acceptance", "interleave_chunk",
+            "sweep_lanes", "batch_drafts", "recorded_acceptance", "interleave_chunk",
             "prompt_tokens", "gen_tokens", "concurrency", "aggregate_over_c1", "mixed", "memory"}
 
 
@@ -72,6 +72,7 @@ def test_batched_rounds_and_interleaved_prefill_are_counted(fast, tok):
     e = engine(fast, tok, slots=3, batch_rounds=True, interleave_chunk=16, batch_spec="solo-only")
     r = run_load(e, tok, streams=(1, 3), prompt_tokens=24, gen_tokens=6, long_tokens=640, log=lambda *a: None)
     assert r["batch_rounds"] and r["interleave_chunk"] == 16 and r["batch_spec"] == "solo-only"
+    assert r["sweep_lanes"] == 0 and r["batch_drafts"] is False  # "solo-only": plain lanes
     assert all(row["solo_turns"] == 0 for row in r["concurrency"])
     one, three = r["concurrency"]
     assert one["batched_rounds"] == 0 and one["tokens"] == 6  # alone: its own (speculative) rounds
@@ -170,3 +171,11 @@ def test_the_mixed_run_warms_width_two(monkeypatch, fast, tok):
     e = engine(fast, tok, slots=3)
     run_load(e, tok, streams=(1,), prompt_tokens=16, gen_tokens=3, long_tokens=80, log=lambda *a: None)
     assert [c for c, p in calls if p == 16][:3] == [1, 1, 2], calls  # warm 1 twice, then width 2; then the timed row
+
+
+def test_the_report_says_when_the_sweep_carries_drafts(fast, tok):
+    e = engine(fast, tok, slots=2, batch_rounds=True, batch_spec="drafts")
+    r = run_load(e, tok, streams=(2,), prompt_tokens=24, gen_tokens=12, long_tokens=None, mixed=False,
+                 log=lambda *a: None)
+    assert r["batch_spec"] == "drafts" and r["sweep_lanes"] == 16 and r["batch_drafts"] is False  # host ladder
+    assert r["concurrency"][0]["tokens"] == 24 and r["concurrency"][0]["batched_rounds"] >= 1
