@@ -159,6 +159,9 @@ class Pace:
     # with drafts in the group: hand the MTP ladder's chain out (engine/spec.py DraftCall) so that the
     # round runs every sharing slot's chain in one batch (LocalEngine.batch_drafts)
     batch_drafts: bool = False
+    # written by the stepper after each decode round: lanes its next round's group would use at most (its
+    # drafters' reach, DraftPlanner.wanted); None: unknown (an even share). share_policy.share_lanes
+    want_lanes: int | None = None
     prefill_chunk: int | None = None
     # written by the stepper: prompt tokens still to prefill (None until its prefill has started);
     # the scheduler ranks prefilling slots by it (a warm turn restored from the prefix cache has few)

@@ -441,6 +441,7 @@ class DraftPlanner:
         self.misses = 0
         self.idle = 0  # rounds planned since the pause began
         self.pauses = 0  # pauses begun (stats)
+        self.last_proposal = 0  # drafts the suffix drafter proposed in the last plan (wanted())
 
     @property
     def paused(self) -> bool:
@@ -458,6 +459,18 @@ class DraftPlanner:
         except StopIteration as done:
             return done.value
 
+    def wanted(self, width: int) -> int:
+        """Lanes (the pending token and its drafts) the next round would use at most -- what a shared
+        round's lane share asks for (Pace.want_lanes, share_policy.share_lanes): the whole width while
+        the suffix drafter's last plan had a proposal (a proposal runs as long as its match), else one
+        more than the MTP ladder's depth ceiling (a single probe draft while it is paused). Never below
+        two: with one lane nothing is drafted, and a drafter that never drafts never asks for more."""
+        if self.last_proposal:
+            return width
+        if self.ladder is not None and not self.paused:
+            return min(width, 1 + self.depth.depth)
+        return min(width, 2)
+
     def plan_steps(self, max_drafts: int, position: int):
         """plan() as a generator: where it asks the MTP ladder for drafts it yields a LadderAsk and is
         sent the ladder's Draft (plan() answers at once with ladder.draft; a shared round answers from
@@ -467,6 +480,7 @@ class DraftPlanner:
         proposal: list[int] = []
         if self.suffix is not None:
             proposal, _ = self.suffix.propose(max_drafts, self.cfg.suffix_min_match)
+        self.last_proposal = len(proposal)
         if proposal and self.cfg.arbitration == "suffix_first":
             return Draft(SUFFIX, proposal)
         if self.ladder is None:

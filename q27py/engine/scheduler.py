@@ -18,9 +18,12 @@ decode round or its end), else prefilling.
   each sharing slot is resumed with pace.shared and hands out one lane group instead of
   running its own forward: its pending token plus, where the sweep carries drafts
   (LocalEngine.sweep_lanes > 0: a model with verify_batch, batch_spec "adaptive" or
-  "drafts"), up to pace.lanes - 1 drafts, pace.lanes being its equal share of the sweep's
-  flat width (16 lanes: 8 each for two slots, a plain lane each for sixteen).
-  `engine.run_lanes` runs all of them in ONE weight sweep (decode_batch for plain lanes;
+  "drafts"), up to pace.lanes - 1 drafts, pace.lanes being its share of the sweep's flat
+  width (16 lanes), water-filled by what each slot's drafters would use (Pace.want_lanes,
+  share_policy.share_lanes: 8 each for two slots drafting long, a plain lane each for
+  sixteen). Where the engine batches drafting (batch_drafts) each sharing slot first hands
+  out its MTP chain (a DraftCall) and `engine.run_drafts` runs all of them in one batch.
+  Then `engine.run_lanes` runs every group in ONE weight sweep (decode_batch for plain lanes;
   verify_batch + commit_batch once any group has drafts), each group reads its own output
   rows (its request's TokenPicker walks them as a solo round does), and each slot is
   resumed again to settle, stop-check and return its tokens. A slot's drafters are fed
@@ -81,7 +84,7 @@ from typing import Callable, Iterator, Protocol
 
 from q27py.engine.api import GenerationChunk, GenerationRequest
 from q27py.engine.decoder import Pace
-from q27py.engine.share_policy import SharePolicy, SoloStats
+from q27py.engine.share_policy import SharePolicy, SoloStats, share_lanes
 
 log = logging.getLogger("q27py.scheduler")
 
@@ -278,12 +281,17 @@ class Scheduler:
         groups that ran (0 when none did)."""
         lanes: list[tuple[Slot, object]] = []
         drafting: list[tuple[Slot, object]] = []
-        each = max(1, self.sweep_lanes // len(slots)) if self.sweep_lanes else 1  # a group's lanes
+        # each group's lanes: the sweep's flat width shared out by what each slot's drafters would use
+        # (Pace.want_lanes; unknown: an even share), water-filled (share_policy.share_lanes)
+        even = max(1, self.sweep_lanes // len(slots)) if self.sweep_lanes else 1
+        shares = (share_lanes(self.sweep_lanes, [s.pace.want_lanes or even for s in slots]) if self.sweep_lanes
+                  else [1] * len(slots))
+        share = {slot.index: n for slot, n in zip(slots, shares)}
         for slot in slots:
             if self._slots[slot.index] is not slot:
                 continue
             cancelled = slot.job.request.cancel.is_set()
-            chunk = self._resume_shared(slot, each)
+            chunk = self._resume_shared(slot, share[slot.index])
             slot.decode_steps += 1
             if chunk is None:
                 continue  # the engine failed: delivered and freed
@@ -302,7 +310,7 @@ class Scheduler:
                     self._fail(slot, exc)
                 drafting = []
             for slot, _ in drafting:
-                chunk = self._resume_shared(slot, each)
+                chunk = self._resume_shared(slot, share[slot.index])
                 if chunk is not None:
                     self._take_lane(slot, chunk, False, lanes)
         if not lanes:

@@ -4,9 +4,10 @@
 Two ways to move a decoding slot by one round:
 - a lane group of the shared sweep: all sharing slots in ONE weight sweep (on a weight-bound 27B
   step, n lanes cost little more than one). Each group is the slot's pending token plus, where the
-  model has verify_batch, up to its share of the sweep's flat width in drafts (LocalEngine
-  .sweep_lanes / sharing slots: 16 lanes are 8 each for two slots, 2 each for eight, a plain lane
-  each for sixteen), so a shared round yields y >= 1 tokens per slot (y = 1: plain lanes);
+  model has verify_batch, drafts up to its share of the sweep's flat width (LocalEngine.sweep_lanes,
+  16: share_lanes water-fills it by what each slot's drafters would use -- 8 each for two slots
+  drafting long, 2 each for eight, a plain lane each for sixteen), so a shared round yields y >= 1
+  tokens per slot (y = 1: plain lanes);
 - its own round: drafts + a verify forward + commit (engine/spec.py), a + 1 tokens on average
   (a = accepted drafts) for one verify forward of its own.
 With the trained MTP head a solo round yields ~2.7-3.7 tokens for about one decode step, so two
@@ -153,3 +154,31 @@ class SharePolicy:
             solo[i] = True
             tokens, seconds, shared = tokens + d_tok, seconds + d_sec, shared - 1
         return solo
+
+
+def share_lanes(total: int, wants: list[int]) -> list[int]:
+    """Each sharing slot's lanes of a sweep of `total` lanes (LocalEngine.sweep_lanes): water-filling --
+    every slot gets min(its want, a common level), the level as high as the total allows, and the lanes
+    left below the next level go one each to the slots that want more, in slot order. A slot whose
+    drafters would use fewer lanes (a paused or shallow ladder, no suffix match: Pace.want_lanes) leaves
+    them to the others, so a stream that drafts deep is not held to an even share. Never below one lane
+    (a slot's pending token); more slots than lanes: one each (the engine splits the sweep)."""
+    n = len(wants)
+    wants = [max(1, int(w)) for w in wants]
+    if n == 0:
+        return []
+    if total <= n:
+        return [1] * n
+    level = 1
+    while level < max(wants) and sum(min(w, level + 1) for w in wants) <= total:
+        level += 1
+    alloc = [min(w, level) for w in wants]
+    left = total - sum(alloc)
+    for i in range(n):
+        if left <= 0:
+            break
+        if wants[i] > alloc[i]:
+            alloc[i] += 1
+            left -= 1
+    return alloc
+

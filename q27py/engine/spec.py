@@ -246,6 +246,8 @@ class SpecDecoder:
                                   stats)
             produced += len(new)
             pending = new[-1]
+            if pace is not None:  # what its next group in a shared sweep would use (scheduler: share_lanes)
+                pace.want_lanes = planner.wanted(self.width)
             # sampler.finished: the constrained output is complete with no end id to emit
             # (TokenPicker.finished); viable() kept this round's lanes short of that point.
             last = pending in stop_ids or produced >= max_tokens or sampler.finished

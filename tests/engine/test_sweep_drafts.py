@@ -72,24 +72,58 @@ def test_groups_in_the_sweep_keep_every_requests_tokens(fast, tok, sampled, cons
     assert sum(max(w) > 1 for w in groups) > 5, "the sweep carried drafts"
     # each call within the model's limits, each group within its slot's share of the sweep
     assert all(sum(w) <= 16 and len(w) <= probe.max_batch for w in groups)
-    assert all(max(w) <= 16 // len(w) for w in groups), groups
+    assert all(max(w) <= engine.decoder.width for w in groups), groups
     # every verify_batch was followed by its commit_batch, nothing in between (the Probe raises otherwise)
     calls = [c[0] for c in probe.calls]
     assert all(calls[i + 1] == "commit_groups" for i, c in enumerate(calls) if c == "groups")
 
 
-def test_a_slots_share_follows_the_sharing_count(fast, tok):
-    """Two sharing slots get 8 lanes each, three get 5, four get 4 (a group never wider than the
-    decoder's own verify width either)."""
+def test_a_slots_share_follows_the_sharing_count_and_what_the_others_leave(fast, tok):
+    """The 16 lanes are water-filled by what each slot's drafters would use (Pace.want_lanes): with two,
+    three and four slots sharing, groups carry drafts; no call passes 16 lanes or a slot's own verify
+    width; and a slot that drafts long (suffix matches in repeated text) takes lanes an even share
+    would not give it while the others draft short."""
     probe = Probe(fast)
     engine = make_engine(probe, tok, 4, batch_spec="drafts")
     run(engine, reqs(tok, 4, lengths=[150, 150, 150, 150]), arrivals=[0, 0, 3, 6])
     widest = {}
     for w in probe.group_batches():
+        assert sum(w) <= 16 and max(w) <= engine.decoder.width
         widest[len(w)] = max(widest.get(len(w), 0), max(w))
     assert set(widest) >= {2, 3, 4}, widest
-    for n, w in widest.items():
-        assert 1 < w <= min(16 // n, engine.decoder.width), widest
+    assert all(w > 1 for w in widest.values()), widest
+    assert widest[3] > 16 // 3 or widest[4] > 16 // 4, widest  # beyond an even share
+
+
+def test_share_lanes():
+    from q27py.engine.share_policy import share_lanes
+
+    assert share_lanes(16, [8, 8]) == [8, 8]
+    assert share_lanes(16, [8, 8, 2, 2]) == [6, 6, 2, 2]
+    assert share_lanes(16, [8, 8, 8]) == [6, 5, 5]
+    assert share_lanes(16, [4] * 8) == [2] * 8
+    assert share_lanes(16, [1] * 20) == [1] * 20  # more slots than lanes: one each
+    assert share_lanes(16, [3, 3]) == [3, 3]  # wants below the sweep: the rest stays unused
+    assert share_lanes(16, []) == []
+    for wants in ([8, 2, 5, 7], [4, 4, 4, 4, 4], [8] * 3, [2, 8]):
+        got = share_lanes(16, wants)
+        assert sum(got) <= 16 and all(1 <= g <= max(1, w) for g, w in zip(got, wants))
+
+
+def test_wanted_lanes():
+    """DraftPlanner.wanted: the whole width after a suffix proposal, the ladder's depth + 1, two while
+    paused or without a ladder (never one: a slot that drafts nothing would never ask for more)."""
+    from q27py.config import SpecConfig
+    from q27py.engine.drafters import DraftPlanner, SuffixIndex
+
+    cfg = SpecConfig()
+    suffix = SuffixIndex(key_len=2)
+    suffix.extend([1, 2, 3, 4, 1, 2, 3, 4, 1, 2])
+    p = DraftPlanner(cfg, None, suffix)
+    assert p.wanted(8) == 2
+    p.plan(7, 10)
+    assert p.last_proposal > 0 and p.wanted(8) == 8
+    assert DraftPlanner(cfg, None, None).wanted(8) == 2
 
 
 def test_a_failed_verify_batch_ends_only_its_groups(fast, tok):
