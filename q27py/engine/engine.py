@@ -36,6 +36,22 @@ from q27py.errors import Q27Error
 __all__ = ["ContextLengthError", "LocalEngine", "load_model", "sweep_parts"]
 
 
+def _per_part(parts: list[list], name: str, call, deliver) -> None:
+    """The shared forward's batches (run_lanes, run_drafts): call(part) -> one output per item, then
+    deliver(part, outputs); a failure (or a wrong output count) fails the items of its part only
+    (item.fail(exc): their slots' steppers raise it), and the other parts go on."""
+    for part in parts:
+        try:
+            outs = call(part)
+            if len(outs) != len(part):
+                raise RuntimeError(f"{name} returned {len(outs)} outputs for {len(part)}")
+        except Exception as exc:
+            for item in part:
+                item.fail(exc)
+            continue
+        deliver(part, outs)
+
+
 def sweep_parts(widths: list[int], max_groups: int, max_lanes: int) -> list[list[int]]:
     """Indices of lane groups (their widths, in order) cut into consecutive verify_batch calls of at
     most max_groups groups and max_lanes lanes each. A group wider than max_lanes is refused (the
@@ -267,71 +283,57 @@ class LocalEngine:
         if any(lane.drafts for lane in lanes):
             self._run_groups(lanes)
             return
-        step = max(1, int(self.model.max_batch))
-        for i in range(0, len(lanes), step):
-            part = lanes[i : i + step]
-            try:
-                outs = self.model.decode_batch([lane.state for lane in part], [lane.token for lane in part])
-                if len(outs) != len(part):
-                    raise RuntimeError(f"decode_batch returned {len(outs)} outputs for {len(part)} lanes")
-            except Exception as exc:
-                for lane in part:
-                    lane.fail(exc)
-                continue
+
+        def took(part, outs):
             for lane, out in zip(part, outs):
                 try:
                     lane.take(out)
                 except Exception as exc:
                     lane.fail(exc)
 
+        step = max(1, int(self.model.max_batch))
+        _per_part([lanes[i : i + step] for i in range(0, len(lanes), step)], "decode_batch",
+                  lambda part: self.model.decode_batch([lane.state for lane in part], [lane.token for lane in part]),
+                  took)
+
     def run_drafts(self, calls: list[DraftCall]) -> None:
         """The MTP chains of a shared round's ladders (engine/spec.py DraftCall) in model.mtp_draft_batch,
         max_batch at a time, every chain as deep as the deepest (each ladder cuts its own: the extra steps
         only cost device time). A failure stays with the chains it hit: their slots' steppers raise it."""
-        step = max(1, int(self.model.max_batch))
-        for i in range(0, len(calls), step):
-            part = calls[i : i + step]
-            try:
-                outs = self.model.mtp_draft_batch([c.chain.kv for c in part], [c.chain.rows for c in part],
-                                                  [c.chain.next_ids for c in part], [c.chain.start for c in part],
-                                                  max(c.chain.depth for c in part))
-                if len(outs) != len(part):
-                    raise RuntimeError(f"mtp_draft_batch returned {len(outs)} chains for {len(part)}")
-            except Exception as exc:
-                for c in part:
-                    c.fail(exc)
-                continue
+        def done(part, outs):
             for c, (ids, margins) in zip(part, outs):
                 c.done(ids, margins)
 
+        step = max(1, int(self.model.max_batch))
+        _per_part([calls[i : i + step] for i in range(0, len(calls), step)], "mtp_draft_batch",
+                  lambda part: self.model.mtp_draft_batch(
+                      [c.chain.kv for c in part], [c.chain.rows for c in part], [c.chain.next_ids for c in part],
+                      [c.chain.start for c in part], max(c.chain.depth for c in part)),
+                  done)
+
     def _run_groups(self, lanes: list[Lane]) -> None:
         """run_lanes with drafts: verify_batch, every group's take, then one commit_batch."""
-        for part in sweep_parts([len(lane.tokens) for lane in lanes], int(self.model.max_batch),
-                                int(self.model.verify_lanes)):
-            part = [lanes[i] for i in part]
-            try:
-                outs = self.model.verify_batch([lane.state for lane in part], [lane.tokens for lane in part])
-                if len(outs) != len(part):
-                    raise RuntimeError(f"verify_batch returned {len(outs)} outputs for {len(part)} groups")
-            except Exception as exc:
-                for lane in part:
-                    lane.fail(exc)
-                continue
-            took = []
+        def took(part, outs):
+            kept = []
             for lane, out in zip(part, outs):
                 try:
                     lane.take(out, verified=True)
-                    took.append(lane)
+                    kept.append(lane)
                 except Exception as exc:
                     lane.fail(exc)
-            if not took:
-                continue
-            try:
-                self.model.commit_batch([lane.state for lane in took], [lane.trace for lane in took],
-                                        [len(lane.picked) for lane in took])
-            except Exception as exc:
-                for lane in took:
-                    lane.fail(exc)
+            if kept:
+                try:
+                    self.model.commit_batch([lane.state for lane in kept], [lane.trace for lane in kept],
+                                            [len(lane.picked) for lane in kept])
+                except Exception as exc:
+                    for lane in kept:
+                        lane.fail(exc)
+
+        parts = sweep_parts([len(lane.tokens) for lane in lanes], int(self.model.max_batch),
+                            int(self.model.verify_lanes))
+        _per_part([[lanes[i] for i in part] for part in parts], "verify_batch",
+                  lambda part: self.model.verify_batch([lane.state for lane in part], [lane.tokens for lane in part]),
+                  took)
 
     def _prefill_breaks(self, seq, prompt: list[int], stable_len: int | None, system_len: int | None) -> dict:
         """Callbacks at the positions where prefill must stop and save GDN state. The caller
