@@ -126,8 +126,10 @@ def test_wanted_lanes():
     assert DraftPlanner(cfg, None, None).wanted(8) == 2
 
 
-def test_a_failed_verify_batch_ends_only_its_groups(fast, tok):
-    probe = Probe(fast, max_batch=2)  # two groups per call: four slots take two calls
+def fault_in_the_fifth_round(fast, tok, probe, fault) -> None:
+    """Four slots (two per call: the probe's max_batch 2) decode for four rounds; `fault(engine)` arms a
+    device fault for the fifth: the call it hits ends its two slots and nothing else -- the other two
+    keep their solo tokens, and the failed slots' sequences are not kept for reuse."""
     engine = make_engine(probe, tok, 4, batch_spec="drafts")
     sched = Scheduler(engine)
     jobs = [Job(str(i), GenerationRequest(tok.encode(TEXTS[i]), 24)) for i in range(4)]
@@ -135,17 +137,26 @@ def test_a_failed_verify_batch_ends_only_its_groups(fast, tok):
         sched.submit(j)
     for _ in range(4):
         sched.round()
-    doomed = [seq.state for seq in engine.prefix.slots if seq.busy][:1]
-    probe.fail_batch = {id(s) for s in doomed}
+    fault(engine)
     sched.round()
     probe.fail_batch = None
     failed = [j for j in jobs if j.items and isinstance(j.items[-1], RuntimeError)]
-    assert len(failed) == 2, "the call of two groups with the faulty one ended both of its slots, nothing else"
+    assert len(failed) == 2, "the call of two with the faulty one ended both of its slots, nothing else"
     drain(sched)
     for i, j in enumerate(jobs):
         if j not in failed:
             assert j.tokens == alone(fast, tok, GenerationRequest(tok.encode(TEXTS[i]), 24)).tokens
     assert len([s for s in engine.prefix.slots if s.tokens]) == 2  # the failed slots' sequences dropped
+
+
+def test_a_failed_verify_batch_ends_only_its_groups(fast, tok):
+    probe = Probe(fast, max_batch=2)
+
+    def fault(engine):  # the call holding the first busy sequence's group faults
+        busy = [seq.state for seq in engine.prefix.slots if seq.busy]
+        probe.fail_batch = {id(busy[0])}
+
+    fault_in_the_fifth_round(fast, tok, probe, fault)
 
 
 def test_adaptive_shares_when_the_sweep_carries_drafts(fast, tok):
@@ -251,22 +262,12 @@ def plain_engine_batches(fast, tok):
 
 def test_a_failed_chain_batch_ends_only_its_slots(fast, tok):
     probe = Probe(fast, max_batch=2, drafts_on_device=True)
-    engine = make_engine(probe, tok, 4, batch_spec="drafts")
-    sched = Scheduler(engine)
-    jobs = [Job(str(i), GenerationRequest(tok.encode(TEXTS[i]), 24)) for i in range(4)]
-    for j in jobs:
-        sched.submit(j)
-    for _ in range(4):
-        sched.round()
-    probe.fail_chains = 1  # the round's first batch (two chains: max_batch 2) fails
-    sched.round()
-    failed = [j for j in jobs if j.items and isinstance(j.items[-1], RuntimeError)]
-    assert len(failed) == 2 and probe.fail_chains == 0
-    assert sum(c[0] == "chains" for c in probe.calls) >= 2
-    drain(sched)
-    for i, j in enumerate(jobs):
-        if j not in failed:
-            assert j.tokens == alone(fast, tok, GenerationRequest(tok.encode(TEXTS[i]), 24)).tokens
+
+    def fault(engine):
+        probe.fail_chains = 1  # the round's first batch of two chains
+
+    fault_in_the_fifth_round(fast, tok, probe, fault)
+    assert probe.fail_chains == 0 and sum(c[0] == "chains" for c in probe.calls) >= 2
 
 
 def test_spec_replay_batches_the_streams_chains_as_the_engine_does(fast, tok):
