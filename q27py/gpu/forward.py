@@ -41,6 +41,13 @@ sequence in order), attention's split size (from the round's pos0) -- each group
 entries exactly as that sequence's solo verify runs them. So output i is forward(states[i], groups[i],
 verify=True)'s bitwise, and commit_batch(states, traces, ns) replays each group's first ns[i] records
 as commit() does (the window slide and the recurrence per group, every GDN layer in one launch each).
+
+mtp_draft_batch(kvs, hiddens, next_ids, starts, depth) runs several sequences' MTP ladders (mtp_draft_chain: the
+greedy draft chain on the device) in one MTP sweep per step, where the model has verify lanes: step 0 takes every
+chain's backlog rows as groups of consecutive lanes (the KV stores per lane, attention per group through the
+verify_batch group entries, from tables of its own: pack_mtp_tables), later steps one lane per chain; each chain's
+last row is gathered for the lm_head, and the argmax feeds the next step on the device (cuda/chain.cu). Chain i's
+drafts, margins and MTP KV rows are mtp_draft_chain's bitwise.
 """
 
 from __future__ import annotations
@@ -390,6 +397,59 @@ def pack_group_table(widths, keep=None) -> np.ndarray:
     return buf.reshape(-1)
 
 
+MTP_CHAIN_DEPTH = 8  # deepest MTP chain one device call runs (mtp_draft_chain / mtp_draft_batch draft buffers)
+
+
+def mtp_tables_words() -> int:
+    """int64 words of mtp_draft_batch's tables, one buffer (one upload per call): step 0's lane table and group
+    table, then the chain steps' lane table and group table."""
+    return 2 * (lane_table_words() + group_table_words())
+
+
+def mtp_table_views(buf) -> tuple:
+    """The kernels' views of mtp_draft_batch's table buffer (numpy or cupy, mtp_tables_words() int64): step 0's
+    lane table, group table (int32) and token ids (int32), then the chain steps' three."""
+    lw, gw, at = lane_table_words(), group_table_words(), lane_table_ids_offset()
+    out = []
+    for base in (0, lw + gw):
+        lanes = buf[base : base + lw]
+        out += [lanes, buf[base + lw : base + lw + gw].view(np.int32), lanes.view(np.int32)[at : at + C.LANES_MAX]]
+    return tuple(out)
+
+
+def pack_mtp_tables(addresses, starts, widths, ids) -> np.ndarray:
+    """Host image of mtp_draft_batch's tables for chains i = 0.. of widths[i] backlog rows (starts[i]: the first
+    row's MTP position, ids[i]: its widths[i] next ids, addresses[i]: its state's MTP KV lane-table row). Step 0:
+    group i = chain i's rows, consecutive lanes at starts[i] .. starts[i] + widths[i] - 1, every row chain i's
+    addresses. The chain steps: lane i = chain i at starts[i] + widths[i] (step 1's position; the step kernel
+    moves it on and writes its ids), a group of one lane per chain."""
+    widths = [int(w) for w in widths]
+    nb = len(widths)
+    if not (len(addresses) == len(starts) == len(ids) == nb) or any(len(x) != w for x, w in zip(ids, widths)):
+        raise ValueError("mtp tables: one address row, start and id list of widths[i] ids per chain")
+    rows, positions = [], []
+    for a, s, w in zip(addresses, starts, widths):
+        rows += [a] * w
+        positions += range(int(s), int(s) + w)
+    step0 = pack_lane_table(rows, positions, np.concatenate([np.asarray(x, dtype=np.int64) for x in ids]))
+    chain = pack_lane_table(addresses, [int(s) + w for s, w in zip(starts, widths)], [0] * nb)
+    return np.concatenate([step0, pack_group_table(widths).view(np.int64), chain,
+                           pack_group_table([1] * nb).view(np.int64)])
+
+
+def mtp_batch_parts(widths, lanes: int) -> list[list[int]]:
+    """Chains (in order) cut into consecutive parts of at most `lanes` step-0 rows each: one MTP sweep per step
+    for every chain of a part (a chain never wider than `lanes`)."""
+    parts, rows = [], 0
+    for i, w in enumerate(widths):
+        if not parts or rows + w > lanes:
+            parts.append([])
+            rows = 0
+        parts[-1].append(i)
+        rows += w
+    return parts
+
+
 def check_groups(states, groups, max_batch: int, max_lanes: int, max_pos: int, vocab: int) -> list[np.ndarray]:
     """verify_batch's arguments: 1..max_batch distinct states, one group of 1..VERIFY_SPAN ids in range per
     state, at most max_lanes ids in all, room in every state's window for its group. Returns the groups
@@ -704,6 +764,16 @@ class FastModel:
         self.mtp_hidden_in = z(T, self.hp)
         self.mtp_out = z(T, self.hp)
         self.mtp_ids = cp.zeros(T, dtype=cp.int32)
+        # mtp_draft_batch: several chains in one MTP sweep per step, through the verify_batch group entries (so
+        # on where the model has verify lanes: mtp_batch_lanes step-0 rows in all; 0 = one chain at a time). Its
+        # tables (pack_mtp_tables: step 0's lane + group table, the chain steps' lane + group table) sit in a
+        # buffer of their own, so a verify_batch's tables outlive a batch of chains until its commit_batch;
+        # the drafts and margins of every chain come back in one download (mtp_chain_step_lanes' rows).
+        self.mtp_batch_lanes = self.verify_lanes if self.has_mtp else 0
+        self.mtp_lane_buf = cp.zeros(mtp_tables_words(), dtype=cp.int64)
+        (self.mtp_lanes0, self.mtp_groups0, self.mtp_ids0,
+         self.mtp_lanes1, self.mtp_groups1, self.mtp_ids1) = mtp_table_views(self.mtp_lane_buf)
+        self.mtp_batch_out = cp.zeros(C.LANES_MAX * 2 * MTP_CHAIN_DEPTH, dtype=cp.int32)
         self._plans()
         self._serial = 0
         self._out_serial = 0  # bumped by every forward / mtp_forward: outputs older than it are stale
@@ -1099,8 +1169,8 @@ class FastModel:
         kv.truncate(start)
         depth = max(1, int(depth))
         if not hasattr(self, "_chain_draft"):
-            self._chain_draft = cp.zeros(8, dtype=cp.int32)
-            self._chain_margin = cp.zeros(8, dtype=cp.float32)
+            self._chain_draft = cp.zeros(MTP_CHAIN_DEPTH, dtype=cp.int32)
+            self._chain_margin = cp.zeros(MTP_CHAIN_DEPTH, dtype=cp.float32)
         if depth > self._chain_draft.size:
             raise ValueError(f"MTP chain depth {depth} > {self._chain_draft.size}")
         h = self.cfg.hidden_size
@@ -1110,23 +1180,10 @@ class FastModel:
             self.mtp_ids[:t].set(next_ids.astype(np.int32), stream=self.stream)
             self.mtp_hidden_in[:t, :h] = hid[:t, :h]
             state.ctl[1:2].set(np.array([start], dtype=np.int32), stream=self.stream)
-
-            def chain():
-                rt = self.rt
-                self.enqueue_mtp(state, t, np.array([t - 1]))
-                for k in range(depth):
-                    feed = k + 1 < depth
-                    src = self.mtp_out[t - 1 if k == 0 else 0]
-                    rt.launch("chain", "mtp_chain_step", 1, 256,
-                              (self.tok, self.margin, self._chain_draft, self._chain_margin, i32(k), i32(int(feed)),
-                               self.mtp_ids, self.mtp_hidden_in, src, i32(h), state.ctl, i32(t if k == 0 else 1)))
-                    if feed:
-                        self.enqueue_mtp(state, 1, np.array([0]))
-
             if self.graphs is not None:
-                self.graphs.run(state, ("mtp-chain", t, depth), chain)
+                self.graphs.run(state, ("mtp-chain", t, depth), lambda: self.enqueue_mtp_chain(state, t, depth))
             else:
-                chain()
+                self.enqueue_mtp_chain(state, t, depth)
             ids = self._chain_draft[:depth].get(stream=self.stream).astype(np.int64)
             margins = self._chain_margin[:depth].get(stream=self.stream)
         kv.length = start + t + depth - 1
@@ -1134,13 +1191,105 @@ class FastModel:
         return ids, margins
 
     def mtp_draft_batch(self, kvs: list, hiddens: list, next_ids: list, starts: list, depth: int) -> list:
-        """mtp_draft_chain for several sequences (the shared round's ladders, engine.run_drafts): output i
-        is mtp_draft_chain(kvs[i], hiddens[i], next_ids[i], starts[i], depth)'s. Here one chain per
-        sequence in turn (each its own graph and download); one sweep of the MTP layer per step for
-        every chain is the batched form still to build."""
+        """mtp_draft_chain for several sequences (the shared round's ladders, engine.run_drafts): output i is
+        mtp_draft_chain(kvs[i], hiddens[i], next_ids[i], starts[i], depth)'s, bitwise (draft ids [depth] int64,
+        margins [depth] float32), and each kv is left as that call leaves it (length and mtp_position start + t
+        + depth - 1, MTP KV rows start .. written with the same bits).
+
+        One MTP sweep (+ lm_head and argmax) per step for every chain: step 0 runs the chains' backlog rows as
+        groups of consecutive lanes (group i = chain i's t_i rows at positions start_i ..; KV stores per lane,
+        attention per group through the verify_batch group entries: each group as its solo step 0's launch, its
+        pos0 and split size), then each chain's last row is gathered to row i (mtp_gather_last) for the lm_head
+        and the next step's hidden input; steps 1 .. depth - 1 run one lane per chain at its own position (a
+        group of one: its solo step's one-lane launch), fed its argmax (mtp_chain_step_lanes). The norms, GEMVs,
+        lm_head and argmax run every lane at once and are width-invariant. One model-level graph per (rows,
+        chains, depth) -- the tables (pack_mtp_tables, uploaded first) carry every state address, position and
+        width -- and one download of every chain's ids and margins.
+
+        Chains are cut into parts of at most mtp_batch_lanes step-0 rows (mtp_batch_parts); backlogs over
+        VERIFY_SPAN rows are warmed first, as mtp_draft_chain does (their last row is the chain's step 0).
+        Where the model has no verify lanes (mtp_batch_lanes 0: verify_groups / batch_sweep off, rotated KV)
+        or a state appears twice, the chains run one mtp_draft_chain each, in order (the same outputs)."""
         if not len(kvs) == len(hiddens) == len(next_ids) == len(starts):
             raise ValueError("mtp_draft_batch: one MTP KV, row block, id list and start per chain")
-        return [self.mtp_draft_chain(kv, h, ids, int(s), depth) for kv, h, ids, s in zip(kvs, hiddens, next_ids, starts)]
+        if not self.has_mtp:
+            raise RuntimeError("this model has no MTP head")
+        kvs, hiddens = list(kvs), list(hiddens)
+        ids = [np.asarray(x, dtype=np.int64).reshape(-1) for x in next_ids]
+        starts = [int(s) for s in starts]
+        if not self.mtp_batch_lanes or len({id(kv.state) for kv in kvs}) != len(kvs):
+            return [self.mtp_draft_chain(kv, h, x, s, depth) for kv, h, x, s in zip(kvs, hiddens, ids, starts)]
+        depth = max(1, int(depth))
+        if depth > MTP_CHAIN_DEPTH:
+            raise ValueError(f"MTP chain depth {depth} > {MTP_CHAIN_DEPTH}")
+        for kv, x, s in zip(kvs, ids, starts):
+            if kv.state.model is not self:
+                raise ValueError("mtp_draft_batch: a state of another model")
+            if x.size == 0:
+                raise ValueError("mtp_draft_batch: a chain needs at least one row")
+            if x.min() < 0 or x.max() >= self.cfg.vocab_size:
+                raise ValueError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
+            if not 0 <= s <= kv.length:
+                raise ValueError(f"MTP rows must be contiguous: start {s} > {kv.length} rows")
+            if s + x.size + depth - 1 > self.max_pos:
+                raise ValueError(f"context overflow: MTP rows up to {s + x.size + depth - 1} > {self.max_pos}")
+            if kv.state.mtp_k.shape[1] != self.max_pos:  # the kernels address rows by the model's window
+                raise ValueError("mtp_draft_batch: a state allocated for another window than the model's")
+        widths = [x.size if x.size <= VERIFY_SPAN else 1 for x in ids]
+        out: list = [None] * len(kvs)
+        for part in mtp_batch_parts(widths, self.mtp_batch_lanes):
+            got = self._mtp_batch_part([(kvs[i], hiddens[i], ids[i], starts[i]) for i in part], depth)
+            for i, r in zip(part, got):
+                out[i] = r
+        return out
+
+    def _mtp_batch_part(self, chains: list, depth: int) -> list:
+        """mtp_draft_batch for chains (kv, rows, next ids, start) of at most mtp_batch_lanes step-0 rows in all,
+        distinct states, checked: one upload of the tables, the hidden rows, one graph, one download."""
+        cp = self.rt.cp
+        h = self.cfg.hidden_size
+        prepared = []
+        for kv, rows, ids, start in chains:
+            rows = rows if isinstance(rows, cp.ndarray) else np.asarray(rows, dtype=np.float32)
+            t = int(ids.size)
+            if t > VERIFY_SPAN:  # long backlog: plain warm-up rows first, as mtp_draft_chain
+                self.mtp_forward(kv, rows[: t - 1], ids[: t - 1], start, logits_rows="none")
+                rows, ids, start, t = rows[t - 1 :], ids[t - 1 :], start + t - 1, 1
+            kv.truncate(start)
+            prepared.append((kv, rows, ids, start, t))
+        widths = [p[4] for p in prepared]
+        n, nb = sum(widths), len(prepared)
+        image = pack_mtp_tables([self._mtp_lane_addresses(p[0].state) for p in prepared], [p[3] for p in prepared],
+                                widths, [p[2] for p in prepared])
+        self._out_serial += 1
+        with self.stream:
+            self.mtp_lane_buf.set(image, stream=self.stream)
+            r = 0
+            for kv, rows, ids, start, t in prepared:
+                hid = rows if isinstance(rows, cp.ndarray) else cp.asarray(rows)  # uploaded on the model's stream
+                self.mtp_hidden_in[r : r + t, :h] = hid[:t, :h]
+                r += t
+            # model-level key: the tables carry every state address, position and width
+            if self.graphs is not None:
+                self.graphs.run_model(("mtp-batch", n, nb, depth), lambda: self.enqueue_mtp_batch(n, nb, depth))
+            else:
+                self.enqueue_mtp_batch(n, nb, depth)
+            res = self.mtp_batch_out[: nb * 2 * depth].get(stream=self.stream).reshape(nb, 2 * depth)
+        out = []
+        for i, (kv, rows, ids, start, t) in enumerate(prepared):
+            kv.length = start + t + depth - 1
+            kv.state.mtp_position = kv.length
+            out.append((res[i, :depth].astype(np.int64), np.ascontiguousarray(res[i, depth:]).view(np.float32)))
+        return out
+
+    @staticmethod
+    def _mtp_lane_addresses(st: FastState) -> list[int]:
+        """A state's lane-table row for its MTP layer: the MTP K / V rows (and fp8 exponents) in the K / V fields,
+        laid out as one attention layer's (so layer offset 0); no GDN arrays."""
+        row = [0] * C.LT_NFIELDS
+        for field, arr in ((C.LT_K, st.mtp_k), (C.LT_V, st.mtp_v), (C.LT_KX, st.mtp_k_exp), (C.LT_VX, st.mtp_v_exp)):
+            row[field] = 0 if arr is None else int(arr.data.ptr)
+        return row
 
     # ------------------------------------------------------------------ device-side steps
     def _run_main(self, state: FastState, ids: np.ndarray, verify: bool, rows: np.ndarray) -> None:
@@ -1268,6 +1417,62 @@ class FastModel:
         norm(self.h, hp, m.norm, eps, h, self.mtp_out, hp, t)
         self._logits_rows(self.mtp_out, select_rows(t, rows))
 
+    def enqueue_mtp_chain(self, state: FastState, t: int, depth: int) -> None:
+        """mtp_draft_chain's device steps: step 0 over the t rows in self.mtp_ids / mtp_hidden_in at pos0 =
+        state.ctl[1] (logits of its last row only), then depth - 1 one-row steps, each fed the previous argmax
+        and post-norm row by mtp_chain_step; drafts and margins into _chain_draft / _chain_margin."""
+        h = self.cfg.hidden_size
+        self.enqueue_mtp(state, t, np.array([t - 1]))
+        for k in range(depth):
+            feed = k + 1 < depth
+            src = self.mtp_out[t - 1 if k == 0 else 0]
+            self.rt.launch("chain", "mtp_chain_step", 1, 256,
+                           (self.tok, self.margin, self._chain_draft, self._chain_margin, i32(k), i32(int(feed)),
+                            self.mtp_ids, self.mtp_hidden_in, src, i32(h), state.ctl, i32(t if k == 0 else 1)))
+            if feed:
+                self.enqueue_mtp(state, 1, np.array([0]))
+
+    def enqueue_mtp_batch(self, n: int, nchains: int, depth: int) -> None:
+        """mtp_draft_batch's device steps for nchains chains whose n step-0 rows (hidden rows in mtp_hidden_in,
+        ids, positions and MTP KV addresses in the step-0 tables) are groups of consecutive lanes: step 0 over the
+        n rows, then depth - 1 steps of one lane per chain (the chain steps' tables). After each step the chains'
+        last rows are gathered to mtp_hidden_in rows 0 .. nchains - 1 (the lm_head's rows and the next step's
+        hidden inputs), the lm_head and argmax run over them, and mtp_chain_step_lanes records step k's draft and
+        margin per chain and feeds its id and position to the next step."""
+        h = self.cfg.hidden_size
+        for k in range(depth):
+            first = k == 0
+            lanes, groups = (self.mtp_lanes0, self.mtp_groups0) if first else (self.mtp_lanes1, self.mtp_groups1)
+            self._enqueue_mtp_groups(n if first else nchains, nchains, lanes, groups,
+                                     self.mtp_ids0 if first else self.mtp_ids1)
+            self.rt.launch("chain", "mtp_gather_last", nchains, 256,
+                           (self.mtp_out, i32(self.hp), groups, self.mtp_hidden_in, i32(self.hp), i32(h)))
+            self.lm_plan.run(self.mtp_hidden_in, self.hp, nchains)
+            K.top2(self.logits, self.vocab, self.vocab, nchains, self.top2_part, self.tok, self.top1, self.margin)
+            self.rt.launch("chain", "mtp_chain_step_lanes", 1, 32,
+                           (self.tok, self.margin, self.mtp_batch_out, i32(depth), i32(k), i32(int(k + 1 < depth)),
+                            self.mtp_lanes1, i32(0 if first else 1), i32(nchains)))
+
+    def _enqueue_mtp_groups(self, n: int, ngroups: int, lanes, groups, ids) -> None:
+        """enqueue_mtp's MTP layer (t = n <= VERIFY_SPAN) for n lanes in ngroups groups of the tables `lanes` /
+        `groups` (each lane's MTP KV addresses and position; group g one chain's rows), ids from `ids`, hidden rows
+        in mtp_hidden_in; the post-norm rows into mtp_out. The KV stores per lane, attention per group
+        (_attention_groups), everything else over all n lanes."""
+        cfg = self.cfg
+        m = self.w.mtp
+        h, hp = cfg.hidden_size, self.hp
+        eps = cfg.rms_norm_eps
+        K.embed(ids, n, self.w.embed, h, self.x, hp)
+        K.rmsnorm(self.x, hp, m.pre_e, eps, h, self.cat, self.ld_cat, n)
+        K.rmsnorm(self.mtp_hidden_in, hp, m.pre_h, eps, h, self.cat[:, h:], self.ld_cat, n)
+        self.mtp_fc_plan.run(self.cat, self.ld_cat, n)
+        lw = m.layer
+        plan = self.mtp_layer_plan
+        self._input_norm(plan, lw, n)
+        self._attention_groups(lw, plan, n, ngroups, 0, 0, lanes=lanes, groups=groups)
+        self._mlp(lw, plan, n)
+        K.rmsnorm(self.h, hp, m.norm, eps, h, self.mtp_out, hp, n)
+
     # ------------------------------------------------------------------ blocks
     def _gdn(self, state: FastState, lw: LayerW, plan: dict, t: int, commit: bool) -> None:
         cfg = self.cfg
@@ -1370,10 +1575,14 @@ class FastModel:
                         self.ld_xo, a8=plan["out"] if fuse else None)
         plan["out"].run(self.xo, self.ld_xo, n, prequantized=fuse)
 
-    def _attention_groups(self, lw: LayerW, plan: dict, n: int, ngroups: int, kv_off: int, x_off: int) -> None:
+    def _attention_groups(self, lw: LayerW, plan: dict, n: int, ngroups: int, kv_off: int, x_off: int,
+                          lanes=None, groups=None) -> None:
         """_attention for verify_batch lanes: the lane store (each lane at its own position in its state),
         then the kernel a verify round picks (span VERIFY_SPAN: mma where the model runs it, else split)
-        per group, lane j of a group as lane j of its sequence's solo round (pos0, split size)."""
+        per group, lane j of a group as lane j of its sequence's solo round (pos0, split size). lanes /
+        groups: the tables (default the model's; mtp_draft_batch passes its own)."""
+        lanes = self.lane_table if lanes is None else lanes
+        groups = self.group_table if groups is None else groups
         cfg = self.cfg
         a = lw.attn
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -1382,17 +1591,17 @@ class FastModel:
         if fp8:
             K.qk_norm_rope_store_fp8_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                            cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq,
-                                           self.lane_table, kv_off, x_off, self.qbuf, nq * hd, self.max_pos, n)
+                                           lanes, kv_off, x_off, self.qbuf, nq * hd, self.max_pos, n)
         else:
             K.qk_norm_rope_store_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
-                                       cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, self.lane_table,
+                                       cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, lanes,
                                        kv_off, self.qbuf, nq * hd, self.kv_bf16, self.max_pos, n)
         if self.attn_mma:  # as _attention's verify branch (span VERIFY_SPAN); never for fp32 rows
-            K.attention_mma_groups(self.qbuf, nq * hd, self.lane_table, self.group_table, kv_off, x_off, fp8,
+            K.attention_mma_groups(self.qbuf, nq * hd, lanes, groups, kv_off, x_off, fp8,
                                    self.max_pos, nq, nkv, hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa,
                                    self.ld_xa, n, ngroups, n - ngroups + 1)
         else:
-            K.attention_groups(self.qbuf, nq * hd, self.lane_table, self.group_table, kv_off, x_off, self.kv_name,
+            K.attention_groups(self.qbuf, nq * hd, lanes, groups, kv_off, x_off, self.kv_name,
                                self.max_pos, nq, nkv, hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa,
                                self.ld_xa, n)
         plan["out"].run(self.xa, self.ld_xa, n)
