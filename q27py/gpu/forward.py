@@ -1209,7 +1209,14 @@ class FastModel:
         Chains are cut into parts of at most mtp_batch_lanes step-0 rows (mtp_batch_parts); backlogs over
         VERIFY_SPAN rows are warmed first, as mtp_draft_chain does (their last row is the chain's step 0).
         Where the model has no verify lanes (mtp_batch_lanes 0: verify_groups / batch_sweep off, rotated KV)
-        or a state appears twice, the chains run one mtp_draft_chain each, in order (the same outputs)."""
+        or a state appears twice, the chains run one mtp_draft_chain each, in order (the same outputs).
+
+        Every chain runs `depth` steps (the engine asks for the deepest chain's), but a chain near the end of the
+        window has no KV rows for them all: one whose step rows would pass max_pos (start + t + depth - 1 >
+        max_pos) runs alone, mtp_draft_chain of the `room` = max_pos - (start + t) + 1 steps its rows allow, the
+        steps past it padded (id 0, margin -inf: any gate stops there; the caller's own depth never reaches
+        them where its verify fits the window) and its kv left at start + t + room - 1 rows -- where the solo
+        chain of `depth` steps would have stored past the window."""
         if not len(kvs) == len(hiddens) == len(next_ids) == len(starts):
             raise ValueError("mtp_draft_batch: one MTP KV, row block, id list and start per chain")
         if not self.has_mtp:
@@ -1218,7 +1225,7 @@ class FastModel:
         ids = [np.asarray(x, dtype=np.int64).reshape(-1) for x in next_ids]
         starts = [int(s) for s in starts]
         if not self.mtp_batch_lanes or len({id(kv.state) for kv in kvs}) != len(kvs):
-            return [self.mtp_draft_chain(kv, h, x, s, depth) for kv, h, x, s in zip(kvs, hiddens, ids, starts)]
+            return [self._mtp_chain_in_window(kv, h, x, s, depth) for kv, h, x, s in zip(kvs, hiddens, ids, starts)]
         depth = max(1, int(depth))
         if depth > MTP_CHAIN_DEPTH:
             raise ValueError(f"MTP chain depth {depth} > {MTP_CHAIN_DEPTH}")
@@ -1231,17 +1238,33 @@ class FastModel:
                 raise ValueError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
             if not 0 <= s <= kv.length:
                 raise ValueError(f"MTP rows must be contiguous: start {s} > {kv.length} rows")
-            if s + x.size + depth - 1 > self.max_pos:
-                raise ValueError(f"context overflow: MTP rows up to {s + x.size + depth - 1} > {self.max_pos}")
+            if s + x.size > self.max_pos:
+                raise ValueError(f"context overflow: {s + x.size} > {self.max_pos} MTP positions")
             if kv.state.mtp_k.shape[1] != self.max_pos:  # the kernels address rows by the model's window
                 raise ValueError("mtp_draft_batch: a state allocated for another window than the model's")
-        widths = [x.size if x.size <= VERIFY_SPAN else 1 for x in ids]
         out: list = [None] * len(kvs)
+        fit = [i for i, (x, s) in enumerate(zip(ids, starts)) if s + x.size + depth - 1 <= self.max_pos]
+        for i in sorted(set(range(len(kvs))) - set(fit)):  # near the window's end: alone, as deep as its rows allow
+            out[i] = self._mtp_chain_in_window(kvs[i], hiddens[i], ids[i], starts[i], depth)
+        widths = [ids[i].size if ids[i].size <= VERIFY_SPAN else 1 for i in fit]
         for part in mtp_batch_parts(widths, self.mtp_batch_lanes):
-            got = self._mtp_batch_part([(kvs[i], hiddens[i], ids[i], starts[i]) for i in part], depth)
-            for i, r in zip(part, got):
-                out[i] = r
+            got = self._mtp_batch_part([(kvs[fit[j]], hiddens[fit[j]], ids[fit[j]], starts[fit[j]]) for j in part], depth)
+            for j, r in zip(part, got):
+                out[fit[j]] = r
         return out
+
+    def _mtp_chain_in_window(self, kv: MtpKV, hidden, next_ids, start: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """mtp_draft_chain(kv, hidden, next_ids, start, depth), or where its step rows would pass the window
+        (start + t + depth - 1 > max_pos, t >= 1 rows fitting) the chain of the room = max_pos - (start + t) + 1
+        steps left, padded to depth with id 0 and margin -inf (mtp_draft_batch)."""
+        depth = max(1, int(depth))
+        t = int(np.asarray(next_ids).size)
+        room = self.max_pos - (start + t) + 1
+        if t < 1 or room < 1 or room >= depth:
+            return self.mtp_draft_chain(kv, hidden, next_ids, start, depth)
+        ids, margins = self.mtp_draft_chain(kv, hidden, next_ids, start, room)
+        return (np.concatenate([ids, np.zeros(depth - room, np.int64)]),
+                np.concatenate([margins, np.full(depth - room, -np.inf, np.float32)]))
 
     def _mtp_batch_part(self, chains: list, depth: int) -> list:
         """mtp_draft_batch for chains (kv, rows, next ids, start) of at most mtp_batch_lanes step-0 rows in all,

@@ -207,6 +207,32 @@ def test_on_27b_heads(kv, attn):
     run_rounds(model, [(700, 2), (64, 5), (1300, 1), (1900, 3)], depths=(4,), seed=13)
 
 
+def test_chains_near_the_window_end():
+    """Chains whose step rows would pass the window at the batch's depth (the deepest chain's): each runs the
+    steps its rows allow (the solo chain of that depth, bitwise), padded with id 0 / margin -inf; the others
+    batch as usual. The tiny model's window is 512 rows."""
+    model = tiny("q4s", "bf16", graphs=True, verify_groups=True)
+    assert model.max_pos == 512
+    pairs = twins(model, [(510, 2), (40, 3), (512, 1), (200, 2)], seed=9)
+    depth = 4
+    for r in range(3):
+        for p in pairs:
+            p.a.mtp_kv.truncate(p.start)
+        outs = model.mtp_draft_batch([p.a.mtp_kv for p in pairs], [p.rows for p in pairs], [p.nxt for p in pairs],
+                                     [p.start for p in pairs], depth)
+        for i, (p, (ids, margins)) in enumerate(zip(pairs, outs)):
+            end = p.start + len(p.nxt)
+            room = min(depth, model.max_pos - end + 1)
+            p.b.mtp_kv.truncate(p.start)
+            want = model.mtp_draft_chain(p.b.mtp_kv, p.rows, p.nxt, p.start, room)
+            np.testing.assert_array_equal(ids[:room], want[0], err_msg=f"round {r} chain {i}")
+            np.testing.assert_array_equal(margins[:room], want[1], err_msg=f"round {r} chain {i}")
+            assert ids[room:].tolist() == [0] * (depth - room) and np.isneginf(margins[room:]).all()
+            assert p.a.mtp_kv.length == p.b.mtp_kv.length == end + room - 1 <= model.max_pos
+            rows_equal(p.a, p.b, p.a.mtp_kv.length, f"round {r} chain {i}")
+    assert [min(depth, model.max_pos - p.start - len(p.nxt) + 1) for p in pairs] == [3, 4, 1, 4]
+
+
 def test_same_state_twice_and_no_lanes_run_solo_chains():
     """A state twice in one call (the engine never sends it) and a model without verify lanes run the chains one
     after the other: the solo chains' outputs, in order."""

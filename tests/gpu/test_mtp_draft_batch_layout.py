@@ -116,7 +116,7 @@ def test_mtp_draft_batch_checks_before_any_device_work():
         (([kv(), kv()], [rows, rows], [[1], [50]], [0, 0], 2), "id out of range"),
         (([kv(), kv()], [rows, rows], [[1], [-1]], [0, 0], 2), "negative id"),
         (([kv(), kv(3)], [rows, rows], [[1], [2]], [0, 4], 2), "rows not contiguous"),
-        (([kv(), kv(98)], [rows, rows], [[1], [2, 3]], [0, 98], 2), "context overflow"),
+        (([kv(), kv(99)], [rows, rows], [[1], [2, 3]], [0, 99], 2), "the backlog past the window"),
         (([kv(), _kv(m, 3, max_pos=64)], [rows, rows], [[1], [2]], [0, 0], 2), "another window"),
     ]:
         with pytest.raises(ValueError):
@@ -157,6 +157,34 @@ def test_mtp_draft_batch_runs_parts_in_order_and_falls_back_to_chains():
     m.mtp_batch_lanes = 16
     m.mtp_draft_batch([kvs[0], kvs[0]], rows[:2], ids[:2], starts[:2], 2)
     assert chains == [(id(kvs[0]), 10, 2), (id(kvs[0]), 20, 2)]
+
+
+def test_a_chain_near_the_window_end_runs_as_deep_as_its_rows_allow():
+    """A chain whose step rows would pass max_pos (the batch's depth is the deepest chain's) runs alone: the solo
+    chain of the steps its rows allow (its first steps' bits), the rest padded with id 0 and margin -inf; the
+    chains with room go to the batch."""
+    m = _shell()
+    parts, chains = [], []
+
+    def part(cs, depth):
+        parts.append([c[3] for c in cs])
+        return [(np.full(depth, 7), np.ones(depth, np.float32)) for _ in cs]
+
+    def solo(kv, h, x, s, d):
+        chains.append((s, len(x), d))
+        return np.arange(1, d + 1, dtype=np.int64), np.full(d, 2.5, np.float32)
+
+    m._mtp_batch_part, m.mtp_draft_chain = part, solo
+    kvs = [_kv(m, 99) for _ in range(4)]
+    starts, widths = [10, 97, 95, 96], [2, 2, 2, 4]  # rows end at 12, 99, 97 and 100 of a 100-row window
+    rows = [np.zeros((w, 4), np.float32) for w in widths]
+    out = m.mtp_draft_batch(kvs, rows, [np.ones(w, np.int64) for w in widths], starts, 4)
+    # room = max_pos - (start + t) + 1 steps: 2 at 97 + 2 rows, 1 at 96 + 4; 95 + 2 leaves 4 (rows 97 .. 99)
+    assert chains == [(97, 2, 2), (96, 4, 1)] and parts == [[10, 95]]
+    assert out[1][0].tolist() == [1, 2, 0, 0] and out[1][1].tolist() == [2.5, 2.5, -np.inf, -np.inf]
+    assert out[3][0].tolist() == [1, 0, 0, 0] and out[3][1][0] == 2.5 and np.isneginf(out[3][1][1:]).all()
+    assert out[1][0].dtype == np.int64 and out[1][1].dtype == np.float32
+    assert out[0][0].tolist() == [7] * 4 and out[2][0].tolist() == [7] * 4
 
 
 # ---------------------------------------------------------------- the batched chain's launches
