@@ -206,71 +206,6 @@ class _LaneBatch:
         return self._ids
 
 
-class FastLaneOutput:
-    """Output i of FastModel.decode_batch: the surface of the FastOutput a one-token forward of that
-    sequence returns (logits_rows="all": one row), read from row i of the model's buffers --
-    logits [1, V], greedy_ids() [1], masked_greedy_ids(picks, words), hidden [1, H] (post final
-    norm), hidden_device, trace None. Valid until the next forward / decode_batch / MTP call."""
-
-    trace = None
-
-    def __init__(self, batch: _LaneBatch, lane: int):
-        self._batch = batch
-        self.lane = lane
-        self.rows = np.zeros(1, dtype=np.int64)
-        self._logits = None
-        self._hidden = None
-
-    @property
-    def logits(self) -> np.ndarray:
-        if self._logits is None:
-            self._batch.check_fresh()
-            m = self._batch.model
-            self._logits = m.logits[self.lane : self.lane + 1].get(stream=m.stream)
-        return self._logits
-
-    def greedy_ids(self) -> np.ndarray:
-        if self._logits is not None:
-            return np.argmax(self._logits, axis=1)
-        return self._batch.ids()[self.lane : self.lane + 1]
-
-    def masked_greedy_ids(self, picks: list[int], words: np.ndarray) -> np.ndarray:
-        """As FastOutput.masked_greedy_ids; picks index the one row (0)."""
-        self.rows[np.asarray(picks, dtype=np.int64)]  # IndexError for a row this output does not have
-        if self._logits is not None:
-            return _masked_argmax_host(self._logits, picks, words)
-        self._batch.check_fresh()
-        return self._batch.model._fetch_masked_ids(np.full(len(picks), self.lane, dtype=np.int64), words)
-
-    @property
-    def hidden(self) -> np.ndarray:
-        if self._hidden is None:
-            self._batch.check_fresh()
-            m = self._batch.model
-            self._hidden = m.hidden[self.lane : self.lane + 1, : m.cfg.hidden_size].get(stream=m.stream)
-        return self._hidden
-
-    @property
-    def hidden_device(self):
-        m = self._batch.model
-        return m.hidden[self.lane : self.lane + 1]
-
-
-class _GroupBatch(_LaneBatch):
-    """What the outputs of one verify_batch share: _LaneBatch's rows 0..n-1, freshness mark and greedy ids,
-    plus what commit_batch checks and replays (the group widths, the trace serial, the layer strides)."""
-
-    def __init__(self, model: "FastModel", widths: list[int], serial: int, offs: tuple):
-        super().__init__(model, sum(widths))
-        self.widths = widths
-        self.trace_serial = serial
-        self.offs = offs
-
-    def check_fresh(self) -> None:
-        if self.serial != self.model._out_serial:
-            raise RuntimeError("verify_batch output read after a later forward reused the model's scratch")
-
-
 class FastGroupOutput:
     """Output i of FastModel.verify_batch: the surface of the FastOutput forward(states[i], groups[i],
     logits_rows="all", verify=True) returns, read from the group's rows first .. first + W - 1 of the
@@ -278,7 +213,7 @@ class FastGroupOutput:
     (post final norm), hidden_device, hidden_owned(), trace (a FastGroupTrace for commit_batch). Valid
     until the next forward / decode_batch / verify_batch / MTP call."""
 
-    def __init__(self, batch: _GroupBatch, first: int, width: int, trace: FastGroupTrace):
+    def __init__(self, batch: _LaneBatch, first: int, width: int, trace: "FastGroupTrace | None"):
         self._batch = batch
         self.first = first
         self._t = width
@@ -364,6 +299,33 @@ def pack_lane_table(addresses, positions, ids) -> np.ndarray:
     words[at - C.LANES_MAX : at - C.LANES_MAX + n] = np.asarray(positions, dtype=np.int32)
     words[at : at + n] = np.asarray(ids, dtype=np.int32)
     return buf
+
+
+class FastLaneOutput(FastGroupOutput):
+    """Output i of FastModel.decode_batch: the surface of the FastOutput a one-token forward of that
+    sequence returns (logits_rows="all": one row), read from row i of the model's buffers --
+    logits [1, V], greedy_ids() [1], masked_greedy_ids(picks, words), hidden [1, H] (post final
+    norm), hidden_device, hidden_owned(), trace None: a one-row group. Valid until the next forward /
+    decode_batch / MTP call."""
+
+    def __init__(self, batch: _LaneBatch, lane: int):
+        super().__init__(batch, lane, 1, None)
+        self.lane = lane
+
+
+class _GroupBatch(_LaneBatch):
+    """What the outputs of one verify_batch share: _LaneBatch's rows 0..n-1, freshness mark and greedy ids,
+    plus what commit_batch checks and replays (the group widths, the trace serial, the layer strides)."""
+
+    def __init__(self, model: "FastModel", widths: list[int], serial: int, offs: tuple):
+        super().__init__(model, sum(widths))
+        self.widths = widths
+        self.trace_serial = serial
+        self.offs = offs
+
+    def check_fresh(self) -> None:
+        if self.serial != self.model._out_serial:
+            raise RuntimeError("verify_batch output read after a later forward reused the model's scratch")
 
 
 def verify_groups_default() -> bool:
