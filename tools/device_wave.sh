@@ -180,10 +180,12 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
         timeout ${LOAD_S:-300} python3 -m q27py bench load --random-weights 27b --tier q4s --streams ${STREAMS:-1 2 4 8} --no-mixed \
           --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
           > "$OUT/load.txt" 2>&1 || rc=1; tail -10 "$OUT/load.txt" ;;
-    groups)  # drafts in the shared sweep (FastModel.verify_batch, Q27_VERIFY_GROUPS): its bitwise GPU tests and the
+    groups)  # drafts in the shared sweep (FastModel.verify_batch, Q27_VERIFY_GROUPS) and the batched MTP chains
+             # (mtp_draft_batch): their bitwise GPU tests, the solo chain and unwaited hidden rows, and the
              # batched-round suites with it on, then the spec replay's three ways of moving C streams (turns / plain
              # sweep / sweep with drafts) and the load bench's scheduler with recorded acceptance, off vs on
-        Q27_VERIFY_GROUPS=1 timeout 300 $PYTEST tests/gpu/test_verify_groups_gpu.py tests/gpu/test_batched_rounds_gpu.py \
+        Q27_VERIFY_GROUPS=1 timeout 360 $PYTEST tests/gpu/test_verify_groups_gpu.py tests/gpu/test_mtp_draft_batch_gpu.py \
+          tests/gpu/test_device_chain.py tests/gpu/test_hidden_owned.py tests/gpu/test_batched_rounds_gpu.py \
           tests/gpu/test_slots_gpu.py > "$OUT/groups_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/groups_tests.txt"
         Q27_VERIFY_GROUPS=1 timeout 240 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \
           --streams 2 4 8 16 --json > "$OUT/groups_replay.json" 2> "$OUT/groups_replay.txt" || rc=1
