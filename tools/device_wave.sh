@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -182,11 +182,12 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
           > "$OUT/load.txt" 2>&1 || rc=1; tail -10 "$OUT/load.txt" ;;
     groups)  # drafts in the shared sweep (FastModel.verify_batch, Q27_VERIFY_GROUPS) and the batched MTP chains
              # (mtp_draft_batch): their bitwise GPU tests, the solo chain and unwaited hidden rows, and the
-             # batched-round suites with it on, then the spec replay's three ways of moving C streams (turns / plain
-             # sweep / sweep with drafts) and the load bench's scheduler with recorded acceptance, off vs on
+             # batched-round suites with it on (the measurements: groupsbench)
         Q27_VERIFY_GROUPS=1 timeout 360 $PYTEST tests/gpu/test_verify_groups_gpu.py tests/gpu/test_mtp_draft_batch_gpu.py \
           tests/gpu/test_device_chain.py tests/gpu/test_hidden_owned.py tests/gpu/test_batched_rounds_gpu.py \
-          tests/gpu/test_slots_gpu.py > "$OUT/groups_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/groups_tests.txt"
+          tests/gpu/test_slots_gpu.py > "$OUT/groups_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/groups_tests.txt" ;;
+    groupsbench)  # (a call of its own, ~8 min): the spec replay's three ways of moving C streams (turns / plain sweep /
+                  # sweep with drafts), then the load bench's scheduler with recorded acceptance, verify groups off vs on
         Q27_VERIFY_GROUPS=1 timeout 240 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \
           --streams 2 4 8 16 --json > "$OUT/groups_replay.json" 2> "$OUT/groups_replay.txt" || rc=1
         grep -E "C=" "$OUT/groups_replay.txt"
