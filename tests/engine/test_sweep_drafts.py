@@ -305,3 +305,44 @@ def _rewarm(sm):
     sm.ladder.defer(rng.standard_normal((st.position, sm.m.cfg.hidden_size)).astype(np.float32),
                     rng.integers(0, 100, st.position).tolist())
     return sm
+
+
+@pytest.mark.parametrize("phase", ["before", "drafting", "verify"])
+def test_a_cancel_in_any_phase_of_a_drafted_shared_round(fast, tok, phase):
+    """Four slots share rounds with drafts and batched chains; one client leaves before a round (its slot
+    ends with no model work), while the round's chains run, or while its verify_batch runs (the round
+    completes for it, the next step ends it). Either way it ends "cancelled", its slot frees, and the
+    others keep their solo tokens."""
+    probe = Probe(fast, drafts_on_device=True)
+    engine = make_engine(probe, tok, 4, batch_spec="drafts")
+    sched = Scheduler(engine)
+    jobs = [Job(str(i), GenerationRequest(tok.encode(TEXTS[i]), 40)) for i in range(4)]
+    for j in jobs:
+        sched.submit(j)
+    for _ in range(3):
+        sched.round()
+    assert any(c[0] == "chains" for c in probe.calls) and probe.group_batches()
+    leaving = jobs[1]
+    if phase == "before":
+        leaving.request.cancel.set()
+    elif phase == "drafting":
+        inner = probe.mtp_draft_batch
+
+        def leave_then_draft(*args):
+            leaving.request.cancel.set()
+            return inner(*args)
+
+        probe.mtp_draft_batch = leave_then_draft
+    else:
+        probe.on_batch = leaving.request.cancel.set
+    calls = len(probe.calls)
+    sched.round()
+    if phase == "before":  # no model work for it in that round: three groups in the sweep
+        assert leaving.finish == "cancelled"
+        assert all(len(c[1]) == 3 for c in probe.calls[calls:] if c[0] == "groups")
+    drain(sched)
+    assert leaving.finish == "cancelled" and sched.counts()[0] == 0
+    for i, j in enumerate(jobs):
+        if j is not leaving:
+            assert j.tokens == alone(fast, tok, GenerationRequest(tok.encode(TEXTS[i]), 40)).tokens
+    assert sum(seq.busy for seq in engine.prefix.slots) == 0
