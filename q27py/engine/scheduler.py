@@ -156,7 +156,7 @@ class Scheduler:
         mode = str(getattr(engine, "batch_spec", "solo-only") or "solo-only") if self._shares else "solo-only"
         self.policy = SharePolicy(mode)
         # lanes a shared round's sweep takes in all, drafts included (LocalEngine.sweep_lanes; 0: plain
-        # lanes, one per sharing slot); each sharing slot's group gets an equal share (Pace.lanes)
+        # lanes, one per sharing slot); each sharing slot's group gets its water-filled share (Pace.lanes)
         self.sweep_lanes = int(getattr(engine, "sweep_lanes", 0) or 0) if self._shares else 0
         # the sharing slots' MTP chains run in one batch before the sweep (LocalEngine.batch_drafts, run_drafts)
         self.batch_drafts = bool(getattr(engine, "batch_drafts", False)) and self.sweep_lanes > 0
