@@ -31,7 +31,7 @@ from q27py.engine.decoder import DecodeStats, Lane, Pace, PrefillCancelled
 from q27py.engine.prefix_cache import BOUNDARY_KINDS, DiskCache, PrefixCache, compat_hash
 from q27py.engine.sampling import TokenPicker
 from q27py.engine.spec import DraftCall, SpecDecoder, build_decoder
-from q27py.errors import Q27Error
+from q27py.errors import ConfigError, Q27Error
 
 __all__ = ["ContextLengthError", "LocalEngine", "load_model", "sweep_parts"]
 
@@ -121,6 +121,10 @@ class LocalEngine:
         # lanes through decode_batch, one per sharing slot)
         self.sweep_lanes = (int(model.verify_lanes)
                             if self.shares_rounds and self.batch_spec in ("adaptive", "drafts") else 0)
+        if self.batch_spec == "drafts" and self.shares_rounds and not self.sweep_lanes:
+            # asked for drafts in the sweep of a model that cannot verify groups: say so rather than run plain lanes
+            raise ConfigError("batch_spec 'drafts' needs a model with verify_batch (on cuda: EngineConfig.verify_groups, "
+                              "Q27_VERIFY_GROUPS=1)")
         # ... and the MTP ladders of a shared round draft in one batch (run_drafts) where the model chains
         # its ladder on the device (drafts_on_device: one call per chain instead of a host round trip
         # per step, so one batch per round instead of one chain per slot)

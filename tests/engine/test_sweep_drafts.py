@@ -192,6 +192,11 @@ def test_solo_only_and_plain_decoding_keep_plain_lanes(fast, tok):
     plain = make_engine(Probe(fast), tok, 2, spec=False)
     assert plain.batch_spec == "solo-only" and plain.sweep_lanes == 0
     assert make_engine(Probe(fast, verify_lanes=0), tok, 2).sweep_lanes == 0  # a model without verify_batch
+    # ... where "drafts" cannot be had: a clear error at start, not plain lanes in silence
+    from q27py.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="verify_batch"):
+        make_engine(Probe(fast, verify_lanes=0), tok, 2, batch_spec="drafts")
 
 
 def test_sweep_parts():
