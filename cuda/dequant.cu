@@ -245,6 +245,63 @@ extern "C" __global__ void swiglu_tiles_bf16(const float* __restrict__ z, int ld
         yr[0] = bf16_rn(a);
 }
 
+// SwiGLU over a gate_up GEMM output that cuBLAS wrote as bf16 (EngineConfig.prefill_gate_up_bf16, off by default:
+// the GEMM keeps fp32 accumulation and rounds each gate / up value to bf16, nearest even, once). Same tiles as
+// swiglu_tiles (8 gate rows, then the matching 8 up rows), each value widened exactly, then swiglu_tiles' product
+// per output in fp32, g * sigmoid_f(g) * u: so the output is bitwise swiglu_tiles / swiglu_tiles_bf16 run on fp32
+// rows holding those bf16 values (tests/gpu/test_gate_up_bf16_gpu.py). Why: the fp32 rows were twice this pass's
+// input bytes (27B, 8K tokens: 1.14 -> 0.57 GB per layer; docs/QUANT.md "bf16 gate_up before SwiGLU").
+// One thread per 8-row group: its 8 gate and 8 up values are two 16-byte loads (z 16-byte aligned, ldz a multiple
+// of 8: the GEMM's rows are row_tiles * 16), its 8 outputs one store where aligned and inside nout, else one by one.
+__device__ __forceinline__ void swiglu_group_bf16(const u16* __restrict__ z, int ldz, int tok, int grp, float (&a)[8]) {
+    const uint4* zr = reinterpret_cast<const uint4*>(z + (i64)tok * ldz + (i64)grp * 16);
+    const uint4 g = zr[0], u = zr[1];
+    const u32 gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float g0 = bf16x2_lo(gw[j]), g1 = bf16x2_hi(gw[j]);
+        a[2 * j] = g0 * sigmoid_f(g0) * bf16x2_lo(uw[j]);
+        a[2 * j + 1] = g1 * sigmoid_f(g1) * bf16x2_hi(uw[j]);
+    }
+}
+
+// fp32 outputs (swiglu_tiles' rows). grid (ceil(nout / 2048), ntok), block 256.
+extern "C" __global__ void swiglu_tiles_zbf16(const u16* __restrict__ z, int ldz, int nout, float* __restrict__ y,
+                                              int ldy) {
+    const int tok = blockIdx.y, grp = blockIdx.x * 256 + threadIdx.x, o = grp * 8;
+    if (o >= nout) return;
+    float a[8];
+    swiglu_group_bf16(z, ldz, tok, grp, a);
+    float* yr = y + (i64)tok * ldy + o;
+    if (o + 8 <= nout && (reinterpret_cast<size_t>(yr) & 15) == 0) {
+        reinterpret_cast<float4*>(yr)[0] = make_float4(a[0], a[1], a[2], a[3]);
+        reinterpret_cast<float4*>(yr)[1] = make_float4(a[4], a[5], a[6], a[7]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (o + i < nout) yr[i] = a[i];
+    }
+}
+
+// bf16 outputs (swiglu_tiles_bf16's rows: the down projection's cuBLAS input, each product rounded once).
+// grid (ceil(nout / 2048), ntok), block 256.
+extern "C" __global__ void swiglu_tiles_zbf16_bf16(const u16* __restrict__ z, int ldz, int nout, u16* __restrict__ y,
+                                                   int ldy) {
+    const int tok = blockIdx.y, grp = blockIdx.x * 256 + threadIdx.x, o = grp * 8;
+    if (o >= nout) return;
+    float a[8];
+    swiglu_group_bf16(z, ldz, tok, grp, a);
+    u16* yr = y + (i64)tok * ldy + o;
+    if (o + 8 <= nout && (reinterpret_cast<size_t>(yr) & 15) == 0) {
+        *reinterpret_cast<uint4*>(yr) = make_uint4(pack_bf16x2(a[0], a[1]), pack_bf16x2(a[2], a[3]),
+                                                   pack_bf16x2(a[4], a[5]), pack_bf16x2(a[6], a[7]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (o + i < nout) yr[i] = bf16_rn(a[i]);
+    }
+}
+
 // ---------------------------------------------------------------- fp8 prefill route (blas.prefill_gemm_fp8)
 // The 8-bit activation path of issue 14: weights and activations as e4m3 codes, multiplied by
 // cuBLASLt's fp8 tensor-core GEMM (fp32 accumulate and output). Every scale is a power of two, so

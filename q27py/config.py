@@ -117,6 +117,11 @@ class EngineConfig:
     # runs (two weight buffers, ~2 x 356 MB on the 27B) instead of taking turns (q27py/gpu/blas.py
     # ExpandAhead). Off until measured on the device: same launches, same bits.
     prefill_expand_ahead: bool = False
+    # cuda, cuBLAS route, prefill chunks of >= 128 tokens: the MLP's gate_up GEMM writes gate and up as bf16 (fp32
+    # accumulation, one round to nearest each) and SwiGLU reads those (q27py/gpu/blas.py _gemm_expanded): half the
+    # bytes of that pass, ~11-15 ms of an 8K prefill on the 27B. Off: a tolerance-class change (docs/QUANT.md "bf16
+    # gate_up before SwiGLU": ~4x the KL of today's single bf16 rounding), the gates' md5s would move with it on.
+    prefill_gate_up_bf16: bool = False
     # cuda, cuBLAS route: keep up to this many GiB of the bf16 expansions resident (one per matrix,
     # in first-use order; the 27B's all take 49.5 GB = 46.1 GiB), so chunks and interleaved pieces after the first
     # skip the ~20 ms expansion (q27py/gpu/blas.py ExpansionCache). The auto slot / context sizing
@@ -490,6 +495,7 @@ ENV_VARS = {
     "Q27_PREFILL_GEMM": ("engine", "prefill_gemm", str),
     "Q27_PREFILL_SMALL_GEMM": ("engine", "prefill_small_gemm", parse_prefill_small_gemm),
     "Q27_PREFILL_EXPAND_AHEAD": ("engine", "prefill_expand_ahead", parse_switch),
+    "Q27_PREFILL_GATE_UP_BF16": ("engine", "prefill_gate_up_bf16", parse_switch),
     "Q27_PREFILL_WEIGHT_CACHE_GB": ("engine", "prefill_weight_cache_gb", parse_weight_cache_gb),
     "Q27_BATCH_ROUNDS": ("engine", "batch_rounds", parse_switch),
     "Q27_BATCH_SPEC": ("engine", "batch_spec", str),

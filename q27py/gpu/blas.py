@@ -122,18 +122,25 @@ def to_bf16(x, ldx: int, ntok: int, cols: int, out=None, ldo: int | None = None)
     return out
 
 
-def gemm_bf16(w_bf16, ldw: int, x_bf16, ldx: int, ntok: int, nrows: int, k: int, y, ldy: int, accumulate: bool) -> None:
+def gemm_bf16(w_bf16, ldw: int, x_bf16, ldx: int, ntok: int, nrows: int, k: int, y, ldy: int, accumulate: bool,
+              out_bf16: bool = False) -> None:
     """y[t][r] (+)= sum_k W[r][k] x[t][k] for r < nrows, t < ntok: bf16 operands, fp32 math and output.
 
     Row-major W [nrows, ldw] is column-major [ldw, nrows], so in cuBLAS terms C(nrows x ntok,
     ldc = ldy) = op_T(W) (nrows x k) . X (k x ntok, ldb = ldx).
+    out_bf16: y is uint16 and receives C as bf16 (EngineConfig.prefill_gate_up_bf16): only C's type changes
+    (CUDA_R_16BF); the compute type stays CUBLAS_COMPUTE_32F (fp32 accumulation, fp32 alpha / beta), so
+    each output is the fp32 sum converted once (cuBLAS's epilogue rounds to nearest: the GPU test checks
+    it against the fp32 output rounded to nearest even). Never accumulating (beta 0).
     """
+    assert not (accumulate and out_bf16), "the bf16 output is written, never accumulated into"
     cublas, h = _handle()
     beta = _ONE if accumulate else _ZERO
     cublas.gemmEx(h, _OP_T, _OP_N, int(nrows), int(ntok), int(k), _ONE.ctypes.data, int(w_bf16.data.ptr), _R_16BF,
-                  int(ldw), int(x_bf16.data.ptr), _R_16BF, int(ldx), beta.ctypes.data, int(y.data.ptr), _R_32F,
-                  int(ldy), _COMPUTE_32F, _GEMM_DEFAULT)
-    profile_mark("cublas:gemm_bf16", 2.0 * nrows * ntok * k)  # FLOPs as run (padded rows / k)
+                  int(ldw), int(x_bf16.data.ptr), _R_16BF, int(ldx), beta.ctypes.data, int(y.data.ptr),
+                  _R_16BF if out_bf16 else _R_32F, int(ldy), _COMPUTE_32F, _GEMM_DEFAULT)
+    # FLOPs as run (padded rows / k); the bf16-output GEMM under its own label, so a profile tells them apart
+    profile_mark("cublas:gemm_bf16_out16" if out_bf16 else "cublas:gemm_bf16", 2.0 * nrows * ntok * k)
 
 
 class ExpandAhead:
@@ -351,13 +358,14 @@ def set_weight_cache(budget_bytes: int) -> None:
     _WEIGHT_CACHE_SET = True
 
 
-def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None, y_bf16=None) -> None:
+def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None, y_bf16=None, z_bf16: bool = False) -> None:
     """The GEMM kernel's contract (kernels.gemm) through cuBLAS: MODE_STORE, MODE_ADD or MODE_SWIGLU.
 
     x_bf16: the activations already as bf16 rows of kpad (their producer wrote them, or the plan
     converted once for all its matrices), else converted here. y_bf16 (MODE_SWIGLU only): a 2-D
     uint16 array whose rows receive the SwiGLU output as bf16 (the down projection's input) instead
-    of y: the bytes to_bf16 would make of y's rows.
+    of y: the bytes to_bf16 would make of y's rows. z_bf16 (MODE_SWIGLU only; kernels.PREFILL_GATE_UP_BF16):
+    cuBLAS writes the gate / up rows as bf16 instead of fp32 and SwiGLU reads those (_gemm_expanded).
     """
     sh = m.shape
     if x_bf16 is None:
@@ -365,21 +373,37 @@ def prefill_gemm(m, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None, y_bf16=Non
     cache = weight_cache()
     resident = cache.get(m) if cache is not None else None
     if resident is not None:
-        _gemm_expanded(m, resident, x_bf16, ntok, y, ldy, y_bf16)
+        _gemm_expanded(m, resident, x_bf16, ntok, y, ldy, y_bf16, z_bf16)
         return
     ahead = expand_ahead()
     if ahead is not None:
         w, slot = ahead.weights(m)
     else:
         w = dequantize_to_bf16(m)
-    _gemm_expanded(m, w, x_bf16, ntok, y, ldy, y_bf16)
+    _gemm_expanded(m, w, x_bf16, ntok, y, ldy, y_bf16, z_bf16)
     if ahead is not None:
         ahead.release(slot, m)
 
 
-def _gemm_expanded(m, w, x_bf16, ntok: int, y, ldy: int, y_bf16=None) -> None:
+def _gemm_expanded(m, w, x_bf16, ntok: int, y, ldy: int, y_bf16=None, z_bf16: bool = False) -> None:
     sh = m.shape
     assert y_bf16 is None or m.mode == C.MODE_SWIGLU, "only the SwiGLU epilogue writes bf16 rows"
+    assert not z_bf16 or m.mode == C.MODE_SWIGLU, "only the SwiGLU GEMM writes its rows as bf16"
+    if z_bf16:
+        # EngineConfig.prefill_gate_up_bf16 (off by default; docs/QUANT.md "bf16 gate_up before SwiGLU"): the gate /
+        # up rows as bf16 (fp32 accumulation, one round to nearest each), then SwiGLU on them (cuda/dequant.cu
+        # swiglu_tiles_zbf16*): half the bytes written by the GEMM and read by SwiGLU. The rows live in the fp32
+        # route's "z" scratch (the same buffer, half of it used), so the route needs no memory of its own.
+        nrows = sh.row_tiles * 16
+        z = _SCRATCH.get("z", ntok * nrows * 2)
+        gemm_bf16(w, sh.kpad, x_bf16, sh.kpad, ntok, nrows, sh.kpad, z, nrows, accumulate=False, out_bf16=True)
+        grid = (-(-m.nout // 2048), ntok)  # a thread per 8 outputs (one 16-row tile), 256 threads
+        if y_bf16 is not None:
+            Runtime.get().launch("dequant", "swiglu_tiles_zbf16_bf16", grid, 256,
+                                 (z, i32(nrows), i32(m.nout), y_bf16, i32(y_bf16.shape[1])))
+        else:
+            Runtime.get().launch("dequant", "swiglu_tiles_zbf16", grid, 256, (z, i32(nrows), i32(m.nout), y, i32(ldy)))
+        return
     if m.mode == C.MODE_SWIGLU:
         nrows = sh.row_tiles * 16
         z = _SCRATCH.get("z", ntok * nrows * 4).view(Runtime.get().cp.float32)

@@ -602,6 +602,23 @@ def _prefill_small_gemm_default() -> str:
 PREFILL_SMALL_GEMM = _prefill_small_gemm_default()
 
 
+# Whether the MLP's gate_up GEMM of a prefill chunk on cuBLAS's bf16 route (gemm_bf16_route: >= blas.MIN_TOKENS
+# tokens, never decode / verify / the gates' short prompts) writes its gate and up rows as bf16 (fp32 accumulation,
+# one round to nearest each) for SwiGLU to read (blas._gemm_expanded, cuda/dequant.cu swiglu_tiles_zbf16*) instead
+# of fp32 rows: half the bytes of that pass (~11-15 ms of an 8K prefill on the 27B). A tolerance-class change
+# (docs/QUANT.md "bf16 gate_up before SwiGLU": ~4x the KL of today's single rounding of the SwiGLU output), so off
+# by default. EngineConfig.prefill_gate_up_bf16 (env Q27_PREFILL_GATE_UP_BF16) is the module default, so models built
+# directly (gates, benches, tests) follow it as engines do; load_fast_model sets it from the engine's config. Read
+# per call (a test or bench may switch it on one model).
+def _prefill_gate_up_bf16_default() -> bool:
+    from q27py.config import Q27Config, apply_env
+
+    return bool(apply_env(Q27Config()).engine.prefill_gate_up_bf16)
+
+
+PREFILL_GATE_UP_BF16 = _prefill_gate_up_bf16_default()
+
+
 def gemm_bf16_route(m: GpuMatrix, ntok: int) -> bool:
     """Whether GemvPlan.run multiplies m for a chunk of ntok tokens through cuBLAS on bf16 activations
     (gemm's cuBLAS branch, not its fp8 one, nor the mma.sync kernel): x's producer may then write the
@@ -623,7 +640,8 @@ def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None, y_bf16=
         if PREFILL_GEMM == "fp8" and blas.fp8_available():
             blas.prefill_gemm_fp8(m, x, ldx, ntok, y, ldy)
         else:
-            blas.prefill_gemm(m, x, ldx, ntok, y, ldy, x_bf16=x_bf16, y_bf16=y_bf16)
+            blas.prefill_gemm(m, x, ldx, ntok, y, ldy, x_bf16=x_bf16, y_bf16=y_bf16,
+                              z_bf16=PREFILL_GATE_UP_BF16 and m.mode == MODE_SWIGLU)
         return
     fmt = m.shape.fmt
     slot = GEMV_WPC[fmt] * 16 + 4  # weight words + scale word per thread and stage

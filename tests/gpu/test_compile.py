@@ -83,6 +83,20 @@ def test_attention_mma_kernels_build_without_spills(tmp_path, arch):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_swiglu_kernels_build_for_every_arch(tmp_path, arch):
+    """The prefill SwiGLU kernels (cuda/dequant.cu), the bf16 gate_up route's included (swiglu_tiles_zbf16*:
+    EngineConfig.prefill_gate_up_bf16), build for every supported arch in registers (the other cuda/ files are
+    built for sm_90 above)."""
+    rc, err = nvcc_build.build(tmp_path, "dequant", arch)
+    assert rc == 0, err[-2000:]
+    rep = {k: v for k, v in nvcc_build.ptxas_report(err).items() if k.startswith("swiglu_tiles")}
+    assert sorted(rep) == ["swiglu_tiles", "swiglu_tiles_bf16", "swiglu_tiles_scaled", "swiglu_tiles_zbf16",
+                           "swiglu_tiles_zbf16_bf16"], rep
+    assert all(spill == 0 for _, spill in rep.values()), rep
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sources_need_the_constants_table(tmp_path):
     """A kernel built without the table's -D defines must fail: the numbers are not hidden in the
     sources (guards against a re-added #ifndef default)."""
