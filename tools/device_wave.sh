@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -197,6 +197,45 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
             q27py/bench/data/spec_traces_code.json > "$OUT/groups_load$g.txt" 2>&1 || rc=1
           echo "--- verify groups $g"; tail -8 "$OUT/groups_load$g.txt"
         done ;;
+    gateup)  # EngineConfig.prefill_gate_up_bf16 (Q27_PREFILL_GATE_UP_BF16, issue 14; default off): its GPU tests and the
+             # prefill rows' bitwise tests, then prefill 2K / 8K / 32K off vs on (tools/device_prefill.py, two processes
+             # back to back; resident expansions CACHE_GB, default 60), then 8K off / on alternated in one process (REPS
+             # each, default 3: the lever is ~1-1.5% of an 8K prefill, about one run's noise)
+        timeout 180 $PYTEST tests/gpu/test_gate_up_bf16_gpu.py tests/gpu/test_prefill_rows.py > "$OUT/gateup.txt" 2>&1 || rc=1
+        tail -4 "$OUT/gateup.txt"
+        for g in 0 1; do
+          Q27_PREFILL_GATE_UP_BF16=$g Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 130 python3 tools/device_prefill.py \
+            --no-routes --attn-prefill v2 > "$OUT/gateup_prefill$g.txt" 2>&1 || rc=1
+          echo "--- gate_up bf16 $g"; grep -E "^prefill" "$OUT/gateup_prefill$g.txt"
+        done
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} REPS=${REPS:-3} timeout 140 python3 - > "$OUT/gateup_ab.txt" 2>&1 <<'PY' || rc=1
+import os, statistics
+from q27py.bench.random_weights import Bench
+from q27py.gpu import kernels as K
+b = Bench(tier="q4s", max_context=8192 + 64, chunk=4096, log=lambda *a: None)
+tps = {False: [], True: []}
+for _ in range(int(os.environ["REPS"])):
+    for on in (False, True):
+        K.PREFILL_GATE_UP_BF16 = on
+        tps[on].append(b.prefill(8192)["tokens_per_s"])
+for on in (False, True):
+    print(f"prefill 8192 one process, gate_up bf16 {'on' if on else 'off'}: median {statistics.median(tps[on]):.0f} tok/s"
+          f" (runs {' '.join(f'{x:.0f}' for x in tps[on])})")
+print(f"prefill 8192 on / off: {statistics.median(tps[True]) / statistics.median(tps[False]):.4f}")
+PY
+        grep -E "^prefill" "$OUT/gateup_ab.txt" || tail -5 "$OUT/gateup_ab.txt" ;;
+    gateupturn)  # the same switch: the device quality numbers (tiny model, q4s / q8: KL, top-1, NLL off vs on), the
+                 # cold 25K agent turn off vs on (bench replay; CACHE_GB as above), the canonical gates with it on
+                 # (their prompts are under 128 tokens: they must PASS unchanged)
+        timeout 100 python3 tests/gpu/test_gate_up_bf16_gpu.py > "$OUT/gateup_quality.txt" 2>&1 || rc=1
+        grep -E "quality" "$OUT/gateup_quality.txt" || tail -5 "$OUT/gateup_quality.txt"
+        for g in 0 1; do
+          Q27_PREFILL_GATE_UP_BF16=$g Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 190 python3 -m q27py bench replay \
+            --random-weights 27b --tier q4s --system-tokens 20000 --turns 10 > "$OUT/gateup_replay$g.txt" 2>&1 || rc=1
+          echo "--- gate_up bf16 $g"; grep -E "cold|^q27py" "$OUT/gateup_replay$g.txt" | tail -4
+        done
+        Q27_PREFILL_GATE_UP_BF16=1 timeout 110 python3 gates/run.py > "$OUT/gateup_gates.txt" 2>&1 || rc=1
+        tail -5 "$OUT/gateup_gates.txt" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done
