@@ -1314,6 +1314,13 @@ class FastModel:
         """decode_batch's forward for n lanes whose ids, positions and state addresses are in the lane
         table: enqueue_main's steps for t = n, the state-dependent ones through the lane kernels.
         offs: the layer strides (bytes) of K / V, fp8 exponents, GDN state, conv window."""
+        self._enqueue_sweep(n, offs, lambda lw, plan, ko, xo: self._attention_lanes(lw, plan, n, ko, xo),
+                            lambda lw, plan, so, wo: self._gdn_lanes(lw, plan, n, so, wo))
+
+    def _enqueue_sweep(self, n: int, offs: tuple[int, int, int, int], attention, gdn) -> None:
+        """The forward of n lanes of the lane table (decode_batch's, verify_batch's): embed, per layer the
+        input norm, attention(lw, plan, kv_off, x_off) or gdn(lw, plan, state_off, win_off) at this layer's
+        byte offsets, the MLP; the final norm and every lane's logits row."""
         cfg = self.cfg
         h, hp = cfg.hidden_size, self.hp
         K.embed(self.lane_ids, n, self.w.embed, h, self.h, hp)
@@ -1322,10 +1329,10 @@ class FastModel:
             plan = self.layer_plans[li]
             self._input_norm(plan, lw, n)
             if lw.kind == FULL:
-                self._attention_lanes(lw, plan, n, ai * offs[0], ai * offs[1])
+                attention(lw, plan, ai * offs[0], ai * offs[1])
                 ai += 1
             else:
-                self._gdn_lanes(lw, plan, n, plan["gi"] * offs[2], plan["gi"] * offs[3])
+                gdn(lw, plan, plan["gi"] * offs[2], plan["gi"] * offs[3])
             self._mlp(lw, plan, n)
         K.rmsnorm(self.h, hp, self.w.final_norm, cfg.rms_norm_eps, h, self.hidden, hp, n)
         self._logits_rows(self.hidden, np.arange(n))
@@ -1349,21 +1356,8 @@ class FastModel:
         in the lane table and whose rows / widths are in the group table: enqueue_main's verify steps for
         t = n, the state-dependent ones through the lane (KV store) and group kernels. offs: the layer
         strides (bytes) of K / V, fp8 exponents, GDN state, conv window."""
-        cfg = self.cfg
-        h, hp = cfg.hidden_size, self.hp
-        K.embed(self.lane_ids, n, self.w.embed, h, self.h, hp)
-        ai = 0
-        for li, lw in enumerate(self.w.layers):
-            plan = self.layer_plans[li]
-            self._input_norm(plan, lw, n)
-            if lw.kind == FULL:
-                self._attention_groups(lw, plan, n, ngroups, ai * offs[0], ai * offs[1])
-                ai += 1
-            else:
-                self._gdn_groups(lw, plan, n, ngroups, plan["gi"] * offs[2], plan["gi"] * offs[3])
-            self._mlp(lw, plan, n)
-        K.rmsnorm(self.h, hp, self.w.final_norm, cfg.rms_norm_eps, h, self.hidden, hp, n)
-        self._logits_rows(self.hidden, np.arange(n))
+        self._enqueue_sweep(n, offs, lambda lw, plan, ko, xo: self._attention_groups(lw, plan, n, ngroups, ko, xo),
+                            lambda lw, plan, so, wo: self._gdn_groups(lw, plan, n, ngroups, so, wo))
 
     def enqueue_commit_groups(self, ngroups: int, offs: tuple[int, int, int, int]) -> None:
         """enqueue_commit for every group of the last verify_batch at once: each group's state window slid
