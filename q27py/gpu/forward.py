@@ -727,11 +727,10 @@ class FastModel:
         self.mtp_out = z(T, self.hp)
         self.mtp_ids = cp.zeros(T, dtype=cp.int32)
         # mtp_draft_batch: several chains in one MTP sweep per step, through the verify_batch group entries (so
-        # on where the model has verify lanes: mtp_batch_lanes step-0 rows in all; 0 = one chain at a time). Its
-        # tables (pack_mtp_tables: step 0's lane + group table, the chain steps' lane + group table) sit in a
-        # buffer of their own, so a verify_batch's tables outlive a batch of chains until its commit_batch;
-        # the drafts and margins of every chain come back in one download (mtp_chain_step_lanes' rows).
-        self.mtp_batch_lanes = self.verify_lanes if self.has_mtp else 0
+        # on where the model has verify lanes: mtp_batch_lanes). Its tables (pack_mtp_tables: step 0's lane +
+        # group table, the chain steps' lane + group table) sit in a buffer of their own, so a verify_batch's
+        # tables outlive a batch of chains until its commit_batch; the drafts and margins of every chain come
+        # back in one download (mtp_chain_step_lanes' rows).
         self.mtp_lane_buf = cp.zeros(mtp_tables_words(), dtype=cp.int64)
         (self.mtp_lanes0, self.mtp_groups0, self.mtp_ids0,
          self.mtp_lanes1, self.mtp_groups1, self.mtp_ids1) = mtp_table_views(self.mtp_lane_buf)
@@ -906,6 +905,12 @@ class FastModel:
         if self.gdn_fused and K.gdn_fused_supported(*shape, 1, self.gdn_fused_warps):
             return K.gdn_fused_lanes_supported(*shape, self.gdn_fused_warps)
         return True
+
+    @property
+    def mtp_batch_lanes(self) -> int:
+        """Step-0 rows one batch of MTP chains takes in all (mtp_draft_batch, through the verify_batch group
+        entries): the model's verify lanes where it has an MTP head; 0 = one chain at a time."""
+        return self.verify_lanes if self.has_mtp else 0
 
     def _groups_supported(self) -> bool:
         """Whether verify_batch has group kernels for this model: f32 / bf16 / fp8 KV (the rotated formats
@@ -1563,18 +1568,8 @@ class FastModel:
         lanes = self.lane_table if lanes is None else lanes
         groups = self.group_table if groups is None else groups
         cfg = self.cfg
-        a = lw.attn
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        fp8 = self.kv_name == "fp8"
-        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
-        if fp8:
-            K.qk_norm_rope_store_fp8_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
-                                           cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq,
-                                           lanes, kv_off, x_off, self.qbuf, nq * hd, self.max_pos, n)
-        else:
-            K.qk_norm_rope_store_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
-                                       cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, lanes,
-                                       kv_off, self.qbuf, nq * hd, self.kv_bf16, self.max_pos, n)
+        fp8 = self._store_lanes(lw, plan, n, lanes, kv_off, x_off)
         if self.attn_mma:  # as _attention's verify branch (span VERIFY_SPAN); never for fp32 rows
             K.attention_mma_groups(self.qbuf, nq * hd, lanes, groups, kv_off, x_off, fp8,
                                    self.max_pos, nq, nkv, hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa,
@@ -1585,23 +1580,31 @@ class FastModel:
                                self.ld_xa, n)
         plan["out"].run(self.xa, self.ld_xa, n)
 
+    def _store_lanes(self, lw: LayerW, plan: dict, n: int, lanes, kv_off: int, x_off: int) -> bool:
+        """The q / k / v / gate projection of n lanes, then q / k norm, RoPE and the KV store, each lane at its
+        own (state, position) of the lane table `lanes` (decode_batch's and verify_batch's attention alike).
+        Returns whether the KV is fp8."""
+        cfg = self.cfg
+        a = lw.attn
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
+        if self.kv_name == "fp8":
+            K.qk_norm_rope_store_fp8_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
+                                           cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq,
+                                           lanes, kv_off, x_off, self.qbuf, nq * hd, self.max_pos, n)
+            return True
+        K.qk_norm_rope_store_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
+                                   cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, lanes,
+                                   kv_off, self.qbuf, nq * hd, self.kv_bf16, self.max_pos, n)
+        return False
+
     def _attention_lanes(self, lw: LayerW, plan: dict, n: int, kv_off: int, x_off: int) -> None:
         """_attention for decode_batch lanes (f32 / bf16 / fp8 KV; offsets: this layer's bytes into
         each state's K / V and fp8 exponents): the kernel a one-token decode picks (span VERIFY_SPAN:
         mma where the model runs it, else split), each lane at its own position."""
         cfg = self.cfg
-        a = lw.attn
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        fp8 = self.kv_name == "fp8"
-        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
-        if fp8:
-            K.qk_norm_rope_store_fp8_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
-                                           cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq,
-                                           self.lane_table, kv_off, x_off, self.qbuf, nq * hd, self.max_pos, n)
-        else:
-            K.qk_norm_rope_store_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
-                                       cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, self.lane_table,
-                                       kv_off, self.qbuf, nq * hd, self.kv_bf16, self.max_pos, n)
+        fp8 = self._store_lanes(lw, plan, n, self.lane_table, kv_off, x_off)
         if self.attn_mma:  # as _attention's decode branch (span VERIFY_SPAN); never for fp32 rows
             K.attention_mma_lanes(self.qbuf, nq * hd, self.lane_table, kv_off, x_off, fp8, self.max_pos, nq, nkv, hd,
                                   VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, n)

@@ -93,7 +93,7 @@ def test_mtp_batch_parts():
 # ---------------------------------------------------------------- the argument checks and the parts
 def _shell(lanes=16):
     m = F.FastModel.__new__(F.FastModel)
-    m.has_mtp, m.mtp_batch_lanes, m.max_pos = True, lanes, 100
+    m.has_mtp, m.verify_lanes, m.max_pos = True, lanes, 100  # mtp_batch_lanes follows verify_lanes
     m.cfg = types.SimpleNamespace(vocab_size=50)
     return m
 
@@ -150,11 +150,11 @@ def test_mtp_draft_batch_runs_parts_in_order_and_falls_back_to_chains():
     # no batch lanes, or a state twice: one solo chain per sequence, in order
     chains = []
     m.mtp_draft_chain = lambda kv, h, x, s, d: chains.append((id(kv), s, d)) or (np.zeros(d), np.zeros(d))
-    m.mtp_batch_lanes = 0
+    m.verify_lanes = 0  # (mtp_batch_lanes follows it)
     m.mtp_draft_batch(kvs[:2], rows[:2], ids[:2], starts[:2], 4)
     assert chains == [(id(kvs[0]), 10, 4), (id(kvs[1]), 20, 4)]
     chains.clear()
-    m.mtp_batch_lanes = 16
+    m.verify_lanes = 16
     m.mtp_draft_batch([kvs[0], kvs[0]], rows[:2], ids[:2], starts[:2], 2)
     assert chains == [(id(kvs[0]), 10, 2), (id(kvs[0]), 20, 2)]
 
