@@ -126,17 +126,23 @@ def test_wanted_lanes():
     assert DraftPlanner(cfg, None, None).wanted(8) == 2
 
 
+def four_slots(probe, tok, max_tokens: int, rounds: int):
+    """A "drafts" engine of four slots on `probe`, four requests of TEXTS submitted and `rounds` rounds run."""
+    engine = make_engine(probe, tok, 4, batch_spec="drafts")
+    sched = Scheduler(engine)
+    jobs = [Job(str(i), GenerationRequest(tok.encode(TEXTS[i]), max_tokens)) for i in range(4)]
+    for j in jobs:
+        sched.submit(j)
+    for _ in range(rounds):
+        sched.round()
+    return engine, sched, jobs
+
+
 def fault_in_the_fifth_round(fast, tok, probe, fault) -> None:
     """Four slots (two per call: the probe's max_batch 2) decode for four rounds; `fault(engine)` arms a
     device fault for the fifth: the call it hits ends its two slots and nothing else -- the other two
     keep their solo tokens, and the failed slots' sequences are not kept for reuse."""
-    engine = make_engine(probe, tok, 4, batch_spec="drafts")
-    sched = Scheduler(engine)
-    jobs = [Job(str(i), GenerationRequest(tok.encode(TEXTS[i]), 24)) for i in range(4)]
-    for j in jobs:
-        sched.submit(j)
-    for _ in range(4):
-        sched.round()
+    engine, sched, jobs = four_slots(probe, tok, 24, rounds=4)
     fault(engine)
     sched.round()
     probe.fail_batch = None
@@ -319,13 +325,7 @@ def test_a_cancel_in_any_phase_of_a_drafted_shared_round(fast, tok, phase):
     completes for it, the next step ends it). Either way it ends "cancelled", its slot frees, and the
     others keep their solo tokens."""
     probe = Probe(fast, drafts_on_device=True)
-    engine = make_engine(probe, tok, 4, batch_spec="drafts")
-    sched = Scheduler(engine)
-    jobs = [Job(str(i), GenerationRequest(tok.encode(TEXTS[i]), 40)) for i in range(4)]
-    for j in jobs:
-        sched.submit(j)
-    for _ in range(3):
-        sched.round()
+    engine, sched, jobs = four_slots(probe, tok, 40, rounds=3)
     assert any(c[0] == "chains" for c in probe.calls) and probe.group_batches()
     leaving = jobs[1]
     if phase == "before":
