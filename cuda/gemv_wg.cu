@@ -9,12 +9,15 @@
 // at ~0.75x the 1-lane rate (docs/PERF.md, runs d9-d10). Here one warpgroup owns the unit and each of
 // its 4 warps one 16-row tile: per 64-k chunk a wgmma m64nNk32 takes A (the tile's int4 codes as int8,
 // unpacked in registers exactly as gemv.cu unpacks them) and B (the chunk's int8 activations, N lanes,
-// straight from shared memory), so the lane count only widens the instruction's N.
+// straight from shared memory), so the lane count only widens the instruction's N: 8, 16 or 32 lanes
+// (gemv8w_q4_n8 / _n16 / _n32) per weight sweep.
 //
 // Order (bitwise gemv.cu): gemv.cu's warp w sums its unit's chunks c0 + w, c0 + w + 8, ... in order
-// into its own fp32 partial, then the partials are added in warp order. The warpgroup here walks the
-// chunks residue by residue (c0, c0 + 8, ..., then c0 + 1, c0 + 9, ...), keeps the running residue's
-// partial in `acc` and folds it into `v` when the residue ends: the same additions in the same order.
+// into its own fp32 partial (residue w), then the partials are added in warp order, v = P0, v += P1, ...
+// The warpgroup here keeps residue r's running partial in acc[r] and adds each chunk's terms to its
+// residue's partial in chunk order; at the end the partials are added in residue order: the same
+// additions in the same order whatever the lane count. At 8 / 16 lanes the stages walk the chunks in
+// order (8 partials live); at 32 lanes in two passes, residues 0-3 then 4-7 (4 live: wg_body, PASSES).
 //
 // Data: each warp's 16-byte weight fragment per chunk is what gemv.cu's thread loads, but wgmma's
 // register A fragment wants, per k32 step, the bytes of the activation slots 32 b + 4 t + j (see the
@@ -55,7 +58,9 @@ struct WgStage {
 __device__ __forceinline__ u32 wg_frag_pos(int g, int tp) { return (u32)(g * 4 + (tp ^ ((g >> 1) & 3))) * 16u; }
 
 // Byte of activation 16-byte piece q (k32 step q >> 1, core-matrix column q & 1) of lane n in a stage's
-// B region: per k32 step NL x 32 bytes, core matrix (n / 8, q & 1) at 256 (n / 8) + 128 (q & 1), row n % 8
+// B region: per k32 step NL x 32 bytes, core matrix (n / 8, q & 1) at 256 (n / 8) + 128 (q & 1), row n % 8.
+// So within a k32 step the 8-lane groups sit 256 B apart at every NL (the descriptor's SBO, fixed) and the
+// K-adjacent core matrices 128 B (LBO); the second k32 step starts NL * 32 B on (the descriptor's start)
 template <int NL>
 __device__ __forceinline__ u32 wg_act_off(int n, int q) {
     return (u32)((q >> 1) * NL * 32 + (n >> 3) * 256 + (q & 1) * 128 + (n & 7) * 16);
@@ -102,6 +107,24 @@ __device__ __forceinline__ void wg_mma<16, 1>(int (&d)[8], const u32 (&a)[4], u6
         : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
+template <>
+__device__ __forceinline__ void wg_mma<32, 0>(int (&d)[16], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
+        "%14, %15}, {%16, %17, %18, %19}, %20, 0;"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]), "=r"(d[8]),
+          "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), "=r"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wg_mma<32, 1>(int (&d)[16], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
+        "%14, %15}, {%16, %17, %18, %19}, %20, 1;"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]),
+          "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
 // the accumulators are outputs of the issuing asm: keep their reads below the wait
 template <int N>
 __device__ __forceinline__ void wg_reg_fence(int (&d)[N]) {
@@ -119,6 +142,8 @@ template <int NL>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
     typedef WgStage<NL> SG;
+    static_assert(NL == 8 || NL == 16 || NL == 32, "wg_mma's shapes");
+    static_assert(NL <= GWG_MAX_LANES && (NL <= GEMV_MAX_LANES || NL == 2 * GEMV_MAX_LANES), "xs: one or two halves");
     constexpr int S = GWG_STAGES, CPS = GWG_CPS, NT = NL / 8, ND = NL / 2;
     static_assert(GEMV_WARPS % CPS == 0 && (GEMV_WARPS / CPS) == 2, "two stages span the 8 residues");
     extern __shared__ __align__(128) u8 dyn_smem[];
@@ -134,7 +159,28 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     const int local = u - (int)d[D_CTA0];
     const int rg = local / splits, sp = local - rg * splits;
     const int c0 = (int)((i64)sp * kch / splits), c1 = (int)((i64)(sp + 1) * kch / splits);
-    const int nst = (c1 - c0 + CPS - 1) / CPS;  // stages: CPS consecutive chunks each, the last maybe partial
+    // How the stages walk the unit's chunks (each stage CPS consecutive ones, residues R .. R + CPS - 1):
+    // PASSES = 1 (8 / 16 lanes): in order, c0 + CPS k, so all 8 residue partials stay live throughout.
+    // PASSES = 2 (32 lanes): 8 partials of NL / 2 floats are 128 registers, which beside the 64 wgmma
+    // results and the 32 A registers spill at 255; so the stages first walk residues 0 .. CPS - 1 (chunks
+    // c0 + 8 m + j, m = 0, 1, ...), then residues CPS .. 7 (c0 + 8 m + CPS + j): 4 partials live, each still
+    // summed over its chunks in order, the first pass's folded into v when it ends (the same additions in
+    // the same order). Every stage still streams CPS consecutive chunks (2 KB runs of each tile).
+    constexpr int PASSES = NL > GEMV_MAX_LANES ? 2 : 1, RL = GEMV_WARPS / PASSES;
+    const int nch = c1 - c0;
+    // stages of the first pass (PASSES = 1: of the unit), the last maybe partial, and of them those whose
+    // chunks are all < c1 (PASSES = 1: nfull below); the same of the second pass
+    const int nst0 = PASSES == 1 ? (nch + CPS - 1) / CPS : (nch + GEMV_WARPS - 1) / GEMV_WARPS;
+    const int nfull0 = PASSES == 1 ? nch / CPS : (nch + CPS) / GEMV_WARPS;
+    const int nst1 = PASSES == 1 ? 0 : (nch + GEMV_WARPS - 1 - CPS) / GEMV_WARPS;
+    const int nfull1 = PASSES == 1 ? 0 : nch / GEMV_WARPS;
+    const int nst = nst0 + nst1;
+    // stage k's first chunk, and (PASSES = 2) whether all its chunks are < c1
+    auto first = [&](int k) -> int {
+        if (PASSES == 1) return c0 + k * CPS;
+        return k < nst0 ? c0 + GEMV_WARPS * k : c0 + GEMV_WARPS * (k - nst0) + CPS;
+    };
+    auto whole2 = [&](int k) -> bool { return k < nst0 ? k < nfull0 : k - nst0 < nfull1; };
 
     // This thread's copies per stage (chunks c .. c + CPS - 1, those < c1):
     // - its 16-byte fragment of its warp's tile for each chunk (gemv.cu's thread loads the same bytes)
@@ -151,14 +197,30 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     const u8* xsrc[XP];
     u32 xdst[XP];
     int xj[XP];
+    if constexpr (NL * 4 == 128) {
+        // 32 lanes: the same pieces, written so that ptxas sees one base (thread = lane tid / 4's piece tid % 4
+        // of chunk e): the general form's per-piece pointers cost the registers n32 does not have
+        const int ln = tid >> 2, q = tid & 3;
+        const u8* src = xq + (i64)min(ln, nlanes - 1) * ldq + q * 16;
+        const u32 dst = SG::X_OFF + wg_act_off<NL>(ln, q);
 #pragma unroll
-    for (int e = 0; e < XP; e++) {
-        const int p = tid + e * 128, j = p / (NL * 4), ln = (p >> 2) % NL, q = p & 3;
-        xj[e] = j;
-        xsrc[e] = xq + (i64)min(ln, nlanes - 1) * ldq + j * 64 + q * 16;  // lanes past the launch's repeat its last
-        xdst[e] = SG::X_OFF + j * SG::XC + wg_act_off<NL>(ln, q);
+        for (int e = 0; e < XP; e++) {
+            xj[e] = e;
+            xsrc[e] = src + e * 64;
+            xdst[e] = dst + e * SG::XC;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < XP; e++) {
+            const int p = tid + e * 128, j = p / (NL * 4), ln = (p >> 2) % NL, q = p & 3;
+            xj[e] = j;
+            xsrc[e] = xq + (i64)min(ln, nlanes - 1) * ldq + j * 64 + q * 16;  // lanes past the launch's repeat its last
+            xdst[e] = SG::X_OFF + j * SG::XC + wg_act_off<NL>(ln, q);
+        }
     }
-    // - chunk scales (chunk j, 4 lanes per piece): CPS * NL / 4 pieces
+    // - chunk scales (chunk j, 4 lanes per piece): CPS * NL / 4 pieces. xs is gemv8's [chunk][GEMV_MAX_LANES]
+    //   scales of 16 lanes; at 32 lanes two such halves, lanes 16 .. 31 ldq / 4 floats (a half's ldq / 64
+    //   chunks) after lanes 0 .. 15, as kernels.GemvPlan lays them out (quant_act8 writes 16 lanes a launch)
     const int aj = tid / (NL / 4), ap = tid % (NL / 4);
     const u32 ring = smem_addr(dyn_smem);
     // FULL: every chunk of the stage is < c1 (all but a unit's last stage)
@@ -178,12 +240,16 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         for (int e = 0; e < XP; e++)
             if (FULL || c + xj[e] < c1) cp_async_ca16(base + xdst[e], xsrc[e] + c * 64);
         if (tid < CPS * NL / 4 && (FULL || c + aj < c1))
-            cp_async_ca16(base + SG::XS_OFF + (aj * NL + ap * 4) * 4, xs + (c + aj) * GEMV_MAX_LANES + ap * 4);
+            if constexpr (NL > GEMV_MAX_LANES)
+                cp_async_ca16(base + SG::XS_OFF + (aj * NL + ap * 4) * 4,
+                              xs + (ap >> 2) * (ldq >> 2) + (c + aj) * GEMV_MAX_LANES + (ap & 3) * 4);
+            else
+                cp_async_ca16(base + SG::XS_OFF + (aj * NL + ap * 4) * 4, xs + (c + aj) * GEMV_MAX_LANES + ap * 4);
     };
-    const int nfull = (c1 - c0) / CPS;  // stages whose chunks are all < c1
+    const int nfull = (c1 - c0) / CPS;  // PASSES = 1: stages whose chunks are all < c1
     auto issue = [&](int slot, int k, bool weights, bool acts) {
-        const int c = c0 + k * CPS;
-        if (k < nfull) {
+        const int c = first(k);
+        if (PASSES == 1 ? k < nfull : whole2(k)) {
             if (weights) issue_w(slot, c, WgPar<1>());
             if (acts) issue_x(slot, c, WgPar<1>());
         } else {
@@ -205,10 +271,11 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         cp_async_commit();
     }
 
-    // acc[r]: the partial of residue r (gemv.cu's warp r), summed over its chunks in order
-    float acc[GEMV_WARPS][NT][4];
+    // acc[r]: the partial of residue r (gemv.cu's warp r; PASSES = 2: of residue r + CPS in the second pass),
+    // summed over its chunks in order
+    float acc[RL][NT][4];
 #pragma unroll
-    for (int r = 0; r < GEMV_WARPS; r++)
+    for (int r = 0; r < RL; r++)
 #pragma unroll
         for (int i = 0; i < NT; i++)
 #pragma unroll
@@ -218,7 +285,8 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     // (shared addresses < 256 KB: the 14-bit field never carries)
     const u64 xdesc0 = wg_desc(ring + SG::X_OFF);
     int rd = 0, wr = S - 1;  // the slot read this stage, the slot refilled
-    // stage k (chunks c0 + CPS k + j: residues CPS PAR + j, PAR = k & 1 as a constant); FULL: no chunk >= c1
+    // stage k (chunks first(k) + j: residues CPS PAR + j, PAR = k & 1 as a constant; PASSES = 2: residues
+    // j of the pass, PAR = 0); FULL: no chunk >= c1
     auto stage = [&](int k, auto par, auto full) {
         constexpr int PAR = decltype(par)::value;
         constexpr bool FULL = decltype(full)::value;
@@ -261,8 +329,8 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         // gemv.cu compute_stage8's arithmetic, term for term (q4 codes carry a factor 16)
 #pragma unroll
         for (int j = 0; j < CPS; j++) {
-            constexpr int R0 = PAR * CPS;
-            if (!FULL && c0 + k * CPS + j >= c1) continue;
+            constexpr int R0 = PASSES == 1 ? PAR * CPS : 0;
+            if (!FULL && first(k) + j >= c1) continue;
             const u32 sv = *reinterpret_cast<const u32*>(st + SG::S_OFF + (j * GEMV_R + warp) * 32 + g * 4);
             const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
 #pragma unroll
@@ -277,43 +345,77 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
             }
         }
     };
-    int k = 0;
-#pragma unroll 1
-    for (; k + 1 < nfull; k += 2) {
-        stage(k, WgPar<0>(), WgPar<1>());
-        stage(k + 1, WgPar<1>(), WgPar<1>());
-    }
-    if (k < nfull) {  // k even
-        stage(k, WgPar<0>(), WgPar<1>());
-        k++;
-    }
-    if (k < nst) {  // the partial last stage
-        if (k & 1)
-            stage(k, WgPar<1>(), WgPar<0>());
-        else
-            stage(k, WgPar<0>(), WgPar<0>());
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // the ring becomes the unit's tile
-
-    // gemv.cu's reduction: the residue (warp) partials added in order
     float* red0 = reinterpret_cast<float*>(dyn_smem);
-#pragma unroll
-    for (int i = 0; i < NT; i++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            float v = acc[0][i][q];
-#pragma unroll
-            for (int r = 1; r < GEMV_WARPS; r++) v += acc[r][i][q];
-            red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v;
+    if constexpr (PASSES == 1) {
+        int k = 0;
+#pragma unroll 1
+        for (; k + 1 < nfull; k += 2) {
+            stage(k, WgPar<0>(), WgPar<1>());
+            stage(k + 1, WgPar<1>(), WgPar<1>());
         }
+        if (k < nfull) {  // k even
+            stage(k, WgPar<0>(), WgPar<1>());
+            k++;
+        }
+        if (k < nst) {  // the partial last stage
+            if (k & 1)
+                stage(k, WgPar<1>(), WgPar<0>());
+            else
+                stage(k, WgPar<0>(), WgPar<0>());
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the ring becomes the unit's tile
+
+        // gemv.cu's reduction: the residue (warp) partials added in order
+#pragma unroll
+        for (int i = 0; i < NT; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                float v = acc[0][i][q];
+#pragma unroll
+                for (int r = 1; r < GEMV_WARPS; r++) v += acc[r][i][q];
+                red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v;
+            }
+    } else {
+        // the first pass (residues 0 .. CPS - 1), then gemv.cu's reduction begun: v = P0, v += P1, ...
+        int k = 0;
+#pragma unroll 1
+        for (; k < nfull0; k++) stage(k, WgPar<0>(), WgPar<1>());
+        if (k < nst0) stage(k, WgPar<0>(), WgPar<0>());  // its partial last stage
+        float v[NT][4];
+#pragma unroll
+        for (int i = 0; i < NT; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                v[i][q] = acc[0][i][q];
+#pragma unroll
+                for (int r = 1; r < RL; r++) v[i][q] += acc[r][i][q];
+#pragma unroll
+                for (int r = 0; r < RL; r++) acc[r][i][q] = 0.f;
+            }
+        // the second pass (residues CPS .. 7), and the reduction ended: ..., v += P7
+#pragma unroll 1
+        for (k = nst0; k < nst0 + nfull1; k++) stage(k, WgPar<0>(), WgPar<1>());
+        if (k < nst) stage(k, WgPar<0>(), WgPar<0>());
+        cp_async_wait<0>();
+        __syncthreads();  // the ring becomes the unit's tile
+#pragma unroll
+        for (int i = 0; i < NT; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+#pragma unroll
+                for (int r = 0; r < RL; r++) v[i][q] += acc[r][i][q];
+                red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v[i][q];
+            }
+    }
     __syncthreads();
     gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode);
 }
 
 #endif
 
-// xq / xs / sgn / nlanes / lane0: as gemv.cu's gemv8_* kernels (the a8 activations of the launch's lanes)
+// xq / xs / sgn / nlanes / lane0: as gemv.cu's gemv8_* kernels (the a8 activations of the launch's lanes;
+// gemv8w_q4_n32: xq rows 0 .. 31, xs two [ldq / 64][GEMV_MAX_LANES] halves, lanes 16 .. 31 in the second)
 #define GWG_KERNEL(NAME, NL, CTAS)                                                                             \
     extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
@@ -327,4 +429,5 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 #endif
 GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8)
 GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16)
+GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32)
 

@@ -5,6 +5,11 @@ with its q4 launches on cuda/gemv_wg.cu).
 
     python3 -m q27py.bench.gemv_probe --rows 34816 --cols 5120 --fmt q4 --lanes 1 8 16
     python3 -m q27py.bench.gemv_probe --shapes 27b --impl v1 v2 --lanes 1 2 4 8 9 12 16
+    python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8 a8w --lanes 16 17 24 32
+
+Lanes go up to GWG_MAX_LANES (32), always on the GEMV (never the prefill GEMM, which 32 tokens would
+take): past 16, a8w runs each q4 launch as one gemv8w_q4_n32 launch (one weight sweep), the others as
+two 16-lane blocks.
 
 --shapes 27b runs the Qwen3.6-27B launches of one decode step (q4s tier, as q27py/gpu/weights.py
 random_weights builds them; the GDN and attention input projections are one launch of two
@@ -71,9 +76,10 @@ def measure(mats_spec, impls, lanes, copies: int | None = None, partition=None, 
               for j, ((r, c, _), f) in enumerate(zip(mats_spec, fmts))]
         sets.append(ms)
     kpad = sets[0][0].shape.kpad
-    x = cp.zeros((16, kpad), dtype=cp.float32)
+    rows = max(K.GEMV_MAX_LANES, *lanes)  # every lane measured has its own x and y rows
+    x = cp.zeros((rows, kpad), dtype=cp.float32)
     K.fill_uniform(x, 3, -1, 1)
-    ys = [cp.zeros((16, r), dtype=cp.float32) for r, _, _ in mats_spec]
+    ys = [cp.zeros((rows, r), dtype=cp.float32) for r, _, _ in mats_spec]
     ws = K.Workspace()
     stream = cp.cuda.Stream(non_blocking=True)
     out = {"bytes": one, "copies": copies}
@@ -86,10 +92,10 @@ def measure(mats_spec, impls, lanes, copies: int | None = None, partition=None, 
         for n in lanes:
             with stream:
                 if once:
-                    plans[0].run(x, kpad, n)
+                    plans[0].run(x, kpad, n, allow_gemm=False)
                     stream.synchronize()
                     continue
-                g = capture(lambda: [p.run(x, kpad, n) for p in plans], stream)
+                g = capture(lambda: [p.run(x, kpad, n, allow_gemm=False) for p in plans], stream)
                 ms_ = _time_graph(g, stream, 12)
             out[impl]["us"][n] = ms_ * 1e3 / len(plans)
         del plans
@@ -107,7 +113,8 @@ def main(argv=None) -> int:
                     help="'27b' (every 27B launch) or names from it; default: the one --rows/--cols/--fmt matrix")
     ap.add_argument("--impl", nargs="+", choices=[*K.GEMV_IMPLS, "a8w"], default=None,
                     help="default: the configured one; a8w: a8 with its q4 launches on the wgmma kernel (sm_90a)")
-    ap.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 16],
+                    help=f"lane counts, 1..{K.GWG_MAX_LANES} (past 16: a8w's q4 launches on gemv8w_q4_n32)")
     ap.add_argument("--copies", type=int, default=None, help="distinct copies rotated (default: enough to defeat L2)")
     ap.add_argument("--partition", type=int, nargs=2, metavar=("RGB", "SPLITS"), default=None,
                     help="v2: force row groups per CTA and splits (sweeps)")
@@ -120,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--once", action="store_true", help="one launch, no timing (for ncu)")
     ap.add_argument("--json", default=None, help="also write the full numbers here")
     args = ap.parse_args(argv)
+    if not all(1 <= n <= K.GWG_MAX_LANES for n in args.lanes):
+        ap.error(f"--lanes: 1 .. {K.GWG_MAX_LANES}")
     overrides = _apply_overrides(args.set)
     impls = args.impl or [K.gemv_impl()]
     if args.shapes is None:

@@ -51,10 +51,14 @@ GEMV_PF_PER = 8
 GEMV_TRACE = 0  # tools/gemv_trace.py: per-CTA %globaltimer stamps of the unit kernels' phases
 # a8 q4 GEMV on wgmma (cuda/gemv_wg.cu, sm_90a): CTAs of one warpgroup, one unit each. A ring stage holds
 # GWG_CPS consecutive 64-k chunks of the unit's 64 rows (2 KB of weights each); stages per CTA, and
-# resident CTAs per SM at 8 / 16 lanes (their launch bounds: 128 / 170 registers)
+# resident CTAs per SM at 8 / 16 / 32 lanes (their launch bounds: 168 / 255 / 255 registers; ptxas
+# sm_90a uses 154 / 200 / 253). 32 lanes: 5 stages of 17 KB, two CTAs in 174 KB of the 227 KB
 GWG_CPS = 4
 GWG_STAGES = 5
-GWG_CTAS_N8, GWG_CTAS_N16 = 3, 2
+GWG_CTAS_N8, GWG_CTAS_N16, GWG_CTAS_N32 = 3, 2, 2
+# lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
+# GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
+GWG_MAX_LANES = 32
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
 G2_WARPS = 4

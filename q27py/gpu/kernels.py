@@ -23,6 +23,7 @@ GEMV_R = C.GEMV_R  # row tiles per row group
 GEMV_ROWS_PER_CTA = 16 * GEMV_R  # rows of one row group (v1: one CTA)
 GEMV_CTAS_PER_SM = {1: C.V1_CTAS_NT1, 2: C.V1_CTAS_NT2}  # v1: resident CTAs of 8 warps by lane tiles
 GEMV_MAX_LANES = C.GEMV_MAX_LANES
+GWG_MAX_LANES = C.GWG_MAX_LANES  # lanes of one gemv_wg launch (gemv8w_q4_n32)
 D_NFIELDS = C.D_NFIELDS
 ATT_NSPLIT = C.NSPLIT
 ATT_WARPS = C.ATT_WARPS
@@ -166,17 +167,27 @@ class Workspace:
         self.counters = 0
         self.ws = None
         self.cnt = None
-        self.kpad8 = 0  # a8: int8 activation codes [GEMV_MAX_LANES][kpad8] and scales [kpad8 / 64][lanes]
+        # a8: int8 activation codes [lanes8][kpad8] and chunk scales [kpad8 / 64][GEMV_MAX_LANES] (gemv8's
+        # layout), at lanes8 = GWG_MAX_LANES two such halves [2][kpad8 / 64][GEMV_MAX_LANES]: lanes 16-31's
+        # scales kpad8 / 4 floats after lanes 0-15's (what gemv8w_q4_n32 reads; quant_act8 writes a half)
+        self.kpad8 = 0
+        self.lanes8 = 0
         self.xq = None
         self.xs = None
         self._keep = []
 
-    def reserve_act8(self, kpad: int) -> None:
+    def reserve_act8(self, kpad: int, lanes: int = GEMV_MAX_LANES) -> None:
+        """Room for `lanes` (GEMV_MAX_LANES, or GWG_MAX_LANES for a plan that may run gemv8w_q4_n32) lanes'
+        a8 activations of K up to kpad. 32 lanes at the 27B's widest K (17408): 557 KB + 35 KB."""
+        assert lanes in (GEMV_MAX_LANES, GWG_MAX_LANES)
         cp = Runtime.get().cp
-        if self.xq is None or kpad > self.kpad8:
+        if self.xq is None or kpad > self.kpad8 or lanes > self.lanes8:
             self.kpad8 = max(kpad, self.kpad8)
-            self.xq = cp.zeros((GEMV_MAX_LANES, self.kpad8), dtype=cp.uint8)
-            self.xs = cp.zeros((self.kpad8 // L.CHUNK_K, GEMV_MAX_LANES), dtype=cp.float32)
+            self.lanes8 = max(lanes, self.lanes8)
+            halves = self.lanes8 // GEMV_MAX_LANES
+            self.xq = cp.zeros((self.lanes8, self.kpad8), dtype=cp.uint8)
+            chunks = (self.kpad8 // L.CHUNK_K, GEMV_MAX_LANES)
+            self.xs = cp.zeros(chunks if halves == 1 else (halves,) + chunks, dtype=cp.float32)
             self._keep += [self.xq, self.xs]
 
     def reserve(self, floats: int, counters: int) -> None:
@@ -239,19 +250,28 @@ GEMV_WGMMA = _gemv_wgmma_default()
 
 
 def gemv_wg_shared_bytes(nl: int) -> int:
-    """Dynamic shared memory of one gemv_wg CTA (WgStage<NL>::BYTES x GWG_STAGES; the unit's reduced tile
-    reuses it): per stage GWG_CPS chunks of 4 tiles' fragments, their scale words, NL lanes' activations
-    and chunk scales."""
+    """Dynamic shared memory of one gemv_wg CTA of nl = 8 / 16 / 32 lanes (WgStage<NL>::BYTES x GWG_STAGES;
+    the unit's reduced tile reuses it): per stage GWG_CPS chunks of 4 tiles' fragments, their scale words,
+    NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040 bytes."""
+    assert nl in (8, 16, GWG_MAX_LANES), nl
     stage = C.GWG_CPS * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
     return max(C.GWG_STAGES * stage, GEMV_ROWS_PER_CTA * nl * 4)
 
 
-def gemv_wgmma_supported(cc: tuple[int, int] | None = None, smem_optin: int | None = None) -> bool:
-    """Whether this card has the sm_90a build of cuda/gemv_wg.cu (and the shared memory its CTAs take)."""
+def gemv_wg_width(n: int) -> int:
+    """The gemv_wg kernel (its NL) a launch of n lanes runs: gemv8w_q4_n8 / _n16 / _n32."""
+    assert 1 <= n <= GWG_MAX_LANES, n
+    return 8 if n <= 8 else 16 if n <= GEMV_MAX_LANES else GWG_MAX_LANES
+
+
+def gemv_wgmma_supported(cc: tuple[int, int] | None = None, smem_optin: int | None = None,
+                         lanes: int = GEMV_MAX_LANES) -> bool:
+    """Whether this card has the sm_90a build of cuda/gemv_wg.cu and the shared memory its CTAs of up to
+    `lanes` lanes take (GWG_MAX_LANES: gemv8w_q4_n32 as well)."""
     if cc is None or smem_optin is None:
         rt = Runtime.get()
         cc, smem_optin = rt.cc, rt.smem_optin
-    return cc in ARCH_SPECIFIC["gemv_wg"] and gemv_wg_shared_bytes(16) <= smem_optin
+    return cc in ARCH_SPECIFIC["gemv_wg"] and gemv_wg_shared_bytes(gemv_wg_width(lanes)) <= smem_optin
 
 
 def a8_act_in_ring(cc: tuple[int, int]) -> bool:
@@ -298,7 +318,13 @@ class GemvPlan:
             parts = [(1, choose_splits(m.row_groups, m.shape.kchunks, rt.sm_count)) for m in mats]
         self.rgb = [p[0] for p in parts]  # row groups per CTA
         self.splits = [p[1] for p in parts]
-        e = GEMV_ROWS_PER_CTA * GEMV_MAX_LANES  # one row group's partial tile at the widest launch
+        # whether blocks of 17-32 lanes may run this plan's q4 launches as one gemv8w_q4_n32 launch each (one
+        # weight sweep; run): an a8 plan with q4 matrices, a card with that kernel, a mode other than "off".
+        # Such a plan's activation buffers hold 32 lanes and its split partials 32-lane tiles.
+        self.wide = (self.impl == "a8" and any(m.shape.fmt == L.FMT_Q4 for m in mats) and self.wgmma != "off"
+                     and gemv_wgmma_supported(lanes=GWG_MAX_LANES))
+        # one row group's partial tile at the widest launch
+        e = GEMV_ROWS_PER_CTA * (GWG_MAX_LANES if self.wide else GEMV_MAX_LANES)
         ws_need, cnt_need = 0, 0
         groups: dict[int, list[int]] = {}
         for j, m in enumerate(mats):
@@ -346,7 +372,7 @@ class GemvPlan:
         workspace.reserve(ws_need, cnt_need)
         self.a8 = self.impl == "a8" and any(m.shape.fmt != L.FMT_BF16 for m in mats)
         if self.a8:
-            workspace.reserve_act8(self.kpad)
+            workspace.reserve_act8(self.kpad, GWG_MAX_LANES if self.wide else GEMV_MAX_LANES)
             # the buffers as of now (a later, larger reserve allocates new ones and keeps these alive,
             # so graphs captured with this plan stay valid)
             self.xq, self.xs = workspace.xq, workspace.xs
@@ -391,7 +417,8 @@ class GemvPlan:
     def run(self, x, ldx: int, nlanes: int, lane0: int = 0, allow_gemm: bool = True,
             prequantized: bool = False, x_bf16=None, y_bf16=None) -> None:
         """y[lane0 + t] for t < nlanes: the prefill GEMM for many tokens (q4/q8 matrices), else
-        the GEMV in blocks of at most 16 lanes. prequantized: x's producer already wrote this plan's
+        the GEMV in blocks of at most 16 lanes -- or, where the plan's q4 launches run on gemv_wg (self.wide),
+        blocks of 17-32 lanes whose q4 launches stream the weights once (_run_wide). prequantized: x's producer already wrote this plan's
         a8 activations (kernels.rmsnorm(a8=plan)), so no quant_act8 launch. x_bf16: x's producer
         also (or only) wrote bf16 rows [lanes, kpad] of it (gemm_inputs says when); without them the
         matrices on the bf16 route share one conversion. y_bf16 (swiglu_bf16): the output as bf16 rows."""
@@ -429,12 +456,18 @@ class GemvPlan:
                 return  # nothing is left for the GEMV
         done = 0
         last = len(self.launches) - 1
+        kch = self.kpad // L.CHUNK_K
         while done < nlanes:
+            quant = self.a8 and not use_gemm and not prequantized
+            # 17-32 lanes left whose q4 launches may run on gemv8w_q4_n32: one block (_run_wide)
+            n = min(GWG_MAX_LANES, nlanes - done)
+            if quant and n > GEMV_MAX_LANES and self._wide_block(n, done + n >= nlanes):
+                self._run_wide(rt, x, ldx, n, lane0 + done, done + n >= nlanes)
+                done += n
+                continue
             n = min(GEMV_MAX_LANES, nlanes - done)
-            nt = 1 if n <= 8 else 2
             final = done + n >= nlanes  # only the last 16-lane block precedes the next plan
-            if self.a8 and not use_gemm and not prequantized:
-                kch = self.kpad // L.CHUNK_K
+            if quant:
                 rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
                            i32(self.xq.shape[1]), self.xs))
@@ -442,25 +475,71 @@ class GemvPlan:
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
                 pf = self.pf if (final and li == last and not use_gemm) else None
-                if self.a8 and fmt == L.FMT_Q4 and pf is None and cluster == 1 and self._wgmma(n, units):
-                    nl = 8 * nt
-                    rt.launch("gemv_wg", f"gemv8w_q4_n{nl}", units, 128,
-                              (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
-                               np.uint32(0x80808080), i32(n), i32(lane0 + done)),
-                              shared_mem=gemv_wg_shared_bytes(nl))
-                elif self.a8 and fmt != L.FMT_BF16:
-                    rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
-                              (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs,
-                               np.uint32(0x80808080), i32(n), i32(lane0 + done), pf),
-                              shared_mem=gemv_shared_bytes(fmt, nt, a8=True), cluster=cluster)
-                elif self.impl == "v2":
-                    rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
-                              (desc, i32(nmat), x, i32(ldx), i32(n), i32(lane0 + done)))
-                else:
-                    rt.launch("gemv", f"gemv_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
-                              (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(lane0 + done), pf),
-                              shared_mem=gemv_shared_bytes(fmt, nt), cluster=cluster)
+                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, self.xq, self.xs)
             done += n
+
+    def _launch(self, rt, fmt: int, desc, nmat: int, units: int, cluster: int, x, ldx: int, n: int, l0: int, pf,
+                xq, xs) -> None:
+        """One launch of the plan for n <= 16 lanes l0 .. l0 + n - 1, their a8 activations at xq / xs (rows 0 ..
+        n - 1; [chunk][GEMV_MAX_LANES] scales)."""
+        nt = 1 if n <= 8 else 2
+        if self._on_wg(fmt, units, cluster, n, pf):
+            nl = 8 * nt
+            rt.launch("gemv_wg", f"gemv8w_q4_n{nl}", units, 128,
+                      (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
+                       np.uint32(0x80808080), i32(n), i32(l0)),
+                      shared_mem=gemv_wg_shared_bytes(nl))
+        elif self.a8 and fmt != L.FMT_BF16:
+            rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
+                      (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
+                       np.uint32(0x80808080), i32(n), i32(l0), pf),
+                      shared_mem=gemv_shared_bytes(fmt, nt, a8=True), cluster=cluster)
+        elif self.impl == "v2":
+            rt.launch("gemv2", f"gemv2_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.G2_WARPS,
+                      (desc, i32(nmat), x, i32(ldx), i32(n), i32(l0)))
+        else:
+            rt.launch("gemv", f"gemv_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
+                      (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(l0), pf),
+                      shared_mem=gemv_shared_bytes(fmt, nt), cluster=cluster)
+
+    def _on_wg(self, fmt: int, units: int, cluster: int, n: int, pf) -> bool:
+        """Whether this plan's launch (format fmt, `units` CTAs, n lanes) runs cuda/gemv_wg.cu: a8 q4 launches
+        the mode takes, except those with the next-launch prefetch or thread-block clusters (gemv.cu's only)."""
+        return self.a8 and fmt == L.FMT_Q4 and pf is None and cluster == 1 and self._wgmma(n, units)
+
+    def _wide_block(self, n: int, final: bool) -> bool:
+        """Whether a block of n = 17..32 lanes runs as _run_wide: some q4 launch of it goes to gemv8w_q4_n32."""
+        if not self.wide:
+            return False
+        last = len(self.launches) - 1
+        return any(self._on_wg(fmt, units, cluster, n, self.pf if (final and li == last) else None)
+                   for li, ((fmt, _d, _m, units), cluster) in enumerate(zip(self.launches, self.clusters)))
+
+    def _run_wide(self, rt, x, ldx: int, n: int, l0: int, final: bool) -> None:
+        """Lanes l0 .. l0 + n - 1 (17 <= n <= 32) as one block: their a8 activations quantized into the 32-lane
+        buffers as two 16-lane halves (quant_act8 writes gemv8's [chunk][GEMV_MAX_LANES] scales, so a launch
+        per half, the second's scales into xs[1]), then each q4 launch that may run on gemv_wg as ONE
+        gemv8w_q4_n32 launch over all n lanes (the weights streamed once), and every other launch -- bf16 /
+        q8 matrices, clusters, the next-launch prefetch -- as the two 16-lane launches of the narrow loop
+        (the prefetch, as there, on the second). Each lane's outputs are the same bits either way."""
+        kch = self.kpad // L.CHUNK_K
+        ldq = self.xq.shape[1]
+        halves = [(0, GEMV_MAX_LANES, self.xq, self.xs[0]),
+                  (GEMV_MAX_LANES, n - GEMV_MAX_LANES, self.xq[GEMV_MAX_LANES:], self.xs[1])]
+        for o, m, xq, xs in halves:
+            rt.launch("gemv", "quant_act8", (-(-kch // 8), m), 256,
+                      (x[l0 + o:] if l0 + o else x, i32(ldx), i32(kch), xq, i32(ldq), xs))
+        last = len(self.launches) - 1
+        for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
+            pf = self.pf if (final and li == last) else None
+            if self._on_wg(fmt, units, cluster, n, pf):
+                rt.launch("gemv_wg", f"gemv8w_q4_n{GWG_MAX_LANES}", units, 128,
+                          (desc, i32(nmat), i32(units), self.xq, i32(ldq), self.xs,
+                           np.uint32(0x80808080), i32(n), i32(l0)),
+                          shared_mem=gemv_wg_shared_bytes(GWG_MAX_LANES))
+                continue
+            for h, (o, m, xq, xs) in enumerate(halves):
+                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, m, l0 + o, pf if h else None, xq, xs)
 
     def _wgmma(self, n: int, units: int) -> bool:
         """Whether this plan's a8 q4 launch of `units` CTAs and n lanes runs cuda/gemv_wg.cu (the next-launch

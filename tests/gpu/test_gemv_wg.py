@@ -7,13 +7,20 @@ activations through the PTX ISA's K-major no-swizzle canonical layout (core matr
 16 bytes, LBO between K-adjacent ones, SBO between 8-row groups) -- must give the exact integer
 dot products, chunk for chunk equal to the mma.sync emulation; the ring reads are conflict-free;
 the sm_90a build keeps wgmma asynchronous and spills nothing.
+The 32-lane kernel (gemv8w_q4_n32): its two-pass stage walk (residues 0-3, then 4-7) adds each
+chunk's terms to its residue's partial in chunk order and the partials in residue order, as
+gemv.cu's warps do; its activation pieces and the two-half chunk scales read what GemvPlan lays out;
+a recorded plan runs each q4 launch of a 17-32-lane block as one gemv8w_q4_n32 launch (16 lanes and
+fewer exactly as before).
 GPU: GemvPlan with wgmma="all" against wgmma="off" (gemv8_q4_*), bit for bit, on the 27B shapes,
-forced K splits (partial last stages, units of fewer than 8 chunks), every epilogue and 1-16 lanes.
+forced K splits (partial last stages, units of fewer than 8 chunks), every epilogue and 1-16 lanes;
+17 / 24 / 32 lanes (gemv8w_q4_n32) against gemv8_q4_* run as two 16-lane blocks.
 """
 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -107,7 +114,7 @@ def emulate_wg_chunk(codes: np.ndarray, shape: L.MatrixShape, tile: int, chunk: 
     return d
 
 
-@pytest.mark.parametrize("nl", [8, 16])
+@pytest.mark.parametrize("nl", [8, 16, 32])
 def test_wg_chunk_emulation_gives_the_mma_sync_sums(nl):
     rng = np.random.default_rng(nl)
     w = rng.standard_normal((32, 192)).astype(np.float32)
@@ -136,16 +143,318 @@ def test_shared_bytes_match_the_stage_layout():
                   "X_OFF = S_OFF + GWG_CPS * GEMV_R * 32", "XS_OFF = X_OFF + GWG_CPS * XC",
                   "BYTES = XS_OFF + GWG_CPS * NL * 4"):
         assert field in s, field
-    for nl in (8, 16):
+    for nl in (8, 16, 32):
         stage = C.GWG_CPS * (C.GEMV_R * 512 + C.GEMV_R * 32 + nl * 64 + nl * 4)
         assert K.gemv_wg_shared_bytes(nl) == C.GWG_STAGES * stage
         assert stage % 16 == 0  # every slot's B region stays 16-byte aligned (descriptor start field)
+    assert K.gemv_wg_shared_bytes(32) == 87040
+
+
+def test_resident_ctas_fit_the_sm90_shared_memory():
+    """Each kernel's launch bounds promise GWG_CTAS_N* resident CTAs: their dynamic shared memory, static
+    128 B and the 1 KB the driver reserves per CTA fit an sm_90 SM's 228 KB (one CTA: the 227 KB opt-in)."""
+    from q27py.gpu import kernels as K
+
+    for nl, ctas in ((8, C.GWG_CTAS_N8), (16, C.GWG_CTAS_N16), (32, C.GWG_CTAS_N32)):
+        assert K.gemv_wg_shared_bytes(nl) <= 227 * 1024
+        assert ctas * (K.gemv_wg_shared_bytes(nl) + 128 + 1024) <= 228 * 1024, nl
+    assert C.GWG_MAX_LANES == 32 and C.GEMV_MAX_LANES == 16
+
+
+# ---------------------------------------------------------------- the 32-lane kernel's walk and activations
+def stage_walk(nch: int, nl: int) -> list[tuple[int, bool, int]]:
+    """wg_body's stages over a unit of nch chunks, in ring order: (first chunk - c0, whole, acc index of the
+    stage's chunk j = 0) -- PASSES = 1 at 8 / 16 lanes (chunks in order, residues CPS (k & 1) + j), 2 at 32
+    (residues 0 .. CPS - 1 over the unit, then CPS .. 7; acc index j)."""
+    cps, w = C.GWG_CPS, C.GEMV_WARPS
+    if nl <= C.GEMV_MAX_LANES:
+        nst, nfull = (nch + cps - 1) // cps, nch // cps
+        return [(k * cps, k < nfull, (k & 1) * cps) for k in range(nst)]
+    nst0, nfull0 = (nch + w - 1) // w, (nch + cps) // w
+    nst1, nfull1 = (nch + w - 1 - cps) // w, nch // w
+    first = [w * k for k in range(nst0)] + [w * k + cps for k in range(nst1)]
+    whole = [k < nfull0 for k in range(nst0)] + [k < nfull1 for k in range(nst1)]
+    return [(f, h, 0) for f, h in zip(first, whole)]
+
+
+def test_stage_walk_formulas_are_the_kernels():
+    s = _src()
+    for expr in ("PASSES = NL > GEMV_MAX_LANES ? 2 : 1, RL = GEMV_WARPS / PASSES",
+                 "nst0 = PASSES == 1 ? (nch + CPS - 1) / CPS : (nch + GEMV_WARPS - 1) / GEMV_WARPS",
+                 "nfull0 = PASSES == 1 ? nch / CPS : (nch + CPS) / GEMV_WARPS",
+                 "nst1 = PASSES == 1 ? 0 : (nch + GEMV_WARPS - 1 - CPS) / GEMV_WARPS",
+                 "nfull1 = PASSES == 1 ? 0 : nch / GEMV_WARPS",
+                 "return k < nst0 ? c0 + GEMV_WARPS * k : c0 + GEMV_WARPS * (k - nst0) + CPS;",
+                 "return k < nst0 ? k < nfull0 : k - nst0 < nfull1;",
+                 "const int nfull = (c1 - c0) / CPS;",
+                 "constexpr int R0 = PASSES == 1 ? PAR * CPS : 0;",
+                 "if (!FULL && first(k) + j >= c1) continue;",
+                 "for (k = nst0; k < nst0 + nfull1; k++)"):
+        assert expr in s, expr
+
+
+@pytest.mark.parametrize("nl", [8, 16, 32])
+def test_stage_walk_sums_like_gemv8s_warps(nl):
+    """Every chunk of a unit once; the fp32 result of the walk -- each chunk's term added to its residue's
+    partial (acc index as the kernel picks it), PASSES = 2 folding residues 0-3 into v when the first pass
+    ends and restarting the partials -- bit for bit gemv.cu's: warp w sums chunks w, w + 8, ... in order,
+    then v = P0, v += P1, ..., v += P7. Terms of wildly different scales, so any other order shows."""
+    rng = np.random.default_rng(nl)
+    cps, w = C.GWG_CPS, C.GEMV_WARPS
+    two = nl > C.GEMV_MAX_LANES
+    for nch in list(range(1, 41)) + [80, 272, 11, 54, 55]:
+        terms = (rng.standard_normal(nch) * 2.0 ** rng.integers(-30, 30, nch)).astype(np.float32)
+        part = [np.float32(0)] * w
+        for c in range(nch):
+            part[c % w] = np.float32(part[c % w] + terms[c])
+        ref = part[0]
+        for r in range(1, w):
+            ref = np.float32(ref + part[r])
+        walk = stage_walk(nch, nl)
+        acc = [np.float32(0)] * (w // 2 if two else w)
+        seen, v = [], None
+        npass0 = (nch + w - 1) // w
+        for k, (f, whole, r0) in enumerate(walk):
+            if two and k == npass0:  # the pass change: P0 .. P3 into v
+                v = acc[0]
+                for r in range(1, len(acc)):
+                    v = np.float32(v + acc[r])
+                acc = [np.float32(0)] * len(acc)
+            assert whole == (f + cps <= nch), (nch, k)
+            for j in range(cps):
+                c = f + j
+                if c >= nch:
+                    assert not whole
+                    continue
+                assert c % w == (r0 + j if not two else (k >= npass0) * cps + j), (nch, k, j)
+                acc[r0 + j] = np.float32(acc[r0 + j] + terms[c])
+                seen.append(c)
+        assert sorted(seen) == list(range(nch))
+        for r in range(w):  # each residue's chunks in increasing order
+            mine = [c for c in seen if c % w == r]
+            assert mine == sorted(mine)
+        if two:
+            if v is None:  # no second pass (nch <= CPS): v = P0 .. P3 at the end, then + the empty P4 .. P7
+                v = acc[0]
+                for r in range(1, len(acc)):
+                    v = np.float32(v + acc[r])
+                acc = [np.float32(0)] * len(acc)
+            for r in range(len(acc)):
+                v = np.float32(v + acc[r])
+        else:
+            v = acc[0]
+            for r in range(1, w):
+                v = np.float32(v + acc[r])
+        assert v.view(np.uint32) == ref.view(np.uint32), (nl, nch)
+
+
+def test_n32_activation_pieces_are_the_general_forms():
+    """gemv8w_q4_n32's one-base activation copies (thread = lane tid / 4's piece tid % 4 of chunk e) are the
+    general form's (p = tid + 128 e), and its 16-byte chunk-scale pieces read lanes 4 ap .. 4 ap + 3 from
+    GemvPlan's two-half scales: [2][kpad8 / 64][16] floats, half h at h * ldq / 4."""
+    nl, cps = 32, C.GWG_CPS
+    s = _src()
+    assert "xs + (ap >> 2) * (ldq >> 2) + (c + aj) * GEMV_MAX_LANES + (ap & 3) * 4" in s
+    assert "const int ln = tid >> 2, q = tid & 3;" in s and "xsrc[e] = src + e * 64;" in s
+    xp = cps * nl * 4 // 128
+    for tid in range(128):
+        for e in range(xp):
+            p = tid + e * 128
+            assert (p // (nl * 4), (p >> 2) % nl, p & 3) == (e, tid >> 2, tid & 3)
+    kpad8 = 17408
+    ldq, chunks = kpad8, kpad8 // 64
+    xs = np.arange(2 * chunks * 16, dtype=np.int64).reshape(2, chunks, 16)  # element ids of the layout
+    flat = xs.reshape(-1)
+    for c in (0, 5, chunks - cps):
+        for tid in range(cps * nl // 4):
+            aj, ap = tid // (nl // 4), tid % (nl // 4)
+            off = (ap >> 2) * (ldq >> 2) + (c + aj) * 16 + (ap & 3) * 4
+            lanes = [4 * ap + i for i in range(4)]
+            assert list(flat[off: off + 4]) == [xs[ln // 16, c + aj, ln % 16] for ln in lanes]
+
+
+# ---------------------------------------------------------------- GemvPlan's launches, recorded (no GPU)
+class _Dev(np.ndarray):
+    """numpy standing in for a cupy array: .data.ptr is its host address (slices keep their offset)."""
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+class _PlanRt:
+    """Runtime.get() for building and running GemvPlans: an H100-like sm_90 card, launches recorded."""
+
+    sm_count, cc, smem_optin = 132, (9, 0), 227 * 1024
+
+    def __init__(self):
+        self.calls = []
+        dev = lambda a: np.asarray(a).view(_Dev)  # noqa: E731
+        self.cp = SimpleNamespace(zeros=lambda shape, dtype=np.float32: dev(np.zeros(shape, dtype)),
+                                  asarray=dev, uint8=np.uint8, float32=np.float32, int32=np.int32)
+
+    def launch(self, module, kernel, grid, block, args, shared_mem=0, cluster=1):
+        grid = tuple(grid) if isinstance(grid, tuple) else (grid,)
+        self.calls.append(SimpleNamespace(module=module, kernel=kernel, grid=grid, block=block, args=args,
+                                          smem=shared_mem, cluster=cluster))
+
+
+@pytest.fixture
+def plan_rt(monkeypatch):
+    from q27py.gpu import kernels as K
+
+    rt = _PlanRt()
+    monkeypatch.setattr(K.Runtime, "get", staticmethod(lambda: rt))
+    return rt
+
+
+def _plan(rt, specs, wgmma="all", partition=None):
+    """A GemvPlan over stand-in matrices [(rows, cols, fmt)] (pointers only), its outputs 48 lanes tall."""
+    from q27py.gpu import kernels as K
+
+    mats = [K.GpuMatrix(L.matrix_shape(r, c, f), rt.cp.zeros(64, np.uint8), rt.cp.zeros(64, np.uint32))
+            for r, c, f in specs]
+    ys = [rt.cp.zeros((48, r), np.float32) for r, _, _ in specs]
+    return K.GemvPlan(mats, [(y, y.shape[1]) for y in ys], K.Workspace(), impl="a8", partition=partition,
+                      wgmma=wgmma)
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr if hasattr(a, "data") else int(a)
+
+
+def _lanes(c) -> tuple[int, int]:
+    """(lanes, lane0) of a recorded GEMV launch."""
+    a = c.args
+    if c.module == "gemv_wg" or c.kernel.startswith("gemv8_"):
+        return int(a[7]), int(a[8])
+    return int(a[5]), int(a[6])  # v1: desc, nmat, units, x, ldx, nlanes, lane0
+
+
+# q4 1024 x 512 beside q8 256 x 512 and bf16 96 x 512: three launches, the q4 one last (largest)
+MIXED = [(1024, 512, L.FMT_Q4), (256, 512, L.FMT_Q8), (96, 512, L.FMT_BF16)]
+
+
+@pytest.mark.parametrize("n", [17, 24, 32, 40])
+def test_wide_blocks_run_each_q4_launch_once_on_n32(plan_rt, n):
+    """17-32 lanes (and the first 32 of 40): the activations quantized as two 16-lane halves into the
+    32-lane buffers (rows 16.. of xq, the second half of xs), then ONE gemv8w_q4_n32 launch over the block
+    for the q4 launch (shared memory for 32 lanes, the whole xq / xs), the q8 and bf16 launches as two
+    16-lane launches on the halves; the 8 lanes past 32 as a narrow block (gemv8w_q4_n8 under "all")."""
+    rt = plan_rt
+    plan = _plan(rt, MIXED)
+    assert plan.wide and plan.xq.shape == (32, 512) and plan.xs.shape == (2, 8, 16)
+    kpad = plan.kpad
+    x = rt.cp.zeros((48, kpad), np.float32)
+    plan.run(x, kpad, n, allow_gemm=False)
+    calls = rt.calls
+    wide = min(n, 32)
+    quant = [c for c in calls if c.kernel == "quant_act8"]
+    assert [c.grid[1] for c in quant[:2]] == [16, wide - 16]  # the block's two halves: all its lanes
+    half_x = [_ptr(c.args[0]) for c in quant[:2]]
+    assert half_x == [x.data.ptr, x.data.ptr + 16 * kpad * 4]
+    assert [_ptr(c.args[3]) for c in quant[:2]] == [plan.xq.data.ptr, plan.xq.data.ptr + 16 * kpad]
+    assert [_ptr(c.args[5]) for c in quant[:2]] == [plan.xs.data.ptr, plan.xs.data.ptr + 8 * 16 * 4]
+    assert all(int(c.args[4]) == kpad for c in quant)
+    n32 = [c for c in calls if c.kernel == "gemv8w_q4_n32"]
+    assert len(n32) == 1
+    c = n32[0]
+    assert _lanes(c) == (wide, 0) and c.smem == 87040 and c.block == 128
+    assert _ptr(c.args[3]) == plan.xq.data.ptr and _ptr(c.args[5]) == plan.xs.data.ptr and int(c.args[4]) == kpad
+    first = calls[: calls.index(c) + 1]
+    kernels = [c.kernel for c in first]
+    assert kernels == ["quant_act8", "quant_act8", "gemv_bf16_nt2", "gemv_bf16_nt" + ("2" if wide > 24 else "1"),
+                       "gemv8_q8_nt2", "gemv8_q8_nt" + ("2" if wide > 24 else "1"), "gemv8w_q4_n32"]
+    for k in ("gemv_bf16", "gemv8_q8"):
+        halves = [c for c in first if c.kernel.startswith(k)]
+        assert [_lanes(c) for c in halves] == [(16, 0), (wide - 16, 16)]
+    q8 = [c for c in first if c.kernel.startswith("gemv8_q8")]
+    assert [_ptr(c.args[3]) for c in q8] == [plan.xq.data.ptr, plan.xq.data.ptr + 16 * kpad]
+    assert [_ptr(c.args[5]) for c in q8] == [plan.xs.data.ptr, plan.xs.data.ptr + 8 * 16 * 4]
+    rest = calls[len(first):]
+    if n == 40:
+        assert [c.kernel for c in rest] == ["quant_act8", "gemv_bf16_nt1", "gemv8_q8_nt1", "gemv8w_q4_n8"]
+        assert rest[0].grid[1] == 8 and _ptr(rest[0].args[0]) == x.data.ptr + 32 * kpad * 4
+        assert [_lanes(c) for c in rest[1:]] == [(8, 32)] * 3
+    else:
+        assert rest == []
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 16])
+def test_sixteen_lanes_and_fewer_launch_as_before(plan_rt, n):
+    """A plan able to run n32 launches 1-16 lanes exactly as the narrow loop always has: one quant_act8 of n
+    lanes into rows 0.. of xq, then one launch per matrix group, q4 on gemv8w_q4_n8 / _n16."""
+    rt = plan_rt
+    plan = _plan(rt, MIXED)
+    x = rt.cp.zeros((48, plan.kpad), np.float32)
+    plan.run(x, plan.kpad, n)
+    nt = 1 if n <= 8 else 2
+    assert [c.kernel for c in rt.calls] == ["quant_act8", f"gemv_bf16_nt{nt}", f"gemv8_q8_nt{nt}",
+                                            f"gemv8w_q4_n{8 * nt}"]
+    assert rt.calls[0].grid[1] == n and _ptr(rt.calls[0].args[3]) == plan.xq.data.ptr
+    c = rt.calls[-1]
+    assert _lanes(c) == (n, 0) and _ptr(c.args[3]) == plan.xq.data.ptr and _ptr(c.args[5]) == plan.xs.data.ptr
+    assert c.smem == (54400 if n <= 8 else 65280)
+
+
+@pytest.mark.parametrize("n", [24, 32])
+def test_without_n32_wide_blocks_are_two_narrow_blocks(plan_rt, n):
+    """wgmma "off" (and a plan without the wide buffers) keeps today's loop: two 16-lane blocks, each
+    quantized into rows 0.. and launched, the q4 launches on gemv8_q4_*."""
+    rt = plan_rt
+    plan = _plan(rt, MIXED, wgmma="off")
+    assert not plan.wide and plan.xq.shape == (16, 512) and plan.xs.shape == (8, 16)
+    x = rt.cp.zeros((48, plan.kpad), np.float32)
+    plan.run(x, plan.kpad, n, allow_gemm=False)
+    nt = 2 if n > 24 else 1
+    assert [c.kernel for c in rt.calls] == ["quant_act8", "gemv_bf16_nt2", "gemv8_q8_nt2", "gemv8_q4_nt2",
+                                            "quant_act8", f"gemv_bf16_nt{nt}", f"gemv8_q8_nt{nt}", f"gemv8_q4_nt{nt}"]
+    assert {_ptr(c.args[3]) for c in rt.calls if c.kernel.startswith("gemv8")} == {plan.xq.data.ptr}
+    assert [_lanes(c)[1] for c in rt.calls if c.kernel != "quant_act8"] == [0, 0, 0, 16, 16, 16]
+
+
+def test_prefetching_and_cluster_launches_keep_the_16_lane_loop(plan_rt, monkeypatch):
+    """The next-launch prefetch (the final block's last launch) and thread-block clusters are gemv.cu's: in a
+    wide block such a launch runs as its two 16-lane launches (the prefetch on the second, as the narrow
+    loop's last block has it), beside the q4 launch on n32; a plan whose q4 launch is clustered has no n32
+    launch at all and runs the narrow loop."""
+    from q27py.gpu import kernels as K
+
+    rt = plan_rt
+    plan = _plan(rt, [(256, 512, L.FMT_Q4), (2048, 512, L.FMT_Q8)])  # the q8 launch last: it prefetches
+    plan.pf = rt.cp.zeros((8, C.GEMV_PF_PER), np.uint64)
+    x = rt.cp.zeros((48, plan.kpad), np.float32)
+    plan.run(x, plan.kpad, 24, allow_gemm=False)
+    assert [c.kernel for c in rt.calls] == ["quant_act8", "quant_act8", "gemv8w_q4_n32", "gemv8_q8_nt2", "gemv8_q8_nt1"]
+    assert [_ptr(c.args[9]) for c in rt.calls[3:]] == [0, plan.pf.data.ptr]
+    rt.calls.clear()
+    monkeypatch.setattr(C, "GEMV_CLUSTER_MAX", 8)
+    plan = _plan(rt, [(1024, 512, L.FMT_Q4)], partition=(1, 2))
+    assert plan.clusters == [2]
+    plan.run(x, plan.kpad, 24, allow_gemm=False)
+    assert [(c.kernel, c.cluster) for c in rt.calls] == [("quant_act8", 1), ("gemv8_q4_nt2", 2),
+                                                         ("quant_act8", 1), ("gemv8_q4_nt1", 2)]
+    assert K.GWG_MAX_LANES == 32
+
+
+def test_wide_plans_size_their_split_partials_for_32_lanes(plan_rt):
+    """gemv_unit_finish<32> writes 64 x 32 floats per split unit: a wide plan's descriptors give each unit
+    that much of the workspace (a narrow plan 64 x 16)."""
+    rt = plan_rt
+    for mode, lanes in (("all", 32), ("off", 16)):
+        plan = _plan(rt, [(1024, 5120, L.FMT_Q4)], wgmma=mode, partition=(1, 3))
+        _fmt, desc, _units = plan.desc_host[0]
+        assert int(desc[0, C.D_SPLITS]) == 3
+        assert plan.workspace.floats == 16 * 3 * 64 * lanes
 
 
 def test_selection_rule(monkeypatch):
     from q27py.gpu import kernels as K
 
     assert K.gemv_wgmma_supported((9, 0), 227 * 1024)
+    assert K.gemv_wgmma_supported((9, 0), 227 * 1024, lanes=32)
+    assert K.gemv_wgmma_supported((9, 0), 80 * 1024) and not K.gemv_wgmma_supported((9, 0), 80 * 1024, lanes=32)
+    assert [K.gemv_wg_width(n) for n in (1, 8, 9, 16, 17, 24, 32)] == [8, 8, 16, 16, 32, 32, 32]
     assert not K.gemv_wgmma_supported((8, 9), 227 * 1024) and not K.gemv_wgmma_supported((12, 0), 227 * 1024)
     assert not K.gemv_wgmma_supported((9, 0), 48 * 1024)
     with pytest.raises(ValueError):
@@ -164,8 +473,9 @@ def test_engine_config_maps_the_switch(monkeypatch):
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
-    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n8"], rep
-    bound = {k: 65536 // (128 * (C.GWG_CTAS_N8 if k.endswith("8") else C.GWG_CTAS_N16)) for k in rep}
+    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n32", "gemv8w_q4_n8"], rep
+    ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32}
+    bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(spill == 0 and regs <= bound[k] for k, (regs, spill) in rep.items()), rep
 
 
@@ -190,25 +500,58 @@ def cp():
     return cupy
 
 
-def _pair(cp, K, specs, n, partition=None, seed=0):
-    """(wgmma outputs, mma.sync outputs) of one plan over matrices specs [(rows, cols, fmt, mode)]."""
+def _pair(cp, K, specs, n, partition=None, seed=0, record=None):
+    """(wgmma outputs, mma.sync outputs) of one plan over matrices specs [(rows, cols, fmt, mode)]; past 16
+    lanes "off" runs gemv8_q4_* as 16-lane blocks, "all" one gemv8w_q4_n32 launch per block of <= 32.
+    record: a list that gets the "all" run's (module, kernel) launches."""
+    from q27py.gpu.runtime import Runtime
+
     mats = [K.random_matrix(r, c, f, seed=seed + 7 * j, scale=0.01 if f != L.FMT_BF16 else 0.05, mode=mode)
             for j, (r, c, f, mode) in enumerate(specs)]
     kpad = mats[0].shape.kpad
-    x = cp.zeros((16, kpad), dtype=cp.float32)
+    rows = max(16, n)
+    x = cp.zeros((rows, kpad), dtype=cp.float32)
     K.fill_uniform(x, seed + 3, -1.0, 1.0)
     outs = {}
+    rt = Runtime.get()
     for wg in ("all", "off"):
         ws = K.Workspace()
         ys = []
         for (r, _, _, mode), m in zip(specs, mats):
             rows_out = r // 2 if mode == K.MODE_SWIGLU else r
-            y = cp.full((16, rows_out), 0.25 if mode == K.MODE_ADD else np.nan, dtype=cp.float32)
+            y = cp.full((rows, rows_out), 0.25 if mode == K.MODE_ADD else np.nan, dtype=cp.float32)
             ys.append(y)
         plan = K.GemvPlan(mats, [(y, y.shape[1]) for y in ys], ws, impl="a8", partition=partition, wgmma=wg)
-        plan.run(x, kpad, n, allow_gemm=False)
+        if record is not None and wg == "all":
+            real = rt.launch
+
+            def rec(module, kernel, *a, **kw):
+                record.append((module, kernel))
+                return real(module, kernel, *a, **kw)
+
+            rt.launch = rec
+            try:
+                plan.run(x, kpad, n, allow_gemm=False)
+            finally:
+                del rt.launch  # the instance attribute: back to the class's method
+        else:
+            plan.run(x, kpad, n, allow_gemm=False)
         outs[wg] = [y[:n].get() for y in ys]
     return outs["all"], outs["off"]
+
+
+def _specs_27b(name: str) -> list[tuple[int, int, int, int]]:
+    """The 27B's launch `name` (q4s tier) as _pair's matrix specs."""
+    from q27py.gpu import kernels as K
+
+    return {
+        "gate_up": [(34816, 5120, L.FMT_Q4, K.MODE_SWIGLU)],
+        "down": [(5120, 17408, L.FMT_Q4, K.MODE_ADD)],
+        "gdn_in": [(16384, 5120, L.FMT_Q4, K.MODE_STORE), (96, 5120, L.FMT_BF16, K.MODE_STORE)],
+        "attn_in": [(12288, 5120, L.FMT_Q4, K.MODE_STORE), (2048, 5120, L.FMT_Q8, K.MODE_STORE)],
+        "gdn_out": [(5120, 6144, L.FMT_Q4, K.MODE_ADD)],
+        "lm_head": [(248320, 5120, L.FMT_Q4, K.MODE_STORE)],
+    }[name]
 
 
 @pytest.mark.gpu
@@ -217,15 +560,25 @@ def _pair(cp, K, specs, n, partition=None, seed=0):
 def test_wg_is_bitwise_gemv8_on_the_27b_launches(cp, name, n):
     from q27py.gpu import kernels as K
 
-    specs = {
-        "gate_up": [(34816, 5120, L.FMT_Q4, K.MODE_SWIGLU)],
-        "down": [(5120, 17408, L.FMT_Q4, K.MODE_ADD)],
-        "gdn_in": [(16384, 5120, L.FMT_Q4, K.MODE_STORE), (96, 5120, L.FMT_BF16, K.MODE_STORE)],
-        "attn_in": [(12288, 5120, L.FMT_Q4, K.MODE_STORE), (2048, 5120, L.FMT_Q8, K.MODE_STORE)],
-        "gdn_out": [(5120, 6144, L.FMT_Q4, K.MODE_ADD)],
-        "lm_head": [(248320, 5120, L.FMT_Q4, K.MODE_STORE)],
-    }[name]
-    got, ref = _pair(cp, K, specs, n, seed=n)
+    got, ref = _pair(cp, K, _specs_27b(name), n, seed=n)
+    for a, b in zip(got, ref):
+        assert np.isfinite(b).all()
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
+@pytest.mark.parametrize("n", [17, 24, 32])
+def test_n32_is_bitwise_gemv8_on_the_27b_launches(cp, name, n):
+    """17-32 lanes: each q4 launch as ONE gemv8w_q4_n32 launch (its two-pass walk, the two-half scales)
+    against gemv8_q4_* run as two 16-lane blocks, bit for bit; the q8 / bf16 launches beside it on their
+    16-lane launches."""
+    from q27py.gpu import kernels as K
+
+    seen = []
+    got, ref = _pair(cp, K, _specs_27b(name), n, seed=n, record=seen)
+    assert [k for m, k in seen if m == "gemv_wg"] == ["gemv8w_q4_n32"], seen
+    assert [k for _, k in seen].count("quant_act8") == 2
     for a, b in zip(got, ref):
         assert np.isfinite(b).all()
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
@@ -234,10 +587,11 @@ def test_wg_is_bitwise_gemv8_on_the_27b_launches(cp, name, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (64, 4096, 9),
                                               (200, 320, 1), (5120, 17408, 5)])
-@pytest.mark.parametrize("n", [1, 9, 16])
+@pytest.mark.parametrize("n", [1, 9, 16, 17, 32])
 def test_wg_is_bitwise_gemv8_under_forced_splits(cp, rows, cols, splits, n):
-    """Splits whose K ranges are not whole stages (partial last stages), units of fewer than 8 chunks
-    (200 x 320: 5 chunks, residues that stay empty), the ticket path's ordered sums."""
+    """Splits whose K ranges are not whole stages (partial last stages; at 17 / 32 lanes those of either
+    pass), units of fewer than 8 chunks (200 x 320: 5 chunks, residues that stay empty), the ticket path's
+    ordered sums (32-lane partial tiles)."""
     from q27py.gpu import kernels as K
 
     got, ref = _pair(cp, K, [(rows, cols, L.FMT_Q4, K.MODE_STORE)], n, partition=(1, splits), seed=rows + splits)
