@@ -371,6 +371,7 @@ class GemvPlan:
             rows.append((fmt, desc, cta, self._cluster([int(x) for x in desc[:, C.D_SPLITS]], rt)))
         workspace.reserve(ws_need, cnt_need)
         self.a8 = self.impl == "a8" and any(m.shape.fmt != L.FMT_BF16 for m in mats)
+        self.xq = self.xs = None  # a8 only
         if self.a8:
             workspace.reserve_act8(self.kpad, GWG_MAX_LANES if self.wide else GEMV_MAX_LANES)
             # the buffers as of now (a later, larger reserve allocates new ones and keeps these alive,
@@ -475,7 +476,8 @@ class GemvPlan:
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
                 pf = self.pf if (final and li == last and not use_gemm) else None
-                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, self.xq, self.xs)
+                xq, xs = (self.xq, self.xs) if self.a8 else (None, None)
+                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs)
             done += n
 
     def _launch(self, rt, fmt: int, desc, nmat: int, units: int, cluster: int, x, ldx: int, n: int, l0: int, pf,

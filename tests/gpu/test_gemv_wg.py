@@ -328,6 +328,8 @@ def _lanes(c) -> tuple[int, int]:
     a = c.args
     if c.module == "gemv_wg" or c.kernel.startswith("gemv8_"):
         return int(a[7]), int(a[8])
+    if c.module == "gemv2":  # desc, nmat, x, ldx, nlanes, lane0
+        return int(a[4]), int(a[5])
     return int(a[5]), int(a[6])  # v1: desc, nmat, units, x, ldx, nlanes, lane0
 
 
@@ -411,6 +413,24 @@ def test_without_n32_wide_blocks_are_two_narrow_blocks(plan_rt, n):
                                             "quant_act8", f"gemv_bf16_nt{nt}", f"gemv8_q8_nt{nt}", f"gemv8_q4_nt{nt}"]
     assert {_ptr(c.args[3]) for c in rt.calls if c.kernel.startswith("gemv8")} == {plan.xq.data.ptr}
     assert [_lanes(c)[1] for c in rt.calls if c.kernel != "quant_act8"] == [0, 0, 0, 16, 16, 16]
+
+
+@pytest.mark.parametrize("impl", ["v1", "v2"])
+def test_other_implementations_keep_16_lane_blocks(plan_rt, impl):
+    """v1 / v2 plans (fp32 activations, no a8 buffers) run 24 lanes as 16 + 8, as always."""
+    from q27py.gpu import kernels as K
+
+    rt = plan_rt
+    mats = [K.GpuMatrix(L.matrix_shape(r, c, f), rt.cp.zeros(64, np.uint8), rt.cp.zeros(64, np.uint32))
+            for r, c, f in MIXED]
+    ys = [rt.cp.zeros((48, r), np.float32) for r, _, _ in MIXED]
+    plan = K.GemvPlan(mats, [(y, y.shape[1]) for y in ys], K.Workspace(), impl=impl, wgmma="all")
+    assert not plan.wide and plan.xq is None
+    x = rt.cp.zeros((48, plan.kpad), np.float32)
+    plan.run(x, plan.kpad, 24, allow_gemm=False)
+    pre = "gemv2_" if impl == "v2" else "gemv_"
+    assert [c.kernel for c in rt.calls] == [f"{pre}{f}_nt{nt}" for nt in (2, 1) for f in ("bf16", "q8", "q4")]
+    assert [_lanes(c) for c in rt.calls] == [(16, 0)] * 3 + [(8, 16)] * 3
 
 
 def test_prefetching_and_cluster_launches_keep_the_16_lane_loop(plan_rt, monkeypatch):
