@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -197,6 +197,18 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
             q27py/bench/data/spec_traces_code.json > "$OUT/groups_load$g.txt" 2>&1 || rc=1
           echo "--- verify groups $g"; tail -8 "$OUT/groups_load$g.txt"
         done ;;
+    first)  # one call (~9 min) when a session gets a single machine: the verify-group / batched-chain / solo-chain /
+            # hidden-row GPU tests with Q27_VERIFY_GROUPS=1, the 32-lane wgmma GEMV's bitwise tests and its probe at
+            # 1 / 16 / 32 lanes, then the cold and warm 25K turns (bench replay) with what time is left
+        Q27_VERIFY_GROUPS=1 timeout 240 $PYTEST --tb=short tests/gpu/test_verify_groups_gpu.py tests/gpu/test_mtp_draft_batch_gpu.py \
+          tests/gpu/test_device_chain.py tests/gpu/test_hidden_owned.py > "$OUT/first_groups.txt" 2>&1 || rc=1
+        tail -12 "$OUT/first_groups.txt"
+        timeout 100 $PYTEST --tb=short tests/gpu/test_gemv_wg.py > "$OUT/first_gemv.txt" 2>&1 || rc=1; tail -6 "$OUT/first_gemv.txt"
+        timeout 80 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 16 32 > "$OUT/first_probe.txt" 2>&1 || rc=1
+        tail -12 "$OUT/first_probe.txt"
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout $(( ${FIRST_S:-560} - SECONDS > 30 ? ${FIRST_S:-560} - SECONDS : 30 )) \
+          python3 -m q27py bench replay --random-weights 27b --tier q4s --system-tokens 20000 --turns 10 > "$OUT/first_replay.txt" 2>&1 || rc=1
+        tail -12 "$OUT/first_replay.txt" ;;
     gateup)  # EngineConfig.prefill_gate_up_bf16 (Q27_PREFILL_GATE_UP_BF16, issue 14; default off): its GPU tests and the
              # prefill rows' bitwise tests, then prefill 2K / 8K / 32K off vs on (tools/device_prefill.py, two processes
              # back to back; resident expansions CACHE_GB, default 60), then 8K off / on alternated in one process (REPS
