@@ -149,7 +149,9 @@ class FastOutput:
         if self._hidden is None:
             self._check_fresh()
             m = self._model
-            self._hidden = m.hidden[: self._t, : m.cfg.hidden_size].get()
+            # on the model's stream (blocking): the forward that wrote them may still run there, and a get() on
+            # the default stream would not wait for that non-blocking stream (tests/gpu/test_output_streams.py)
+            self._hidden = m.hidden[: self._t, : m.cfg.hidden_size].get(stream=m.stream)
         return self._hidden
 
     @property
