@@ -198,10 +198,11 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
           echo "--- verify groups $g"; tail -8 "$OUT/groups_load$g.txt"
         done ;;
     first)  # one call (~9 min) when a session gets a single machine: the verify-group / batched-chain / solo-chain /
-            # hidden-row GPU tests with Q27_VERIFY_GROUPS=1, the 32-lane wgmma GEMV's bitwise tests and its probe at
+            # hidden-row / prefix GPU tests with Q27_VERIFY_GROUPS=1 (the 27B-heads chain tests and the reset test
+            # failed on 2026-12-06 before d18d1f4), the 32-lane wgmma GEMV's bitwise tests and its probe at
             # 1 / 16 / 32 lanes, then the cold and warm 25K turns (bench replay) with what time is left
         Q27_VERIFY_GROUPS=1 timeout 240 $PYTEST --tb=short tests/gpu/test_verify_groups_gpu.py tests/gpu/test_mtp_draft_batch_gpu.py \
-          tests/gpu/test_device_chain.py tests/gpu/test_hidden_owned.py > "$OUT/first_groups.txt" 2>&1 || rc=1
+          tests/gpu/test_device_chain.py tests/gpu/test_hidden_owned.py tests/gpu/test_prefix_gpu.py > "$OUT/first_groups.txt" 2>&1 || rc=1
         tail -12 "$OUT/first_groups.txt"
         timeout 100 $PYTEST --tb=short tests/gpu/test_gemv_wg.py > "$OUT/first_gemv.txt" 2>&1 || rc=1; tail -6 "$OUT/first_gemv.txt"
         timeout 80 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 16 32 > "$OUT/first_probe.txt" 2>&1 || rc=1
