@@ -271,9 +271,10 @@ class EngineConfig:
     batch_sweep: bool = True
     # cuda: FastModel.verify_batch (the shared sweep with drafts, batch_spec "adaptive" / "drafts"):
     # every sharing slot's verify lanes (its pending token and drafts) in one weight sweep, the GDN and
-    # conv steps run per lane group by the group entries of cuda/gdn.cu and cuda/conv.cu. Off (the
-    # default until its GPU tests have run on a device, tests/gpu/test_verify_groups_gpu.py):
-    # verify_lanes 0, shared rounds carry plain lanes only. The CPU paths always have verify_batch.
+    # conv steps run per lane group by the group entries of cuda/gdn.cu and cuda/conv.cu. Off by default:
+    # verify_lanes 0, and shared rounds carry plain lanes only. Its GPU tests pass bitwise (H100, 2026-12-06,
+    # tests/gpu/test_verify_groups_gpu.py), but no bench has yet measured it against turns and the plain sweep
+    # (tools/device_wave.sh groupsbench). The CPU paths always have verify_batch.
     verify_groups: bool = False
 
     def shared_rounds(self) -> bool:
