@@ -1976,6 +1976,7 @@ def load_fast_model(cfg) -> FastModel:
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_PREFILL_WGMMA = bool(e.attn_prefill_wgmma)
     K.GEMV_WGMMA = K.gemv_wgmma_mode(e.gemv_wgmma)
+    K.GEMV_WG_PIPE = bool(e.gemv_wg_pipe)
     K.GDN2_OUT_GATED = bool(e.gdn_out_fused)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)
