@@ -81,6 +81,23 @@ __device__ __forceinline__ u32 wg_act_off(int n, int q) {
     return (u32)((q >> 1) * NL * 32 + (n >> 3) * 256 + (q & 1) * 128 + (n & 7) * 16);
 }
 
+// A fragments of one chunk's 16-row tile for its two k32 steps (wgmma's register A): word t of each of the quad's
+// four 16-byte fragments (read transposed from their rotated slots, chunk_base = the chunk's fragments + this
+// thread's t * 4), the int4 codes unpacked to int8 exactly as gemv.cu unpacks them. Shared by the plain and the
+// pipelined stage walks.
+__device__ __forceinline__ void wg_load_a(const u8* chunk_base, int g, u32 sgn, u32 (&a)[2][4]) {
+    u32 wv[4];
+#pragma unroll
+    for (int tp = 0; tp < 4; tp++) wv[tp] = *reinterpret_cast<const u32*>(chunk_base + wg_frag_pos(g, tp));
+#pragma unroll
+    for (int b = 0; b < 2; b++) {
+        a[b][0] = q4_lo8(wv[2 * b], sgn);
+        a[b][1] = q4_hi8(wv[2 * b], sgn);
+        a[b][2] = q4_lo8(wv[2 * b + 1], sgn);
+        a[b][3] = q4_hi8(wv[2 * b + 1], sgn);
+    }
+}
+
 // wgmma shared-memory descriptor, no swizzle: start, leading (K-adjacent core matrices) = 128 B,
 // stride (8-lane groups) = 256 B
 __device__ __forceinline__ u64 wg_desc(u32 addr) {
@@ -318,19 +335,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         u32 a[CPS][2][4];
         int dd[CPS][ND];
 #pragma unroll
-        for (int j = 0; j < CPS; j++) {
-            u32 wv[4];
-#pragma unroll
-            for (int tp = 0; tp < 4; tp++)
-                wv[tp] = *reinterpret_cast<const u32*>(rbase + rd * SG::BYTES + j * SG::WC + wg_frag_pos(g, tp));
-#pragma unroll
-            for (int b = 0; b < 2; b++) {
-                a[j][b][0] = q4_lo8(wv[2 * b], sgn);
-                a[j][b][1] = q4_hi8(wv[2 * b], sgn);
-                a[j][b][2] = q4_lo8(wv[2 * b + 1], sgn);
-                a[j][b][3] = q4_hi8(wv[2 * b + 1], sgn);
-            }
-        }
+        for (int j = 0; j < CPS; j++) wg_load_a(rbase + rd * SG::BYTES + j * SG::WC, g, sgn, a[j]);
         // chunks past c1 (a partial last stage) compute on stale bytes and are dropped below
         wg_fence();
 #pragma unroll
@@ -377,20 +382,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         const u64 xd = xdesc0 + (u64)((rd * SG::BYTES) >> 4);
         u32 a[GC][2][4];
 #pragma unroll
-        for (int jj = 0; jj < GC; jj++) {
-            const int j = e * GC + jj;
-            u32 wv[4];
-#pragma unroll
-            for (int tp = 0; tp < 4; tp++)
-                wv[tp] = *reinterpret_cast<const u32*>(rbase + rd * SG::BYTES + j * SG::WC + wg_frag_pos(g, tp));
-#pragma unroll
-            for (int b = 0; b < 2; b++) {
-                a[jj][b][0] = q4_lo8(wv[2 * b], sgn);
-                a[jj][b][1] = q4_hi8(wv[2 * b], sgn);
-                a[jj][b][2] = q4_lo8(wv[2 * b + 1], sgn);
-                a[jj][b][3] = q4_hi8(wv[2 * b + 1], sgn);
-            }
-        }
+        for (int jj = 0; jj < GC; jj++) wg_load_a(rbase + rd * SG::BYTES + (e * GC + jj) * SG::WC, g, sgn, a[jj]);
         // orders the A registers just written, and the earlier epilogue's reads of dh[e & 1], before the wgmmas
         wg_fence();
 #pragma unroll

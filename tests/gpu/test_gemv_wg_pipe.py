@@ -174,7 +174,9 @@ def test_schedule_source_is_the_emulated_one():
     # issue_grp: the group's A fragments exactly as stage() unpacks them, then the fence, then its wgmmas
     grp = _block(s, "auto issue_grp = [&](int e) {")
     assert grp.index("wg_fence();") < grp.index("wg_commit();")
-    assert "a[jj][b][0] = q4_lo8(wv[2 * b], sgn);" in grp and "a[jj][b][3] = q4_hi8(wv[2 * b + 1], sgn);" in grp
+    # (both walks unpack through the one helper wg_load_a, at the same chunk's bytes)
+    assert "wg_load_a(rbase + rd * SG::BYTES + (e * GC + jj) * SG::WC, g, sgn, a[jj]);" in "\n".join(grp)
+    assert "wg_load_a(rbase + rd * SG::BYTES + j * SG::WC, g, sgn, a[j]);" in "\n".join(plain)
     assert "wg_wait1() { asm volatile(\"wgmma.wait_group.sync.aligned 1;\" ::: \"memory\"); }" in s
     assert "GWG_KERNEL(gemv8w_q4_n8p, 8, GWG_CTAS_N8, 1)" in s and "GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32, 0)" in s
 
