@@ -522,18 +522,43 @@ def cp():
     return cupy
 
 
-def _pair(cp, K, specs, n, partition=None, seed=0, record=None):
-    """(wgmma outputs, mma.sync outputs) of one plan over matrices specs [(rows, cols, fmt, mode)]; past 16
-    lanes "off" runs gemv8_q4_* as 16-lane blocks, "all" one gemv8w_q4_n32 launch per block of <= 32.
-    record: a list that gets the "all" run's (module, kernel) launches."""
-    from q27py.gpu.runtime import Runtime
-
+def plan_inputs(cp, K, specs, n, seed):
+    """(matrices, kpad, rows, x) of one GEMV plan test: seeded matrices specs [(rows, cols, fmt, mode)] and n lanes
+    of uniform activations in a buffer of max(16, n) rows (also test_gemv_wg_pipe's)."""
     mats = [K.random_matrix(r, c, f, seed=seed + 7 * j, scale=0.01 if f != L.FMT_BF16 else 0.05, mode=mode)
             for j, (r, c, f, mode) in enumerate(specs)]
     kpad = mats[0].shape.kpad
     rows = max(16, n)
     x = cp.zeros((rows, kpad), dtype=cp.float32)
     K.fill_uniform(x, seed + 3, -1.0, 1.0)
+    return mats, kpad, rows, x
+
+
+def run_plan(rt, plan, x, kpad, n, record=None) -> None:
+    """plan.run on the GEMV (no GEMM route); record: a list that gets each launch's (module, kernel)."""
+    if record is None:
+        plan.run(x, kpad, n, allow_gemm=False)
+        return
+    real = rt.launch
+
+    def rec(module, kernel, *a, **kw):
+        record.append((module, kernel))
+        return real(module, kernel, *a, **kw)
+
+    rt.launch = rec
+    try:
+        plan.run(x, kpad, n, allow_gemm=False)
+    finally:
+        del rt.launch  # the instance attribute: back to the class's method
+
+
+def _pair(cp, K, specs, n, partition=None, seed=0, record=None):
+    """(wgmma outputs, mma.sync outputs) of one plan over matrices specs [(rows, cols, fmt, mode)]; past 16
+    lanes "off" runs gemv8_q4_* as 16-lane blocks, "all" one gemv8w_q4_n32 launch per block of <= 32.
+    record: a list that gets the "all" run's (module, kernel) launches."""
+    from q27py.gpu.runtime import Runtime
+
+    mats, kpad, rows, x = plan_inputs(cp, K, specs, n, seed)
     outs = {}
     rt = Runtime.get()
     for wg in ("all", "off"):
@@ -544,20 +569,7 @@ def _pair(cp, K, specs, n, partition=None, seed=0, record=None):
             y = cp.full((rows, rows_out), 0.25 if mode == K.MODE_ADD else np.nan, dtype=cp.float32)
             ys.append(y)
         plan = K.GemvPlan(mats, [(y, y.shape[1]) for y in ys], ws, impl="a8", partition=partition, wgmma=wg)
-        if record is not None and wg == "all":
-            real = rt.launch
-
-            def rec(module, kernel, *a, **kw):
-                record.append((module, kernel))
-                return real(module, kernel, *a, **kw)
-
-            rt.launch = rec
-            try:
-                plan.run(x, kpad, n, allow_gemm=False)
-            finally:
-                del rt.launch  # the instance attribute: back to the class's method
-        else:
-            plan.run(x, kpad, n, allow_gemm=False)
+        run_plan(rt, plan, x, kpad, n, record if wg == "all" else None)
         outs[wg] = [y[:n].get() for y in ys]
     return outs["all"], outs["off"]
 

@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from q27py.gpu import constants as C
 from q27py.gpu import layout as L
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_gemv_wg import plan_inputs, run_plan  # noqa: E402
 
 try:
     import nvcc_build
@@ -610,12 +615,7 @@ def _three(cp, specs, n, partition=None, seed=0, monkeypatch=None):
     from q27py.gpu.runtime import Runtime
 
     rt = Runtime.get()
-    mats = [K.random_matrix(r, c, f, seed=seed + 7 * j, scale=0.01 if f != L.FMT_BF16 else 0.05, mode=mode)
-            for j, (r, c, f, mode) in enumerate(specs)]
-    kpad = mats[0].shape.kpad
-    rows = max(16, n)
-    x = cp.zeros((rows, kpad), dtype=cp.float32)
-    K.fill_uniform(x, seed + 3, -1.0, 1.0)
+    mats, kpad, rows, x = plan_inputs(cp, K, specs, n, seed)
     outs, seen = {}, []
     for name, wg, pipe in (("pipe", "all", True), ("plain", "all", False), ("off", "off", False)):
         monkeypatch.setattr(K, "GEMV_WG_PIPE", pipe)
@@ -624,20 +624,7 @@ def _three(cp, specs, n, partition=None, seed=0, monkeypatch=None):
             rows_out = r // 2 if mode == K.MODE_SWIGLU else r
             ys.append(cp.full((rows, rows_out), 0.25 if mode == K.MODE_ADD else np.nan, dtype=cp.float32))
         plan = K.GemvPlan(mats, [(y, y.shape[1]) for y in ys], K.Workspace(), impl="a8", partition=partition, wgmma=wg)
-        if pipe:
-            real = rt.launch
-
-            def rec(module, kernel, *a, **kw):
-                seen.append((module, kernel))
-                return real(module, kernel, *a, **kw)
-
-            rt.launch = rec
-            try:
-                plan.run(x, kpad, n, allow_gemm=False)
-            finally:
-                del rt.launch  # the instance attribute: back to the class's method
-        else:
-            plan.run(x, kpad, n, allow_gemm=False)
+        run_plan(rt, plan, x, kpad, n, seen if pipe else None)
         outs[name] = [y[:n].get() for y in ys]
     return outs, [k for m, k in seen if m == "gemv_wg"]
 
