@@ -22,6 +22,7 @@ Without a GPU only the CPU checks run (config / env, launch arguments; the nvcc 
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,18 +30,11 @@ import pytest
 
 from q27py.gpu import layout as L
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_prefill_rows import bits, poisoned, swiglu_case  # noqa: E402
+
 gpu = pytest.mark.gpu  # the CPU checks at the end are unmarked
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def poisoned(cp, shape, dtype=None):
-    if dtype == cp.uint16:
-        return cp.full(shape, 0x7FC1, dtype=cp.uint16)  # a NaN pattern no conversion makes
-    return cp.full(shape, np.nan, dtype=cp.float32)
-
-
-def bits(a) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(a, np.float32)).view(np.uint32)
 
 
 @pytest.fixture(scope="module")
@@ -164,16 +158,9 @@ def test_plan_route_is_the_composition(cp, K, fmt, monkeypatch):
     from q27py.gpu import blas
     from q27py.gpu.runtime import Runtime, i32
 
-    rng = np.random.default_rng(90 + fmt)
-    rows, cols, ntok = 300, 640, 200
+    rng, rows, cols, ntok, pm, m, x = swiglu_case(K, fmt, 90 + fmt)
     assert ntok >= blas.MIN_TOKENS
-    w = L.interleave_gate_up(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05,
-                             rng.standard_normal((rows, cols)).astype(np.float32) * 0.05)
-    pm = L.pack_matrix(w, fmt)
-    m = K.upload_packed(pm, mode=K.MODE_SWIGLU, out_rows=rows)
     kpad, nrows = pm.shape.kpad, pm.shape.row_tiles * 16
-    x = np.zeros((ntok, kpad), np.float32)
-    x[:, :cols] = rng.standard_normal((ntok, cols))
     xd = cp.asarray(x)
     ldb = L.round_up(rows, 64)
 

@@ -193,6 +193,18 @@ def test_stage_walk_formulas_are_the_kernels():
         assert expr in s, expr
 
 
+def gemv8_order_sum(terms, w):
+    """A unit's fp32 sum in gemv.cu's order: warp r sums chunks r, r + w, ... in order, then P0 + P1 + ... in warp
+    order (also test_gemv_wg_pipe's reference)."""
+    part = [np.float32(0)] * w
+    for c in range(len(terms)):
+        part[c % w] = np.float32(part[c % w] + terms[c])
+    ref = part[0]
+    for r in range(1, w):
+        ref = np.float32(ref + part[r])
+    return ref
+
+
 @pytest.mark.parametrize("nl", [8, 16, 32])
 def test_stage_walk_sums_like_gemv8s_warps(nl):
     """Every chunk of a unit once; the fp32 result of the walk -- each chunk's term added to its residue's
@@ -204,12 +216,7 @@ def test_stage_walk_sums_like_gemv8s_warps(nl):
     two = nl > C.GEMV_MAX_LANES
     for nch in list(range(1, 41)) + [80, 272, 11, 54, 55]:
         terms = (rng.standard_normal(nch) * 2.0 ** rng.integers(-30, 30, nch)).astype(np.float32)
-        part = [np.float32(0)] * w
-        for c in range(nch):
-            part[c % w] = np.float32(part[c % w] + terms[c])
-        ref = part[0]
-        for r in range(1, w):
-            ref = np.float32(ref + part[r])
+        ref = gemv8_order_sum(terms, w)
         walk = stage_walk(nch, nl)
         acc = [np.float32(0)] * (w // 2 if two else w)
         seen, v = [], None

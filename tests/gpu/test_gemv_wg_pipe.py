@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,15 +33,13 @@ import pytest
 from q27py.gpu import constants as C
 from q27py.gpu import layout as L
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_gemv_wg import plan_inputs, run_plan  # noqa: E402
-
 try:
     import nvcc_build
-    from test_gemv_wg import _PlanRt, _plan, _specs_27b, stage_walk
+    from test_gemv_wg import _PlanRt, _plan, _specs_27b, gemv8_order_sum, plan_inputs, run_plan, stage_walk
 except ImportError:  # run from the repository root
     from tests.gpu import nvcc_build
-    from tests.gpu.test_gemv_wg import _PlanRt, _plan, _specs_27b, stage_walk
+    from tests.gpu.test_gemv_wg import (_PlanRt, _plan, _specs_27b, gemv8_order_sum, plan_inputs, run_plan,
+                                        stage_walk)
 
 NVCC = nvcc_build.NVCC
 ENTRIES = ("gemv8w_q4_n8", "gemv8w_q4_n16", "gemv8w_q4_n32")
@@ -432,12 +428,7 @@ def test_pipelined_walk_adds_the_same_terms_in_the_same_order(nl):
         assert sorted(chunks) == list(range(nch))
         # the fp32 sums: the schedule's adds against gemv.cu's warps (terms of wildly different scales)
         terms = (rng.standard_normal(nch) * 2.0 ** rng.integers(-30, 30, nch)).astype(np.float32)
-        part = [np.float32(0)] * w
-        for c in range(nch):
-            part[c % w] = np.float32(part[c % w] + terms[c])
-        ref = part[0]
-        for r in range(1, w):
-            ref = np.float32(ref + part[r])
+        ref = gemv8_order_sum(terms, w)
         acc = [np.float32(0)] * (w // 2 if nl > C.GEMV_MAX_LANES else w)
         v = None
         for t in got:

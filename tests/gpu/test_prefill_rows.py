@@ -126,6 +126,20 @@ def test_gdn_conv_rows_is_bitwise_gdn_conv(cp, K, dims, t, kw):
     np.testing.assert_array_equal(bits(g1), bits(g0))
 
 
+def swiglu_case(K, fmt, seed):
+    """One SwiGLU matrix (300 interleaved gate / up rows x 640) packed in fmt and uploaded, and 200 tokens of
+    activations (host, kpad wide): (rng, rows, cols, ntok, packed, uploaded, x). Also test_gate_up_bf16_gpu's."""
+    rng = np.random.default_rng(seed)
+    rows, cols, ntok = 300, 640, 200
+    w = L.interleave_gate_up(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05,
+                             rng.standard_normal((rows, cols)).astype(np.float32) * 0.05)
+    pm = L.pack_matrix(w, fmt)
+    m = K.upload_packed(pm, mode=K.MODE_SWIGLU, out_rows=rows)
+    x = np.zeros((ntok, pm.shape.kpad), np.float32)
+    x[:, :cols] = rng.standard_normal((ntok, cols))
+    return rng, rows, cols, ntok, pm, m, x
+
+
 @gpu
 @pytest.mark.parametrize("fmt", [L.FMT_Q8, L.FMT_Q4])
 def test_swiglu_bf16_rows_are_the_converted_fp32_rows(cp, K, fmt):
@@ -134,16 +148,9 @@ def test_swiglu_bf16_rows_are_the_converted_fp32_rows(cp, K, fmt):
     fp32 outputs of the plan converting x itself, for one and for two matrices."""
     from q27py.gpu import blas
 
-    rng = np.random.default_rng(80 + fmt)
-    rows, cols, ntok = 300, 640, 200
+    rng, rows, cols, ntok, pm, m, x = swiglu_case(K, fmt, 80 + fmt)
     assert ntok >= blas.MIN_TOKENS
-    w = L.interleave_gate_up(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05,
-                             rng.standard_normal((rows, cols)).astype(np.float32) * 0.05)
-    pm = L.pack_matrix(w, fmt)
-    m = K.upload_packed(pm, mode=K.MODE_SWIGLU, out_rows=rows)
     kpad = pm.shape.kpad
-    x = np.zeros((ntok, kpad), np.float32)
-    x[:, :cols] = rng.standard_normal((ntok, cols))
     xd = cp.asarray(x)
     y = poisoned(cp, (ntok, rows))
     plan = K.GemvPlan([m], [(y, rows)], K.Workspace())
