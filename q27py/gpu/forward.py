@@ -2017,6 +2017,17 @@ def graph_bytes_per_state(model: FastModel, e) -> int:
     return int(e.graph_bytes_per_layer) * (model.cfg.num_hidden_layers + (1 if model.has_mtp else 0))
 
 
+def batch_graph_bytes(model: FastModel) -> int:
+    """The model-level graphs' reserve (kvbudget.batch_graph_reserve): decode_batch widths, verify_batch /
+    commit_batch keys, and mtp_draft_batch's ("mtp-batch", rows, chains, depth) chain graphs up to
+    MTP_CHAIN_DEPTH deep where the model batches MTP chains (mtp_batch_lanes; a stand-in model without it
+    batches none)."""
+    from q27py.model.kvbudget import batch_graph_reserve
+
+    return batch_graph_reserve(model.max_batch, model.verify_lanes,
+                               mtp_lanes=getattr(model, "mtp_batch_lanes", 0), mtp_depth=MTP_CHAIN_DEPTH)
+
+
 def expansions_bytes(weights) -> int:
     """Every bf16 expansion the cuBLAS prefill route can keep resident (ExpansionCache's ceiling)."""
     from q27py.gpu import blas
@@ -2049,14 +2060,12 @@ def configure_memory(model: FastModel, e) -> None:
         return
     if e.prefill_weight_cache_gb != "auto":
         return
-    from q27py.model.kvbudget import batch_graph_reserve
-
     cp = model.rt.cp
     cp.get_default_memory_pool().free_all_blocks()
     free, _total = cp.cuda.runtime.memGetInfo()
     _size_auto_cache(model, e, free, max(1, e.max_sequences, e.max_slots),
                      model.memory_per_sequence(model.max_pos) + graph_bytes_per_state(model, e),
-                     batch_graph_reserve(model.max_batch, model.verify_lanes))
+                     batch_graph_bytes(model))
 
 
 def expansion_cache_reserve() -> int:
@@ -2072,19 +2081,19 @@ def size_context_to_memory(model: FastModel, e) -> None:
     """--max-context auto and --max-slots auto: the window and the slot count the free memory holds
     once weights and scratch are resident (q27py/model/kvbudget.py plan_slots: every slot owns one
     sequence state, KV window + GDN state + the graphs captured for it; the model-level batch graphs
-    are reserved once, batch_graph_reserve, and so are the resident prefill expansions not yet made,
+    are reserved once, batch_graph_bytes, and so are the resident prefill expansions not yet made,
     expansion_cache_reserve). A fixed --max-context keeps
     its window (only the slots are sized); a fixed --max-slots keeps its count."""
     import sys
 
     from q27py.config import GPU_AUTO_MAX_SLOTS, GPU_AUTO_MIN_SLOTS
-    from q27py.model.kvbudget import batch_graph_reserve, plan_slots
+    from q27py.model.kvbudget import plan_slots
 
     cp = model.rt.cp
     cp.get_default_memory_pool().free_all_blocks()
     free, _total = cp.cuda.runtime.memGetInfo()
     fixed = model.memory_per_sequence(0)
-    graphs = batch_graph_reserve(model.max_batch, model.verify_lanes)
+    graphs = batch_graph_bytes(model)  # decode / verify / commit and the mtp-batch chain graphs
 
     def plan_for(scratch: int):
         return plan_slots(free, model.memory_per_sequence(1) - fixed, kv_format=model.kv_name,

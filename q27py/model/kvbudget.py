@@ -122,17 +122,49 @@ def states_fit(free_bytes: int, window: int, kv_bytes_per_token: int, *, fixed_p
 BATCH_GRAPH_BYTES = 4 << 20
 
 
-def batch_graph_reserve(max_batch: int, verify_lanes: int = 0) -> int:
+# One model-level mtp-batch graph step (FastModel.mtp_draft_batch, graphs keyed ("mtp-batch", rows,
+# chains, depth)): each step of a chain graph runs the MTP layer (the lane store, grouped attention, MLP)
+# plus the embed, the two pre-norms and fc, the final norm, mtp_gather_last, the lm_head, top2 and
+# mtp_chain_step_lanes -- about two layers' kernel nodes. BATCH_GRAPH_BYTES (a 64-layer decode_batch
+# graph, already reserved at twice its measured 2 MiB) is 64 KiB per layer, so 128 KiB per step; a graph
+# of depth d takes d steps. An estimate, not measured on the device yet (GraphCache.model_bytes would measure it).
+MTP_BATCH_STEP_BYTES = 2 * BATCH_GRAPH_BYTES // 64
+
+
+def mtp_batch_graph_keys(max_batch: int, mtp_lanes: int, depth: int) -> int:
+    """The ("mtp-batch", rows, chains, d) keys FastModel.mtp_draft_batch can capture: rows <= mtp_lanes
+    step-0 rows of a part (mtp_batch_parts), 1 <= chains <= min(max_batch, rows) (every chain has at least
+    one row; LocalEngine.run_drafts hands max_batch chains at a time), and every depth d = 1..depth (the
+    engine asks for its deepest chain's, any of them): 136 x depth for 16 and 16."""
+    lanes, d = max(0, int(mtp_lanes)), max(0, int(depth))
+    return sum(min(int(max_batch), rows) for rows in range(1, lanes + 1)) * d if d else 0
+
+
+def mtp_batch_graph_reserve(max_batch: int, mtp_lanes: int, depth: int) -> int:
+    """Bytes mtp_batch_graph_keys' graphs can take: per (rows, chains) pair one graph of each depth
+    d = 1..depth, d x MTP_BATCH_STEP_BYTES each (so the keys x the mean depth's graph)."""
+    d = max(0, int(depth))
+    pairs = mtp_batch_graph_keys(max_batch, mtp_lanes, 1)
+    return pairs * (d * (d + 1) // 2) * MTP_BATCH_STEP_BYTES
+
+
+def batch_graph_reserve(max_batch: int, verify_lanes: int = 0, *, mtp_lanes: int = 0, mtp_depth: int = 0) -> int:
     """Bytes the model-level batch graphs can take: one graph per width 2..max_batch (the scheduler
     runs a shared sweep at every width from two slots up to the sweep's lane limit), and with
     verify_batch (verify_lanes > 0) one per (lanes, groups) of a sweep with drafts -- 1 <= groups <=
     min(max_batch, lanes), lanes <= verify_lanes: 136 for 16 and 16 -- plus one commit graph per group
-    count (FastModel.verify_batch / commit_batch key their graphs so)."""
+    count (FastModel.verify_batch / commit_batch key their graphs so).
+
+    With batched MTP drafting (mtp_lanes = FastModel.mtp_batch_lanes > 0, mtp_depth = the deepest chain
+    one call runs, forward.MTP_CHAIN_DEPTH) the mtp-batch chain graphs too (mtp_batch_graph_reserve):
+    they are model-level graphs like the others (GraphCache.run_model, never dropped with a state, not in
+    bytes_by_state, so not in the per-state graph_bytes_per_layer either), captured on a key's second
+    sighting; without them the window was sized as if they took nothing. 0 / 0 (the defaults): none."""
     graphs = max(0, int(max_batch) - 1)
     v = max(0, int(verify_lanes))
     if v:
         graphs += sum(min(int(max_batch), lanes) for lanes in range(1, v + 1)) + min(int(max_batch), v)
-    return graphs * BATCH_GRAPH_BYTES
+    return graphs * BATCH_GRAPH_BYTES + mtp_batch_graph_reserve(max_batch, mtp_lanes, mtp_depth)
 
 
 def plan_slots(free_bytes: int, kv_bytes_per_token: int, *, max_slots, max_context, max_sequences: int,

@@ -253,3 +253,69 @@ def test_model_level_batch_graphs_are_reserved_once():
     solo, batched, groups = plan_for(1), plan_for(16), plan_for(16, 16)
     assert batched.budget.reserved_bytes - solo.budget.reserved_bytes == 15 * BATCH_GRAPH_BYTES
     assert groups.budget.reserved_bytes - batched.budget.reserved_bytes == (136 + 16) * BATCH_GRAPH_BYTES
+
+
+def test_mtp_batch_chain_graphs_are_counted():
+    """mtp_draft_batch's model-level graphs (one per ("mtp-batch", rows, chains, depth) key, captured on a
+    key's second sighting) count in the batch reserve where the model batches MTP chains: before, the
+    reserve priced only the decode / verify / commit graphs. The key count is what the engine can make:
+    run_drafts' parts of max_batch chains cut by mtp_batch_parts to mtp_batch_lanes rows, at every depth."""
+    import itertools
+
+    from q27py.gpu.forward import MTP_CHAIN_DEPTH, mtp_batch_parts
+    from q27py.model.kvbudget import (BATCH_GRAPH_BYTES, MTP_BATCH_STEP_BYTES, batch_graph_reserve,
+                                      mtp_batch_graph_keys, mtp_batch_graph_reserve)
+
+    # the defaults (and no MTP lanes, or depth 0) price no chain graphs: the old reserve
+    assert batch_graph_reserve(16, 16, mtp_lanes=0, mtp_depth=8) == batch_graph_reserve(16, 16) \
+        == (15 + 136 + 16) * BATCH_GRAPH_BYTES
+    assert batch_graph_reserve(16, 16, mtp_lanes=16, mtp_depth=0) == batch_graph_reserve(16, 16)
+    # 16 lanes, 16 chains at most: 136 (rows, chains) pairs at each of 8 depths, a depth-d graph d steps
+    assert mtp_batch_graph_keys(16, 16, 8) == 136 * 8
+    assert mtp_batch_graph_reserve(16, 16, 8) == 136 * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8) * MTP_BATCH_STEP_BYTES
+    grown = batch_graph_reserve(16, 16, mtp_lanes=16, mtp_depth=MTP_CHAIN_DEPTH)
+    assert grown - batch_graph_reserve(16, 16) == mtp_batch_graph_reserve(16, 16, MTP_CHAIN_DEPTH) > 0
+    assert MTP_BATCH_STEP_BYTES * 64 == 2 * BATCH_GRAPH_BYTES  # about two layers of a decode_batch graph a step
+    # the count is the keys the engine's cuts reach: every run of up to max_batch chains of 1..lanes rows each
+    for max_batch, lanes in ((3, 5), (4, 4), (2, 6)):
+        seen = set()
+        for nchains in range(1, max_batch + 1):
+            for widths in itertools.product(range(1, lanes + 1), repeat=nchains):
+                for part in mtp_batch_parts(list(widths), lanes):
+                    seen.add((sum(widths[i] for i in part), len(part)))
+        for depth in (1, 3):
+            assert mtp_batch_graph_keys(max_batch, lanes, depth) == len(seen) * depth
+
+
+def test_size_context_reserves_the_mtp_batch_graphs():
+    """size_context_to_memory reserves the mtp-batch chain graphs of a model that batches MTP chains
+    (FastModel.mtp_batch_lanes > 0), up to MTP_CHAIN_DEPTH deep, beside the verify / commit graphs."""
+    from types import SimpleNamespace
+
+    from q27py.gpu.forward import MTP_CHAIN_DEPTH, size_context_to_memory
+    from q27py.model.config import qwen36_27b_config
+    from q27py.model.kvbudget import mtp_batch_graph_reserve
+
+    kv = F.bytes_per_token("bf16", F.Q27B_KV_LAYERS, F.Q27B_KV_HEADS, F.Q27B_HEAD_DIM)
+
+    def plan_for(free, mtp_lanes):
+        cp = SimpleNamespace(get_default_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None),
+                             cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free, 141 * GIB))))
+        model = SimpleNamespace(rt=SimpleNamespace(cp=cp), kv_name="bf16", max_pos=MPE, cfg=qwen36_27b_config(),
+                                has_mtp=True, max_batch=16, verify_lanes=16, mtp_batch_lanes=mtp_lanes,
+                                memory_per_sequence=lambda positions: GDN_27B + positions * kv)
+        size_context_to_memory(model, EngineConfig(prefill_weight_cache_gb=0))
+        return model.slot_plan
+
+    extra = mtp_batch_graph_reserve(16, 16, MTP_CHAIN_DEPTH)
+    assert extra > 0
+    # a memory-limited window: the same states either way, the graphs come out of the window
+    without, with_mtp = plan_for(40 * GIB, 0), plan_for(40 * GIB, 16)
+    assert with_mtp.budget.sequences == without.budget.sequences
+    assert with_mtp.budget.reserved_bytes - without.budget.reserved_bytes == extra
+    assert with_mtp.budget.limited_by == "memory" and with_mtp.budget.window < without.budget.window
+    # a window the model caps: they cost a slot here (7 states of the 27B's full window fit 124 GiB beside
+    # the decode / verify graphs, 6 beside the mtp-batch ones too)
+    without, with_mtp = plan_for(124 * GIB, 0), plan_for(124 * GIB, 16)
+    assert with_mtp.budget.window == without.budget.window == MPE
+    assert (without.slots, with_mtp.slots) == (7, 6)
