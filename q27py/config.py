@@ -194,7 +194,10 @@ class EngineConfig:
     # cuda, the launches gemv_wgmma sends to cuda/gemv_wg.cu: run its software-pipelined entries (gemv8w_q4_n8p /
     # _n16p / _n32p: one chunk's wgmmas per commit group and wait_group 1, so each chunk's fp32 epilogue runs while
     # the next chunk's wgmmas compute) instead of wait_group 0 per stage. Bitwise the same outputs (speed only).
-    # Off until a device run has held it bitwise and measured it (tools/device_wave.sh wgpipe).
+    # Off: measured on the H200 (2026-12-06, tools/device_wave.sh wgpipe; bitwise, 106 GPU tests) it is 1-5% slower
+    # at every width (GEMV family 2,253 -> 2,211 GB/s at 1 lane, 1,614 -> 1,553 at 16; 32 lanes / 16 still 1.74x
+    # against 1.79x) and decode 2K 7.14 -> 7.25 ms, verify16 10.66 -> 11.10 ms: the wgmma wait is not what
+    # holds the wide launches back (ncu: 12% occupancy, 2 CTAs of 4 warps per SM, no eligible warp 57-65%).
     gemv_wg_pipe: bool = False
     # cuda: the GDN decode / verify step (conv, gates, delta rule, gated norm, window commit) as one
     # kernel (cuda/gdn_decode.cu, bitwise the kernel chain) instead of four launches. Off until the
@@ -276,11 +279,13 @@ class EngineConfig:
     batch_sweep: bool = True
     # cuda: FastModel.verify_batch (the shared sweep with drafts, batch_spec "adaptive" / "drafts"):
     # every sharing slot's verify lanes (its pending token and drafts) in one weight sweep, the GDN and
-    # conv steps run per lane group by the group entries of cuda/gdn.cu and cuda/conv.cu. Off by default:
-    # verify_lanes 0, and shared rounds carry plain lanes only. Its GPU tests pass bitwise (H100, 2026-12-06,
-    # tests/gpu/test_verify_groups_gpu.py), but no bench has yet measured it against turns and the plain sweep
-    # (tools/device_wave.sh groupsbench). The CPU paths always have verify_batch.
-    verify_groups: bool = False
+    # conv steps run per lane group by the group entries of cuda/gdn.cu and cuda/conv.cu. On by default since
+    # the H200 run of 2026-12-06 (docs/PERF.md, tools/device_wave.sh groupsbench): spec replay, groups / plain
+    # shared sweep 1.96x at C=2, 1.42x at 4, 1.12x at 8, 0.99x at 16; the load bench with recorded acceptance
+    # 211 -> 388 t/s at C=2, 359 -> 517 at 4, 413 -> 438 at 8, 574 -> 609 at 16. Its GPU tests pass bitwise
+    # (tests/gpu/test_verify_groups_gpu.py, H100 and H200), and so do the gates and the GPU suite with it on.
+    # Off: verify_lanes 0, shared rounds carry plain lanes only. The CPU paths always have verify_batch.
+    verify_groups: bool = True
 
     def shared_rounds(self) -> bool:
         """batch_rounds with auto resolved for this device."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first wgpipe all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first wgpipe gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -249,6 +249,30 @@ PY
         done
         Q27_PREFILL_GATE_UP_BF16=1 timeout 110 python3 gates/run.py > "$OUT/gateup_gates.txt" 2>&1 || rc=1
         tail -5 "$OUT/gateup_gates.txt" ;;
+    gwgncu)  # why gemv_wg stops short of the read probe (issues 10 / 15; ~4 min): ncu stall reasons, pipe use and
+             # SM-active / elapsed cycles (the wave tail) of gate_up at 1 and 32 lanes and down at 1 lane, then the
+             # probe at 1 / 16 lanes with the ring 4-7 stages deep (GWG_STAGES; 5 is the default)
+        stalls=""
+        for r in long_scoreboard short_scoreboard wait barrier mio_throttle lg_throttle math_pipe_throttle not_selected \
+                 selected dispatch_stall no_instruction branch_resolving membar sleeping drain misc; do
+          stalls="$stalls,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
+        done
+        pipes="sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"
+        pipes="$pipes,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active"
+        base="sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_elapsed.avg,dram__throughput.avg.pct_of_peak_sustained_elapsed"
+        base="$base,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__waves_per_multiprocessor"
+        for spec in "34816 5120 1" "5120 17408 1" "34816 5120 32" "34816 5120 16"; do
+          set -- $spec
+          timeout 90 ncu --metrics "$base$stalls,$pipes" -k regex:gemv8w python3 -m q27py.bench.gemv_probe --rows $1 --cols $2 \
+            --impl a8w --lanes $3 --once > "$OUT/gwgncu_$1x$2_$3.txt" 2>&1 || rc=1
+          echo "--- ncu $1 x $2, $3 lanes"
+          grep -E "^\s+(sm__|smsp__|dram__|launch__)" "$OUT/gwgncu_$1x$2_$3.txt" | awk '{v=$NF; n=$1; sub("smsp__average_warps_issue_stalled_","stall:",n); sub("_per_issue_active.ratio","",n); if (v+0 > 0.05 || n !~ /stall/) printf "%s=%s ", n, v} END {print ""}'
+        done
+        for st in 4 5 6 7; do
+          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 16 --set GWG_STAGES=$st \
+            > "$OUT/gwgstages$st.txt" 2>&1 || rc=1
+          echo "--- GWG_STAGES=$st"; grep -E "gate_up|^down|gdn_out|GEMV family" "$OUT/gwgstages$st.txt"
+        done ;;
     wgpipe)  # the software-pipelined gemv_wg entries (gemv8w_q4_n*p, Q27_GEMV_WG_PIPE; one call, ~8 min): their bitwise
              # GPU tests, then the 27B GEMV probe (a8w: every q4 launch on gemv_wg) and the decode / verify / MTP / batched
              # steps (tools/gemv_prefetch_ab.py --mb 0 0: graphs captured once per process, two passes; gemv_wgmma as

@@ -176,9 +176,11 @@ def test_max_context_auto_sizes_and_reports_the_window(cp, monkeypatch, capsys):
     assert eng.max_context == min(b.window, model.cfg.max_position_embeddings)
     # a card that is nearly full: the window shrinks to what fits, and every sequence's state fits it
     # (beside each state's reserved graph bytes; --max-slots auto then gives one slot per state)
-    from q27py.gpu.forward import graph_bytes_per_state
+    from q27py.gpu.forward import batch_graph_bytes, graph_bytes_per_state
 
-    graphs = graph_bytes_per_state(model, cfg.engine) * cfg.engine.max_sequences
+    # the per-state graphs and the model-level batch graphs (decode / verify / commit / mtp-batch) are
+    # reserved before any window is sized: the fake card holds them plus 64 MiB
+    graphs = graph_bytes_per_state(model, cfg.engine) * cfg.engine.max_sequences + batch_graph_bytes(model)
     real = cp.cuda.runtime.memGetInfo
     monkeypatch.setattr(cp.cuda.runtime, "memGetInfo",
                         lambda: (cfg.engine.kv_safety_margin_bytes + graphs + (64 << 20), real()[1]))
