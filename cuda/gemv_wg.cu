@@ -172,27 +172,19 @@ struct WgPar {
     static constexpr int value = V;
 };
 
-// PIPE: 0 the plain stage walk (gemv8w_q4_n*), 1 the software-pipelined one (gemv8w_q4_n*p, see the top).
-// HALF: 0 one CTA a unit; 1 two CTAs a unit, one thread-block cluster (gemv8w_q4_n*h, kernels.wg_halves): CTA
-// rank h walks residue half h only, the two passes of the 32-lane walk below split between the two CTAs (rank 0
-// residues 0 .. CPS - 1, rank 1 residues CPS .. 7), and rank 0 ends gemv.cu's reduction with rank 1's four
-// partials read through DSMEM: v = P0, v += P1, ..., v += P7, the same additions in the same order, so the bits are
-// the one-CTA walk's. Why: a launch's units are its scheduling grain; gate_up's 544 units on 2-3 resident CTAs per
-// SM run 1.4-2.1 waves, the last a thin tail at a single CTA's latency-bound rate (ncu: SM active 68% of the
-// elapsed cycles at 32 lanes). Half-units double the CTAs in flight of an under-full launch and halve the tail.
-template <int NL, int PIPE, int HALF>
+// PIPE: 0 the plain stage walk (gemv8w_q4_n*), 1 the software-pipelined one (gemv8w_q4_n*p, see the top)
+template <int NL, int PIPE>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
     typedef WgStage<NL> SG;
     static_assert(NL == 8 || NL == 16 || NL == 32, "wg_mma's shapes");
-    static_assert(!(PIPE && HALF), "half-units run the plain walk");
     static_assert(NL <= GWG_MAX_LANES && (NL <= GEMV_MAX_LANES || NL == 2 * GEMV_MAX_LANES), "xs: one or two halves");
     constexpr int S = GWG_STAGES, CPS = GWG_CPS, NT = NL / 8, ND = NL / 2;
     static_assert(GEMV_WARPS % CPS == 0 && (GEMV_WARPS / CPS) == 2, "two stages span the 8 residues");
     extern __shared__ __align__(128) u8 dyn_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-    const int u = HALF ? (int)(blockIdx.x >> 1) : (int)blockIdx.x, h = HALF ? (int)(blockIdx.x & 1) : 0;
+    const int u = blockIdx.x;
     const i64* d = gemv_unit_desc(desc, nmat, u);
     const u8* w = reinterpret_cast<const u8*>(d[D_W]);
     const u32* sc = reinterpret_cast<const u32*>(d[D_S]);
@@ -209,8 +201,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     // c0 + 8 m + j, m = 0, 1, ...), then residues CPS .. 7 (c0 + 8 m + CPS + j): 4 partials live, each still
     // summed over its chunks in order, the first pass's folded into v when it ends (the same additions in
     // the same order). Every stage still streams CPS consecutive chunks (2 KB runs of each tile).
-    // HALF: the 32-lane schedule at every width, each CTA one of its passes.
-    constexpr int PASSES = (NL > GEMV_MAX_LANES || HALF) ? 2 : 1, RL = GEMV_WARPS / PASSES;
+    constexpr int PASSES = NL > GEMV_MAX_LANES ? 2 : 1, RL = GEMV_WARPS / PASSES;
     const int nch = c1 - c0;
     // stages of the first pass (PASSES = 1: of the unit), the last maybe partial, and of them those whose
     // chunks are all < c1 (PASSES = 1: nfull below); the same of the second pass
@@ -219,8 +210,6 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     const int nst1 = PASSES == 1 ? 0 : (nch + GEMV_WARPS - 1 - CPS) / GEMV_WARPS;
     const int nfull1 = PASSES == 1 ? 0 : nch / GEMV_WARPS;
     const int nst = nst0 + nst1;
-    // the stages this CTA walks: all, or (HALF) its pass's; the ring's slot of stage k is (k - kb) mod S
-    const int kb = HALF && h ? nst0 : 0, ke = HALF && !h ? nst0 : nst;
     // stage k's first chunk, and (PASSES = 2) whether all its chunks are < c1
     auto first = [&](int k) -> int {
         if (PASSES == 1) return c0 + k * CPS;
@@ -308,12 +297,12 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     // the activations (PDL); group 0 = those weights + stage 0's activations, group k = stage k's
 #pragma unroll 1
     for (int k = 0; k < S - 1; k++)
-        if (kb + k < ke) issue(k, kb + k, true, false);
+        if (k < nst) issue(k, k, true, false);
     pdl_wait();
     pdl_trigger();
 #pragma unroll 1
     for (int k = 0; k < S - 1; k++) {
-        if (kb + k < ke) issue(k, kb + k, false, true);
+        if (k < nst) issue(k, k, false, true);
         cp_async_commit();
     }
 
@@ -339,7 +328,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         cp_async_wait<S - 2>();  // this thread's copies of stage k have landed
         wg_fence_proxy();        // ... and are visible to the async proxy (wgmma reads B through it)
         __syncthreads();         // every thread's have; every thread is done with stage k - 1's slot
-        if (k + S - 1 < ke) issue(wr, k + S - 1, true, true);
+        if (k + S - 1 < nst) issue(wr, k + S - 1, true, true);
         cp_async_commit();
         const u8* st = dyn_smem + rd * SG::BYTES;
         const u64 xd = xdesc0 + (u64)((rd * SG::BYTES) >> 4);
@@ -559,7 +548,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         int k = 0;
         if constexpr (PIPE) {
             ppass(0, nst0, nfull0);
-        } else if (!HALF || h == 0) {
+        } else {
 #pragma unroll 1
             for (; k < nfull0; k++) stage(k, WgPar<0>(), WgPar<1>());
             if (k < nst0) stage(k, WgPar<0>(), WgPar<0>());  // its partial last stage
@@ -578,55 +567,21 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         // the second pass (residues CPS .. 7), and the reduction ended: ..., v += P7
         if constexpr (PIPE) {
             ppass(nst0, nst, nst0 + nfull1);
-        } else if (!HALF || h == 1) {
+        } else {
 #pragma unroll 1
             for (k = nst0; k < nst0 + nfull1; k++) stage(k, WgPar<0>(), WgPar<1>());
             if (k < nst) stage(k, WgPar<0>(), WgPar<0>());
         }
         cp_async_wait<0>();
         __syncthreads();  // the ring becomes the unit's tile
-        if constexpr (HALF) {
-            // rank 1 leaves its partials P4 .. P7 as four tiles in its shared memory; rank 0 keeps v (= P0 + .. + P3)
-            // in its own, then adds rank 1's tiles in residue order (each thread its own elements, both ranks
-            // the same layout), and runs the finish alone
-            constexpr int E = GEMV_R * 16 * NL;
 #pragma unroll
-            for (int i = 0; i < NT; i++)
+        for (int i = 0; i < NT; i++)
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const int e = (warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1);
-                    if (h)
+            for (int q = 0; q < 4; q++) {
 #pragma unroll
-                        for (int r = 0; r < RL; r++) red0[r * E + e] = acc[r][i][q];
-                    else
-                        red0[e] = v[i][q];
-                }
-            cluster_sync_all();  // rank 1's tiles are final (release / acquire)
-            if (h == 0) {
-                const u32 base = smem_addr(red0);
-#pragma unroll
-                for (int i = 0; i < NT; i++)
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const int e = (warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1);
-                        float x = red0[e];
-#pragma unroll
-                        for (int r = 0; r < RL; r++) x += ld_dsmem_f32(base + (u32)(r * E + e) * 4u, 1);
-                        red0[e] = x;
-                    }
+                for (int r = 0; r < RL; r++) v[i][q] += acc[r][i][q];
+                red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v[i][q];
             }
-            cluster_sync_all();  // rank 1's shared memory stays alive until rank 0 has read it
-            if (h) return;
-        } else {
-#pragma unroll
-            for (int i = 0; i < NT; i++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-#pragma unroll
-                    for (int r = 0; r < RL; r++) v[i][q] += acc[r][i][q];
-                    red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v[i][q];
-                }
-        }
     }
     __syncthreads();
     gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode);
@@ -638,25 +593,21 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 // gemv8w_q4_n32: xq rows 0 .. 31, xs two [ldq / 64][GEMV_MAX_LANES] halves, lanes 16 .. 31 in the second)
 // PIPE: 0 the plain entries, 1 the software-pipelined ones (gemv8w_q4_n*p: kernels.gemv_wg_kernel picks them
 // under GEMV_WG_PIPE / GWG_PIPE); the same launch bounds, arguments and shared memory
-#define GWG_KERNEL(NAME, NL, CTAS, PIPE, HALF)                                                                 \
+#define GWG_KERNEL(NAME, NL, CTAS, PIPE)                                                                       \
     extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
-        GWG_CALL(NL, PIPE, HALF)                                                                               \
+        GWG_CALL(NL, PIPE)                                                                                     \
     }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GWG_CALL(NL, PIPE, HALF) wg_body<NL, PIPE, HALF>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
+#define GWG_CALL(NL, PIPE) wg_body<NL, PIPE>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
 #else
-#define GWG_CALL(NL, PIPE, HALF) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
+#define GWG_CALL(NL, PIPE) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
 #endif
-GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8, 0, 0)
-GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16, 0, 0)
-GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32, 0, 0)
-GWG_KERNEL(gemv8w_q4_n8p, 8, GWG_CTAS_N8, 1, 0)
-GWG_KERNEL(gemv8w_q4_n16p, 16, GWG_CTAS_N16, 1, 0)
-GWG_KERNEL(gemv8w_q4_n32p, 32, GWG_CTAS_N32, 1, 0)
-// half-units: grid 2 x units in clusters of 2 (kernels.GemvPlan, launches whose every matrix has one K split)
-GWG_KERNEL(gemv8w_q4_n8h, 8, GWG_CTAS_N8, 0, 1)
-GWG_KERNEL(gemv8w_q4_n16h, 16, GWG_CTAS_N16, 0, 1)
-GWG_KERNEL(gemv8w_q4_n32h, 32, GWG_CTAS_N32, 0, 1)
+GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8, 0)
+GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16, 0)
+GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32, 0)
+GWG_KERNEL(gemv8w_q4_n8p, 8, GWG_CTAS_N8, 1)
+GWG_KERNEL(gemv8w_q4_n16p, 16, GWG_CTAS_N16, 1)
+GWG_KERNEL(gemv8w_q4_n32p, 32, GWG_CTAS_N32, 1)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first wgpipe gwgncu halves all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first wgpipe gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -249,19 +249,6 @@ PY
         done
         Q27_PREFILL_GATE_UP_BF16=1 timeout 110 python3 gates/run.py > "$OUT/gateup_gates.txt" 2>&1 || rc=1
         tail -5 "$OUT/gateup_gates.txt" ;;
-    halves)  # gemv_wg half-units (gemv8w_q4_n*h, constants GWG_HALVES; ~6 min): their bitwise GPU tests, the 27B probe
-             # with GWG_HALVES 0 / 2 / 1 (never / always / the wave model), then the decode / verify / MTP / batched steps
-        timeout 200 $PYTEST tests/gpu/test_gemv_wg.py -k "half" > "$OUT/halves_tests.txt" 2>&1 || rc=1
-        tail -4 "$OUT/halves_tests.txt"
-        for hv in 0 2 1; do
-          timeout 80 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 32 --set GWG_HALVES=$hv \
-            --json "$OUT/halves_probe$hv.json" > "$OUT/halves_probe$hv.txt" 2>&1 || rc=1
-          echo "--- probe, GWG_HALVES=$hv"; grep -vE "^(NVIDIA|launch)" "$OUT/halves_probe$hv.txt" | tail -11
-        done
-        for hv in 0 1; do
-          timeout 110 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_HALVES=$hv > "$OUT/halves_steps$hv.txt" 2>&1 || rc=1
-          echo "--- steps, GWG_HALVES=$hv"; grep -E "^prefetch|read probe" "$OUT/halves_steps$hv.txt"
-        done ;;
     gwgncu)  # why gemv_wg stops short of the read probe (issues 10 / 15; ~4 min): ncu stall reasons, pipe use and
              # SM-active / elapsed cycles (the wave tail) of gate_up at 1 and 32 lanes and down at 1 lane, then the
              # probe at 1 / 16 lanes with the ring 4-7 stages deep (GWG_STAGES; 5 is the default)

@@ -65,11 +65,6 @@ GWG_MAX_LANES = 32
 # `--set GWG_PIPE=1`; the engine's switch is kernels.GEMV_WG_PIPE (EngineConfig.gemv_wg_pipe, env
 # Q27_GEMV_WG_PIPE), either turns it on. 0 (default): not yet run on a device
 GWG_PIPE = 0
-# Half-units (cuda/gemv_wg.cu gemv8w_q4_n8h / _n16h / _n32h: two CTAs a unit in a cluster of two, each one residue
-# half, bitwise the one-CTA walk) for the gemv_wg launches whose every matrix has one K split (kernels.wg_halves):
-# 0 never, 1 where the wave model says the launch's tail shrinks or it under-fills the card, 2 always. Python-side
-# (the bench tools' `--set GWG_HALVES=2`). 0 (default) until a device run has held it bitwise and measured it
-GWG_HALVES = 0
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
 G2_WARPS = 4

@@ -263,38 +263,13 @@ def _gemv_wg_pipe_default() -> bool:
 GEMV_WG_PIPE = _gemv_wg_pipe_default()
 
 
-def gemv_wg_kernel(nl: int, pipe: bool | None = None, half: bool = False) -> str:
-    """The cuda/gemv_wg.cu entry of width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, its pipelined twin
-    gemv8w_q4_n<nl>p where pipe (default: GEMV_WG_PIPE or the constants table's GWG_PIPE) says so, or its
-    half-unit entry gemv8w_q4_n<nl>h (half: two CTAs a unit, clusters of two; the plain walk)."""
+def gemv_wg_kernel(nl: int, pipe: bool | None = None) -> str:
+    """The cuda/gemv_wg.cu entry of width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or its pipelined twin
+    gemv8w_q4_n<nl>p where pipe (default: GEMV_WG_PIPE or the constants table's GWG_PIPE) says so."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
-    if half:
-        return f"gemv8w_q4_n{nl}h"
     if pipe is None:
         pipe = bool(GEMV_WG_PIPE) or bool(C.GWG_PIPE)
     return f"gemv8w_q4_n{nl}" + ("p" if pipe else "")
-
-
-def gemv_wg_ctas(nl: int) -> int:
-    """Resident gemv_wg CTAs per SM at width nl (the entries' launch bounds)."""
-    return {8: C.GWG_CTAS_N8, 16: C.GWG_CTAS_N16, GWG_MAX_LANES: C.GWG_CTAS_N32}[nl]
-
-
-def wg_halves(units: int, nl: int, sm_count: int, single_split: bool, mode: int | None = None) -> bool:
-    """Whether a gemv_wg launch of `units` units at width nl runs as half-units (gemv8w_q4_n<nl>h; the bits are
-    the same either way). Only launches whose every matrix has one K split (the half-unit CTAs' cluster of two is
-    their whole reduction). mode (default: the constants table's GWG_HALVES): 0 never, 2 always, 1 by a wave model
-    in unit times: whole waves of units against whole waves of half-units (each half as long), so where the
-    halves shorten the last wave, or where the units alone leave resident slots empty."""
-    mode = C.GWG_HALVES if mode is None else mode
-    if not single_split or mode == 0:
-        return False
-    if mode == 2:
-        return True
-    slots = gemv_wg_ctas(nl) * sm_count
-    whole = -(-units // slots)
-    halves = -(-2 * units // slots) / 2
-    return halves < whole or units < slots
 
 
 def gemv_wg_shared_bytes(nl: int) -> int:
@@ -303,8 +278,7 @@ def gemv_wg_shared_bytes(nl: int) -> int:
     NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040 bytes."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
     stage = C.GWG_CPS * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
-    # the reduced tile, or (half-units) rank 1's four residue partials
-    return max(C.GWG_STAGES * stage, 4 * GEMV_ROWS_PER_CTA * nl * 4)
+    return max(C.GWG_STAGES * stage, GEMV_ROWS_PER_CTA * nl * 4)
 
 
 def gemv_wg_width(n: int) -> int:
@@ -434,8 +408,6 @@ class GemvPlan:
         self.pf = None
         self.launches = []
         self.clusters = []  # per launch: CTAs per thread-block cluster (1: none)
-        # per launch: every matrix one K split (a gemv_wg launch of it may run as half-units, wg_halves)
-        self.single_split = [bool((desc[:, C.D_SPLITS] == 1).all()) for _fmt, desc, _u, _c in rows]
         for fmt, desc, units, cluster in rows:
             desc[:, C.D_WS] = ws_base + desc[:, C.D_WS] * 4
             desc[:, C.D_CNT] = cnt_base + desc[:, C.D_CNT] * 4
@@ -528,17 +500,20 @@ class GemvPlan:
                     continue  # done by the GEMM above
                 pf = self.pf if (final and li == last and not use_gemm) else None
                 xq, xs = (self.xq, self.xs) if self.a8 else (None, None)
-                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs,
-                             self.single_split[li])
+                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs)
             done += n
 
     def _launch(self, rt, fmt: int, desc, nmat: int, units: int, cluster: int, x, ldx: int, n: int, l0: int, pf,
-                xq, xs, single_split: bool = False) -> None:
+                xq, xs) -> None:
         """One launch of the plan for n <= 16 lanes l0 .. l0 + n - 1, their a8 activations at xq / xs (rows 0 ..
         n - 1; [chunk][GEMV_MAX_LANES] scales)."""
         nt = 1 if n <= 8 else 2
         if self._on_wg(fmt, units, cluster, n, pf):
-            self._launch_wg(rt, 8 * nt, desc, nmat, units, xq, xs, n, l0, single_split)
+            nl = 8 * nt
+            rt.launch("gemv_wg", gemv_wg_kernel(nl), units, 128,
+                      (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
+                       np.uint32(0x80808080), i32(n), i32(l0)),
+                      shared_mem=gemv_wg_shared_bytes(nl))
         elif self.a8 and fmt != L.FMT_BF16:
             rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
@@ -583,18 +558,13 @@ class GemvPlan:
         for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
             pf = self.pf if (final and li == last) else None
             if self._on_wg(fmt, units, cluster, n, pf):
-                self._launch_wg(rt, GWG_MAX_LANES, desc, nmat, units, self.xq, self.xs, n, l0, self.single_split[li])
+                rt.launch("gemv_wg", gemv_wg_kernel(GWG_MAX_LANES), units, 128,
+                          (desc, i32(nmat), i32(units), self.xq, i32(ldq), self.xs,
+                           np.uint32(0x80808080), i32(n), i32(l0)),
+                          shared_mem=gemv_wg_shared_bytes(GWG_MAX_LANES))
                 continue
             for h, (o, m, xq, xs) in enumerate(halves):
-                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, m, l0 + o, pf if h else None, xq, xs,
-                             self.single_split[li])
-
-    def _launch_wg(self, rt, nl: int, desc, nmat: int, units: int, xq, xs, n: int, l0: int, single_split: bool) -> None:
-        """One cuda/gemv_wg.cu launch of width nl: a CTA a unit, or (wg_halves) two, one cluster a unit."""
-        half = wg_halves(units, nl, rt.sm_count, single_split)
-        rt.launch("gemv_wg", gemv_wg_kernel(nl, half=half), units * (2 if half else 1), 128,
-                  (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs, np.uint32(0x80808080), i32(n), i32(l0)),
-                  shared_mem=gemv_wg_shared_bytes(nl), cluster=2 if half else 1)
+                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, m, l0 + o, pf if h else None, xq, xs)
 
     def _wgmma(self, n: int, units: int) -> bool:
         """Whether this plan's a8 q4 launch of `units` CTAs and n lanes runs cuda/gemv_wg.cu (the next-launch

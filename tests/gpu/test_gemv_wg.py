@@ -179,7 +179,7 @@ def stage_walk(nch: int, nl: int) -> list[tuple[int, bool, int]]:
 
 def test_stage_walk_formulas_are_the_kernels():
     s = _src()
-    for expr in ("PASSES = (NL > GEMV_MAX_LANES || HALF) ? 2 : 1, RL = GEMV_WARPS / PASSES",
+    for expr in ("PASSES = NL > GEMV_MAX_LANES ? 2 : 1, RL = GEMV_WARPS / PASSES",
                  "nst0 = PASSES == 1 ? (nch + CPS - 1) / CPS : (nch + GEMV_WARPS - 1) / GEMV_WARPS",
                  "nfull0 = PASSES == 1 ? nch / CPS : (nch + CPS) / GEMV_WARPS",
                  "nst1 = PASSES == 1 ? 0 : (nch + GEMV_WARPS - 1 - CPS) / GEMV_WARPS",
@@ -253,94 +253,6 @@ def test_stage_walk_sums_like_gemv8s_warps(nl):
             for r in range(1, w):
                 v = np.float32(v + acc[r])
         assert v.view(np.uint32) == ref.view(np.uint32), (nl, nch)
-
-
-def half_walk_sum(terms, w, cps):
-    """The half-unit CTAs' fp32 result (wg_body<NL, 0, 1>): rank 0 walks the 32-lane schedule's first pass
-    (residues 0 .. cps - 1) and folds v = P0 + .. + P3; rank 1 walks the second pass into its own four
-    partials; rank 0 then adds them in residue order."""
-    nch = len(terms)
-    walk = stage_walk(nch, 32)  # the 32-lane schedule: the half-units' at every width
-    npass0 = (nch + w - 1) // w
-    parts = [[np.float32(0)] * cps, [np.float32(0)] * cps]
-    for k, (f, _whole, _r0) in enumerate(walk):
-        rank = int(k >= npass0)
-        for j in range(cps):
-            if f + j < nch:
-                parts[rank][j] = np.float32(parts[rank][j] + terms[f + j])
-    v = parts[0][0]
-    for r in range(1, cps):
-        v = np.float32(v + parts[0][r])
-    for r in range(cps):
-        v = np.float32(v + parts[1][r])
-    return v
-
-
-def test_half_units_sum_like_gemv8s_warps():
-    """Half-units (gemv8w_q4_n*h): the two CTAs' walks and the DSMEM fold give gemv.cu's bits, for units of 1 ..
-    40 chunks and the 27B's (a rank with no chunk adds its zero partials, as the one-CTA walk does)."""
-    rng = np.random.default_rng(5)
-    cps, w = C.GWG_CPS, C.GEMV_WARPS
-    for nch in list(range(1, 41)) + [80, 272, 11, 54, 55, 96]:
-        terms = (rng.standard_normal(nch) * 2.0 ** rng.integers(-30, 30, nch)).astype(np.float32)
-        assert half_walk_sum(terms, w, cps).view(np.uint32) == gemv8_order_sum(terms, w).view(np.uint32), nch
-
-
-def test_half_unit_kernel_text():
-    """The pieces of wg_body the emulation above assumes: each rank's stage range, its pass, the fold order."""
-    s = _src()
-    for expr in ("const int kb = HALF && h ? nst0 : 0, ke = HALF && !h ? nst0 : nst;",
-                 "if (kb + k < ke) issue(k, kb + k, true, false);",
-                 "if (k + S - 1 < ke) issue(wr, k + S - 1, true, true);",
-                 "} else if (!HALF || h == 0) {", "} else if (!HALF || h == 1) {",
-                 "for (int r = 0; r < RL; r++) red0[r * E + e] = acc[r][i][q];",
-                 "for (int r = 0; r < RL; r++) x += ld_dsmem_f32(base + (u32)(r * E + e) * 4u, 1);",
-                 "GWG_KERNEL(gemv8w_q4_n8h, 8, GWG_CTAS_N8, 0, 1)", "GWG_KERNEL(gemv8w_q4_n16h, 16, GWG_CTAS_N16, 0, 1)",
-                 "GWG_KERNEL(gemv8w_q4_n32h, 32, GWG_CTAS_N32, 0, 1)"):
-        assert expr in s, expr
-
-
-def test_wg_halves_rule(monkeypatch):
-    """kernels.wg_halves: never for multi-split launches; 0 / 2 force; the wave model at 1 (132 SMs)."""
-    from q27py.gpu import kernels as K
-
-    assert not K.wg_halves(544, 8, 132, False, mode=2)
-    assert K.wg_halves(544, 8, 132, True, mode=2) and not K.wg_halves(544, 8, 132, True, mode=0)
-    # gate_up: 544 units on 396 n8 slots = 2 waves; 1088 half-units = 3 waves of half length
-    assert K.wg_halves(544, 8, 132, True, mode=1)
-    # 264 n16 slots: 2.06 waves -> 3 of units, 4.12 -> 5 half waves = 2.5
-    assert K.wg_halves(544, 16, 132, True, mode=1)
-    # lm_head (3880 units): 9.8 waves either way
-    assert not K.wg_halves(3880, 8, 132, True, mode=1)
-    # an under-full launch doubles its CTAs in flight
-    assert K.wg_halves(80, 8, 132, True, mode=1)
-    monkeypatch.setattr(C, "GWG_HALVES", 2)
-    assert K.wg_halves(3880, 8, 132, True)
-
-
-@pytest.mark.parametrize("n", [1, 9, 16, 24, 32])
-def test_half_unit_launches(plan_rt, monkeypatch, n):
-    """With half-units forced, a one-split q4 launch runs gemv8w_q4_n<nl>h over twice its units in clusters of two;
-    a launch with K splits keeps its one-CTA entry (the halves' cluster is a unit's whole reduction)."""
-    rt = plan_rt
-    monkeypatch.setattr(C, "GWG_HALVES", 2)
-    nl = 8 if n <= 8 else 16 if n <= 16 else 32
-    for splits, half in ((1, True), (3, False)):
-        rt.calls.clear()
-        plan = _plan(rt, [(1024, 5120, L.FMT_Q4)], wgmma="all", partition=(1, splits))
-        plan.run(rt.cp.zeros((48, plan.kpad), np.float32), plan.kpad, n, allow_gemm=False)
-        wg = [c for c in rt.calls if c.module == "gemv_wg"]
-        assert len(wg) == 1, rt.calls
-        units = plan.launches[0][3]
-        assert wg[0].kernel == f"gemv8w_q4_n{nl}" + ("h" if half else "")
-        assert wg[0].grid == ((2 if half else 1) * units,) and wg[0].cluster == (2 if half else 1)
-        assert wg[0].smem == K_shared(nl)
-
-
-def K_shared(nl):
-    from q27py.gpu import kernels as K
-
-    return K.gemv_wg_shared_bytes(nl)
 
 
 def test_n32_activation_pieces_are_the_general_forms():
@@ -587,12 +499,12 @@ def test_engine_config_maps_the_switch(monkeypatch):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
-    """Every entry: the plain ones, their software-pipelined twins (*p, tests/gpu/test_gemv_wg_pipe.py) and the
-    half-unit ones (*h)."""
+    """Every entry: the plain ones and their software-pipelined twins (*p, tests/gpu/test_gemv_wg_pipe.py)."""
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
-    assert sorted(rep) == sorted(f"gemv8w_q4_n{nl}{v}" for nl in (8, 16, 32) for v in ("", "p", "h")), rep
+    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16p", "gemv8w_q4_n32", "gemv8w_q4_n32p", "gemv8w_q4_n8",
+                           "gemv8w_q4_n8p"], rep
     ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32}
-    bound = {k: min(255, 65536 // (128 * ctas[k.rstrip("ph")])) for k in rep}
+    bound = {k: min(255, 65536 // (128 * ctas[k.rstrip("p")])) for k in rep}
     assert all(spill == 0 and regs <= bound[k] for k, (regs, spill) in rep.items()), rep
 
 
@@ -724,38 +636,6 @@ def test_wg_is_bitwise_gemv8_under_forced_splits(cp, rows, cols, splits, n):
     from q27py.gpu import kernels as K
 
     got, ref = _pair(cp, K, [(rows, cols, L.FMT_Q4, K.MODE_STORE)], n, partition=(1, splits), seed=rows + splits)
-    np.testing.assert_array_equal(got[0].view(np.uint32), ref[0].view(np.uint32))
-    assert np.isfinite(ref[0]).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["gate_up", "gdn_out", "lm_head"])
-@pytest.mark.parametrize("n", [1, 9, 16, 17, 32])
-def test_half_units_are_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
-    """Half-units forced (GWG_HALVES = 2) on the 27B's one-split launches: bit for bit gemv8_q4_*."""
-    from q27py.gpu import kernels as K
-
-    monkeypatch.setattr(C, "GWG_HALVES", 2)
-    seen = []
-    got, ref = _pair(cp, K, _specs_27b(name), n, seed=n + 11, record=seen, partition=(1, 1))
-    assert any(k.endswith("h") for m, k in seen if m == "gemv_wg"), seen
-    for a, b in zip(got, ref):
-        assert np.isfinite(b).all()
-        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,cols", [(300, 640), (200, 320), (64, 4096), (1040, 5120), (100, 128)])
-@pytest.mark.parametrize("n", [1, 9, 16, 17, 32])
-def test_half_units_are_bitwise_gemv8_on_ragged_units(cp, monkeypatch, rows, cols, n):
-    """Half-units on units of 10 / 5 / 64 / 80 / 2 chunks (partial last stages of either rank, a rank with no
-    chunk at all) and ragged row tiles."""
-    from q27py.gpu import kernels as K
-
-    monkeypatch.setattr(C, "GWG_HALVES", 2)
-    seen = []
-    got, ref = _pair(cp, K, [(rows, cols, L.FMT_Q4, K.MODE_STORE)], n, partition=(1, 1), seed=rows + n, record=seen)
-    assert any(k.endswith("h") for m, k in seen if m == "gemv_wg"), seen
     np.testing.assert_array_equal(got[0].view(np.uint32), ref[0].view(np.uint32))
     assert np.isfinite(ref[0]).all()
 
