@@ -145,6 +145,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="*", default=[8192, 32768])
     ap.add_argument("--warm-context", type=int, default=24471)
     ap.add_argument("--warm-new", type=int, default=807, help="0: no warm turn")
+    ap.add_argument("--system", type=int, default=0, metavar="N",
+                    help="the warm turn's system_len (as bench replay passes it: the engine snapshots the state there; "
+                         "0: none)")
     ap.add_argument("--cache-gb", type=float, default=60.0, help="resident bf16 expansions (0: off)")
     ap.add_argument("--attn-prefill", default=None, help="prefill attention kernel (default: the engine's)")
     ap.add_argument("--top", type=int, default=25)
@@ -212,7 +215,7 @@ def main() -> int:
             first_token(engine, prior, len(prior))
         r: dict = {}
         profiled(f"warm turn {args.warm_context}+{args.warm_new}",
-                 lambda: r.update(first_token(engine, turn, len(turn))))
+                 lambda: r.update(first_token(engine, turn, len(turn), args.system or None)))
         res["runs"][-1]["engine"] = r
         print(f"warm turn: prompt {r['prompt_tokens']}, reused {r['cached_tokens']}, ttft {r['ttft_s'] * 1e3:.1f} ms"
               + ("" if r["cached_tokens"] == args.warm_context else "  (reuse differs from --warm-context!)"))
