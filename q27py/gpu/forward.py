@@ -1808,14 +1808,24 @@ class FastModel:
 
     def save_recurrent(self, state: FastState) -> dict:
         """GDN state + conv windows at this point. Device copies while the snapshot budget lasts (a
-        stream-ordered copy of ~150 MB on the 27B: ~0.1 ms, where a pageable host copy cost ~80 ms
-        per snapshot in the agent replay, docs/PERF.md), host copies beyond it."""
+        stream-ordered copy of ~150 MB on the 27B: ~0.1 ms), host copies beyond it: stream-ordered
+        copies into pinned buffers (HostSnapshot), so the host goes on queueing the prefill's next
+        piece. The budget is shared by every engine and sequence of the process, so a long-running
+        server fills it with idle sequences' snapshots and every later prompt's checkpoints land here;
+        the pageable `.get()` this replaces synchronized the stream and held the host ~80 ms per
+        snapshot (the agent replay, docs/PERF.md), once per 4,096 prompt tokens."""
         nbytes = int(state.gdn.nbytes + state.window.nbytes)
         if DeviceSnapshot.live_bytes + nbytes <= self.device_snapshot_bytes:
             with self.stream:
                 return DeviceSnapshot({"gdn": state.gdn.copy(), "window": state.window.copy()}, nbytes)
-        self.stream.synchronize()
-        return {"gdn": state.gdn.get(), "window": state.window.get()}
+        cp = self.rt.cp
+        arrays = {}
+        for name, arr in (("gdn", state.gdn), ("window", state.window)):
+            mem = cp.cuda.alloc_pinned_memory(max(1, arr.nbytes))  # CuPy's pinned pool: reused once freed
+            out = np.frombuffer(mem, dtype=arr.dtype, count=arr.size).reshape(arr.shape)
+            arr.get(stream=self.stream, out=out, blocking=False)
+            arrays[name] = out
+        return HostSnapshot(arrays, self.stream.record())
 
     def rewind(self, state: FastState, position: int, recurrent: dict) -> None:
         """Back to `position`: KV rows past it are dead (overwritten by the next forward)."""
@@ -1914,6 +1924,33 @@ class DeviceSnapshot(dict):
         DeviceSnapshot.live_bytes -= self._nbytes
 
 
+class HostSnapshot(dict):
+    """save_recurrent()'s dict past the device budget: pinned host arrays that copies queued on the model's
+    stream are still filling. Reading one (rewind's recurrent[name], any test) first waits for those copies
+    (the event recorded after them); rewind's set() on the same stream would be ordered after them anyway."""
+
+    def __init__(self, arrays: dict, event):
+        super().__init__(arrays)
+        self._event = event
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+    def __getitem__(self, name):
+        self.wait()
+        return super().__getitem__(name)
+
+    def values(self):
+        self.wait()
+        return super().values()
+
+    def items(self):
+        self.wait()
+        return super().items()
+
+
 def check_supported(cfg: ModelConfig) -> None:
     """Dims the kernels handle; anything else keeps the reference path (ConfigError names the field)."""
     from q27py.errors import ConfigError
@@ -1976,7 +2013,6 @@ def load_fast_model(cfg) -> FastModel:
     K.ATTN_PREFILL = K.attn_prefill_mode(e.attn_prefill)
     K.ATTN_PREFILL_WGMMA = bool(e.attn_prefill_wgmma)
     K.GEMV_WGMMA = K.gemv_wgmma_mode(e.gemv_wgmma)
-    K.GEMV_WG_PIPE = bool(e.gemv_wg_pipe)
     K.GDN2_OUT_GATED = bool(e.gdn_out_fused)
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)

@@ -47,6 +47,25 @@ def test_rewind_and_import_reproduce_logits_bitwise(model):
     assert np.array_equal(model.forward(other, b).logits, want)
 
 
+def test_rewind_from_a_host_snapshot_is_bitwise(model, monkeypatch):
+    """Past the device snapshot budget the snapshot is a HostSnapshot (pinned buffers filled by copies queued on
+    the model's stream, the host not waiting): the forward after it may overwrite the state at once, and a rewind
+    to it still reproduces the logits bit for bit."""
+    from q27py.gpu.forward import HostSnapshot
+
+    monkeypatch.setattr(model, "device_snapshot_bytes", 0)
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, 16000, 120).tolist(), rng.integers(0, 16000, 9).tolist()
+    st = model.new_state()
+    model.forward(st, a)
+    saved = model.save_recurrent(st)
+    assert isinstance(saved, HostSnapshot)
+    want = model.forward(st, b).logits
+    model.forward(st, b)  # more state updates queued behind the copies
+    model.rewind(st, len(a), saved)
+    assert np.array_equal(model.forward(st, b).logits, want)
+
+
 def test_a_reset_state_gives_a_fresh_states_logits_bitwise(model):
     """model.reset_state (the prefix cache reuses an evicted sequence's memory): after a long prompt and
     a verify, the reset state prefills and decodes another prompt -- shorter, so stale KV rows lie past
