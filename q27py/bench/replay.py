@@ -101,6 +101,22 @@ def first_token(engine, ids: list[int], stable: int, system: int | None = None) 
             "ttft_s": (first_at if first_at is not None else done) - t0, "complete_s": done - t0}
 
 
+def cold_first_token(make_engine, ids: list[int], stable: int, system: int | None = None) -> dict:
+    """first_token through a fresh engine, which is then collected. Why the collection: a LocalEngine holds
+    reference cycles, so dropping it frees nothing until the cycle collector runs; its device snapshots (~150 MB
+    each on the 27B) stay counted against the model's device snapshot budget (FastModel.device_snapshot_bytes,
+    shared by every engine of the process), and the next cold engine's checkpoints spilled to host copies (a
+    server has one engine: a bench artifact)."""
+    import gc
+
+    engine = make_engine()
+    try:
+        return first_token(engine, ids, stable, system)
+    finally:
+        del engine
+        gc.collect()
+
+
 def run_replay(make_engine, tokenizer, system_tokens: int = 20000, turns: int = 30, cold_at_tokens: int = 25000,
                seed: int = 0, log=print) -> dict:
     """Replay one session through a warm engine. A fresh (cold) engine also runs turn 1 and the
@@ -114,7 +130,7 @@ def run_replay(make_engine, tokenizer, system_tokens: int = 20000, turns: int = 
     for i, (ids, stable, system) in enumerate(encoded):
         row = {"turn": i + 1, **first_token(warm, ids, stable, system)}
         if i in (0, target):
-            cold = first_token(make_engine(), ids, stable, system)
+            cold = cold_first_token(make_engine, ids, stable, system)
             row["cold_ttft_s"], row["cold_complete_s"] = cold["ttft_s"], cold["complete_s"]
         rows.append(row)
         log(f"turn {i + 1:2d}: prompt {row['prompt_tokens']:6d}  reused {row['cached_tokens']:6d}  "

@@ -33,6 +33,37 @@ def test_ttft_is_the_first_tokens_chunk_and_complete_is_the_request():
     assert r["ttft_s"] < AFTER / 2 <= AFTER <= r["complete_s"]
 
 
+class Cyclic(AfterTheToken):
+    """An engine in a reference cycle, as LocalEngine is: dropping the last reference frees nothing."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_a_cold_engine_is_collected_before_the_next_turn():
+    """bench replay's cold engines hold device snapshots counted against the model's budget: each is collected
+    when its turn ends, not whenever the cycle collector next runs (failed before: the replay dropped it only)."""
+    import gc
+    import weakref
+
+    made = []
+
+    def make():
+        e = Cyclic()
+        made.append(weakref.ref(e))
+        return e
+
+    gc.disable()  # no collection but the one cold_first_token runs
+    try:
+        from q27py.bench.replay import cold_first_token
+
+        r = cold_first_token(make, list(range(10)), 4)
+        assert r["prompt_tokens"] == 10
+        assert len(made) == 1 and made[0]() is None
+    finally:
+        gc.enable()
+
+
 @pytest.fixture(scope="module")
 def parts():
     return FastCPUModel.load(DEFAULT_MODEL_DIR), Tokenizer.from_model_dir(DEFAULT_MODEL_DIR)
