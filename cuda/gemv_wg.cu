@@ -27,20 +27,8 @@
 // no-swizzle canonical layout (8 lanes x 16 bytes per core matrix), in gemv.cu's slot order, which is
 // therefore the k order both operands agree on.
 //
-// Software pipelining (gemv8w_q4_n8p / _n16p / _n32p: wg_body<NL, 1>; kernels.GEMV_WG_PIPE / constants GWG_PIPE,
-// off by default). The plain entries (PIPE = 0) issue a stage's 2 CPS wgmmas, commit, wait_group 0 and only then
-// run the stage's fp32 epilogue (scales x int32 sums into the residue partials): the tensor cores idle during the
-// epilogue and the epilogue waits for the whole batch, with 8 warps per SM to cover it. The pipelined entries make
-// each chunk's two wgmmas a commit group of its own (its int32 results in one of two alternating register sets) and
-// walk the chunks in ring order: issue chunk c, wait_group 1 (chunk c - 1 done, c still computing), epilogue of
-// chunk c - 1. So every epilogue but a pass's last runs while the next chunk's wgmmas compute, across stage
-// boundaries too. Bitwise the same: the epilogues run in the same order as before, each chunk's terms into its
-// residue's partial in chunk order; only when they run against the other chunks' wgmmas changes. Two chunks a
-// group (half-stages) were tried first and spilled at 8 and 32 lanes: ptxas keeps an in-flight group's A fragment
-// registers reserved until its wait, so the epilogue beside it ran short; one chunk a group holds 8 of them.
-// The ring: a stage's slot is read by its last group's wgmmas and epilogue, which now end inside the next stage, so
-// the slot is refilled after that epilogue behind a second barrier (wg_body's pstage) instead of at the next
-// stage's top: the same copies, the same depth (S - 1 stages ahead).
+// A software-pipelined walk (one wgmma commit group a chunk, its epilogue beside the next chunk's wgmmas) was
+// tried and measured slower on the H200 (2026-12-06, docs/PERF.md).
 #include "common.cuh"
 #define GSTAMP(i)
 #include "gemv_common.cuh"
@@ -83,8 +71,7 @@ __device__ __forceinline__ u32 wg_act_off(int n, int q) {
 
 // A fragments of one chunk's 16-row tile for its two k32 steps (wgmma's register A): word t of each of the quad's
 // four 16-byte fragments (read transposed from their rotated slots, chunk_base = the chunk's fragments + this
-// thread's t * 4), the int4 codes unpacked to int8 exactly as gemv.cu unpacks them. Shared by the plain and the
-// pipelined stage walks.
+// thread's t * 4), the int4 codes unpacked to int8 exactly as gemv.cu unpacks them.
 __device__ __forceinline__ void wg_load_a(const u8* chunk_base, int g, u32 sgn, u32 (&a)[2][4]) {
     u32 wv[4];
 #pragma unroll
@@ -108,8 +95,6 @@ __device__ __forceinline__ u64 wg_desc(u32 addr) {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// the newest commit group may still run (the pipelined walk: its epilogue comes one group later)
-__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 __device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // D (64 x NL int32) {=, +=} A (64 x 32 s8, registers) B (32 x NL s8, shared memory). ACC: 0 writes D, 1 adds.
@@ -172,8 +157,7 @@ struct WgPar {
     static constexpr int value = V;
 };
 
-// PIPE: 0 the plain stage walk (gemv8w_q4_n*), 1 the software-pipelined one (gemv8w_q4_n*p, see the top)
-template <int NL, int PIPE>
+template <int NL>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
     typedef WgStage<NL> SG;
@@ -368,167 +352,23 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
             }
         }
     };
-    // ---- PIPE = 1: the software-pipelined walk (see the top). Stage k's CPS chunks as NG commit groups of GC
-    // chunks: group e holds chunks e GC .. e GC + GC - 1 and its int32 results in dh[e & 1] (two register sets,
-    // alternating: a group's results are read by its epilogue before the group after next rewrites them, with a
-    // wgmma.fence between). One chunk a group: two chunks (half-stages) spilled at 8 and 32 lanes (ptxas: the
-    // in-flight group's A fragments stay reserved until its wait, through the epilogue running beside it).
-    constexpr int GC = 1, NG = CPS / GC;
-    static_assert(GC * NG == CPS && NG % 2 == 0, "whole chunks a group; a stage's last group in register set 1");
-    int dh[2][GC][ND];
-    int prd = 0;  // the slot of the stage whose last group is in flight (read by its epilogue)
-    // issue group e of the stage in slot rd: its A fragments unpacked as stage() does, GC x 2 wgmmas, one commit
-    auto issue_grp = [&](int e) {
-        const u64 xd = xdesc0 + (u64)((rd * SG::BYTES) >> 4);
-        u32 a[GC][2][4];
-#pragma unroll
-        for (int jj = 0; jj < GC; jj++) wg_load_a(rbase + rd * SG::BYTES + (e * GC + jj) * SG::WC, g, sgn, a[jj]);
-        // orders the A registers just written, and the earlier epilogue's reads of dh[e & 1], before the wgmmas
-        wg_fence();
-#pragma unroll
-        for (int jj = 0; jj < GC; jj++) {
-            const int j = e * GC + jj;
-            wg_mma<NL, 0>(dh[e & 1][jj], a[jj][0], xd + (j * SG::XC >> 4));
-            wg_mma<NL, 1>(dh[e & 1][jj], a[jj][1], xd + ((j * SG::XC + NL * 32) >> 4));
-        }
-        wg_commit();
-    };
-    // the epilogue of group e of stage k (slot `slot`), right after a wait that covers the group: stage()'s
-    // arithmetic for its chunks j = e GC + jj, term for term (PAR, FULL: as stage()'s)
-    auto epi_grp = [&](int slot, int k, int e, auto par, auto full) {
-        constexpr int PAR = decltype(par)::value;
-        constexpr bool FULL = decltype(full)::value;
-#pragma unroll
-        for (int jj = 0; jj < GC; jj++) wg_reg_fence(dh[e & 1][jj]);  // no read of them above the wait
-        const u8* st = dyn_smem + slot * SG::BYTES;
-#pragma unroll
-        for (int jj = 0; jj < GC; jj++) {
-            const int j = e * GC + jj;
-            constexpr int R0 = PASSES == 1 ? PAR * CPS : 0;
-            if (!FULL && first(k) + j >= c1) continue;
-            const u32 sv = *reinterpret_cast<const u32*>(st + SG::S_OFF + (j * GEMV_R + warp) * 32 + g * 4);
-            const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
-#pragma unroll
-            for (int i = 0; i < NT; i++) {
-                const float2 x0 = *reinterpret_cast<const float2*>(st + SG::XS_OFF + (j * NL + 8 * i + 2 * t) * 4);
-                const float2 x2 = make_float2(x0.x * 0.0625f, x0.y * 0.0625f);
-                float* p = acc[R0 + j][i];
-                p[0] = fmaf(s_lo * x2.x, (float)dh[e & 1][jj][4 * i + 0], p[0]);
-                p[1] = fmaf(s_lo * x2.y, (float)dh[e & 1][jj][4 * i + 1], p[1]);
-                p[2] = fmaf(s_hi * x2.x, (float)dh[e & 1][jj][4 * i + 2], p[2]);
-                p[3] = fmaf(s_hi * x2.y, (float)dh[e & 1][jj][4 * i + 3], p[3]);
-            }
-        }
-    };
-    // pipelined stage k (PAR, FULL as stage()'s). PREV: stage k - 1's last group is still in flight (every stage of a
-    // pass but its first); its epilogue runs here beside this stage's first group, and only then is its slot released.
-    // Each group's epilogue follows the wait_group 1 after the next group's issue: one group computes while the
-    // epilogue of the one before it runs, the epilogues in chunk order.
-    auto pstage = [&](int k, auto par, auto full, auto prev) {
-        constexpr int PAR = decltype(par)::value;
-        constexpr bool PREV = decltype(prev)::value;
-        cp_async_wait<S - 2>();  // this thread's copies of stage k have landed
-        wg_fence_proxy();        // ... and are visible to the async proxy (wgmma reads B through it)
-        __syncthreads();         // every thread's have (PREV: stage k - 1's slot is still in use)
-        if constexpr (!PREV) {   // nothing in flight: stage k - 1's slot (if any) is free since the barrier
-            if (k + S - 1 < nst) issue(wr, k + S - 1, true, true);
-            cp_async_commit();
-        }
-        issue_grp(0);
-        if constexpr (PREV) {
-            wg_wait1();  // stage k - 1's last group is done; this stage's first computes on
-            epi_grp(prd, k - 1, NG - 1, WgPar<PASSES == 1 ? 1 - PAR : 0>(), WgPar<1>());
-            // the ring release, after the wait that covers the slot's last wgmmas: every thread is done with stage
-            // k - 1's slot (its wgmmas and its epilogues' scale reads), which gets stage k + S - 1 (wr == prd)
-            __syncthreads();
-            if (k + S - 1 < nst) issue(wr, k + S - 1, true, true);
-            cp_async_commit();
-        }
-#pragma unroll
-        for (int e = 1; e < NG; e++) {
-            issue_grp(e);
-            wg_wait1();  // group e - 1 is done; group e computes on
-            epi_grp(rd, k, e - 1, par, full);
-        }
-        prd = rd;
-        rd = rd + 1 == S ? 0 : rd + 1;
-        wr = wr + 1 == S ? 0 : wr + 1;
-    };
-    // the end of a pass: the last stage's last group (stage k, slot prd)
-    auto drain = [&](int k, auto par, auto full) {
-        wg_wait0();
-        epi_grp(prd, k, NG - 1, par, full);
-    };
-    // PASSES = 2: the pipelined walk over one pass, stages kb .. ke - 1 of which those < kf are whole; drained at its
-    // end (the fold between the passes reads every partial)
-    auto ppass = [&](int kb, int ke, int kf) {
-        if (kb >= ke) return;
-        int k = kb;
-        if (k < kf) {
-            pstage(k, WgPar<0>(), WgPar<1>(), WgPar<0>());
-#pragma unroll 1
-            for (k++; k < kf; k++) pstage(k, WgPar<0>(), WgPar<1>(), WgPar<1>());
-        }
-        if (k < ke) {  // its partial last stage
-            if (k == kb)
-                pstage(k, WgPar<0>(), WgPar<0>(), WgPar<0>());
-            else
-                pstage(k, WgPar<0>(), WgPar<0>(), WgPar<1>());
-            drain(k, WgPar<0>(), WgPar<0>());
-        } else {
-            drain(k - 1, WgPar<0>(), WgPar<1>());
-        }
-    };
     float* red0 = reinterpret_cast<float*>(dyn_smem);
     if constexpr (PASSES == 1) {
         int k = 0;
-        if constexpr (PIPE) {
-            // stage 0 has nothing in flight before it; then pairs (odd, even) for PAR as a constant; the last
-            // stage (partial or not) drained
-            if (nfull > 0) {
-                pstage(0, WgPar<0>(), WgPar<1>(), WgPar<0>());
 #pragma unroll 1
-                for (k = 1; k + 1 < nfull; k += 2) {
-                    pstage(k, WgPar<1>(), WgPar<1>(), WgPar<1>());
-                    pstage(k + 1, WgPar<0>(), WgPar<1>(), WgPar<1>());
-                }
-                if (k < nfull) {  // k odd
-                    pstage(k, WgPar<1>(), WgPar<1>(), WgPar<1>());
-                    k++;
-                }
-            }
-            if (k < nst) {  // the partial last stage
-                if (k == 0) {
-                    pstage(k, WgPar<0>(), WgPar<0>(), WgPar<0>());
-                    drain(k, WgPar<0>(), WgPar<0>());
-                } else if (k & 1) {
-                    pstage(k, WgPar<1>(), WgPar<0>(), WgPar<1>());
-                    drain(k, WgPar<1>(), WgPar<0>());
-                } else {
-                    pstage(k, WgPar<0>(), WgPar<0>(), WgPar<1>());
-                    drain(k, WgPar<0>(), WgPar<0>());
-                }
-            } else if (k & 1) {  // k = nfull >= 1: the last stage, k - 1, whole and even
-                drain(k - 1, WgPar<0>(), WgPar<1>());
-            } else {
-                drain(k - 1, WgPar<1>(), WgPar<1>());
-            }
-        } else {
-#pragma unroll 1
-            for (; k + 1 < nfull; k += 2) {
-                stage(k, WgPar<0>(), WgPar<1>());
-                stage(k + 1, WgPar<1>(), WgPar<1>());
-            }
-            if (k < nfull) {  // k even
-                stage(k, WgPar<0>(), WgPar<1>());
-                k++;
-            }
-            if (k < nst) {  // the partial last stage
-                if (k & 1)
-                    stage(k, WgPar<1>(), WgPar<0>());
-                else
-                    stage(k, WgPar<0>(), WgPar<0>());
-            }
+        for (; k + 1 < nfull; k += 2) {
+            stage(k, WgPar<0>(), WgPar<1>());
+            stage(k + 1, WgPar<1>(), WgPar<1>());
+        }
+        if (k < nfull) {  // k even
+            stage(k, WgPar<0>(), WgPar<1>());
+            k++;
+        }
+        if (k < nst) {  // the partial last stage
+            if (k & 1)
+                stage(k, WgPar<1>(), WgPar<0>());
+            else
+                stage(k, WgPar<0>(), WgPar<0>());
         }
         cp_async_wait<0>();
         __syncthreads();  // the ring becomes the unit's tile
@@ -546,13 +386,9 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     } else {
         // the first pass (residues 0 .. CPS - 1), then gemv.cu's reduction begun: v = P0, v += P1, ...
         int k = 0;
-        if constexpr (PIPE) {
-            ppass(0, nst0, nfull0);
-        } else {
 #pragma unroll 1
-            for (; k < nfull0; k++) stage(k, WgPar<0>(), WgPar<1>());
-            if (k < nst0) stage(k, WgPar<0>(), WgPar<0>());  // its partial last stage
-        }
+        for (; k < nfull0; k++) stage(k, WgPar<0>(), WgPar<1>());
+        if (k < nst0) stage(k, WgPar<0>(), WgPar<0>());  // its partial last stage
         float v[NT][4];
 #pragma unroll
         for (int i = 0; i < NT; i++)
@@ -565,13 +401,9 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
                 for (int r = 0; r < RL; r++) acc[r][i][q] = 0.f;
             }
         // the second pass (residues CPS .. 7), and the reduction ended: ..., v += P7
-        if constexpr (PIPE) {
-            ppass(nst0, nst, nst0 + nfull1);
-        } else {
 #pragma unroll 1
-            for (k = nst0; k < nst0 + nfull1; k++) stage(k, WgPar<0>(), WgPar<1>());
-            if (k < nst) stage(k, WgPar<0>(), WgPar<0>());
-        }
+        for (k = nst0; k < nst0 + nfull1; k++) stage(k, WgPar<0>(), WgPar<1>());
+        if (k < nst) stage(k, WgPar<0>(), WgPar<0>());
         cp_async_wait<0>();
         __syncthreads();  // the ring becomes the unit's tile
 #pragma unroll
@@ -591,23 +423,18 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 
 // xq / xs / sgn / nlanes / lane0: as gemv.cu's gemv8_* kernels (the a8 activations of the launch's lanes;
 // gemv8w_q4_n32: xq rows 0 .. 31, xs two [ldq / 64][GEMV_MAX_LANES] halves, lanes 16 .. 31 in the second)
-// PIPE: 0 the plain entries, 1 the software-pipelined ones (gemv8w_q4_n*p: kernels.gemv_wg_kernel picks them
-// under GEMV_WG_PIPE / GWG_PIPE); the same launch bounds, arguments and shared memory
-#define GWG_KERNEL(NAME, NL, CTAS, PIPE)                                                                       \
+#define GWG_KERNEL(NAME, NL, CTAS)                                                                             \
     extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
-        GWG_CALL(NL, PIPE)                                                                                     \
+        GWG_CALL(NL)                                                                                           \
     }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GWG_CALL(NL, PIPE) wg_body<NL, PIPE>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
+#define GWG_CALL(NL) wg_body<NL>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
 #else
-#define GWG_CALL(NL, PIPE) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
+#define GWG_CALL(NL) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
 #endif
-GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8, 0)
-GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16, 0)
-GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32, 0)
-GWG_KERNEL(gemv8w_q4_n8p, 8, GWG_CTAS_N8, 1)
-GWG_KERNEL(gemv8w_q4_n16p, 16, GWG_CTAS_N16, 1)
-GWG_KERNEL(gemv8w_q4_n32p, 32, GWG_CTAS_N32, 1)
+GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8)
+GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16)
+GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32)
 

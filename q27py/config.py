@@ -191,14 +191,6 @@ class EngineConfig:
     # choice is speed only): "auto" (where it measured faster in whole decode steps: 1 lane, 9-16 lanes,
     # and the lm_head at any width), "off", "wide" (every q4 launch of 9-16 lanes) or "all".
     gemv_wgmma: str = "auto"
-    # cuda, the launches gemv_wgmma sends to cuda/gemv_wg.cu: run its software-pipelined entries (gemv8w_q4_n8p /
-    # _n16p / _n32p: one chunk's wgmmas per commit group and wait_group 1, so each chunk's fp32 epilogue runs while
-    # the next chunk's wgmmas compute) instead of wait_group 0 per stage. Bitwise the same outputs (speed only).
-    # Off: measured on the H200 (2026-12-06, tools/device_wave.sh wgpipe; bitwise, 106 GPU tests) it is 1-5% slower
-    # at every width (GEMV family 2,253 -> 2,211 GB/s at 1 lane, 1,614 -> 1,553 at 16; 32 lanes / 16 still 1.74x
-    # against 1.79x) and decode 2K 7.14 -> 7.25 ms, verify16 10.66 -> 11.10 ms: the wgmma wait is not what
-    # holds the wide launches back (ncu: 12% occupancy, 2 CTAs of 4 warps per SM, no eligible warp 57-65%).
-    gemv_wg_pipe: bool = False
     # cuda: the GDN decode / verify step (conv, gates, delta rule, gated norm, window commit) as one
     # kernel (cuda/gdn_decode.cu, bitwise the kernel chain) instead of four launches. Off until the
     # device run has held it bitwise and measured it (docs/PERF.md).
@@ -494,7 +486,6 @@ ENV_VARS = {
     "Q27_GEMV": ("engine", "gemv", str),
     "Q27_GEMV_PREFETCH_MB": ("engine", "gemv_prefetch_mb", float),
     "Q27_GEMV_WGMMA": ("engine", "gemv_wgmma", str),
-    "Q27_GEMV_WG_PIPE": ("engine", "gemv_wg_pipe", parse_switch),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
     "Q27_GDN_OUT_FUSED": ("engine", "gdn_out_fused", parse_switch),
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first wgpipe gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -273,53 +273,6 @@ PY
             > "$OUT/gwgstages$st.txt" 2>&1 || rc=1
           echo "--- GWG_STAGES=$st"; grep -E "gate_up|^down|gdn_out|GEMV family" "$OUT/gwgstages$st.txt"
         done ;;
-    wgpipe)  # the software-pipelined gemv_wg entries (gemv8w_q4_n*p, Q27_GEMV_WG_PIPE; one call, ~8 min): their bitwise
-             # GPU tests, then the 27B GEMV probe (a8w: every q4 launch on gemv_wg) and the decode / verify / MTP / batched
-             # steps (tools/gemv_prefetch_ab.py --mb 0 0: graphs captured once per process, two passes; gemv_wgmma as
-             # configured, default auto) with the switch off and on, one process each, then a table of both
-        timeout ${WGPIPE_TEST_S:-170} $PYTEST tests/gpu/test_gemv_wg_pipe.py > "$OUT/wgpipe_tests.txt" 2>&1 || rc=1
-        tail -4 "$OUT/wgpipe_tests.txt"
-        for p in 0 1; do
-          Q27_GEMV_WG_PIPE=$p timeout ${WGPIPE_PROBE_S:-100} python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w \
-            --lanes 1 8 16 32 --json "$OUT/wgpipe_probe$p.json" > "$OUT/wgpipe_probe$p.txt" 2>&1 || rc=1
-          echo "--- probe, pipe $p"; tail -3 "$OUT/wgpipe_probe$p.txt"
-        done
-        for p in 0 1; do
-          Q27_GEMV_WG_PIPE=$p timeout ${WGPIPE_STEP_S:-100} python3 tools/gemv_prefetch_ab.py --mb 0 0 \
-            --json "$OUT/wgpipe_steps$p.json" > "$OUT/wgpipe_steps$p.txt" 2>&1 || rc=1
-          echo "--- steps, pipe $p"; grep -E "^prefetch|^read probe" "$OUT/wgpipe_steps$p.txt" | tail -3
-        done
-        OUT="$OUT" python3 - <<'PY' || rc=1
-import json, os
-out = os.environ["OUT"]
-def load(name):
-    try:
-        return json.load(open(os.path.join(out, name)))
-    except (OSError, ValueError):
-        return None
-p0, p1 = load("wgpipe_probe0.json"), load("wgpipe_probe1.json")
-if p0 and p1:
-    lanes = [str(n) for n in p0["lanes"]]
-    print(f"GEMV probe, a8w GB/s off -> on (pipelined), {p0['device'].get('name', '') if isinstance(p0['device'], dict) else p0['device']}")
-    print(f"{'launch':20s} " + "  ".join(f"{n + ' lanes':>19s}" for n in lanes))
-    rows = [(k, v["bytes"], v["a8w"]["us"], p1["shapes"][k]["a8w"]["us"]) for k, v in p0["shapes"].items() if k in p1["shapes"]]
-    if "family_us" in p0 and "family_us" in p1:
-        rows.append(("GEMV family/forward", p0["family_bytes"], p0["family_us"]["a8w"], p1["family_us"]["a8w"]))
-    for name, nb, a, b in rows:
-        cells = [f"{nb / a[n] / 1e3:5.0f} -> {nb / b[n] / 1e3:5.0f} {a[n] / b[n] - 1:+6.1%}" for n in lanes]
-        print(f"{name:20s} " + "  ".join(f"{c:>19s}" for c in cells))
-    fam0, fam1 = p0.get("family_us", {}).get("a8w"), p1.get("family_us", {}).get("a8w")
-    if fam0 and fam1 and "16" in fam0 and "32" in fam0:
-        print(f"32-lane sweep / 16-lane sweep: off {fam0['32'] / fam0['16']:.2f}x, on {fam1['32'] / fam1['16']:.2f}x")
-s0, s1 = load("wgpipe_steps0.json"), load("wgpipe_steps1.json")
-if s0 and s1:
-    print("steps, ms (mean of the passes) off -> on")
-    for k in [k for k in s0["rows"][0] if k != "mb"]:
-        a = sum(r[k] for r in s0["rows"]) / len(s0["rows"])
-        b = sum(r[k] for r in s1["rows"]) / len(s1["rows"])
-        print(f"  {k:12s} {a:8.3f} -> {b:8.3f}  {b / a - 1:+6.1%}")
-PY
-        ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done

@@ -59,12 +59,6 @@ GWG_CTAS_N8, GWG_CTAS_N16, GWG_CTAS_N32 = 3, 2, 2
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32
-# 1: every gemv_wg launch takes the software-pipelined entries gemv8w_q4_n8p / _n16p / _n32p (cuda/gemv_wg.cu
-# wg_body<NL, 1>: each chunk's wgmmas their own commit group, wait_group 1, so a chunk's fp32 epilogue runs while
-# the next chunk's wgmmas compute; bitwise the plain entries). Python-side like GEMV_TAIL_SPLIT: the bench tools'
-# `--set GWG_PIPE=1`; the engine's switch is kernels.GEMV_WG_PIPE (EngineConfig.gemv_wg_pipe, env
-# Q27_GEMV_WG_PIPE), either turns it on. 0 (default): not yet run on a device
-GWG_PIPE = 0
 # v2: CTAs of G2_WARPS warps; resident CTAs per SM the kernels are built for (launch bounds:
 # 128 registers at 8 lanes, 168 at 16), and the partition model's slots per SM
 G2_WARPS = 4

@@ -249,27 +249,10 @@ def gemv_wgmma_mode(mode: str) -> str:
 GEMV_WGMMA = _gemv_wgmma_default()
 
 
-def _gemv_wg_pipe_default() -> bool:
-    from q27py.config import Q27Config, apply_env
-
-    return bool(apply_env(Q27Config()).engine.gemv_wg_pipe)
-
-
-# The launches on cuda/gemv_wg.cu take its software-pipelined entries (gemv8w_q4_n8p / _n16p / _n32p: each chunk's
-# wgmmas one commit group, wait_group 1, so a chunk's fp32 epilogue runs while the next chunk's wgmmas compute;
-# bitwise the plain entries, the same launch shape and shared memory). EngineConfig.gemv_wg_pipe (env
-# Q27_GEMV_WG_PIPE), read at import; the constants table's GWG_PIPE = 1 turns it on too (the bench tools'
-# `--set GWG_PIPE=1`). Read at run time (gemv_wg_kernel), so a plan launched after a change follows it.
-GEMV_WG_PIPE = _gemv_wg_pipe_default()
-
-
-def gemv_wg_kernel(nl: int, pipe: bool | None = None) -> str:
-    """The cuda/gemv_wg.cu entry of width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or its pipelined twin
-    gemv8w_q4_n<nl>p where pipe (default: GEMV_WG_PIPE or the constants table's GWG_PIPE) says so."""
+def gemv_wg_kernel(nl: int) -> str:
+    """The cuda/gemv_wg.cu entry of width nl = 8 / 16 / 32: gemv8w_q4_n<nl>."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
-    if pipe is None:
-        pipe = bool(GEMV_WG_PIPE) or bool(C.GWG_PIPE)
-    return f"gemv8w_q4_n{nl}" + ("p" if pipe else "")
+    return f"gemv8w_q4_n{nl}"
 
 
 def gemv_wg_shared_bytes(nl: int) -> int:

@@ -195,7 +195,7 @@ def test_stage_walk_formulas_are_the_kernels():
 
 def gemv8_order_sum(terms, w):
     """A unit's fp32 sum in gemv.cu's order: warp r sums chunks r, r + w, ... in order, then P0 + P1 + ... in warp
-    order (also test_gemv_wg_pipe's reference)."""
+    order."""
     part = [np.float32(0)] * w
     for c in range(len(terms)):
         part[c % w] = np.float32(part[c % w] + terms[c])
@@ -499,12 +499,10 @@ def test_engine_config_maps_the_switch(monkeypatch):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
-    """Every entry: the plain ones and their software-pipelined twins (*p, tests/gpu/test_gemv_wg_pipe.py)."""
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
-    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16p", "gemv8w_q4_n32", "gemv8w_q4_n32p", "gemv8w_q4_n8",
-                           "gemv8w_q4_n8p"], rep
+    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n32", "gemv8w_q4_n8"], rep
     ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32}
-    bound = {k: min(255, 65536 // (128 * ctas[k.rstrip("p")])) for k in rep}
+    bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(spill == 0 and regs <= bound[k] for k, (regs, spill) in rep.items()), rep
 
 
@@ -531,7 +529,7 @@ def cp():
 
 def plan_inputs(cp, K, specs, n, seed):
     """(matrices, kpad, rows, x) of one GEMV plan test: seeded matrices specs [(rows, cols, fmt, mode)] and n lanes
-    of uniform activations in a buffer of max(16, n) rows (also test_gemv_wg_pipe's)."""
+    of uniform activations in a buffer of max(16, n) rows."""
     mats = [K.random_matrix(r, c, f, seed=seed + 7 * j, scale=0.01 if f != L.FMT_BF16 else 0.05, mode=mode)
             for j, (r, c, f, mode) in enumerate(specs)]
     kpad = mats[0].shape.kpad
