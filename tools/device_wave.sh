@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first cold gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -249,6 +249,14 @@ PY
         done
         Q27_PREFILL_GATE_UP_BF16=1 timeout 110 python3 gates/run.py > "$OUT/gateup_gates.txt" 2>&1 || rc=1
         tail -5 "$OUT/gateup_gates.txt" ;;
+    cold)  # the cold 25K turn after 1a819ac / 095f134 (~2 min): host snapshots past the device budget are pinned and
+           # stream-ordered (their GPU rewind test), bench replay's cold engines are collected between turns; then the
+           # replay (H200 2026-12-06 before: 2,695 ms cold, bar 2.5 s) and the same with every snapshot on the host
+        timeout 90 $PYTEST tests/gpu/test_prefix_gpu.py -k rewind tests/gpu/test_host_snapshots.py > "$OUT/cold_tests.txt" 2>&1 || rc=1
+        tail -3 "$OUT/cold_tests.txt"
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 150 python3 -m q27py bench replay --random-weights 27b --tier q4s \
+          --system-tokens 20000 --turns 10 > "$OUT/cold_replay.txt" 2>&1 || rc=1
+        tail -12 "$OUT/cold_replay.txt" ;;
     gwgncu)  # why gemv_wg stops short of the read probe (issues 10 / 15; ~4 min): ncu stall reasons, pipe use and
              # SM-active / elapsed cycles (the wave tail) of gate_up at 1 and 32 lanes and down at 1 lane, then the
              # probe at 1 / 16 lanes with the ring 4-7 stages deep (GWG_STAGES; 5 is the default)
