@@ -749,6 +749,8 @@ class FastModel:
         # prefix snapshots kept on the device up to this many bytes (host copies beyond)
         self.device_snapshot_bytes = min(4 << 30, rt.total_mem // 10) if device_snapshot_bytes is None \
             else int(device_snapshot_bytes)
+        # snapshots past the device budget: pinned host copies up to this many bytes (save_recurrent), pageable beyond
+        self.pinned_snapshot_bytes = 8 << 30
 
     def _gdn2_scratch(self):
         """The chunked2 route's scratch for a prefill chunk of self.chunk lanes (any pos0), or None
@@ -1818,6 +1820,10 @@ class FastModel:
         if DeviceSnapshot.live_bytes + nbytes <= self.device_snapshot_bytes:
             with self.stream:
                 return DeviceSnapshot({"gdn": state.gdn.copy(), "window": state.window.copy()}, nbytes)
+        if HostSnapshot.live_bytes + nbytes > self.pinned_snapshot_bytes:
+            # past the pinned budget too: pageable copies (page-locked memory is taken from the OS for good)
+            self.stream.synchronize()
+            return {"gdn": state.gdn.get(), "window": state.window.get()}
         cp = self.rt.cp
         arrays = {}
         for name, arr in (("gdn", state.gdn), ("window", state.window)):
@@ -1825,7 +1831,7 @@ class FastModel:
             out = np.frombuffer(mem, dtype=arr.dtype, count=arr.size).reshape(arr.shape)
             arr.get(stream=self.stream, out=out, blocking=False)
             arrays[name] = out
-        return HostSnapshot(arrays, self.stream.record())
+        return HostSnapshot(arrays, self.stream.record(), nbytes)
 
     def rewind(self, state: FastState, position: int, recurrent: dict) -> None:
         """Back to `position`: KV rows past it are dead (overwritten by the next forward)."""
@@ -1929,9 +1935,16 @@ class HostSnapshot(dict):
     stream are still filling. Reading one (rewind's recurrent[name], any test) first waits for those copies
     (the event recorded after them); rewind's set() on the same stream would be ordered after them anyway."""
 
-    def __init__(self, arrays: dict, event):
+    live_bytes = 0  # pinned bytes held by live HostSnapshots (FastModel.pinned_snapshot_bytes bounds it)
+
+    def __init__(self, arrays: dict, event, nbytes: int = 0):
         super().__init__(arrays)
         self._event = event
+        self._nbytes = int(nbytes)
+        HostSnapshot.live_bytes += self._nbytes
+
+    def __del__(self):
+        HostSnapshot.live_bytes -= self._nbytes
 
     def wait(self) -> None:
         if self._event is not None:

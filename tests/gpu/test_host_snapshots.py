@@ -53,7 +53,8 @@ class _Dev:
 
 def _model(log):
     cp = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=lambda n: bytearray(n)))
-    return SimpleNamespace(rt=SimpleNamespace(cp=cp), stream=_Stream(log), device_snapshot_bytes=0)
+    return SimpleNamespace(rt=SimpleNamespace(cp=cp), stream=_Stream(log), device_snapshot_bytes=0,
+                           pinned_snapshot_bytes=1 << 20)
 
 
 def test_a_host_snapshot_does_not_block_the_host_until_read():
@@ -81,3 +82,22 @@ def test_values_and_items_wait_too():
     snap2 = HostSnapshot({"gdn": np.zeros(2)}, _Event(log))
     list(snap2.values())
     assert log == ["event.synchronize"] * 2
+
+
+def test_past_the_pinned_budget_snapshots_are_pageable_and_the_budget_frees():
+    """Page-locked memory is the OS's for good: pinned snapshots stop at FastModel.pinned_snapshot_bytes and the
+    rest are plain host copies (the stream synchronized first); a dropped HostSnapshot gives its bytes back."""
+    log = []
+    m = _model(log)
+    m.pinned_snapshot_bytes = 200  # one 96 + 24 byte snapshot fits, a second does not
+    st = SimpleNamespace(gdn=_Dev(np.zeros((2, 3, 4), np.float32), log), window=_Dev(np.ones((2, 3), np.float32), log))
+    base = HostSnapshot.live_bytes
+    first = FastModel.save_recurrent(m, st)
+    assert isinstance(first, HostSnapshot) and HostSnapshot.live_bytes == base + 120
+    log.clear()
+    second = FastModel.save_recurrent(m, st)
+    assert not isinstance(second, HostSnapshot) and log[0] == "stream.synchronize"
+    assert all(entry[3] for entry in log[1:])  # blocking copies
+    del first
+    assert HostSnapshot.live_bytes == base
+    assert isinstance(FastModel.save_recurrent(m, st), HostSnapshot)
