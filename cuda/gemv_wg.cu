@@ -157,7 +157,10 @@ struct WgPar {
     static constexpr int value = V;
 };
 
-template <int NL>
+// TWO: the 32-lane two-pass walk at 8 / 16 lanes too (gemv8w_q4_n16t: 4 partials live instead of 8, so
+// the 16-lane kernel fits GWG_CTAS_N16T = 3 CTAs per SM, 12 warps instead of 8; the same additions in the same
+// order, as the 32-lane kernel's are).
+template <int NL, int TWO = 0>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
     typedef WgStage<NL> SG;
@@ -185,7 +188,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     // c0 + 8 m + j, m = 0, 1, ...), then residues CPS .. 7 (c0 + 8 m + CPS + j): 4 partials live, each still
     // summed over its chunks in order, the first pass's folded into v when it ends (the same additions in
     // the same order). Every stage still streams CPS consecutive chunks (2 KB runs of each tile).
-    constexpr int PASSES = NL > GEMV_MAX_LANES ? 2 : 1, RL = GEMV_WARPS / PASSES;
+    constexpr int PASSES = (NL > GEMV_MAX_LANES || TWO) ? 2 : 1, RL = GEMV_WARPS / PASSES;
     const int nch = c1 - c0;
     // stages of the first pass (PASSES = 1: of the unit), the last maybe partial, and of them those whose
     // chunks are all < c1 (PASSES = 1: nfull below); the same of the second pass
@@ -423,18 +426,19 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 
 // xq / xs / sgn / nlanes / lane0: as gemv.cu's gemv8_* kernels (the a8 activations of the launch's lanes;
 // gemv8w_q4_n32: xq rows 0 .. 31, xs two [ldq / 64][GEMV_MAX_LANES] halves, lanes 16 .. 31 in the second)
-#define GWG_KERNEL(NAME, NL, CTAS)                                                                             \
+#define GWG_KERNEL(NAME, NL, CTAS, TWO)                                                                        \
     extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
-        GWG_CALL(NL)                                                                                           \
+        GWG_CALL(NL, TWO)                                                                                      \
     }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GWG_CALL(NL) wg_body<NL>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
+#define GWG_CALL(NL, TWO) wg_body<NL, TWO>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
 #else
-#define GWG_CALL(NL) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
+#define GWG_CALL(NL, TWO) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
 #endif
-GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8)
-GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16)
-GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32)
+GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8, 0)
+GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16, 0)
+GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32, 0)
+GWG_KERNEL(gemv8w_q4_n16t, 16, GWG_CTAS_N16T, 1)  // kernels.gemv_wg_kernel under GWG_N16_TWO
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first cold gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first cold n16t gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -257,6 +257,19 @@ PY
         Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 150 python3 -m q27py bench replay --random-weights 27b --tier q4s \
           --system-tokens 20000 --turns 10 > "$OUT/cold_replay.txt" 2>&1 || rc=1
         tail -12 "$OUT/cold_replay.txt" ;;
+    n16t)  # the two-pass 16-lane gemv_wg at 3 CTAs per SM (gemv8w_q4_n16t, constants GWG_N16_TWO; ~4 min): its bitwise GPU
+           # tests, the 27B probe at 9 / 16 lanes off vs on, then the verify W=16 / 16-lane batched steps off vs on
+        timeout 150 $PYTEST tests/gpu/test_gemv_wg.py -k n16t > "$OUT/n16t_tests.txt" 2>&1 || rc=1
+        tail -3 "$OUT/n16t_tests.txt"
+        for t in 0 1; do
+          timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 9 16 --set GWG_N16_TWO=$t \
+            > "$OUT/n16t_probe$t.txt" 2>&1 || rc=1
+          echo "--- probe, GWG_N16_TWO=$t"; grep -vE "^(NVIDIA|launch)" "$OUT/n16t_probe$t.txt" | tail -10
+        done
+        for t in 0 1; do
+          timeout 110 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t > "$OUT/n16t_steps$t.txt" 2>&1 || rc=1
+          echo "--- steps, GWG_N16_TWO=$t"; grep -E "^prefetch|read probe" "$OUT/n16t_steps$t.txt"
+        done ;;
     gwgncu)  # why gemv_wg stops short of the read probe (issues 10 / 15; ~4 min): ncu stall reasons, pipe use and
              # SM-active / elapsed cycles (the wave tail) of gate_up at 1 and 32 lanes and down at 1 lane, then the
              # probe at 1 / 16 lanes with the ring 4-7 stages deep (GWG_STAGES; 5 is the default)

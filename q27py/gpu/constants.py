@@ -56,6 +56,12 @@ GEMV_TRACE = 0  # tools/gemv_trace.py: per-CTA %globaltimer stamps of the unit k
 GWG_CPS = 4
 GWG_STAGES = 5
 GWG_CTAS_N8, GWG_CTAS_N16, GWG_CTAS_N32 = 3, 2, 2
+# 9-16 lanes on gemv8w_q4_n16t: the 32-lane two-pass walk (4 residue partials live, bitwise the same) at
+# GWG_CTAS_N16T resident CTAs per SM (12 warps instead of 8: ncu found the 16-lane kernel latency-bound, 0.43
+# issued per scheduler-cycle, SM active 70% of its elapsed cycles over 2.06 waves of gate_up). Python-side
+# switch (the bench tools' `--set GWG_N16_TWO=1`); 0 (default) until a device run has held it bitwise and measured it
+GWG_CTAS_N16T = 3
+GWG_N16_TWO = 0
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

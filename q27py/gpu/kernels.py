@@ -250,9 +250,17 @@ GEMV_WGMMA = _gemv_wgmma_default()
 
 
 def gemv_wg_kernel(nl: int) -> str:
-    """The cuda/gemv_wg.cu entry of width nl = 8 / 16 / 32: gemv8w_q4_n<nl>."""
+    """The cuda/gemv_wg.cu entry of width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or at 16 lanes its two-pass entry
+    gemv8w_q4_n16t (3 CTAs per SM, bitwise the same) where the constants table's GWG_N16_TWO says so."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
-    return f"gemv8w_q4_n{nl}"
+    return "gemv8w_q4_n16t" if nl == 16 and C.GWG_N16_TWO else f"gemv8w_q4_n{nl}"
+
+
+def gemv_wg_ctas(nl: int) -> int:
+    """Resident CTAs per SM of gemv_wg_kernel(nl) (its launch bounds)."""
+    if nl == 16:
+        return C.GWG_CTAS_N16T if C.GWG_N16_TWO else C.GWG_CTAS_N16
+    return {8: C.GWG_CTAS_N8, GWG_MAX_LANES: C.GWG_CTAS_N32}[nl]
 
 
 def gemv_wg_shared_bytes(nl: int) -> int:
@@ -556,7 +564,7 @@ class GemvPlan:
         if mode == "off" or not gemv_wgmma_supported():
             return False
         if mode == "auto":
-            slots = (C.GWG_CTAS_N8 if n <= 8 else C.GWG_CTAS_N16) * Runtime.get().sm_count
+            slots = gemv_wg_ctas(8 if n <= 8 else 16) * Runtime.get().sm_count
             return n == 1 or n > 8 or units >= GWG_AUTO_WAVES * slots
         return mode == "all" or n > 8
 

@@ -155,19 +155,19 @@ def test_resident_ctas_fit_the_sm90_shared_memory():
     128 B and the 1 KB the driver reserves per CTA fit an sm_90 SM's 228 KB (one CTA: the 227 KB opt-in)."""
     from q27py.gpu import kernels as K
 
-    for nl, ctas in ((8, C.GWG_CTAS_N8), (16, C.GWG_CTAS_N16), (32, C.GWG_CTAS_N32)):
+    for nl, ctas in ((8, C.GWG_CTAS_N8), (16, C.GWG_CTAS_N16), (32, C.GWG_CTAS_N32), (16, C.GWG_CTAS_N16T)):
         assert K.gemv_wg_shared_bytes(nl) <= 227 * 1024
         assert ctas * (K.gemv_wg_shared_bytes(nl) + 128 + 1024) <= 228 * 1024, nl
     assert C.GWG_MAX_LANES == 32 and C.GEMV_MAX_LANES == 16
 
 
 # ---------------------------------------------------------------- the 32-lane kernel's walk and activations
-def stage_walk(nch: int, nl: int) -> list[tuple[int, bool, int]]:
+def stage_walk(nch: int, nl: int, two: bool = False) -> list[tuple[int, bool, int]]:
     """wg_body's stages over a unit of nch chunks, in ring order: (first chunk - c0, whole, acc index of the
     stage's chunk j = 0) -- PASSES = 1 at 8 / 16 lanes (chunks in order, residues CPS (k & 1) + j), 2 at 32
     (residues 0 .. CPS - 1 over the unit, then CPS .. 7; acc index j)."""
     cps, w = C.GWG_CPS, C.GEMV_WARPS
-    if nl <= C.GEMV_MAX_LANES:
+    if nl <= C.GEMV_MAX_LANES and not two:
         nst, nfull = (nch + cps - 1) // cps, nch // cps
         return [(k * cps, k < nfull, (k & 1) * cps) for k in range(nst)]
     nst0, nfull0 = (nch + w - 1) // w, (nch + cps) // w
@@ -179,7 +179,8 @@ def stage_walk(nch: int, nl: int) -> list[tuple[int, bool, int]]:
 
 def test_stage_walk_formulas_are_the_kernels():
     s = _src()
-    for expr in ("PASSES = NL > GEMV_MAX_LANES ? 2 : 1, RL = GEMV_WARPS / PASSES",
+    for expr in ("PASSES = (NL > GEMV_MAX_LANES || TWO) ? 2 : 1, RL = GEMV_WARPS / PASSES",
+                 "GWG_KERNEL(gemv8w_q4_n16t, 16, GWG_CTAS_N16T, 1)",
                  "nst0 = PASSES == 1 ? (nch + CPS - 1) / CPS : (nch + GEMV_WARPS - 1) / GEMV_WARPS",
                  "nfull0 = PASSES == 1 ? nch / CPS : (nch + CPS) / GEMV_WARPS",
                  "nst1 = PASSES == 1 ? 0 : (nch + GEMV_WARPS - 1 - CPS) / GEMV_WARPS",
@@ -205,19 +206,20 @@ def gemv8_order_sum(terms, w):
     return ref
 
 
-@pytest.mark.parametrize("nl", [8, 16, 32])
+@pytest.mark.parametrize("nl", [8, 16, 32, "16t"])
 def test_stage_walk_sums_like_gemv8s_warps(nl):
     """Every chunk of a unit once; the fp32 result of the walk -- each chunk's term added to its residue's
     partial (acc index as the kernel picks it), PASSES = 2 folding residues 0-3 into v when the first pass
     ends and restarting the partials -- bit for bit gemv.cu's: warp w sums chunks w, w + 8, ... in order,
     then v = P0, v += P1, ..., v += P7. Terms of wildly different scales, so any other order shows."""
-    rng = np.random.default_rng(nl)
+    two = nl == "16t" or nl > C.GEMV_MAX_LANES  # "16t": gemv8w_q4_n16t, the two-pass walk at 16 lanes
+    nl = 16 if nl == "16t" else nl
+    rng = np.random.default_rng(nl + two)
     cps, w = C.GWG_CPS, C.GEMV_WARPS
-    two = nl > C.GEMV_MAX_LANES
     for nch in list(range(1, 41)) + [80, 272, 11, 54, 55]:
         terms = (rng.standard_normal(nch) * 2.0 ** rng.integers(-30, 30, nch)).astype(np.float32)
         ref = gemv8_order_sum(terms, w)
-        walk = stage_walk(nch, nl)
+        walk = stage_walk(nch, nl, two)
         acc = [np.float32(0)] * (w // 2 if two else w)
         seen, v = [], None
         npass0 = (nch + w - 1) // w
@@ -475,6 +477,17 @@ def test_wide_plans_size_their_split_partials_for_32_lanes(plan_rt):
         assert plan.workspace.floats == 16 * 3 * 64 * lanes
 
 
+def test_n16t_selection(monkeypatch):
+    """GWG_N16_TWO picks the two-pass 16-lane entry and its residency; other widths keep theirs."""
+    from q27py.gpu import kernels as K
+
+    assert [K.gemv_wg_kernel(nl) for nl in (8, 16, 32)] == ["gemv8w_q4_n8", "gemv8w_q4_n16", "gemv8w_q4_n32"]
+    assert K.gemv_wg_ctas(16) == C.GWG_CTAS_N16
+    monkeypatch.setattr(C, "GWG_N16_TWO", 1)
+    assert [K.gemv_wg_kernel(nl) for nl in (8, 16, 32)] == ["gemv8w_q4_n8", "gemv8w_q4_n16t", "gemv8w_q4_n32"]
+    assert K.gemv_wg_ctas(16) == C.GWG_CTAS_N16T == 3
+
+
 def test_selection_rule(monkeypatch):
     from q27py.gpu import kernels as K
 
@@ -500,8 +513,9 @@ def test_engine_config_maps_the_switch(monkeypatch):
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
-    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n32", "gemv8w_q4_n8"], rep
-    ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32}
+    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16t", "gemv8w_q4_n32", "gemv8w_q4_n8"], rep
+    ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32,
+            "gemv8w_q4_n16t": C.GWG_CTAS_N16T}
     bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(spill == 0 and regs <= bound[k] for k, (regs, spill) in rep.items()), rep
 
@@ -634,6 +648,34 @@ def test_wg_is_bitwise_gemv8_under_forced_splits(cp, rows, cols, splits, n):
     from q27py.gpu import kernels as K
 
     got, ref = _pair(cp, K, [(rows, cols, L.FMT_Q4, K.MODE_STORE)], n, partition=(1, splits), seed=rows + splits)
+    np.testing.assert_array_equal(got[0].view(np.uint32), ref[0].view(np.uint32))
+    assert np.isfinite(ref[0]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
+@pytest.mark.parametrize("n", [9, 16])
+def test_n16t_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
+    """GWG_N16_TWO: 9-16 lanes on gemv8w_q4_n16t (the two-pass walk at 3 CTAs per SM), bit for bit gemv8_q4_*."""
+    from q27py.gpu import kernels as K
+
+    monkeypatch.setattr(C, "GWG_N16_TWO", 1)
+    seen = []
+    got, ref = _pair(cp, K, _specs_27b(name), n, seed=n + 5, record=seen)
+    assert "gemv8w_q4_n16t" in [k for m, k in seen if m == "gemv_wg"], seen
+    for a, b in zip(got, ref):
+        assert np.isfinite(b).all()
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (200, 320, 1),
+                                              (5120, 17408, 5)])
+def test_n16t_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
+    from q27py.gpu import kernels as K
+
+    monkeypatch.setattr(C, "GWG_N16_TWO", 1)
+    got, ref = _pair(cp, K, [(rows, cols, L.FMT_Q4, K.MODE_STORE)], 13, partition=(1, splits), seed=rows + splits)
     np.testing.assert_array_equal(got[0].view(np.uint32), ref[0].view(np.uint32))
     assert np.isfinite(ref[0]).all()
 
