@@ -157,16 +157,44 @@ struct WgPar {
     static constexpr int value = V;
 };
 
+// One chunk's epilogue (gemv.cu compute_stage8's arithmetic, term for term; q4 codes carry a factor 16): chunk j
+// of the stage at st (its first chunk first_k; PASSES, PAR: which residue partial, as wg_body picks it), its int32
+// sums d into acc. FULL: no chunk of the stage is >= c1 (else such a chunk, computed on stale bytes, is dropped).
+template <int NL, int PASSES, int PAR, bool FULL>
+__device__ __forceinline__ void wg_epilogue(const u8* st, int j, const int (&d)[NL / 2],
+                                            float (&acc)[GEMV_WARPS / PASSES][NL / 8][4], int first_k, int c1,
+                                            int warp, int g, int t) {
+    typedef WgStage<NL> SG;
+    constexpr int R0 = PASSES == 1 ? PAR * GWG_CPS : 0;
+    if (!FULL && first_k + j >= c1) return;
+    const u32 sv = *reinterpret_cast<const u32*>(st + SG::S_OFF + (j * GEMV_R + warp) * 32 + g * 4);
+    const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
+#pragma unroll
+    for (int i = 0; i < NL / 8; i++) {
+        const float2 x0 = *reinterpret_cast<const float2*>(st + SG::XS_OFF + (j * NL + 8 * i + 2 * t) * 4);
+        const float2 x2 = make_float2(x0.x * 0.0625f, x0.y * 0.0625f);
+        float* p = acc[R0 + j][i];
+        p[0] = fmaf(s_lo * x2.x, (float)d[4 * i + 0], p[0]);
+        p[1] = fmaf(s_lo * x2.y, (float)d[4 * i + 1], p[1]);
+        p[2] = fmaf(s_hi * x2.x, (float)d[4 * i + 2], p[2]);
+        p[3] = fmaf(s_hi * x2.y, (float)d[4 * i + 3], p[3]);
+    }
+}
+
 // TWO: the 32-lane two-pass walk at 8 / 16 lanes too (gemv8w_q4_n16t: 4 partials live instead of 8, so
 // the 16-lane kernel fits GWG_CTAS_N16T = 3 CTAs per SM, 12 warps instead of 8; the same additions in the same
-// order, as the 32-lane kernel's are).
-template <int NL, int TWO = 0>
+// order, as the 32-lane kernel's are). SUB: a stage's chunks go to the tensor cores SUB at a time, each batch
+// committed, waited for and its epilogue run before the next batch's A fragments are unpacked (gemv8w_q4_n32s:
+// SUB = 2 keeps half the int32 results and A registers live, so the 32-lane kernel fits 3 CTAs per SM with a
+// ring of STAGES = GWG_STAGES_N32S); each chunk's terms still go to its own residue partial in chunk order.
+template <int NL, int TWO = 0, int SUB = GWG_CPS, int STAGES = GWG_STAGES>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
     typedef WgStage<NL> SG;
     static_assert(NL == 8 || NL == 16 || NL == 32, "wg_mma's shapes");
     static_assert(NL <= GWG_MAX_LANES && (NL <= GEMV_MAX_LANES || NL == 2 * GEMV_MAX_LANES), "xs: one or two halves");
-    constexpr int S = GWG_STAGES, CPS = GWG_CPS, NT = NL / 8, ND = NL / 2;
+    constexpr int S = STAGES, CPS = GWG_CPS, NT = NL / 8, ND = NL / 2;
+    static_assert(CPS % SUB == 0, "whole batches of chunks a stage");
     static_assert(GEMV_WARPS % CPS == 0 && (GEMV_WARPS / CPS) == 2, "two stages span the 8 residues");
     extern __shared__ __align__(128) u8 dyn_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -319,6 +347,32 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         cp_async_commit();
         const u8* st = dyn_smem + rd * SG::BYTES;
         const u64 xd = xdesc0 + (u64)((rd * SG::BYTES) >> 4);
+        if constexpr (SUB < CPS) {
+            const u8* ab = rbase + rd * SG::BYTES;
+            rd = rd + 1 == S ? 0 : rd + 1;
+            wr = wr + 1 == S ? 0 : wr + 1;
+#pragma unroll
+            for (int b = 0; b < CPS; b += SUB) {
+                u32 a[SUB][2][4];
+                int dd[SUB][ND];
+#pragma unroll
+                for (int jj = 0; jj < SUB; jj++) wg_load_a(ab + (b + jj) * SG::WC, g, sgn, a[jj]);
+                wg_fence();  // also orders the previous batch's epilogue reads of dd before these wgmmas
+#pragma unroll
+                for (int jj = 0; jj < SUB; jj++) {
+                    wg_mma<NL, 0>(dd[jj], a[jj][0], xd + ((b + jj) * SG::XC >> 4));
+                    wg_mma<NL, 1>(dd[jj], a[jj][1], xd + (((b + jj) * SG::XC + NL * 32) >> 4));
+                }
+                wg_commit();
+                wg_wait0();
+#pragma unroll
+                for (int jj = 0; jj < SUB; jj++) wg_reg_fence(dd[jj]);
+#pragma unroll
+                for (int jj = 0; jj < SUB; jj++) wg_epilogue<NL, PASSES, PAR, FULL>(st, b + jj, dd[jj], acc, first(k), c1,
+                                                                                     warp, g, t);
+            }
+            return;
+        }
         u32 a[CPS][2][4];
         int dd[CPS][ND];
 #pragma unroll
@@ -336,24 +390,8 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         for (int j = 0; j < CPS; j++) wg_reg_fence(dd[j]);
         rd = rd + 1 == S ? 0 : rd + 1;
         wr = wr + 1 == S ? 0 : wr + 1;
-        // gemv.cu compute_stage8's arithmetic, term for term (q4 codes carry a factor 16)
 #pragma unroll
-        for (int j = 0; j < CPS; j++) {
-            constexpr int R0 = PASSES == 1 ? PAR * CPS : 0;
-            if (!FULL && first(k) + j >= c1) continue;
-            const u32 sv = *reinterpret_cast<const u32*>(st + SG::S_OFF + (j * GEMV_R + warp) * 32 + g * 4);
-            const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
-#pragma unroll
-            for (int i = 0; i < NT; i++) {
-                const float2 x0 = *reinterpret_cast<const float2*>(st + SG::XS_OFF + (j * NL + 8 * i + 2 * t) * 4);
-                const float2 x2 = make_float2(x0.x * 0.0625f, x0.y * 0.0625f);
-                float* p = acc[R0 + j][i];
-                p[0] = fmaf(s_lo * x2.x, (float)dd[j][4 * i + 0], p[0]);
-                p[1] = fmaf(s_lo * x2.y, (float)dd[j][4 * i + 1], p[1]);
-                p[2] = fmaf(s_hi * x2.x, (float)dd[j][4 * i + 2], p[2]);
-                p[3] = fmaf(s_hi * x2.y, (float)dd[j][4 * i + 3], p[3]);
-            }
-        }
+        for (int j = 0; j < CPS; j++) wg_epilogue<NL, PASSES, PAR, FULL>(st, j, dd[j], acc, first(k), c1, warp, g, t);
     };
     float* red0 = reinterpret_cast<float*>(dyn_smem);
     if constexpr (PASSES == 1) {
@@ -426,19 +464,22 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 
 // xq / xs / sgn / nlanes / lane0: as gemv.cu's gemv8_* kernels (the a8 activations of the launch's lanes;
 // gemv8w_q4_n32: xq rows 0 .. 31, xs two [ldq / 64][GEMV_MAX_LANES] halves, lanes 16 .. 31 in the second)
-#define GWG_KERNEL(NAME, NL, CTAS, TWO)                                                                        \
+// TWO / SUB / STAGES: wg_body's (the walk, chunks per tensor-core batch, ring depth)
+#define GWG_KERNEL(NAME, NL, CTAS, TWO, SUB, STAGES)                                                           \
     extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
-        GWG_CALL(NL, TWO)                                                                                      \
+        GWG_CALL(NL, TWO, SUB, STAGES)                                                                         \
     }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GWG_CALL(NL, TWO) wg_body<NL, TWO>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
+#define GWG_CALL(NL, TWO, SUB, STAGES) wg_body<NL, TWO, SUB, STAGES>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
 #else
-#define GWG_CALL(NL, TWO) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
+#define GWG_CALL(NL, TWO, SUB, STAGES) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
 #endif
-GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8, 0)
-GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16, 0)
-GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32, 0)
-GWG_KERNEL(gemv8w_q4_n16t, 16, GWG_CTAS_N16T, 1)  // kernels.gemv_wg_kernel under GWG_N16_TWO
+GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8, 0, GWG_CPS, GWG_STAGES)
+GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16, 0, GWG_CPS, GWG_STAGES)
+GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32, 0, GWG_CPS, GWG_STAGES)
+// kernels.gemv_wg_kernel under GWG_N16_TWO / GWG_N32_SUB
+GWG_KERNEL(gemv8w_q4_n16t, 16, GWG_CTAS_N16T, 1, GWG_CPS, GWG_STAGES)
+GWG_KERNEL(gemv8w_q4_n32s, 32, GWG_CTAS_N32S, 0, GWG_SUB_N32S, GWG_STAGES_N32S)
 

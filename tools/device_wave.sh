@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first cold n16t gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first cold n16t n32s gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -269,6 +269,16 @@ PY
         for t in 0 1; do
           timeout 110 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t > "$OUT/n16t_steps$t.txt" 2>&1 || rc=1
           echo "--- steps, GWG_N16_TWO=$t"; grep -E "^prefetch|read probe" "$OUT/n16t_steps$t.txt"
+        done ;;
+    n32s)  # the 32-lane gemv_wg at 3 CTAs per SM (gemv8w_q4_n32s: two chunks a tensor-core batch, a 4-stage ring; constants
+           # GWG_N32_SUB; ~3 min): its bitwise GPU tests, then the 27B probe at 16 / 24 / 32 lanes off vs on, and on with one
+           # chunk a batch (GWG_SUB_N32S=1: fewer registers live, more waits)
+        timeout 150 $PYTEST tests/gpu/test_gemv_wg.py -k n32s > "$OUT/n32s_tests.txt" 2>&1 || rc=1
+        tail -3 "$OUT/n32s_tests.txt"
+        for sets in "GWG_N32_SUB=0" "GWG_N32_SUB=1" "GWG_N32_SUB=1 GWG_SUB_N32S=1"; do
+          timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 16 24 32 --set $sets \
+            > "$OUT/n32s_probe.txt" 2>&1 || rc=1
+          echo "--- probe, $sets"; grep -vE "^(NVIDIA|launch)" "$OUT/n32s_probe.txt" | tail -10
         done ;;
     gwgncu)  # why gemv_wg stops short of the read probe (issues 10 / 15; ~4 min): ncu stall reasons, pipe use and
              # SM-active / elapsed cycles (the wave tail) of gate_up at 1 and 32 lanes and down at 1 lane, then the

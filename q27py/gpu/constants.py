@@ -62,6 +62,12 @@ GWG_CTAS_N8, GWG_CTAS_N16, GWG_CTAS_N32 = 3, 2, 2
 # switch (the bench tools' `--set GWG_N16_TWO=1`); 0 (default) until a device run has held it bitwise and measured it
 GWG_CTAS_N16T = 3
 GWG_N16_TWO = 0
+# 17-32 lanes on gemv8w_q4_n32s: each stage's chunks go to the tensor cores GWG_SUB_N32S at a time (half the int32
+# results and A fragments live), a ring of GWG_STAGES_N32S stages, GWG_CTAS_N32S CTAs per SM (12 warps instead of 8;
+# ncu: the 32-lane kernel issues 0.35 instructions per scheduler-cycle, latency-bound). Bitwise the same sums.
+# Python-side switch (`--set GWG_N32_SUB=1`); 0 (default) until a device run has held it bitwise and measured it
+GWG_SUB_N32S, GWG_STAGES_N32S, GWG_CTAS_N32S = 2, 4, 3
+GWG_N32_SUB = 0
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

@@ -250,26 +250,35 @@ GEMV_WGMMA = _gemv_wgmma_default()
 
 
 def gemv_wg_kernel(nl: int) -> str:
-    """The cuda/gemv_wg.cu entry of width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or at 16 lanes its two-pass entry
-    gemv8w_q4_n16t (3 CTAs per SM, bitwise the same) where the constants table's GWG_N16_TWO says so."""
+    """The cuda/gemv_wg.cu entry of width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or (3 CTAs per SM, bitwise the same)
+    at 16 lanes its two-pass entry gemv8w_q4_n16t where the constants table's GWG_N16_TWO says so, at 32 its
+    batched-epilogue entry gemv8w_q4_n32s where GWG_N32_SUB does."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
-    return "gemv8w_q4_n16t" if nl == 16 and C.GWG_N16_TWO else f"gemv8w_q4_n{nl}"
+    if nl == 16 and C.GWG_N16_TWO:
+        return "gemv8w_q4_n16t"
+    if nl == GWG_MAX_LANES and C.GWG_N32_SUB:
+        return "gemv8w_q4_n32s"
+    return f"gemv8w_q4_n{nl}"
 
 
 def gemv_wg_ctas(nl: int) -> int:
     """Resident CTAs per SM of gemv_wg_kernel(nl) (its launch bounds)."""
     if nl == 16:
         return C.GWG_CTAS_N16T if C.GWG_N16_TWO else C.GWG_CTAS_N16
-    return {8: C.GWG_CTAS_N8, GWG_MAX_LANES: C.GWG_CTAS_N32}[nl]
+    if nl == GWG_MAX_LANES:
+        return C.GWG_CTAS_N32S if C.GWG_N32_SUB else C.GWG_CTAS_N32
+    return C.GWG_CTAS_N8
 
 
 def gemv_wg_shared_bytes(nl: int) -> int:
-    """Dynamic shared memory of one gemv_wg CTA of nl = 8 / 16 / 32 lanes (WgStage<NL>::BYTES x GWG_STAGES;
-    the unit's reduced tile reuses it): per stage GWG_CPS chunks of 4 tiles' fragments, their scale words,
-    NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040 bytes."""
+    """Dynamic shared memory of one gemv_wg_kernel(nl) CTA, nl = 8 / 16 / 32 lanes (WgStage<NL>::BYTES x its
+    stages: GWG_STAGES, gemv8w_q4_n32s GWG_STAGES_N32S; the unit's reduced tile reuses it): per stage GWG_CPS chunks
+    of 4 tiles' fragments, their scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040
+    bytes (n32s: 69,632)."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
     stage = C.GWG_CPS * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
-    return max(C.GWG_STAGES * stage, GEMV_ROWS_PER_CTA * nl * 4)
+    stages = C.GWG_STAGES_N32S if (nl == GWG_MAX_LANES and C.GWG_N32_SUB) else C.GWG_STAGES
+    return max(stages * stage, GEMV_ROWS_PER_CTA * nl * 4)
 
 
 def gemv_wg_width(n: int) -> int:
