@@ -102,11 +102,12 @@ def first_token(engine, ids: list[int], stable: int, system: int | None = None) 
 
 
 def cold_first_token(make_engine, ids: list[int], stable: int, system: int | None = None) -> dict:
-    """first_token through a fresh engine, which is then collected. Why the collection: a LocalEngine holds
-    reference cycles, so dropping it frees nothing until the cycle collector runs; its device snapshots (~150 MB
-    each on the 27B) stay counted against the model's device snapshot budget (FastModel.device_snapshot_bytes,
-    shared by every engine of the process), and the next cold engine's checkpoints spilled to host copies (a
-    server has one engine: a bench artifact)."""
+    """first_token through a fresh engine, which is then collected. Why: an engine's device snapshots (~150 MB
+    each on the 27B) count against the model's device snapshot budget (FastModel.device_snapshot_bytes, shared by
+    every engine of the process); a LocalEngine held a reference cycle until 2026-12-06, so a dropped cold engine
+    kept them counted until the cycle collector ran and the next cold engine's checkpoints spilled to host copies
+    (a server has one engine: a bench artifact). The cycle is gone (tests/engine/test_engine_lifetime.py); the
+    collection keeps the bench honest against any new one."""
     import gc
 
     engine = make_engine()

@@ -145,8 +145,10 @@ class LocalEngine:
         # Output constraints: the vocabulary index (about 1.5 s for the 248K vocabulary) is built
         # when the server starts (serve calls constraints.prepare(), then gc.freeze), else on the first constrained
         # request; compiled grammars and their masks are kept.
-        self.constraints = ConstraintCache(
-            lambda: VocabIndex.from_tokenizer(tokenizer, self.model_config.vocab_size))
+        # (the factory closes over the vocabulary size, not self: an engine in a reference cycle outlives its last
+        # reference until the cycle collector runs, and with it its sequences' device snapshots)
+        vocab_size = self.model_config.vocab_size
+        self.constraints = ConstraintCache(lambda: VocabIndex.from_tokenizer(tokenizer, vocab_size))
 
     def compile_constraint(self, spec: OutputConstraint, stop_ids=frozenset()) -> ConstraintRun:
         """The request's constraint, compiled (GrammarError names what cannot be compiled)."""
