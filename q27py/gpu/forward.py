@@ -2069,12 +2069,11 @@ def graph_bytes_per_state(model: FastModel, e) -> int:
 def batch_graph_bytes(model: FastModel) -> int:
     """The model-level graphs' reserve (kvbudget.batch_graph_reserve): decode_batch widths, verify_batch /
     commit_batch keys, and mtp_draft_batch's ("mtp-batch", rows, chains, depth) chain graphs up to
-    MTP_CHAIN_DEPTH deep where the model batches MTP chains (mtp_batch_lanes; a stand-in model without it
-    batches none)."""
+    MTP_CHAIN_DEPTH deep where the model batches MTP chains (mtp_batch_lanes > 0)."""
     from q27py.model.kvbudget import batch_graph_reserve
 
     return batch_graph_reserve(model.max_batch, model.verify_lanes,
-                               mtp_lanes=getattr(model, "mtp_batch_lanes", 0), mtp_depth=MTP_CHAIN_DEPTH)
+                               mtp_lanes=model.mtp_batch_lanes, mtp_depth=MTP_CHAIN_DEPTH)
 
 
 def expansions_bytes(weights) -> int:

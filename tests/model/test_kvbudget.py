@@ -244,8 +244,9 @@ def test_model_level_batch_graphs_are_reserved_once():
     kv = F.bytes_per_token("bf16", F.Q27B_KV_LAYERS, F.Q27B_KV_HEADS, F.Q27B_HEAD_DIM)
 
     def plan_for(max_batch, verify_lanes=0):
+        # (mtp_batch_lanes 0: the MTP chain graphs are test_size_context_reserves_the_mtp_batch_graphs' subject)
         model = SimpleNamespace(rt=SimpleNamespace(cp=cp), kv_name="bf16", max_pos=MPE, cfg=qwen36_27b_config(),
-                                has_mtp=True, max_batch=max_batch, verify_lanes=verify_lanes,
+                                has_mtp=True, max_batch=max_batch, verify_lanes=verify_lanes, mtp_batch_lanes=0,
                                 memory_per_sequence=lambda positions: GDN_27B + positions * kv)
         size_context_to_memory(model, EngineConfig(prefill_weight_cache_gb=0))
         return model.slot_plan
