@@ -103,7 +103,7 @@ def _sized(free: int, expansions: int, monkeypatch, **engine):
     kv = F.bytes_per_token("bf16", F.Q27B_KV_LAYERS, F.Q27B_KV_HEADS, F.Q27B_HEAD_DIM)
     cfg = qwen36_27b_config()
     model = SimpleNamespace(rt=SimpleNamespace(cp=cp), kv_name="bf16", max_pos=cfg.max_position_embeddings, cfg=cfg,
-                            has_mtp=True, max_batch=16, verify_lanes=0, w=None,
+                            has_mtp=True, max_batch=16, verify_lanes=0, mtp_batch_lanes=0, w=None,
                             memory_per_sequence=lambda positions: (150 << 20) + positions * kv)
     forward.configure_memory(model, EngineConfig(**engine))
     cache = blas.weight_cache()
@@ -152,7 +152,7 @@ def test_auto_cache_beside_fixed_slots_and_window(monkeypatch):
     from q27py.model.config import qwen36_27b_config
 
     model = SimpleNamespace(rt=SimpleNamespace(cp=cp), max_pos=32768, cfg=qwen36_27b_config(), has_mtp=True,
-                            max_batch=16, verify_lanes=0, w=None, memory_per_sequence=lambda positions: 8 * GIB)
+                            max_batch=16, verify_lanes=0, mtp_batch_lanes=0, w=None, memory_per_sequence=lambda positions: 8 * GIB)
     e = EngineConfig(max_context=32768, max_slots=6)
     forward.configure_memory(model, e)
     want = free - 6 * (8 * GIB + forward.graph_bytes_per_state(model, e)) - batch_graph_reserve(16) - e.kv_safety_margin_bytes
