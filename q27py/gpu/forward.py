@@ -1828,7 +1828,7 @@ class FastModel:
         arrays = {}
         for name, arr in (("gdn", state.gdn), ("window", state.window)):
             mem = cp.cuda.alloc_pinned_memory(max(1, arr.nbytes))  # CuPy's pinned pool: reused once freed
-            out = np.frombuffer(mem, dtype=arr.dtype, count=arr.size).reshape(arr.shape)
+            out = np.ndarray(arr.shape, dtype=arr.dtype, buffer=mem)  # as cupyx.empty_pinned makes it (writable)
             arr.get(stream=self.stream, out=out, blocking=False)
             arrays[name] = out
         return HostSnapshot(arrays, self.stream.record(), nbytes)
