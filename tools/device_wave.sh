@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first cold n16t n32s gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -279,6 +279,25 @@ PY
           timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 16 24 32 --set $sets \
             > "$OUT/n32s_probe.txt" 2>&1 || rc=1
           echo "--- probe, $sets"; grep -vE "^(NVIDIA|launch)" "$OUT/n32s_probe.txt" | tail -10
+        done ;;
+    next)  # the session after 2026-12-06 in one call (~8 min): the cold-turn fixes (GPU rewind test, bench replay), then
+           # the two 3-CTA gemv_wg entries (n16t, n32s): their bitwise tests, the 27B probe at 1 / 16 / 32 lanes both off
+           # vs both on, and the decode / verify / batched steps both off vs both on
+        timeout 60 $PYTEST tests/gpu/test_prefix_gpu.py -k rewind tests/gpu/test_host_snapshots.py > "$OUT/next_cold_tests.txt" 2>&1 || rc=1
+        tail -2 "$OUT/next_cold_tests.txt"
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 120 python3 -m q27py bench replay --random-weights 27b --tier q4s \
+          --system-tokens 20000 --turns 10 > "$OUT/next_replay.txt" 2>&1 || rc=1
+        tail -4 "$OUT/next_replay.txt"
+        timeout 100 $PYTEST tests/gpu/test_gemv_wg.py -k "n16t or n32s" > "$OUT/next_wg_tests.txt" 2>&1 || rc=1
+        tail -3 "$OUT/next_wg_tests.txt"
+        for t in 0 1; do
+          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 16 32 --set GWG_N16_TWO=$t GWG_N32_SUB=$t \
+            > "$OUT/next_probe$t.txt" 2>&1 || rc=1
+          echo "--- probe, n16t / n32s $t"; grep -vE "^(NVIDIA|launch)" "$OUT/next_probe$t.txt" | tail -10
+        done
+        for t in 0 1; do
+          timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/next_steps$t.txt" 2>&1 || rc=1
+          echo "--- steps, n16t / n32s $t"; grep -E "^prefetch|read probe" "$OUT/next_steps$t.txt"
         done ;;
     gwgncu)  # why gemv_wg stops short of the read probe (issues 10 / 15; ~4 min): ncu stall reasons, pipe use and
              # SM-active / elapsed cycles (the wave tail) of gate_up at 1 and 32 lanes and down at 1 lane, then the
