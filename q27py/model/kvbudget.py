@@ -131,21 +131,26 @@ BATCH_GRAPH_BYTES = 4 << 20
 MTP_BATCH_STEP_BYTES = 2 * BATCH_GRAPH_BYTES // 64
 
 
+def lane_group_pairs(max_batch: int, lanes: int) -> int:
+    """(rows, groups) pairs of a sweep of at most `lanes` rows cut into 1 <= groups <= min(max_batch, rows)
+    groups of at least one row: the keys of verify_batch's graphs, and per depth of mtp_draft_batch's
+    (136 for 16 and 16)."""
+    return sum(min(int(max_batch), rows) for rows in range(1, max(0, int(lanes)) + 1))
+
+
 def mtp_batch_graph_keys(max_batch: int, mtp_lanes: int, depth: int) -> int:
     """The ("mtp-batch", rows, chains, d) keys FastModel.mtp_draft_batch can capture: rows <= mtp_lanes
     step-0 rows of a part (mtp_batch_parts), 1 <= chains <= min(max_batch, rows) (every chain has at least
     one row; LocalEngine.run_drafts hands max_batch chains at a time), and every depth d = 1..depth (the
     engine asks for its deepest chain's, any of them): 136 x depth for 16 and 16."""
-    lanes, d = max(0, int(mtp_lanes)), max(0, int(depth))
-    return sum(min(int(max_batch), rows) for rows in range(1, lanes + 1)) * d if d else 0
+    return lane_group_pairs(max_batch, mtp_lanes) * max(0, int(depth))
 
 
 def mtp_batch_graph_reserve(max_batch: int, mtp_lanes: int, depth: int) -> int:
     """Bytes mtp_batch_graph_keys' graphs can take: per (rows, chains) pair one graph of each depth
     d = 1..depth, d x MTP_BATCH_STEP_BYTES each (so the keys x the mean depth's graph)."""
     d = max(0, int(depth))
-    pairs = mtp_batch_graph_keys(max_batch, mtp_lanes, 1)
-    return pairs * (d * (d + 1) // 2) * MTP_BATCH_STEP_BYTES
+    return lane_group_pairs(max_batch, mtp_lanes) * (d * (d + 1) // 2) * MTP_BATCH_STEP_BYTES
 
 
 def batch_graph_reserve(max_batch: int, verify_lanes: int = 0, *, mtp_lanes: int = 0, mtp_depth: int = 0) -> int:
@@ -163,7 +168,7 @@ def batch_graph_reserve(max_batch: int, verify_lanes: int = 0, *, mtp_lanes: int
     graphs = max(0, int(max_batch) - 1)
     v = max(0, int(verify_lanes))
     if v:
-        graphs += sum(min(int(max_batch), lanes) for lanes in range(1, v + 1)) + min(int(max_batch), v)
+        graphs += lane_group_pairs(max_batch, v) + min(int(max_batch), v)
     return graphs * BATCH_GRAPH_BYTES + mtp_batch_graph_reserve(max_batch, mtp_lanes, mtp_depth)
 
 

@@ -664,20 +664,27 @@ def test_wg_is_bitwise_gemv8_under_forced_splits(cp, rows, cols, splits, n):
     assert np.isfinite(ref[0]).all()
 
 
+def _switched_pair(cp, monkeypatch, switch, specs, n, seed, partition=None):
+    """_pair with the constants table's `switch` on (an experimental gemv_wg entry); the outputs are asserted bit
+    for bit equal and finite here, the "all" run's launches returned for the caller's entry check."""
+    from q27py.gpu import kernels as K
+
+    monkeypatch.setattr(C, switch, 1)
+    seen = []
+    got, ref = _pair(cp, K, specs, n, partition=partition, seed=seed, record=seen)
+    for a, b in zip(got, ref):
+        assert np.isfinite(b).all()
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    return [k for m, k in seen if m == "gemv_wg"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
 @pytest.mark.parametrize("n", [9, 16])
 def test_n16t_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
     """GWG_N16_TWO: 9-16 lanes on gemv8w_q4_n16t (the two-pass walk at 3 CTAs per SM), bit for bit gemv8_q4_*."""
-    from q27py.gpu import kernels as K
-
-    monkeypatch.setattr(C, "GWG_N16_TWO", 1)
-    seen = []
-    got, ref = _pair(cp, K, _specs_27b(name), n, seed=n + 5, record=seen)
-    assert "gemv8w_q4_n16t" in [k for m, k in seen if m == "gemv_wg"], seen
-    for a, b in zip(got, ref):
-        assert np.isfinite(b).all()
-        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    wg = _switched_pair(cp, monkeypatch, "GWG_N16_TWO", _specs_27b(name), n, n + 5)
+    assert "gemv8w_q4_n16t" in wg, wg
 
 
 @pytest.mark.gpu
@@ -686,10 +693,8 @@ def test_n16t_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
 def test_n16t_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
     from q27py.gpu import kernels as K
 
-    monkeypatch.setattr(C, "GWG_N16_TWO", 1)
-    got, ref = _pair(cp, K, [(rows, cols, L.FMT_Q4, K.MODE_STORE)], 13, partition=(1, splits), seed=rows + splits)
-    np.testing.assert_array_equal(got[0].view(np.uint32), ref[0].view(np.uint32))
-    assert np.isfinite(ref[0]).all()
+    _switched_pair(cp, monkeypatch, "GWG_N16_TWO", [(rows, cols, L.FMT_Q4, K.MODE_STORE)], 13, rows + splits,
+                   partition=(1, splits))
 
 
 @pytest.mark.gpu
@@ -697,15 +702,8 @@ def test_n16t_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, 
 @pytest.mark.parametrize("n", [17, 32])
 def test_n32s_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
     """GWG_N32_SUB: 17-32 lanes on gemv8w_q4_n32s (two chunks a tensor-core batch, 3 CTAs per SM), bit for bit."""
-    from q27py.gpu import kernels as K
-
-    monkeypatch.setattr(C, "GWG_N32_SUB", 1)
-    seen = []
-    got, ref = _pair(cp, K, _specs_27b(name), n, seed=n + 7, record=seen)
-    assert [k for m, k in seen if m == "gemv_wg"] == ["gemv8w_q4_n32s"], seen
-    for a, b in zip(got, ref):
-        assert np.isfinite(b).all()
-        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    wg = _switched_pair(cp, monkeypatch, "GWG_N32_SUB", _specs_27b(name), n, n + 7)
+    assert wg == ["gemv8w_q4_n32s"], wg
 
 
 @pytest.mark.gpu
@@ -713,10 +711,8 @@ def test_n32s_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
 def test_n32s_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
     from q27py.gpu import kernels as K
 
-    monkeypatch.setattr(C, "GWG_N32_SUB", 1)
-    got, ref = _pair(cp, K, [(rows, cols, L.FMT_Q4, K.MODE_STORE)], 27, partition=(1, splits), seed=rows + splits)
-    np.testing.assert_array_equal(got[0].view(np.uint32), ref[0].view(np.uint32))
-    assert np.isfinite(ref[0]).all()
+    _switched_pair(cp, monkeypatch, "GWG_N32_SUB", [(rows, cols, L.FMT_Q4, K.MODE_STORE)], 27, rows + splits,
+                   partition=(1, splits))
 
 
 @pytest.mark.gpu
