@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench gateup gateupturn first cold n16t n32s next gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -196,6 +196,18 @@ t = time.time(); Runtime.get().warm_all(workers=$w or None); print('warm_all ($k
             --streams ${STREAMS:-1 2 4 8 16} --no-mixed --traces q27py/bench/data/spec_traces.json \
             q27py/bench/data/spec_traces_code.json > "$OUT/groups_load$g.txt" 2>&1 || rc=1
           echo "--- verify groups $g"; tail -8 "$OUT/groups_load$g.txt"
+        done ;;
+    hostprof)  # (~3 min) where the load bench's rounds go on the host (issue 15: C=1 decodes at 278 t/s in the load bench
+               # against ~470 in the spec replay; C=16 runs ~28 ms rounds against a ~12 ms 16-lane sweep): cProfile over
+               # `bench load` at C=1 and C=16, the top functions by own and cumulative time
+        for c in 1 16; do
+          timeout ${LOAD_S:-150} python3 -m cProfile -o "$OUT/hostprof$c.prof" -m q27py bench load --random-weights 27b \
+            --tier q4s --streams $c --no-mixed --traces q27py/bench/data/spec_traces.json \
+            q27py/bench/data/spec_traces_code.json > "$OUT/hostprof$c.txt" 2>&1 || rc=1
+          grep -E "C=" "$OUT/hostprof$c.txt"
+          python3 -c "import pstats,sys; s=pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(28); s.sort_stats('cumulative').print_stats(45)" \
+            "$OUT/hostprof$c.prof" > "$OUT/hostprof${c}_stats.txt" 2>&1 || rc=1
+          grep -A32 "tottime" "$OUT/hostprof${c}_stats.txt" | head -34 | cut -c1-150
         done ;;
     first)  # one call (~9 min) when a session gets a single machine: the verify-group / batched-chain / solo-chain /
             # hidden-row / prefix GPU tests with Q27_VERIFY_GROUPS=1 (the 27B-heads chain tests and the reset test
