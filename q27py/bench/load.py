@@ -250,6 +250,14 @@ def _assumed_graph_bytes(engine) -> int | None:
     return graph_bytes_per_state(engine.model, engine.cfg.engine)
 
 
+def _reserved_model_graph_bytes(engine) -> int | None:
+    if engine.cfg.engine.device != "cuda" or not hasattr(engine.model, "graphs"):
+        return None
+    from q27py.gpu.forward import batch_graph_bytes
+
+    return batch_graph_bytes(engine.model)
+
+
 def memory(engine) -> dict:
     seqs = list(getattr(engine.prefix, "slots", []))
     state = max((_state_bytes(s.state) for s in seqs), default=0)
@@ -261,6 +269,11 @@ def memory(engine) -> dict:
         "state_bytes": state, "graph_bytes_per_state": measured,
         "graph_bytes_per_state_assumed": _assumed_graph_bytes(engine),
         "memory_per_slot_bytes": state + (measured or 0), "live_sequences": len(seqs),
+        # the model-level graphs (decode_batch widths, verify / commit groups, mtp-batch chains): captured so
+        # far, the device bytes they took, and what the slot plan reserved for all of them (kvbudget)
+        "model_graphs": len(getattr(graphs, "model_graphs", {}) or {}) if graphs is not None else None,
+        "model_graph_bytes": int(graphs.model_bytes) if graphs is not None and hasattr(graphs, "model_bytes") else None,
+        "model_graph_bytes_reserved": _reserved_model_graph_bytes(engine),
         "slot_plan": plan.describe() if plan is not None else None,
     }
 
@@ -334,5 +347,8 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
     log(f"memory per slot {mem['memory_per_slot_bytes'] / 2**20:.1f} MiB (state {mem['state_bytes'] / 2**20:.1f} MiB"
         + (f", graphs {mem['graph_bytes_per_state'] / 2**20:.1f} MiB measured, "
            f"{mem['graph_bytes_per_state_assumed'] / 2**20:.0f} MiB assumed" if mem["graph_bytes_per_state"] is not None
-           and mem["graph_bytes_per_state_assumed"] else "") + ")")
+           and mem["graph_bytes_per_state_assumed"] else "") + ")"
+        + (f"; model-level graphs {mem['model_graphs']} captured, {mem['model_graph_bytes'] / 2**20:.1f} MiB measured, "
+           f"{mem['model_graph_bytes_reserved'] / 2**20:.0f} MiB reserved" if mem["model_graph_bytes"] is not None
+           and mem["model_graph_bytes_reserved"] is not None else ""))
     return out

@@ -61,6 +61,7 @@ def test_report_structure_and_interleaving(fast, tok):
     mem = r["memory"]
     assert mem["state_bytes"] > 0 and mem["memory_per_slot_bytes"] == mem["state_bytes"]
     assert mem["graph_bytes_per_state"] is None and mem["live_sequences"] >= 3
+    assert mem["model_graphs"] is None and mem["model_graph_bytes_reserved"] is None  # no CUDA graphs here
     json.dumps(r)  # the report is plain JSON
 
 

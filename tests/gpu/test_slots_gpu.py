@@ -118,6 +118,9 @@ def test_load_bench_on_the_fast_path(model, tok):
     mem = r["memory"]
     assert mem["state_bytes"] == model.new_state().nbytes()  # the whole window, allocated up front
     assert mem["graph_bytes_per_state"] is not None and mem["graph_bytes_per_state_assumed"] > 0
+    # the model-level graphs the run captured fit what the slot plan set aside for all of them
+    assert mem["model_graph_bytes"] is not None and mem["model_graph_bytes_reserved"] is not None
+    assert mem["model_graph_bytes"] <= mem["model_graph_bytes_reserved"]
 
 
 def test_auto_slots_are_sized_from_memory_and_reach_the_engine(tok):
