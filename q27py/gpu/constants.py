@@ -59,15 +59,20 @@ GWG_CTAS_N8, GWG_CTAS_N16, GWG_CTAS_N32 = 3, 2, 2
 # 9-16 lanes on gemv8w_q4_n16t: the 32-lane two-pass walk (4 residue partials live, bitwise the same) at
 # GWG_CTAS_N16T resident CTAs per SM (12 warps instead of 8: ncu found the 16-lane kernel latency-bound, 0.43
 # issued per scheduler-cycle, SM active 70% of its elapsed cycles over 2.06 waves of gate_up). Python-side
-# switch (the bench tools' `--set GWG_N16_TWO=1`); 0 (default) until a device run has held it bitwise and measured it
+# switch (the bench tools' `--set GWG_N16_TWO=V`): 0 never, 1 every launch, 2 (default) launches of more units than
+# one wave of the plain entry (GWG_CTAS_N16 per SM), the only ones a third CTA per SM can reach. Why by launch: the
+# H200 (2026-12-06 session 2, docs/PERF.md) measured n16t 19% faster on gate_up (544 units: 1,764 -> 2,104 GB/s)
+# and 9% on lm_head (3,880 units), but 17-22% slower on every launch of at most 256 units (down, gdn_in,
+# attn_in, gdn_out, attn_o), where the two-pass walk only costs.
 GWG_CTAS_N16T = 3
-GWG_N16_TWO = 0
+GWG_N16_TWO = 2
 # 17-32 lanes on gemv8w_q4_n32s: each stage's chunks go to the tensor cores GWG_SUB_N32S at a time (half the int32
 # results and A fragments live), a ring of GWG_STAGES_N32S stages, GWG_CTAS_N32S CTAs per SM (12 warps instead of 8;
 # ncu: the 32-lane kernel issues 0.35 instructions per scheduler-cycle, latency-bound). Bitwise the same sums.
-# Python-side switch (`--set GWG_N32_SUB=1`); 0 (default) until a device run has held it bitwise and measured it
+# Python-side switch (`--set GWG_N32_SUB=V`), values as GWG_N16_TWO's (the same H200 run: gate_up 1,009 -> 1,215
+# GB/s, lm_head 1,476 -> 1,585, the launches of at most 256 units 14-27% slower)
 GWG_SUB_N32S, GWG_STAGES_N32S, GWG_CTAS_N32S = 2, 4, 3
-GWG_N32_SUB = 0
+GWG_N32_SUB = 2
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

@@ -249,35 +249,46 @@ def gemv_wgmma_mode(mode: str) -> str:
 GEMV_WGMMA = _gemv_wgmma_default()
 
 
-def gemv_wg_kernel(nl: int) -> str:
-    """The cuda/gemv_wg.cu entry of width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or (3 CTAs per SM, bitwise the same)
-    at 16 lanes its two-pass entry gemv8w_q4_n16t where the constants table's GWG_N16_TWO says so, at 32 its
-    batched-epilogue entry gemv8w_q4_n32s where GWG_N32_SUB does."""
+def _wg_three(nl: int, units: int | None) -> bool:
+    """Whether a launch of `units` CTAs at width nl runs its 3-CTA entry (gemv8w_q4_n16t / n32s): the constants
+    table's GWG_N16_TWO / GWG_N32_SUB, 0 never, 1 always, 2 when the launch has more units than one wave of the
+    plain entry (GWG_CTAS_N16 / GWG_CTAS_N32 per SM) -- units None (no launch in view): the plain entry."""
+    mode = C.GWG_N16_TWO if nl == 16 else C.GWG_N32_SUB if nl == GWG_MAX_LANES else 0
+    if mode == 1:
+        return True
+    if mode != 2 or units is None:
+        return False
+    plain = C.GWG_CTAS_N16 if nl == 16 else C.GWG_CTAS_N32
+    return units > plain * Runtime.get().sm_count
+
+
+def gemv_wg_kernel(nl: int, units: int | None = None) -> str:
+    """The cuda/gemv_wg.cu entry of a launch of `units` CTAs at width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or (3 CTAs
+    per SM, bitwise the same) at 16 lanes its two-pass entry gemv8w_q4_n16t, at 32 its batched-epilogue entry
+    gemv8w_q4_n32s, where _wg_three says so."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
-    if nl == 16 and C.GWG_N16_TWO:
-        return "gemv8w_q4_n16t"
-    if nl == GWG_MAX_LANES and C.GWG_N32_SUB:
-        return "gemv8w_q4_n32s"
+    if _wg_three(nl, units):
+        return "gemv8w_q4_n16t" if nl == 16 else "gemv8w_q4_n32s"
     return f"gemv8w_q4_n{nl}"
 
 
-def gemv_wg_ctas(nl: int) -> int:
-    """Resident CTAs per SM of gemv_wg_kernel(nl) (its launch bounds)."""
+def gemv_wg_ctas(nl: int, units: int | None = None) -> int:
+    """Resident CTAs per SM of gemv_wg_kernel(nl, units) (its launch bounds)."""
     if nl == 16:
-        return C.GWG_CTAS_N16T if C.GWG_N16_TWO else C.GWG_CTAS_N16
+        return C.GWG_CTAS_N16T if _wg_three(nl, units) else C.GWG_CTAS_N16
     if nl == GWG_MAX_LANES:
-        return C.GWG_CTAS_N32S if C.GWG_N32_SUB else C.GWG_CTAS_N32
+        return C.GWG_CTAS_N32S if _wg_three(nl, units) else C.GWG_CTAS_N32
     return C.GWG_CTAS_N8
 
 
-def gemv_wg_shared_bytes(nl: int) -> int:
-    """Dynamic shared memory of one gemv_wg_kernel(nl) CTA, nl = 8 / 16 / 32 lanes (WgStage<NL>::BYTES x its
+def gemv_wg_shared_bytes(nl: int, units: int | None = None) -> int:
+    """Dynamic shared memory of one gemv_wg_kernel(nl, units) CTA, nl = 8 / 16 / 32 lanes (WgStage<NL>::BYTES x its
     stages: GWG_STAGES, gemv8w_q4_n32s GWG_STAGES_N32S; the unit's reduced tile reuses it): per stage GWG_CPS chunks
     of 4 tiles' fragments, their scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040
     bytes (n32s: 69,632)."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
     stage = C.GWG_CPS * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
-    stages = C.GWG_STAGES_N32S if (nl == GWG_MAX_LANES and C.GWG_N32_SUB) else C.GWG_STAGES
+    stages = C.GWG_STAGES_N32S if (nl == GWG_MAX_LANES and _wg_three(nl, units)) else C.GWG_STAGES
     return max(stages * stage, GEMV_ROWS_PER_CTA * nl * 4)
 
 
@@ -510,10 +521,10 @@ class GemvPlan:
         nt = 1 if n <= 8 else 2
         if self._on_wg(fmt, units, cluster, n, pf):
             nl = 8 * nt
-            rt.launch("gemv_wg", gemv_wg_kernel(nl), units, 128,
+            rt.launch("gemv_wg", gemv_wg_kernel(nl, units), units, 128,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
                        np.uint32(0x80808080), i32(n), i32(l0)),
-                      shared_mem=gemv_wg_shared_bytes(nl))
+                      shared_mem=gemv_wg_shared_bytes(nl, units))
         elif self.a8 and fmt != L.FMT_BF16:
             rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
@@ -558,10 +569,10 @@ class GemvPlan:
         for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
             pf = self.pf if (final and li == last) else None
             if self._on_wg(fmt, units, cluster, n, pf):
-                rt.launch("gemv_wg", gemv_wg_kernel(GWG_MAX_LANES), units, 128,
+                rt.launch("gemv_wg", gemv_wg_kernel(GWG_MAX_LANES, units), units, 128,
                           (desc, i32(nmat), i32(units), self.xq, i32(ldq), self.xs,
                            np.uint32(0x80808080), i32(n), i32(l0)),
-                          shared_mem=gemv_wg_shared_bytes(GWG_MAX_LANES))
+                          shared_mem=gemv_wg_shared_bytes(GWG_MAX_LANES, units))
                 continue
             for h, (o, m, xq, xs) in enumerate(halves):
                 self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, m, l0 + o, pf if h else None, xq, xs)

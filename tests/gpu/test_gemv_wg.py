@@ -414,6 +414,36 @@ def test_sixteen_lanes_and_fewer_launch_as_before(plan_rt, n):
     assert c.smem == (54400 if n <= 8 else 65280)
 
 
+@pytest.mark.parametrize("n", [9, 16, 24, 32])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_three_cta_entries_by_launch(plan_rt, monkeypatch, n, mode):
+    """GWG_N16_TWO / GWG_N32_SUB = 2 (the default): a q4 launch of more units than one wave of the plain entry
+    (2 CTAs per SM: 264 on this 132-SM card) runs the 3-CTA entry (n16t / n32s, with its shared memory), a launch
+    of at most one wave the plain one -- the H200 measured the 3-CTA entries faster only on the former (gate_up's
+    544 units, lm_head's 3,880) and slower on every launch of <= 256 units. 0: never; 1: every launch."""
+    rt = plan_rt
+    monkeypatch.setattr(C, "GWG_N16_TWO", mode)
+    monkeypatch.setattr(C, "GWG_N32_SUB", mode)
+    wide = n > 16
+    for rows, many in ((64 * 265, True), (64 * 264, False)):
+        rt.calls.clear()
+        plan = _plan(rt, [(rows, 512, L.FMT_Q4)])
+        x = rt.cp.zeros((48, plan.kpad), np.float32)
+        plan.run(x, plan.kpad, n, allow_gemm=False)
+        (c,) = [c for c in rt.calls if c.module == "gemv_wg"]
+        assert c.grid == (rows // 64,)
+        three = mode == 1 or (mode == 2 and many)
+        if wide:
+            assert (c.kernel, c.smem) == (("gemv8w_q4_n32s", 69632) if three else ("gemv8w_q4_n32", 87040))
+        else:
+            assert (c.kernel, c.smem) == (("gemv8w_q4_n16t", 65280) if three else ("gemv8w_q4_n16", 65280))
+        assert _lanes(c) == (n, 0)
+    # 1-8 lanes have no 3-CTA twin
+    rt.calls.clear()
+    plan.run(x, plan.kpad, 8, allow_gemm=False)
+    assert [c.kernel for c in rt.calls if c.module == "gemv_wg"] == ["gemv8w_q4_n8"]
+
+
 @pytest.mark.parametrize("n", [24, 32])
 def test_without_n32_wide_blocks_are_two_narrow_blocks(plan_rt, n):
     """wgmma "off" (and a plan without the wide buffers) keeps today's loop: two 16-lane blocks, each
@@ -484,11 +514,16 @@ def test_wide_plans_size_their_split_partials_for_32_lanes(plan_rt):
 
 
 def test_n16t_selection(monkeypatch):
-    """GWG_N16_TWO picks the two-pass 16-lane entry and its residency; other widths keep theirs."""
+    """GWG_N16_TWO picks the two-pass 16-lane entry and its residency; other widths keep theirs. Without a
+    launch in view (units None) the by-launch default (2) keeps the plain entries."""
     from q27py.gpu import kernels as K
 
+    assert C.GWG_N16_TWO == 2 and C.GWG_N32_SUB == 2
     assert [K.gemv_wg_kernel(nl) for nl in (8, 16, 32)] == ["gemv8w_q4_n8", "gemv8w_q4_n16", "gemv8w_q4_n32"]
     assert K.gemv_wg_ctas(16) == C.GWG_CTAS_N16
+    monkeypatch.setattr(C, "GWG_N16_TWO", 0)
+    monkeypatch.setattr(C, "GWG_N32_SUB", 0)
+    assert [K.gemv_wg_kernel(nl, 10**6) for nl in (8, 16, 32)] == ["gemv8w_q4_n8", "gemv8w_q4_n16", "gemv8w_q4_n32"]
     monkeypatch.setattr(C, "GWG_N16_TWO", 1)
     assert [K.gemv_wg_kernel(nl) for nl in (8, 16, 32)] == ["gemv8w_q4_n8", "gemv8w_q4_n16t", "gemv8w_q4_n32"]
     assert K.gemv_wg_ctas(16) == C.GWG_CTAS_N16T == 3
@@ -527,7 +562,8 @@ def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
             "gemv8w_q4_n16t": C.GWG_CTAS_N16T, "gemv8w_q4_n32s": C.GWG_CTAS_N32S}
     bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
-    # n32s (off by default, a device experiment) spills ~120 bytes at 3 CTAs per SM; every other entry none
+    # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3
+    # CTAs per SM; every other entry none
     assert all(spill == 0 for k, (_regs, spill) in rep.items() if k != "gemv8w_q4_n32s"), rep
     assert rep["gemv8w_q4_n32s"][1] <= 128, rep
 
