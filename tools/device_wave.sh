@@ -312,21 +312,21 @@ PY
           echo "--- steps, n16t / n32s $t"; grep -E "^prefetch|read probe" "$OUT/next_steps$t.txt"
         done ;;
     wg3)  # (~8 min) the 3-CTA gemv_wg entries by launch (GWG_N16_TWO / GWG_N32_SUB = 2, the new default: only
-          # launches of more than one wave of the plain entry): the gemv_wg tests and the gates under it, then the
-          # probe at 1 / 9 / 16 / 32 lanes and the decode / verify / batched steps, 0 (never) vs 2 (by launch),
-          # then bench load with recorded acceptance (C = 1 2 4 8 16) under the default
+          # launches of more than one wave of the plain entry): the gemv_wg tests, the decode / verify / batched
+          # steps and the probe at 1 / 9 / 16 / 32 lanes, 0 (never) vs 2 (by launch), the gates under the default,
+          # then bench load with recorded acceptance (C = 1 2 4 8 16)
         timeout 120 $PYTEST tests/gpu/test_gemv_wg.py > "$OUT/wg3_tests.txt" 2>&1 || rc=1; tail -2 "$OUT/wg3_tests.txt"
-        timeout 150 python3 gates/run.py > "$OUT/wg3_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/wg3_gates.txt"
-        for t in 0 2; do
-          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 9 16 32 \
-            --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/wg3_probe$t.txt" 2>&1 || rc=1
-          echo "--- probe, 3-CTA entries $t"; grep -vE "^(NVIDIA|launch)" "$OUT/wg3_probe$t.txt" | tail -10
-        done
         for t in 0 2; do
           timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t GWG_N32_SUB=$t \
             > "$OUT/wg3_steps$t.txt" 2>&1 || rc=1
           echo "--- steps, 3-CTA entries $t"; grep -E "^prefetch|read probe" "$OUT/wg3_steps$t.txt"
         done
+        for t in 0 2; do
+          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 9 16 32 \
+            --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/wg3_probe$t.txt" 2>&1 || rc=1
+          echo "--- probe, 3-CTA entries $t"; grep -vE "^(NVIDIA|launch)" "$OUT/wg3_probe$t.txt" | tail -10
+        done
+        timeout 150 python3 gates/run.py > "$OUT/wg3_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/wg3_gates.txt"
         timeout ${LOAD_S:-200} python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 2 4 8 16 \
           --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
           > "$OUT/wg3_load.txt" 2>&1 || rc=1
