@@ -108,7 +108,8 @@ def drive(sched: Scheduler, after_round=None) -> dict:
         if after_round is not None:
             after_round()
     return {"rounds": rounds, "max_running": most, "batched_rounds": sched.batched_rounds,
-            "batched_lanes": sched.batched_lanes, "solo_turns": sched.solo_turns}
+            "batched_lanes": sched.batched_lanes, "solo_turns": sched.solo_turns,
+            "round_seconds": {k: round(v, 4) for k, v in sched.seconds.items()}}
 
 
 def _check(streams) -> None:
@@ -312,6 +313,9 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
             f"p99 {r['ttft_p99_s'] * 1000:7.1f} ms, gap p50 {(r['itl_p50_s'] or 0) * 1000:6.1f} "
             f"p99 {(r['itl_p99_s'] or 0) * 1000:6.1f} ms, {r['max_running']} running, "
             f"{r['batched_rounds']} batched rounds")
+        sec = r["round_seconds"]
+        log(f"       {r['rounds']} rounds, {r['solo_turns']} solo turns; seconds: shared {sec['shared']:.3f} (drafts "
+            f"{sec['drafts']:.3f}, sweep {sec['sweep']:.3f}), solo {sec['solo']:.3f}, prefill {sec['prefill']:.3f}")
     base = rows[0]["aggregate_tokens_per_s"] if rows and rows[0]["streams"] == 1 else None
     out = {
         "bench": "load", "device": device, "model": type(engine.model).__name__, "model_name": engine.model_name,

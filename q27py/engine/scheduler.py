@@ -161,6 +161,10 @@ class Scheduler:
         # the sharing slots' MTP chains run in one batch before the sweep (LocalEngine.batch_drafts, run_drafts)
         self.batch_drafts = bool(getattr(engine, "batch_drafts", False)) and self.sweep_lanes > 0
         self.solo_turns = 0  # own rounds run while two or more slots were decoding
+        # wall seconds by part of a round (the load bench reports them): "shared" rounds in all, and of them
+        # "drafts" (the batched MTP chains) and "sweep" (run_lanes: the verify / decode sweep, its picks
+        # read back), the rest being the slots' own host work; "solo" decode rounds; "prefill" pieces
+        self.seconds = {"shared": 0.0, "drafts": 0.0, "sweep": 0.0, "solo": 0.0, "prefill": 0.0}
         self._open_tap = open_tap
         self._on_change = on_change
         self._cond = threading.Condition()
@@ -255,8 +259,10 @@ class Scheduler:
                 warm = all(s.decode_steps for s in sharing)  # no first decode step (its one-off work) inside
                 t0 = self._clock()
                 lanes = self._shared_round(sharing)
+                took = self._clock() - t0
+                self.seconds["shared"] += took
                 if warm:
-                    self.policy.observe_shared(lanes, self._clock() - t0)
+                    self.policy.observe_shared(lanes, took)
             turns = [s for s, o in zip(decoding, own) if o]
             self.solo_turns += len(turns)
             slots = turns + prefilling
@@ -268,10 +274,14 @@ class Scheduler:
                 slot.decode_steps += 1
                 t0 = self._clock()
                 chunk = self._step(slot)
+                took = self._clock() - t0
+                self.seconds["solo"] += took
                 if warm and chunk is not None and chunk.token_ids and chunk.finish_reason is None:
-                    self.policy.observe_solo(slot.solo, len(chunk.token_ids), self._clock() - t0)
+                    self.policy.observe_solo(slot.solo, len(chunk.token_ids), took)
             else:
+                t0 = self._clock()
                 self._step(slot)
+                self.seconds["prefill"] += self._clock() - t0
         return bool(piece and prefilling)
 
     def _shared_round(self, slots: list[Slot]) -> int:
@@ -302,6 +312,7 @@ class Scheduler:
         if drafting:
             # every sharing slot's MTP chain in one batch (engine.run_drafts keeps failures per chain),
             # then each slot is resumed to hand out its group
+            t0 = self._clock()
             try:
                 self.engine.run_drafts([call for _, call in drafting])
             except Exception as exc:
@@ -309,12 +320,14 @@ class Scheduler:
                 for slot, _ in drafting:
                     self._fail(slot, exc)
                 drafting = []
+            self.seconds["drafts"] += self._clock() - t0
             for slot, _ in drafting:
                 chunk = self._resume_shared(slot, share[slot.index])
                 if chunk is not None:
                     self._take_lane(slot, chunk, False, lanes)
         if not lanes:
             return 0
+        t0 = self._clock()
         try:
             self.engine.run_lanes([lane for _, lane in lanes])
         except Exception as exc:  # run_lanes keeps failures per lane; anything else ends every lane's slot
@@ -322,6 +335,8 @@ class Scheduler:
             for slot, _ in lanes:
                 self._fail(slot, exc)
             return 0
+        finally:
+            self.seconds["sweep"] += self._clock() - t0
         if len(lanes) >= 2:
             self.batched_rounds += 1
             self.batched_lanes += len(lanes)

@@ -14,13 +14,13 @@ from q27py.engine.engine import LocalEngine
 ROW_KEYS = {"streams", "slots", "prompt_tokens", "gen_tokens", "tokens", "wall_s", "aggregate_tokens_per_s",
             "per_stream_decode_tokens_per_s_mean", "per_stream_decode_tokens_per_s_min", "per_stream_tokens_per_s_mean",
             "ttft_p50_s", "ttft_p99_s", "ttft_max_s", "itl_p50_s", "itl_p99_s", "overlapping_stream_pairs", "finish",
-            "rounds", "max_running", "batched_rounds", "batched_lanes", "solo_turns"}
+            "rounds", "max_running", "batched_rounds", "batched_lanes", "solo_turns", "round_seconds"}
 MIXED_KEYS = {"slots", "prefill_chunk", "interleave_chunk", "running_prompt_tokens", "long_prompt_tokens", "short_prompt_tokens",
               "short_gen_tokens", "running_itl_before_p50_s", "running_itl_during_prefill_p50_s",
               "running_itl_during_prefill_p99_s", "running_itl_during_prefill_max_s",
               "running_deliveries_during_prefill", "long_ttft_s", "short_ttft_s", "short_done_s",
               "short_first_before_long", "running_finish", "rounds", "max_running", "batched_rounds",
-              "batched_lanes", "solo_turns", "interleave_budget_ms", "piece_at_end"}
+              "batched_lanes", "solo_turns", "round_seconds", "interleave_budget_ms", "piece_at_end"}
 TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "batch_rounds", "batch_spec",
             "sweep_lanes", "batch_drafts", "recorded_acceptance", "interleave_chunk",
             "prompt_tokens", "gen_tokens", "concurrency", "aggregate_over_c1", "mixed", "memory"}
@@ -79,6 +79,12 @@ def test_batched_rounds_and_interleaved_prefill_are_counted(fast, tok):
     assert one["batched_rounds"] == 0 and one["tokens"] == 6  # alone: its own (speculative) rounds
     assert three["tokens"] == 18 and three["batched_rounds"] >= 3
     assert 2 * three["batched_rounds"] <= three["batched_lanes"] <= 3 * three["batched_rounds"]
+    # where the rounds' time went: shared rounds hold their sweeps (no batched drafting here), the lone
+    # stream only its own rounds and its prompt's prefill, and the parts sum to no more than the run
+    sec1, sec3 = one["round_seconds"], three["round_seconds"]
+    assert sec1["shared"] == sec1["sweep"] == sec1["drafts"] == 0 and sec1["solo"] > 0 and sec1["prefill"] > 0
+    assert 0 < sec3["sweep"] <= sec3["shared"] and sec3["drafts"] == 0 and sec3["prefill"] > 0
+    assert sec3["shared"] + sec3["solo"] + sec3["prefill"] <= three["wall_s"] + 1e-3
     m = r["mixed"]
     assert m["interleave_chunk"] == 16 and m["running_deliveries_during_prefill"] >= 640 // 16 - 4
     assert m["batched_rounds"] > 0  # the short request decoded beside the running stream
