@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof wg3 gateup gateupturn first cold n16t n32s next gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -331,6 +331,22 @@ PY
           --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
           > "$OUT/wg3_load.txt" 2>&1 || rc=1
         tail -7 "$OUT/wg3_load.txt" ;;
+    wg3s)  # wg3 without the test file, at fewer widths, with load at C = 1 and 16 only (~6 min; a short budget)
+        for t in 0 2; do
+          timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t GWG_N32_SUB=$t \
+            > "$OUT/wg3_steps$t.txt" 2>&1 || rc=1
+          echo "--- steps, 3-CTA entries $t"; grep -E "^prefetch|read probe" "$OUT/wg3_steps$t.txt"
+        done
+        for t in 0 2; do
+          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 9 16 32 \
+            --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/wg3_probe$t.txt" 2>&1 || rc=1
+          echo "--- probe, 3-CTA entries $t"; grep -vE "^(NVIDIA|launch)" "$OUT/wg3_probe$t.txt" | tail -10
+        done
+        timeout 150 python3 gates/run.py > "$OUT/wg3_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/wg3_gates.txt"
+        timeout ${LOAD_S:-150} python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 16 \
+          --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
+          > "$OUT/wg3_load.txt" 2>&1 || rc=1
+        tail -6 "$OUT/wg3_load.txt" ;;
     gwgncu)  # why gemv_wg stops short of the read probe (issues 10 / 15; ~4 min): ncu stall reasons, pipe use and
              # SM-active / elapsed cycles (the wave tail) of gate_up at 1 and 32 lanes and down at 1 lane, then the
              # probe at 1 / 16 lanes with the ring 4-7 stages deep (GWG_STAGES; 5 is the default)
