@@ -116,6 +116,9 @@ class LocalEngine:
         # which decoding slots share a round (engine/share_policy.py): adaptive only where solo rounds
         # can yield more than one token
         self.batch_spec = cfg.engine.batch_spec if isinstance(self.decoder, SpecDecoder) else "solo-only"
+        # the most tokens one of a slot's own rounds can commit (the verify width: every draft accepted); the
+        # share policy skips probes that could not pay even at this yield
+        self.solo_yield_max = int(self.decoder.width) if isinstance(self.decoder, SpecDecoder) else 1
         # lanes a shared round's sweep takes in all, drafts included (the scheduler shares them out:
         # Pace.lanes): the model's verify_batch width where drafts ride in the sweep, else 0 (plain
         # lanes through decode_batch, one per sharing slot)

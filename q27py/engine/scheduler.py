@@ -155,6 +155,8 @@ class Scheduler:
         # which decoding slots share a round and which run their own (speculative) round in turn
         mode = str(getattr(engine, "batch_spec", "solo-only") or "solo-only") if self._shares else "solo-only"
         self.policy = SharePolicy(mode)
+        # the most one solo round can commit (its verify width): probes that could not pay even so are skipped
+        self.policy.max_yield = int(getattr(engine, "solo_yield_max", 0) or 0)
         # lanes a shared round's sweep takes in all, drafts included (LocalEngine.sweep_lanes; 0: plain
         # lanes, one per sharing slot); each sharing slot's group gets its water-filled share (Pace.lanes)
         self.sweep_lanes = int(getattr(engine, "sweep_lanes", 0) or 0) if self._shares else 0

@@ -25,7 +25,15 @@ so it is measured, not guessed:
   round instead (a one-lane sweep is a plain step: the slot would give up its drafts).
 - a slot with no solo average borrows the others' mean; with none at all it is probed: one
   slot runs a solo round (the rest share), at most one probe per round, each slot's probes
-  spaced further apart (PROBE_FIRST rounds, doubling to PROBE_MAX) while they keep losing.
+  spaced further apart (PROBE_FIRST rounds, doubling to PROBE_MAX) while they keep losing;
+- a probe is skipped (its clock moves on as if it had lost) when even the best solo round the
+  decoder can make -- `max_yield` tokens (its verify width: every draft accepted), in the fastest
+  solo time measured -- could not raise the plan's tokens per second. Why: a probe stops every
+  other stream for one slot's round, and per-slot spacing lets C slots probe C times as often: at
+  C = 16 on an H100 (2026-12-06, `bench load` with recorded acceptance) 89 probes took 1.55 s of a
+  3.7 s run, for nothing -- a 16-lane sweep's ~1.2 tokens per ms is beyond any one slot's own
+  rounds (8 tokens in ~17 ms at best). A slot's first measured rounds can undershoot its steady
+  yield (the ladder is still learning), so the bound is the decoder's, not the measurements'.
 
 Modes: "adaptive" (above), "drafts" (every decoding slot shares, groups with drafts: the sweep
 alone) and "solo-only" (every decoding slot shares, plain lanes: speculation for a slot alone).
@@ -75,6 +83,10 @@ class SharePolicy:
     shared_cost: dict[int, float] = field(default_factory=dict)  # sharing slots -> seconds per shared round
     plans: int = 0  # rounds planned with two or more decoding slots
     probes: int = 0  # solo rounds run only to measure
+    # the most tokens one solo round can commit (the decoder's verify width; the scheduler sets it from
+    # LocalEngine.solo_yield_max); 0: unknown, every due probe runs
+    max_yield: int = 0
+    skipped_probes: int = 0  # probes due but not run: not even a max_yield round could beat the plan
 
     def observe_solo(self, stats: SoloStats, tokens: int, seconds: float) -> None:
         stats.add(tokens, seconds)
@@ -109,16 +121,20 @@ class SharePolicy:
         self.plans += 1
         if self.cost(n) is None:  # measure the sweep first
             return [False] * n
-        solo = self._best(stats)
-        # one probe per round: the shared slot whose probe is due first (never measured, or stale)
+        solo, tokens, seconds = self._best(stats)
+        # one probe per round: the shared slot whose probe is due first (never measured, or stale), unless
+        # no solo round of it could beat the plan (module docstring)
         due = [i for i in range(n) if not solo[i] and stats[i].probe_at <= self.plans]
         if due:
             i = min(due, key=lambda j: (stats[j].probe_at, j))
-            solo[i] = True
             s = stats[i]
             s.probe_at = self.plans + s.probe_every
             s.probe_every = min(PROBE_MAX, 2 * s.probe_every)
-            self.probes += 1
+            if self._could_pay(stats, i, n - sum(solo), tokens, seconds):
+                solo[i] = True
+                self.probes += 1
+            else:
+                self.skipped_probes += 1
         if sum(solo) == n - 1:  # a one-lane sweep is a plain step: that slot keeps its drafts
             solo = [True] * n
         for i in range(n):
@@ -126,21 +142,41 @@ class SharePolicy:
                 stats[i].probe_at = self.plans + stats[i].probe_every
         return solo
 
-    def _best(self, stats: list[SoloStats]) -> list[bool]:
+    def _shared_yield(self, stats: list[SoloStats]) -> list[float]:
+        """What each slot yields in the sweep: measured, else the measured slots' mean, else a plain lane's one."""
+        seen = [s.shared_tokens for s in stats if s.shared_rounds]
+        y_prior = sum(seen) / len(seen) if seen else 1.0
+        return [s.shared_tokens if s.shared_rounds else y_prior for s in stats]
+
+    def _lane(self, m: int) -> float:
+        """One lane's share of a sweep of m lanes: what leaving it saves."""
+        return self.cost(m) - (self.cost(m - 1) if m > 1 else 0.0)
+
+    def _could_pay(self, stats: list[SoloStats], i: int, shared: int, tokens: float, seconds: float) -> bool:
+        """Whether a probe of slot i (one of `shared` sharing slots, under a plan of tokens / seconds) could pay:
+        True where max_yield is unknown or no solo round was measured; else whether a round of max_yield
+        tokens in the fastest measured solo time would raise the plan's tokens per second."""
+        known = [s for s in stats if s.rounds]
+        if not self.max_yield or not known:
+            return True
+        d_tok = self.max_yield - self._shared_yield(stats)[i]
+        d_sec = min(s.seconds for s in known) - self._lane(shared)
+        if d_tok <= 0:
+            return False
+        return d_sec <= 0 or d_tok / d_sec > tokens / seconds
+
+    def _best(self, stats: list[SoloStats]) -> tuple[list[bool], float, float]:
         """The tokens-per-second optimum from the averages (a slot never measured borrows the measured
-        ones' mean; with none measured every slot shares)."""
+        ones' mean; with none measured every slot shares): (solo flags, the plan's tokens, its seconds)."""
         n = len(stats)
         known = [s for s in stats if s.rounds]
         solo = [False] * n
+        y = self._shared_yield(stats)
         if not known:
-            return solo
+            return solo, float(sum(y)), self.cost(n)
         prior = (sum(s.tokens for s in known) / len(known), sum(s.seconds for s in known) / len(known))
         est = [(s.tokens, s.seconds) if s.rounds else prior for s in stats]
-        # what each yields in the sweep: measured, else the measured slots' mean, else a plain lane's one
-        seen = [s.shared_tokens for s in stats if s.shared_rounds]
-        y_prior = sum(seen) / len(seen) if seen else 1.0
-        y = [s.shared_tokens if s.shared_rounds else y_prior for s in stats]
-        lane = lambda m: self.cost(m) - (self.cost(m - 1) if m > 1 else 0.0)  # noqa: E731 (one lane's share)
+        lane = self._lane
 
         def rate(i, m):  # extra tokens per extra second when slot i leaves a sweep of m lanes
             d_tok, d_sec = est[i][0] - y[i], est[i][1] - lane(m)
@@ -153,7 +189,7 @@ class SharePolicy:
                 break
             solo[i] = True
             tokens, seconds, shared = tokens + d_tok, seconds + d_sec, shared - 1
-        return solo
+        return solo, tokens, seconds
 
 
 def share_lanes(total: int, wants: list[int]) -> list[int]:

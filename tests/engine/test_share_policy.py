@@ -93,6 +93,42 @@ def test_unknown_slots_borrow_the_mean_and_are_probed_with_growing_spacing():
     assert p3.plan([measured(3.0, 0.010), unknown]) == [True, True]
 
 
+def test_probes_that_could_not_pay_are_skipped():
+    """max_yield (the decoder's verify width): a due probe runs only if a solo round committing max_yield
+    tokens in the fastest measured solo time would raise the plan's tokens per second. The H100 load bench's
+    C = 16 (2026-12-06): a 16-lane sweep ~13.4 ms, own rounds ~17 ms -- 89 probes were 42% of the run."""
+    def sweep_policy(max_yield):
+        p = SharePolicy("adaptive", max_yield=max_yield)
+        for lanes, ms in ((16, 13.4), (15, 13.2), (2, 10.4), (1, 10.2)):
+            p.observe_shared(lanes, ms / 1000)
+        return p
+
+    def sixteen():  # one slot measured on its own rounds, the others due for their first probe
+        stats = [measured(3.5, 0.017)] + [SoloStats(probe_at=0) for _ in range(15)]
+        return stats
+
+    p = sweep_policy(8)
+    stats = sixteen()
+    plans = [p.plan(stats) for _ in range(40)]
+    assert all(pl == [False] * 16 for pl in plans), "16 tokens per 13.4 ms: no solo round of <= 8 tokens can pay"
+    assert p.probes == 0 and p.skipped_probes > 0
+    assert stats[1].probe_every > PROBE_FIRST  # a skipped probe waits as a lost one does
+    # unknown max_yield: every due probe runs, one a round (the behaviour before)
+    p0 = sweep_policy(0)
+    plans0 = [p0.plan(sixteen()) for _ in range(3)]
+    assert all(pl.count(True) == 1 for pl in plans0) and p0.probes == 3
+    # two streams: a solo round of up to 8 tokens in ~14 ms could beat 2 tokens per 10.4 ms, so the probe runs
+    # even after a first solo round that undershot (2 tokens in 13.8 ms: the ladder was still learning)
+    p2 = sweep_policy(8)
+    first = SoloStats()
+    first.add(2, 0.0138)
+    first.probe_at = 0
+    assert p2.plan([first, measured(2.0, 0.0138)]) == [True, True] and p2.probes == 1
+    # nothing measured solo yet: probes run as due, whatever max_yield says
+    p3 = sweep_policy(8)
+    assert p3.plan([SoloStats(probe_at=0) for _ in range(16)]).count(True) == 1
+
+
 # ---- through the scheduler and the engine -------------------------------------------------------
 
 
@@ -168,6 +204,7 @@ def test_two_speculating_streams_take_turns_and_keep_their_tokens(fast, tok, sam
     assert engine.batch_spec == "adaptive"
     sched = Scheduler(engine, clock=gpu_clock(probe))
     assert sched.policy.mode == "adaptive"
+    assert sched.policy.max_yield == engine.decoder.width == engine.cfg.spec.max_verify_width  # probes' bound
     jobs = [Job(str(i), r) for i, r in enumerate(requests(tok, 2, sampled))]
     for j in jobs:
         sched.submit(j)
