@@ -7,6 +7,24 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-
 OUT=${OUT:-/tmp/q27-wave}; mkdir -p "$OUT"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE"
 say() { echo "=== $1 ($(date +%T))"; }
+# wg3 / wg3s: steps and probe (lane widths $1), 0 (never) vs 2 (by launch); the gates; bench load at C in $2 (timeout $3 s)
+wg3_ab() {
+  for t in 0 2; do
+    timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t GWG_N32_SUB=$t \
+      > "$OUT/wg3_steps$t.txt" 2>&1 || rc=1
+    echo "--- steps, 3-CTA entries $t"; grep -E "^prefetch|read probe" "$OUT/wg3_steps$t.txt"
+  done
+  for t in 0 2; do
+    timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes $1 \
+      --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/wg3_probe$t.txt" 2>&1 || rc=1
+    echo "--- probe, 3-CTA entries $t"; grep -vE "^(NVIDIA|launch)" "$OUT/wg3_probe$t.txt" | tail -10
+  done
+  timeout 150 python3 gates/run.py > "$OUT/wg3_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/wg3_gates.txt"
+  timeout ${LOAD_S:-$3} python3 -m q27py bench load --random-weights 27b --tier q4s --streams $2 \
+    --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
+    > "$OUT/wg3_load.txt" 2>&1 || rc=1
+  tail -12 "$OUT/wg3_load.txt"
+}
 rc=0
 for stage in "$@"; do
   say "$stage"
@@ -316,37 +334,9 @@ PY
           # steps and the probe at 1 / 9 / 16 / 32 lanes, 0 (never) vs 2 (by launch), the gates under the default,
           # then bench load with recorded acceptance (C = 1 2 4 8 16)
         timeout 120 $PYTEST tests/gpu/test_gemv_wg.py > "$OUT/wg3_tests.txt" 2>&1 || rc=1; tail -2 "$OUT/wg3_tests.txt"
-        for t in 0 2; do
-          timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t GWG_N32_SUB=$t \
-            > "$OUT/wg3_steps$t.txt" 2>&1 || rc=1
-          echo "--- steps, 3-CTA entries $t"; grep -E "^prefetch|read probe" "$OUT/wg3_steps$t.txt"
-        done
-        for t in 0 2; do
-          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 9 16 32 \
-            --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/wg3_probe$t.txt" 2>&1 || rc=1
-          echo "--- probe, 3-CTA entries $t"; grep -vE "^(NVIDIA|launch)" "$OUT/wg3_probe$t.txt" | tail -10
-        done
-        timeout 150 python3 gates/run.py > "$OUT/wg3_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/wg3_gates.txt"
-        timeout ${LOAD_S:-200} python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 2 4 8 16 \
-          --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
-          > "$OUT/wg3_load.txt" 2>&1 || rc=1
-        tail -7 "$OUT/wg3_load.txt" ;;
+        wg3_ab "1 9 16 32" "1 2 4 8 16" 200 ;;
     wg3s)  # wg3 without the test file, at fewer widths, with load at C = 1 and 16 only (~6 min; a short budget)
-        for t in 0 2; do
-          timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t GWG_N32_SUB=$t \
-            > "$OUT/wg3_steps$t.txt" 2>&1 || rc=1
-          echo "--- steps, 3-CTA entries $t"; grep -E "^prefetch|read probe" "$OUT/wg3_steps$t.txt"
-        done
-        for t in 0 2; do
-          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 9 16 32 \
-            --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/wg3_probe$t.txt" 2>&1 || rc=1
-          echo "--- probe, 3-CTA entries $t"; grep -vE "^(NVIDIA|launch)" "$OUT/wg3_probe$t.txt" | tail -10
-        done
-        timeout 150 python3 gates/run.py > "$OUT/wg3_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/wg3_gates.txt"
-        timeout ${LOAD_S:-150} python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 16 \
-          --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
-          > "$OUT/wg3_load.txt" 2>&1 || rc=1
-        tail -6 "$OUT/wg3_load.txt" ;;
+        wg3_ab "9 16 32" "1 16" 150 ;;
     gwgncu)  # why gemv_wg stops short of the read probe (issues 10 / 15; ~4 min): ncu stall reasons, pipe use and
              # SM-active / elapsed cycles (the wave tail) of gate_up at 1 and 32 lanes and down at 1 lane, then the
              # probe at 1 / 16 lanes with the ring 4-7 stages deep (GWG_STAGES; 5 is the default)
