@@ -95,7 +95,8 @@ def _acceptance(model) -> dict | None:
     if not isinstance(model, TraceAcceptance):
         return None
     return {"verify_rounds": model.rounds, "drafts_offered": model.drafts_offered,
-            "drafts_accepted": model.drafts_accepted}
+            "drafts_accepted": model.drafts_accepted, "drafts_recorded": model.drafts_recorded,
+            "undrafted_verify_lanes": model.undrafted}
 
 
 def drive(sched: Scheduler, after_round=None) -> dict:
@@ -335,6 +336,11 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
         "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "concurrency": rows,
         "aggregate_over_c1": {str(r["streams"]): r["aggregate_tokens_per_s"] / base for r in rows} if base else None,
     }
+    ra = out["recorded_acceptance"]
+    if ra:
+        log(f"recorded acceptance: {ra['verify_rounds']} verify rounds forced, drafts offered {ra['drafts_offered']}, "
+            f"accepted {ra['drafts_accepted']} of the records' {ra['drafts_recorded']}, "
+            f"{ra['undrafted_verify_lanes']} verify lanes without drafts")
     if mixed and engine.max_slots < 2:
         out["mixed"] = {"skipped": "one slot: the long prompt would wait for the running stream to end"}
     elif mixed:

@@ -64,6 +64,12 @@ class TraceAcceptance:
         self.rounds = 0  # verify forwards forced
         self.drafts_offered = 0
         self.drafts_accepted = 0
+        # what the forced rounds' records accepted before the cap by the drafts offered (drafts_accepted is
+        # the capped sum): their gap is the speculation the engine's drafters left on the table beside the
+        # trained model's; and verify lanes that carried no drafts (a shared group of one lane, a solo
+        # verify of its pending token alone), which consume no recorded round
+        self.drafts_recorded = 0
+        self.undrafted = 0
 
     def __getattr__(self, name):
         return getattr(self._m, name)
@@ -81,8 +87,11 @@ class TraceAcceptance:
     def _force(self, out, lanes: list[int]):
         """The next recorded round's acceptance on a verify output of `lanes` (one-lane ones untouched)."""
         if len(lanes) < 2:
+            self.undrafted += 1
             return out
-        a = min(self._accepted[self._next % len(self._accepted)], len(lanes) - 1)
+        recorded = self._accepted[self._next % len(self._accepted)]
+        self.drafts_recorded += recorded
+        a = min(recorded, len(lanes) - 1)
         self._next += 1
         self.rounds += 1
         self.drafts_offered += len(lanes) - 1

@@ -55,6 +55,8 @@ def test_each_verify_accepts_the_recorded_count(fast, tok):
     assert len(trace) == model.rounds
     want = [min(pattern[i % len(pattern)], len(r["drafts"])) for i, r in enumerate(trace)]
     assert [r["accepted"] - 1 for r in trace] == want
+    # the records' uncapped sum over the same rounds
+    assert model.drafts_recorded == sum(pattern[i % len(pattern)] for i in range(model.rounds))
 
 
 def test_the_load_bench_reports_the_forced_rounds(fast, tok):
@@ -71,6 +73,8 @@ def test_the_load_bench_reports_the_forced_rounds(fast, tok):
                  log=lambda *a: None)
     ra = r["recorded_acceptance"]
     assert ra["verify_rounds"] > 0 and 0 < ra["drafts_accepted"] <= ra["drafts_offered"]
+    # the records' own counts, before the cap by what was offered, bound the accepted ones from above
+    assert ra["drafts_accepted"] <= ra["drafts_recorded"] and ra["undrafted_verify_lanes"] >= 0
     assert r["spec"] and r["batch_spec"] == "adaptive"
     assert all(row["tokens"] == row["streams"] * 24 for row in r["concurrency"])
 
