@@ -273,8 +273,8 @@ def memory(engine) -> dict:
         "memory_per_slot_bytes": state + (measured or 0), "live_sequences": len(seqs),
         # the model-level graphs (decode_batch widths, verify / commit groups, mtp-batch chains): captured so
         # far, the device bytes they took, and what the slot plan reserved for all of them (kvbudget)
-        "model_graphs": len(getattr(graphs, "model_graphs", {}) or {}) if graphs is not None else None,
-        "model_graph_bytes": int(graphs.model_bytes) if graphs is not None and hasattr(graphs, "model_bytes") else None,
+        "model_graphs": len(graphs.model_graphs) if graphs is not None else None,
+        "model_graph_bytes": int(graphs.model_bytes) if graphs is not None else None,
         "model_graph_bytes_reserved": _reserved_model_graph_bytes(engine),
         "slot_plan": plan.describe() if plan is not None else None,
     }

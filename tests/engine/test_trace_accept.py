@@ -57,6 +57,8 @@ def test_each_verify_accepts_the_recorded_count(fast, tok):
     assert [r["accepted"] - 1 for r in trace] == want
     # the records' uncapped sum over the same rounds
     assert model.drafts_recorded == sum(pattern[i % len(pattern)] for i in range(model.rounds))
+    # a round without drafts is a plain decode step, never a one-lane verify (those come from shared groups)
+    assert model.undrafted == 0 and any(not r["drafts"] for r in stats["trace"])
 
 
 def test_the_load_bench_reports_the_forced_rounds(fast, tok):
@@ -74,7 +76,7 @@ def test_the_load_bench_reports_the_forced_rounds(fast, tok):
     ra = r["recorded_acceptance"]
     assert ra["verify_rounds"] > 0 and 0 < ra["drafts_accepted"] <= ra["drafts_offered"]
     # the records' own counts, before the cap by what was offered, bound the accepted ones from above
-    assert ra["drafts_accepted"] <= ra["drafts_recorded"] and ra["undrafted_verify_lanes"] >= 0
+    assert ra["drafts_accepted"] <= ra["drafts_recorded"]
     assert r["spec"] and r["batch_spec"] == "adaptive"
     assert all(row["tokens"] == row["streams"] * 24 for row in r["concurrency"])
 
