@@ -96,7 +96,12 @@ def _acceptance(model) -> dict | None:
         return None
     return {"verify_rounds": model.rounds, "drafts_offered": model.drafts_offered,
             "drafts_accepted": model.drafts_accepted, "drafts_recorded": model.drafts_recorded,
-            "undrafted_verify_lanes": model.undrafted}
+            "undrafted_verify_lanes": model.undrafted,
+            # the drafts the forced rounds' records offered (drafts_offered's mark), whether each round's width
+            # came from its record (TraceAcceptance.drive_widths), and then the rounds planned from records and
+            # the recorded drafts the engine's caps cut (lane share, tokens left, depth ceiling)
+            "drafts_recorded_offered": model.drafts_recorded_offered, "recorded_widths": model.recorded_widths,
+            "rounds_planned": model.rounds_planned, "drafts_cut": model.drafts_cut}
 
 
 def drive(sched: Scheduler, after_round=None) -> dict:
@@ -341,6 +346,11 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
         log(f"recorded acceptance: {ra['verify_rounds']} verify rounds forced, drafts offered {ra['drafts_offered']}, "
             f"accepted {ra['drafts_accepted']} of the records' {ra['drafts_recorded']}, "
             f"{ra['undrafted_verify_lanes']} verify lanes without drafts")
+        widths = "on" if ra["recorded_widths"] else "off (the engine's own drafters')"
+        log(f"recorded widths: {widths}; drafts "
+            f"offered {ra['drafts_offered']} against the records' {ra['drafts_recorded_offered']} over the forced rounds; "
+            f"{ra['rounds_planned']} rounds planned from records, {ra['drafts_cut']} recorded drafts cut by the "
+            f"engine's caps (lane share, tokens left, depth ceiling)")
     if mixed and engine.max_slots < 2:
         out["mixed"] = {"skipped": "one slot: the long prompt would wait for the running stream to end"}
     elif mixed:

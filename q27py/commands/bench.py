@@ -10,7 +10,7 @@
                                                            recorded speculative rounds replayed on the 27B shapes
                                                            (--streams: C sequences, own rounds in turn vs one sweep)
   q27py bench load [--model DIR | --random-weights 27b] [--device cpu|cuda] [--streams 1 2 4 8 16] [--json]
-                 [--batch-rounds 0|1] [--interleave-chunk N] [--traces FILE ...]
+                 [--batch-rounds 0|1] [--interleave-chunk N] [--traces FILE ... [--engine-draft-widths]]
                                                            C concurrent streams through the slot scheduler:
                                                            aggregate / per-stream t/s, TTFT, gaps, a long prefill,
                                                            batched rounds (one decode_batch for the decoding slots)
@@ -44,7 +44,11 @@ def add_arguments(p) -> None:
     p.add_argument("--turns", type=int, default=30, help="replay: turns in the session")
     p.add_argument("--traces", type=Path, nargs="+", default=None,
                    help="spec-replay: round traces (default: q27py/bench/data/spec_traces.json, tools/record_traces.py); "
-                        "load --random-weights: speculation on, each verify accepting drafts as these rounds did")
+                        "load --random-weights: speculation on, each round offering and accepting drafts as these "
+                        "rounds did")
+    p.add_argument("--engine-draft-widths", action="store_true",
+                   help="load --traces: the engine's own drafters choose each round's drafts (on random-weight text "
+                        "about half the records'); the records only force acceptance")
     p.add_argument("--streams", type=int, nargs="+", default=None, metavar="C",
                    help="load: concurrent streams per run (default 1 2 4 8 16); spec-replay: also C sequences at once, "
                         "own rounds in turn against one shared sweep (off by default)")
@@ -185,10 +189,12 @@ def _load(args, log) -> dict:
         model.enable_graphs()
         model.rt.warm_all()  # as load_fast_model: no compile inside a timed row
         if args.traces:
-            from q27py.bench.trace_accept import TraceAcceptance, recorded_acceptance
+            from q27py.bench.trace_accept import TraceAcceptance, recorded_rounds
 
-            model = TraceAcceptance(model, recorded_acceptance(args.traces))
+            model = TraceAcceptance(model, recorded_rounds(args.traces))
         engine = LocalEngine(cfg, model, Tokenizer.from_file(FULL_TOKENIZER))
+        if args.traces and not args.engine_draft_widths:
+            model.drive_widths(engine.decoder)  # each round offers its record's drafts (bench/trace_accept.py)
     else:
         if args.traces:
             raise SystemExit("bench load: --traces (recorded acceptance) is for --random-weights 27b")

@@ -59,7 +59,7 @@ rows are the solo verify's rows, a plain lane's row the plain decode step's.
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -70,6 +70,9 @@ from q27py.engine.decoder import (DecodeStats, Decoder, Lane, Pace, PrefillBreak
 from q27py.engine.drafters import NONE, ChainCall, Draft, DraftPlanner, HoldBudget, MTPLadder, SuffixIndex
 from q27py.errors import ConfigError
 from q27py.model.state import SequenceState
+
+# SpecDecoder.planner_factory: (spec, ladder, suffix index, the request's state) -> its DraftPlanner
+PlannerFactory = Callable[[SpecConfig, MTPLadder | None, SuffixIndex | None, SequenceState], DraftPlanner]
 
 # The reference forward computes T <= 16 tokens row by row (model/reference.py
 # SMALL_T); a wider verify would use batched matmuls whose rounding differs
@@ -107,6 +110,13 @@ class SpecDecoder:
             raise ConfigError(f"mtp_defer_rows must be a row count >= 0 (0 = warm every piece at once), not {defer_rows!r}")
         # the prompt rows whose MTP warm-up waits for the first token, all of this engine's requests together
         self.hold_budget = HoldBudget(defer_rows)
+        # The DraftPlanner each request drafts with; None (always, outside the load bench): DraftPlanner itself.
+        # A seam for `bench load --traces` alone (q27py/bench/trace_accept.py TracePlanner): random 27B weights
+        # make text the suffix drafter finds nothing in, so the engine's own planner offers ~half the drafts
+        # the trained model's recorded rounds did; the bench's planner offers each recorded round's width
+        # through this request's real ladder and suffix index (so the device work stays the engine's). It is
+        # called with (spec config, the request's ladder or None, its suffix index or None, its state).
+        self.planner_factory: PlannerFactory | None = None
 
     def _ladder(self, state: SequenceState, todo: list[int]) -> MTPLadder | None:
         """The MTP ladder for this request, primed with the row it owes; None if it cannot run."""
@@ -170,7 +180,8 @@ class SpecDecoder:
         todo = prompt_suffix(state, prompt_ids)
         ladder = self._ladder(state, todo)
         suffix = self._suffix_index(state, prompt_ids) if self.cfg.suffix else None
-        planner = DraftPlanner(self.cfg, ladder, suffix)
+        planner = (DraftPlanner(self.cfg, ladder, suffix) if self.planner_factory is None
+                   else self.planner_factory(self.cfg, ladder, suffix, state))
 
         # The first token is chosen from the prefill's last logits row alone: the prompt's MTP writes
         # (each piece's warm() below) are held back, within hold_budget, and run once that token is out
