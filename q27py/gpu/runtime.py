@@ -38,12 +38,12 @@ def _find_cuda_dir() -> Path:
 
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
-KERNEL_FILES = ("gemv", "gemv2", "gemv_wg", "gemv_bf", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_decode", "gdn_chunk", "gdn_chunk2", "rope", "attention",
+KERNEL_FILES = ("gemv", "gemv2", "gemv_wg", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_decode", "gdn_chunk", "gdn_chunk2", "rope", "attention",
                 "attention_prefill", "attention_prefill2", "attention_prefill3", "sampling", "probe", "kv_rotated")
 # Modules with an architecture-specific build on some cards: there they compile for the "a" target
 # (sm_90a: wgmma, setmaxnreg), whose instructions the plain sm_90 target rejects; the source's entry
 # points trap in any other build, and kernels.py only launches them where this table gives a target.
-ARCH_SPECIFIC = {"attention_prefill3": {(9, 0): "sm_90a"}, "gemv_wg": {(9, 0): "sm_90a"}, "gemv_bf": {(9, 0): "sm_90a"}}
+ARCH_SPECIFIC = {"attention_prefill3": {(9, 0): "sm_90a"}, "gemv_wg": {(9, 0): "sm_90a"}}
 
 
 class GpuUnavailable(Q27Error):
