@@ -26,6 +26,30 @@ from q27py.model.tiny import make_tiny
 from q27py.tokenizer import Tokenizer
 
 
+
+def _load_bench_engine(model, tok):
+    """Two slots, a 2K window, batched rounds, speculation on: what the load-bench tests run."""
+    cfg = Q27Config()
+    cfg.spec.enabled = True
+    cfg.engine.max_slots = 2
+    cfg.engine.max_context = 2048
+    cfg.engine.checkpoint_every = 0
+    cfg.engine.batch_rounds = True
+    cfg.engine.cpu_prefill_chunk = 64
+    return LocalEngine(cfg, model, tok)
+
+
+def _two_slot_drafts_engine(model, tok):
+    """A speculating engine of two slots whose shared rounds carry drafts (batch_spec "drafts"), tracing rounds."""
+    cfg = Q27Config()
+    cfg.spec.enabled = True
+    cfg.spec.trace = True
+    cfg.engine.max_slots = 2
+    cfg.engine.checkpoint_every = 0
+    cfg.engine.batch_rounds = True
+    cfg.engine.batch_spec = "drafts"
+    return LocalEngine(cfg, model, tok)
+
 def test_recorded_acceptance_reads_the_bundled_traces(tmp_path):
     acc = recorded_acceptance([TRACES])
     data = json.loads(TRACES.read_text())
@@ -73,14 +97,7 @@ def test_each_verify_accepts_the_recorded_count(fast, tok):
 
 def test_the_load_bench_reports_the_forced_rounds(fast, tok):
     model = TraceAcceptance(fast, recorded_acceptance([TRACES]))
-    cfg = Q27Config()
-    cfg.spec.enabled = True
-    cfg.engine.max_slots = 2
-    cfg.engine.max_context = 2048
-    cfg.engine.checkpoint_every = 0
-    cfg.engine.batch_rounds = True
-    cfg.engine.cpu_prefill_chunk = 64
-    e = LocalEngine(cfg, model, tok)
+    e = _load_bench_engine(model, tok)
     r = run_load(e, tok, streams=(1, 2), prompt_tokens=24, gen_tokens=24, long_tokens=None, mixed=False,
                  log=lambda *a: None)
     ra = r["recorded_acceptance"]
@@ -98,14 +115,7 @@ def test_verify_groups_of_a_shared_sweep_are_forced_too(fast, tok):
     from sched_jobs import Job, drain
 
     model = TraceAcceptance(fast, [2])
-    cfg = Q27Config()
-    cfg.spec.enabled = True
-    cfg.spec.trace = True
-    cfg.engine.max_slots = 2
-    cfg.engine.checkpoint_every = 0
-    cfg.engine.batch_rounds = True
-    cfg.engine.batch_spec = "drafts"
-    e = LocalEngine(cfg, model, tok)
+    e = _two_slot_drafts_engine(model, tok)
     sched = Scheduler(e)
     jobs = [Job(str(i), GenerationRequest(prompt_ids=tok.encode(t), max_tokens=40))
             for i, t in enumerate(("The river runs through the old town, and ", "def parse(line):\n    "))]
@@ -244,14 +254,7 @@ def test_shared_sweep_groups_offer_the_recorded_width(fast, tok):
 
     probe = Probe(fast, device=True, drafts_on_device=True)
     model = TraceAcceptance(probe, [Round("suffix", 7, 2, 1)])
-    cfg = Q27Config()
-    cfg.spec.enabled = True
-    cfg.spec.trace = True
-    cfg.engine.max_slots = 2
-    cfg.engine.checkpoint_every = 0
-    cfg.engine.batch_rounds = True
-    cfg.engine.batch_spec = "drafts"
-    e = LocalEngine(cfg, model, tok)
+    e = _two_slot_drafts_engine(model, tok)
     model.drive_widths(e.decoder)
     assert e.batch_drafts and e.sweep_lanes == 16
     sched = Scheduler(e)
@@ -273,14 +276,7 @@ def test_shared_sweep_groups_offer_the_recorded_width(fast, tok):
 def test_the_load_bench_reports_recorded_widths(rand):
     model, tk = rand
     trace = TraceAcceptance(model, recorded_rounds([TRACES, CODE_TRACES]))
-    cfg = Q27Config()
-    cfg.spec.enabled = True
-    cfg.engine.max_slots = 2
-    cfg.engine.max_context = 2048
-    cfg.engine.checkpoint_every = 0
-    cfg.engine.batch_rounds = True
-    cfg.engine.cpu_prefill_chunk = 64
-    e = LocalEngine(cfg, trace, tk)
+    e = _load_bench_engine(trace, tk)
     trace.drive_widths(e.decoder)
     lines = []
     r = run_load(e, tk, streams=(1, 2), prompt_tokens=24, gen_tokens=48, long_tokens=None, mixed=False,
