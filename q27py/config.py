@@ -83,10 +83,12 @@ class EngineConfig:
     # cuda: device memory one sequence state's CUDA graphs take, per model layer (the MTP layer
     # counts as one): GraphCache keys graphs by state (decode, each verify width, prefill tails,
     # commit, MTP passes and chains), and a graph's size follows its kernel nodes, ~16 per layer.
-    # An assumption until the load bench's measurement replaces it (`q27py bench load` on cuda:
-    # memory.graph_bytes_per_state): ~60 main-model graphs x 16 nodes x ~2 KB per instantiated node
-    # = ~2 MiB per layer, doubled. The 27B (64 layers + MTP): 260 MiB per state.
-    graph_bytes_per_layer: int = 4 << 20
+    # Measured (docs/PERF.md, 2026-12-06 third session, H100): a 64-layer graph of the 27B takes ~0.77 MiB
+    # (a solo speculating stream of 512 tokens: 13 graphs, 10.0 MiB; model-level graphs 0.74 MiB each), so
+    # 1.5 MiB per layer is ~98 MiB a state, room for ~125 such graphs (was 4 MiB per layer, 260 MiB: an
+    # assumption of ~60 graphs at 2 KB a node, doubled). GraphCache holds each state's graphs to this budget:
+    # past it a new key runs eagerly (counted), so a state with more keys costs speed, never KV memory.
+    graph_bytes_per_layer: int = 3 << 19
     prefill_chunk: int = 2048  # tokens per prefill chunk (CPU paths)
     # cuda: tokens per fast-path forward launch. Large, because the cuBLAS prefill route expands
     # each packed matrix to bf16 once per launch (~20 ms for the 27B), amortized over the chunk.

@@ -271,9 +271,15 @@ def memory(engine) -> dict:
     graphs = getattr(engine.model, "graphs", None)
     by_state = dict(getattr(graphs, "bytes_by_state", {}) or {})
     measured = int(np.mean(list(by_state.values()))) if by_state else None
+    counts = graphs.graphs_per_state() if graphs is not None else {}
     plan = getattr(engine.model, "slot_plan", None)
     return {
         "state_bytes": state, "graph_bytes_per_state": measured,
+        # the most any one state's graphs took and held (a solo stream captures the most: its verify widths,
+        # logits-row sets and MTP chain shapes), and the steps run eagerly because a budget was full (GraphCache)
+        "graph_bytes_per_state_max": max(by_state.values()) if by_state else None,
+        "graphs_per_state_max": max(counts.values()) if counts else None,
+        "graph_steps_over_budget": graphs.over_budget if graphs is not None else None,
         "graph_bytes_per_state_assumed": _assumed_graph_bytes(engine),
         "memory_per_slot_bytes": state + (measured or 0), "live_sequences": len(seqs),
         # the model-level graphs (decode_batch widths, verify / commit groups, mtp-batch chains): captured so
@@ -366,9 +372,12 @@ def run_load(engine, tokenizer, streams=STREAMS, prompt_tokens: int = 128, gen_t
     mem = out["memory"]
     log(f"memory per slot {mem['memory_per_slot_bytes'] / 2**20:.1f} MiB (state {mem['state_bytes'] / 2**20:.1f} MiB"
         + (f", graphs {mem['graph_bytes_per_state'] / 2**20:.1f} MiB measured, "
-           f"{mem['graph_bytes_per_state_assumed'] / 2**20:.0f} MiB assumed" if mem["graph_bytes_per_state"] is not None
-           and mem["graph_bytes_per_state_assumed"] else "") + ")"
+           f"{mem['graph_bytes_per_state_assumed'] / 2**20:.0f} MiB assumed; the largest state's "
+           f"{mem['graph_bytes_per_state_max'] / 2**20:.1f} MiB in {mem['graphs_per_state_max']} graphs"
+           if mem["graph_bytes_per_state"] is not None and mem["graph_bytes_per_state_assumed"] else "") + ")"
         + (f"; model-level graphs {mem['model_graphs']} captured, {mem['model_graph_bytes'] / 2**20:.1f} MiB measured, "
            f"{mem['model_graph_bytes_reserved'] / 2**20:.0f} MiB reserved" if mem["model_graph_bytes"] is not None
-           and mem["model_graph_bytes_reserved"] is not None else ""))
+           and mem["model_graph_bytes_reserved"] is not None else "")
+        + (f"; {mem['graph_steps_over_budget']} steps eager for a full graph budget"
+           if mem["graph_steps_over_budget"] is not None else ""))
     return out

@@ -126,7 +126,7 @@ def _replay(args, log) -> dict:
     apply_overrides(cfg.engine, {"model_dir": args.model, "device": device, "tier": args.tier,
                                  "max_context": args.system_tokens + 2048 * args.turns + 4096})
     if args.random_weights:
-        from q27py.gpu.forward import FastModel, configure_memory
+        from q27py.gpu.forward import FastModel, configure_memory, graph_budgets
         from q27py.gpu.weights import random_weights
         from q27py.model.config import qwen36_27b_config
         from q27py.model.tiny import FULL_TOKENIZER
@@ -134,7 +134,7 @@ def _replay(args, log) -> dict:
         model = FastModel(random_weights(qwen36_27b_config(), args.tier or "q4s", args.seed),
                           max_context=cfg.engine.max_context, kv_dtype="bf16", chunk=cfg.engine.gpu_prefill_chunk)
         configure_memory(model, cfg.engine)  # the server's slots and weight cache at this window
-        model.enable_graphs()
+        model.enable_graphs(**graph_budgets(model, cfg.engine))  # and its graph budgets
         model.rt.warm_all()
         tokenizer = Tokenizer.from_file(FULL_TOKENIZER)
     else:
@@ -175,7 +175,7 @@ def _load(args, log) -> dict:
     over["interleave_chunk"] = args.interleave_chunk  # None (absent) keeps the env's / the default
     apply_overrides(cfg.engine, over)
     if args.random_weights:
-        from q27py.gpu.forward import FastModel, configure_memory
+        from q27py.gpu.forward import FastModel, configure_memory, graph_budgets
         from q27py.gpu.weights import random_weights
         from q27py.model.config import qwen36_27b_config
         from q27py.model.tiny import FULL_TOKENIZER
@@ -186,7 +186,7 @@ def _load(args, log) -> dict:
         model = FastModel(random_weights(qwen36_27b_config(), args.tier or "q4s", args.seed),
                           max_context=window, kv_dtype="bf16", chunk=cfg.engine.gpu_prefill_chunk)
         configure_memory(model, cfg.engine)  # the server's --max-slots auto at this window, and its weight cache
-        model.enable_graphs()
+        model.enable_graphs(**graph_budgets(model, cfg.engine))  # and its graph budgets
         model.rt.warm_all()  # as load_fast_model: no compile inside a timed row
         if args.traces:
             from q27py.bench.trace_accept import TraceAcceptance, recorded_rounds

@@ -1796,10 +1796,12 @@ class FastModel:
         return self.tok[:n].get(), self.margin[:n].get()
 
     # ------------------------------------------------------------------ graphs
-    def enable_graphs(self) -> None:
+    def enable_graphs(self, state_budget: int | None = None, model_budget: int | None = None) -> None:
+        """Capture the steps as CUDA graphs; the budgets (graph_budgets: what the memory plan reserved)
+        bound the graphs' device bytes per state and model-level (GraphCache). None: unbounded."""
         from q27py.gpu.graphs import GraphCache
 
-        self.graphs = GraphCache(self)
+        self.graphs = GraphCache(self, state_budget=state_budget, model_budget=model_budget)
 
     # ------------------------------------------------------------------ state transfer (prefix reuse)
     # The reference model's four methods, on device arrays. Saved states are host copies:
@@ -2032,7 +2034,7 @@ def load_fast_model(cfg) -> FastModel:
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused,
                       batch_sweep=e.batch_sweep, verify_groups=e.verify_groups)
     configure_memory(model, e)
-    model.enable_graphs()
+    model.enable_graphs(**graph_budgets(model, e))
     # every kernel module compiled now, not inside the first request that needs it (the first short
     # request beside a long prefill waited 911 ms for one in a fresh process: docs/PERF.md, f2)
     model.rt.warm_all()
@@ -2064,6 +2066,12 @@ def resolve_fast_kv(kv: str, tier: str, cc: tuple[int, int]) -> str:
 def graph_bytes_per_state(model: FastModel, e) -> int:
     """What one state's CUDA graphs are assumed to take (EngineConfig.graph_bytes_per_layer x layers)."""
     return int(e.graph_bytes_per_layer) * (model.cfg.num_hidden_layers + (1 if model.has_mtp else 0))
+
+
+def graph_budgets(model: FastModel, e) -> dict:
+    """enable_graphs' budgets: exactly what configure_memory set aside for graphs, per state
+    (graph_bytes_per_state) and model-level (batch_graph_bytes), so the graphs stay inside the plan."""
+    return {"state_budget": graph_bytes_per_state(model, e), "model_budget": batch_graph_bytes(model)}
 
 
 def batch_graph_bytes(model: FastModel) -> int:

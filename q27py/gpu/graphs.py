@@ -18,9 +18,24 @@ from q27py.gpu.runtime import Runtime, pdl_mode
 
 
 class GraphCache:
-    def __init__(self, model, capture_after: int = 1):
+    """Captured CUDA graphs of the model's steps, per sequence state (run) and model-level (run_model).
+
+    state_budget / model_budget: the device bytes the memory plan set aside for one state's graphs
+    (forward.graph_bytes_per_state) and for the model-level ones (forward.batch_graph_bytes), or None (no
+    limit: benches that size nothing). Why: the keys are open-ended (a state's verify widths, logits-row
+    sets, MTP chain shapes), and the window and slots were sized assuming the graphs stay within what was
+    reserved; a key first seen once its owner's graphs already hold their budget runs eagerly instead of
+    being captured (same launches, same bits; counted in `over_budget`), so the graphs can never take
+    memory the KV rows were promised. A capture that itself fails for memory is dropped the same way."""
+
+    def __init__(self, model, capture_after: int = 1, state_budget: int | None = None,
+                 model_budget: int | None = None, free_bytes=None):
         self.model = model
         self.capture_after = capture_after
+        self.state_budget = state_budget
+        self.model_budget = model_budget
+        self.over_budget = 0  # steps run eagerly because their owner's graphs were at their budget
+        self._free_bytes = free_bytes or _free_bytes  # a seam for the CPU tests (no device to ask)
         self.graphs: dict = {}
         self.seen: dict = {}
         self.captures = 0
@@ -37,20 +52,23 @@ class GraphCache:
     def run(self, state, key, enqueue) -> None:
         """Run `enqueue` (which only launches kernels on model.stream) through a graph when possible."""
         full = (state.id,) + tuple(key)
-        took = self._run(self.graphs, self.seen, full, enqueue)
+        full_up = self.state_budget is not None and self.bytes_by_state.get(state.id, 0) >= self.state_budget
+        took = self._run(self.graphs, self.seen, full, enqueue, at_budget=full_up)
         if took is not None:
             self.bytes_by_state[state.id] = self.bytes_by_state.get(state.id, 0) + took
 
     def run_model(self, key, enqueue) -> None:
         """run() for a step whose launches read no sequence state's pointers (they come from device
         buffers the host rewrites per call): one graph per key for every set of states."""
-        took = self._run(self.model_graphs, self.model_seen, tuple(key), enqueue, model=True)
+        full_up = self.model_budget is not None and self.model_bytes >= self.model_budget
+        took = self._run(self.model_graphs, self.model_seen, tuple(key), enqueue, model=True, at_budget=full_up)
         if took is not None:
             self.model_bytes += took
 
-    def _run(self, graphs: dict, seen: dict, full, enqueue, model: bool = False) -> int | None:
-        """Eager the first capture_after times a key is seen, then captured and replayed. Returns the
-        device bytes a capture took (None when nothing was captured)."""
+    def _run(self, graphs: dict, seen: dict, full, enqueue, model: bool = False, at_budget: bool = False) -> int | None:
+        """Eager the first capture_after times a key is seen, then captured and replayed; eager for good
+        when the key is new and its owner's graphs are at their budget (at_budget), or when its capture
+        runs out of device memory. Returns the device bytes a capture took (None when nothing was captured)."""
         g = graphs.get(full)
         took = None
         if g is None:
@@ -59,9 +77,20 @@ class GraphCache:
             if n < self.capture_after:
                 enqueue()
                 return None
-            free0 = _free_bytes()
-            g = self._capture(enqueue)
-            took = max(0, free0 - _free_bytes())
+            if at_budget:
+                self.over_budget += 1
+                enqueue()
+                return None
+            free0 = self._free_bytes()
+            try:
+                g = self._capture(enqueue)
+            except Exception as exc:  # noqa: BLE001 -- only an allocation failure is absorbed
+                if not _out_of_memory(exc):
+                    raise
+                self.over_budget += 1
+                enqueue()  # the captured launches never ran
+                return None
+            took = max(0, free0 - self._free_bytes())
             graphs[full] = g
             self.captures += 1
         g.launch(self.model.stream)
@@ -91,6 +120,14 @@ class GraphCache:
         for k in self.graphs:
             out[k[0]] = out.get(k[0], 0) + 1
         return out
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether a capture failed for device memory (CuPy's pool or the driver / runtime saying so)."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return "out of memory" in text.lower() or "cudaErrorMemoryAllocation" in text or "CUDA_ERROR_OUT_OF_MEMORY" in text
 
 
 def _free_bytes() -> int:

@@ -116,18 +116,18 @@ def states_fit(free_bytes: int, window: int, kv_bytes_per_token: int, *, fixed_p
     return max(0, int(free_bytes) - int(scratch_bytes + margin_bytes)) // max(1, per)
 
 
-# One model-level decode_batch graph (FastModel.decode_batch: one per width, shared by every set of
-# states): measured 8 MiB for the widths 2 / 4 / 8 / 16 together on the 27B (docs/PERF.md, d12), so
-# 2 MiB each; reserved at twice that.
-BATCH_GRAPH_BYTES = 4 << 20
+# One model-level graph (decode_batch widths, verify / commit groups, mtp-batch chains; shared by every set of
+# states): measured 0.74 MiB each on the 27B (27 graphs, 20.0 MiB: `bench load`, docs/PERF.md 2026-12-06 third
+# session; d12 read 2 MiB each for four decode_batch widths, at cudaMemGetInfo's 2 MiB pages); reserved at 2 MiB,
+# every possible key counted (batch_graph_reserve), and enforced: GraphCache runs a new key eagerly past it.
+BATCH_GRAPH_BYTES = 2 << 20
 
 
 # One model-level mtp-batch graph step (FastModel.mtp_draft_batch, graphs keyed ("mtp-batch", rows,
 # chains, depth)): each step of a chain graph runs the MTP layer (the lane store, grouped attention, MLP)
 # plus the embed, the two pre-norms and fc, the final norm, mtp_gather_last, the lm_head, top2 and
-# mtp_chain_step_lanes -- about two layers' kernel nodes. BATCH_GRAPH_BYTES (a 64-layer decode_batch
-# graph, already reserved at twice its measured 2 MiB) is 64 KiB per layer, so 128 KiB per step; a graph
-# of depth d takes d steps. An estimate, not measured on the device yet (GraphCache.model_bytes would measure it).
+# mtp_chain_step_lanes -- about two layers' kernel nodes. BATCH_GRAPH_BYTES (a 64-layer graph, reserved at
+# ~2.7x its measured 0.74 MiB) is 32 KiB per layer, so 64 KiB per step; a graph of depth d takes d steps. An estimate, not measured on the device yet (GraphCache.model_bytes would measure it).
 MTP_BATCH_STEP_BYTES = 2 * BATCH_GRAPH_BYTES // 64
 
 

@@ -60,7 +60,7 @@ def test_load_traces_drive_the_draft_widths_unless_asked_not_to(monkeypatch):
     cpu = FastCPUModel.load(DEFAULT_MODEL_DIR)
 
     def fake_fast_model(weights, **kw):
-        cpu.enable_graphs = lambda: None
+        cpu.enable_graphs = lambda **budgets: None
         cpu.rt = types.SimpleNamespace(warm_all=lambda: None)
         return cpu
 
@@ -68,6 +68,7 @@ def test_load_traces_drive_the_draft_widths_unless_asked_not_to(monkeypatch):
     monkeypatch.setattr(gpu_weights, "random_weights", lambda *a: None)
     monkeypatch.setattr(gpu_forward, "FastModel", fake_fast_model)
     monkeypatch.setattr(gpu_forward, "configure_memory", lambda model, cfg: None)
+    monkeypatch.setattr(gpu_forward, "graph_budgets", lambda model, cfg: {})
     monkeypatch.setattr(load_bench, "run_load", lambda engine, *a, **kw: seen.append(engine) or {})
     base = ("load", "--random-weights", "27b", "--no-mixed", "--max-slots", "1", "--traces", str(TRACES))
     bench._load(_args(*base), print)
