@@ -147,4 +147,20 @@ def run_replay(make_engine, tokenizer, system_tokens: int = 20000, turns: int = 
         "warm_ttft_mean_s": sum(r["ttft_s"] for r in warm_rows) / len(warm_rows),
         "turn_at_target": rows[target],
         "prefix": warm.prefix_stats(),
+        "graphs": graph_stats(warm),
     }
+
+
+def graph_stats(engine) -> dict | None:
+    """The warm engine's CUDA graphs after the session (GraphCache; None on the CPU path): captured, model-level
+    bytes, the largest state's bytes and graph count, and the steps run eagerly because a budget was full."""
+    graphs = getattr(getattr(engine, "model", None), "graphs", None)
+    if graphs is None:
+        return None
+    by_state = dict(graphs.bytes_by_state)
+    counts = graphs.graphs_per_state()
+    return {"captures": graphs.captures, "model_graph_bytes": int(graphs.model_bytes),
+            "state_graph_bytes_max": max(by_state.values()) if by_state else 0,
+            "graphs_per_state_max": max(counts.values()) if counts else 0,
+            "state_budget": graphs.state_budget, "model_budget": graphs.model_budget,
+            "steps_over_budget": graphs.over_budget}

@@ -146,6 +146,11 @@ def _replay(args, log) -> dict:
     log(f"token-weighted reuse {result['token_weighted_reuse']:.1%}; warm TTFT mean {result['warm_ttft_mean_s'] * 1000:.0f} ms; "
         f"turn of {result['turn_at_target']['prompt_tokens']} tokens: warm {result['turn_at_target']['ttft_s'] * 1000:.0f} ms, "
         f"cold {result['turn_at_target']['cold_ttft_s'] * 1000:.0f} ms")
+    g = result.get("graphs")
+    if g:
+        log(f"graphs: {g['captures']} captured; model-level {g['model_graph_bytes'] / 2**20:.1f} MiB; the largest state's "
+            f"{g['state_graph_bytes_max'] / 2**20:.1f} MiB in {g['graphs_per_state_max']} graphs (budget "
+            f"{(g['state_budget'] or 0) / 2**20:.1f} MiB); {g['steps_over_budget']} steps eager for a full budget")
     return result
 
 

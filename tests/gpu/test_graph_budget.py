@@ -117,3 +117,19 @@ def test_the_budgets_are_what_the_memory_plan_reserved():
     got = graph_budgets(model, e)
     assert got == {"state_budget": graph_bytes_per_state(model, e), "model_budget": batch_graph_bytes(model)}
     assert got["state_budget"] == 65 * e.graph_bytes_per_layer and got["model_budget"] > 0
+
+
+def test_the_replay_reports_the_warm_engines_graphs():
+    from q27py.bench.replay import graph_stats
+
+    cache = _Cache(MIB, state_budget=2 * MIB, model_budget=64 * MIB)
+    s = SimpleNamespace(id=4)
+    for key in (("main", 1), ("main", 2), ("main", 3)):
+        _step(cache, s, key)
+        _step(cache, s, key)
+    _step(cache, None, ("batch", 2), model=True)
+    _step(cache, None, ("batch", 2), model=True)
+    got = graph_stats(SimpleNamespace(model=SimpleNamespace(graphs=cache)))
+    assert got == {"captures": 3, "model_graph_bytes": MIB, "state_graph_bytes_max": 2 * MIB, "graphs_per_state_max": 2,
+                   "state_budget": 2 * MIB, "model_budget": 64 * MIB, "steps_over_budget": 1}
+    assert graph_stats(SimpleNamespace(model=SimpleNamespace())) is None  # the CPU path keeps no graphs
