@@ -24,6 +24,7 @@ def main() -> int:
     rt = object.__new__(Runtime)  # no device: only the fields launch() reads
     rt._functions, rt._modules, rt._shared_set = {}, {}, {}
     rt.launches, rt._tally, rt._pdl_capture, rt._pdl_launcher, rt.cc = 0, None, False, None, (9, 0)
+    rt._prof = None  # no profile_kernels session
     rt._functions[("gdn", "k")] = lambda grid, block, args, shared_mem=0: None
     saved, Runtime._instance = Runtime._instance, rt
     a = object()  # stands in for a device array
