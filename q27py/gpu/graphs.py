@@ -25,8 +25,9 @@ class GraphCache:
     limit: benches that size nothing). Why: the keys are open-ended (a state's verify widths, logits-row
     sets, MTP chain shapes), and the window and slots were sized assuming the graphs stay within what was
     reserved; a key first seen once its owner's graphs already hold their budget runs eagerly instead of
-    being captured (same launches, same bits; counted in `over_budget`), so the graphs can never take
-    memory the KV rows were promised. A capture that itself fails for memory is dropped the same way."""
+    being captured (same launches, same bits; counted in `over_budget`), so the graphs stay within their
+    reserve plus at most one graph (~0.75 MiB on the 27B; the plan's safety margin holds that) and never take
+    the memory the KV rows were promised. A capture that itself fails for memory is dropped the same way."""
 
     def __init__(self, model, capture_after: int = 1, state_budget: int | None = None,
                  model_budget: int | None = None, free_bytes=None):
