@@ -271,14 +271,14 @@ def memory(engine) -> dict:
     graphs = getattr(engine.model, "graphs", None)
     by_state = dict(getattr(graphs, "bytes_by_state", {}) or {})
     measured = int(np.mean(list(by_state.values()))) if by_state else None
-    counts = graphs.graphs_per_state() if graphs is not None else {}
+    most_bytes, most_graphs = graphs.largest_state() if graphs is not None else (None, None)
     plan = getattr(engine.model, "slot_plan", None)
     return {
         "state_bytes": state, "graph_bytes_per_state": measured,
         # the most any one state's graphs took and held (a solo stream captures the most: its verify widths,
         # logits-row sets and MTP chain shapes), and the steps run eagerly because a budget was full (GraphCache)
-        "graph_bytes_per_state_max": max(by_state.values()) if by_state else None,
-        "graphs_per_state_max": max(counts.values()) if counts else None,
+        "graph_bytes_per_state_max": most_bytes,
+        "graphs_per_state_max": most_graphs,
         "graph_steps_over_budget": graphs.over_budget if graphs is not None else None,
         "graph_bytes_per_state_assumed": _assumed_graph_bytes(engine),
         "memory_per_slot_bytes": state + (measured or 0), "live_sequences": len(seqs),

@@ -157,10 +157,8 @@ def graph_stats(engine) -> dict | None:
     graphs = getattr(getattr(engine, "model", None), "graphs", None)
     if graphs is None:
         return None
-    by_state = dict(graphs.bytes_by_state)
-    counts = graphs.graphs_per_state()
+    most_bytes, most_graphs = graphs.largest_state()
     return {"captures": graphs.captures, "model_graph_bytes": int(graphs.model_bytes),
-            "state_graph_bytes_max": max(by_state.values()) if by_state else 0,
-            "graphs_per_state_max": max(counts.values()) if counts else 0,
+            "state_graph_bytes_max": most_bytes or 0, "graphs_per_state_max": most_graphs or 0,
             "state_budget": graphs.state_budget, "model_budget": graphs.model_budget,
             "steps_over_budget": graphs.over_budget}

@@ -115,6 +115,13 @@ class GraphCache:
             del self.seen[k]
         self.bytes_by_state.pop(state_id, None)
 
+    def largest_state(self) -> tuple[int | None, int | None]:
+        """(the most device bytes any one state's graphs took, the most graphs any one state holds); None, None
+        before any state captured (the load and replay benches report them)."""
+        counts = self.graphs_per_state()
+        return (max(self.bytes_by_state.values()) if self.bytes_by_state else None,
+                max(counts.values()) if counts else None)
+
     def graphs_per_state(self) -> dict[int, int]:
         """Captured graphs held per state id."""
         out: dict[int, int] = {}
