@@ -197,6 +197,157 @@ extern "C" __global__ void f32_split3_bf16_rows(const float* __restrict__ x, int
     *reinterpret_cast<uint2*>(lo + o) = l;
 }
 
+// ---- the same three terms fused into one kernel (prefill_small_gemm "bf16x3f", blas.prefill_gemm_bf16x3f): each CTA
+// splits its tokens' fp32 rows in registers and runs W hi / mid / lo on mma.sync, so no plane and no partial
+// touches global memory. Why: the cuBLAS form reads x, writes mid / lo, reads them back and writes 18 partial
+// products (~350 MB a 4,096-token chunk of the 27B) and its split pass is a launch of its own; the pedantic SGEMM
+// runs at ~32 TFLOP/s (12 ms of an 8K prefill, device run q1, H100). Here x is read once (84 MB) and W (983 KB)
+// comes from L2.
+// Numerics: the split of the kernel above (hi = bf16_rn(x), mid = bf16_rn(x - hi), lo = bf16_rn(x - hi - mid),
+// the differences exact), with the two subtractions as PTX sub.rn.f32 -- no .ftz, so subnormal remainders are
+// kept whatever NVRTC's -ftz=true does to C++ arithmetic: the same planes as f32_split3_bf16_rows for every finite
+// x whose hi is finite (an infinite hi gives NaN terms here, where the plane kernel writes 0). The products and
+// their grouping follow the cuBLAS form: W hi accumulated in pieces of SPLIT3 columns (blas.SPLIT3_PIECE_CHUNKS 64-
+// column chunks), the pieces added in K order, W mid and W lo each over the whole K, y = h + (lo + mid). The
+// tensor cores' fp32 accumulation order differs from cuBLAS's, so the bits differ from "bf16x3"; the same error
+// class (tests/gpu/test_prefill_split3.py holds both to the SGEMM's error against float64).
+// Layout: W bf16 [MT * 16][kpad] (blas.weights_bf16_small), x fp32 [ntok][ldx], y fp32 [ntok][ldy]. CTA = 4 warps,
+// GEMM3_TOK = 16 tokens: warp = (8 tokens, one n8 tile; row half: tiles rp, rp + 2, ...), so a 4,096-token chunk is
+// 1,024 warps (two a scheduler) and each x value is split by the two warps of its token group: per k16 step a warp
+// runs 3 ceil(MT / 2) mma.m16n8k16. Ring: GEMM3_STAGES stages of [MT * 16 rows][64] bf16 W (16-byte granule c of
+// row r at c ^ (r & 7): ldmatrix conflict-free) and [16 tokens][64] fp32 x (granule c of token row r at c ^ (r & 7):
+// a warp's float2 fragment reads take the minimum two wavefronts). Tokens past ntok load the last row and are not
+// stored. grid ceil(ntok / GEMM3_TOK), block 128, dynamic smem GEMM3_STAGES * (MT * 2048 + GEMM3_TOK * 256).
+__device__ __forceinline__ float sub_rn_noftz(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// two fp32 values -> hi / mid / lo bf16x2 words (low half = the first value)
+__device__ __forceinline__ void split3_regs(float a, float b, u32& hi, u32& mid, u32& lo) {
+    hi = pack_bf16x2(a, b);
+    const float ra = sub_rn_noftz(a, bf16x2_lo(hi)), rb = sub_rn_noftz(b, bf16x2_hi(hi));
+    mid = pack_bf16x2(ra, rb);
+    lo = pack_bf16x2(sub_rn_noftz(ra, bf16x2_lo(mid)), sub_rn_noftz(rb, bf16x2_hi(mid)));
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+template <int MT>
+__device__ __forceinline__ void gemm3_body(const u16* __restrict__ w, int kpad, const float* __restrict__ x, int ldx,
+                                           int ntok, int nout, int add, float* __restrict__ y, int ldy, int piece) {
+    // warp = (token group of 8: warp >> 1, row half: warp & 1); the half takes row tiles rp, rp + 2, ...
+    constexpr int MW = (MT + 1) / 2, WB = MT * 16 * 128, XB = GEMM3_TOK * 256, SB = WB + XB, S = GEMM3_STAGES;
+    static_assert(GEMM3_TOK == 16, "4 warps: 2 token groups of 8 x 2 row halves");
+    extern __shared__ __align__(128) u8 g3_smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, rp = warp & 1;
+    const int tok0 = blockIdx.x * GEMM3_TOK;
+    const u32 base = smem_addr(g3_smem);
+    const int nst = kpad >> 6;
+    auto issue = [&](int st, int slot) {
+        const u32 sb = base + slot * SB;
+        const int k0 = st << 6;
+        for (int i = tid; i < MT * 16 * 8; i += 128) {  // W: row r, granule c
+            const int r = i >> 3, c = i & 7;
+            cp_async_cg16(sb + r * 128 + ((c ^ (r & 7)) << 4), w + (i64)r * kpad + k0 + c * 8);
+        }
+#pragma unroll
+        for (int i = tid; i < GEMM3_TOK * 16; i += 128) {  // x: token row r, granule c
+            const int r = i >> 4, c = i & 15;
+            const int tk = min(tok0 + r, ntok - 1);
+            cp_async_cg16(sb + WB + r * 256 + ((c ^ (r & 7)) << 4), x + (i64)tk * ldx + k0 + c * 4);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < S - 1; s++) {
+        if (s < nst) issue(s, s);
+        cp_async_commit();
+    }
+    float ph[MW][4], th[MW][4], pm[MW][4], pl[MW][4];
+#pragma unroll
+    for (int m = 0; m < MW; m++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) ph[m][q] = th[m][q] = pm[m][q] = pl[m][q] = 0.f;
+    // ldmatrix.x4 row address of this lane: matrix lane / 8 = (row half, k half), row lane % 8
+    const int arow = (lane & 7) + ((lane >> 3) & 1) * 8, akh = lane >> 4;
+    const int xrow = (warp >> 1) * 8 + g;
+    int done = 0;  // W hi's k16 steps in the open piece
+    for (int st = 0; st < nst; st++) {
+        cp_async_wait<S - 2>();
+        __syncthreads();  // stage st landed everywhere; every warp is past stage st - 1's slot
+        if (st + S - 1 < nst) issue(st + S - 1, (st + S - 1) % S);
+        cp_async_commit();
+        const u32 sb = base + (st % S) * SB;
+        const u8* xs = g3_smem + (st % S) * SB + WB + xrow * 256;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            // x[token xrow][16 kk + 2t, +1] and [16 kk + 2t + 8, +9]: granules 4 kk + (t >> 1) (+2), float2 t & 1
+            const int c0 = 4 * kk + (t >> 1), c1 = c0 + 2;
+            const float2 v0 = *reinterpret_cast<const float2*>(xs + ((c0 ^ g) << 4) + (t & 1) * 8);
+            const float2 v1 = *reinterpret_cast<const float2*>(xs + ((c1 ^ g) << 4) + (t & 1) * 8);
+            u32 bh0, bm0, bl0, bh1, bm1, bl1;
+            split3_regs(v0.x, v0.y, bh0, bm0, bl0);
+            split3_regs(v1.x, v1.y, bh1, bm1, bl1);
+#pragma unroll
+            for (int mi = 0; mi < MW; mi++) {
+                const int m = rp + 2 * mi;
+                if (m < MT) {  // warp-uniform
+                    const int r = m * 16 + arow, c = 2 * kk + akh;
+                    u32 a0, a1, a2, a3;
+                    ldsm_x4(sb + r * 128 + ((c ^ (r & 7)) << 4), a0, a1, a2, a3);
+                    mma_bf16_16816(ph[mi][0], ph[mi][1], ph[mi][2], ph[mi][3], a0, a1, a2, a3, bh0, bh1);
+                    mma_bf16_16816(pm[mi][0], pm[mi][1], pm[mi][2], pm[mi][3], a0, a1, a2, a3, bm0, bm1);
+                    mma_bf16_16816(pl[mi][0], pl[mi][1], pl[mi][2], pl[mi][3], a0, a1, a2, a3, bl0, bl1);
+                }
+            }
+        }
+        done += 4;
+        if (done == piece || st + 1 == nst) {  // a piece of W hi ends: h += piece (the first: 0 + piece, exact)
+#pragma unroll
+            for (int m = 0; m < MW; m++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    th[m][q] += ph[m][q];
+                    ph[m][q] = 0.f;
+                }
+            done = 0;
+        }
+    }
+    cp_async_wait<0>();
+    // thread (g, t): rows 16 m + g (+8), tokens tok0 + 8 (warp >> 1) + 2t (+1)
+#pragma unroll
+    for (int mi = 0; mi < MW; mi++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int r = (rp + 2 * mi) * 16 + g + 8 * (q >> 1), tk = tok0 + (warp >> 1) * 8 + 2 * t + (q & 1);
+            if (rp + 2 * mi < MT && r < nout && tk < ntok) {
+                const float v = th[mi][q] + (pl[mi][q] + pm[mi][q]);
+                float* yr = y + (i64)tk * ldy + r;
+                *yr = add ? *yr + v : v;
+            }
+        }
+}
+
+#define GEMM3_KERNEL(MT)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) gemm3_small_m##MT(                                             \
+        const u16* __restrict__ w, int kpad, const float* __restrict__ x, int ldx, int ntok, int nout, int add,       \
+        float* __restrict__ y, int ldy, int piece) {                                                                  \
+        gemm3_body<MT>(w, kpad, x, ldx, ntok, nout, add, y, ldy, piece);                                              \
+    }
+GEMM3_KERNEL(1)
+GEMM3_KERNEL(2)
+GEMM3_KERNEL(3)
+GEMM3_KERNEL(4)
+GEMM3_KERNEL(5)
+GEMM3_KERNEL(6)
+GEMM3_KERNEL(7)
+GEMM3_KERNEL(8)
+
 // y[t][r] (MODE_ADD: +)= the three-term route's fp32 partial products, t < ntok, r < nout. part holds
 // npieces + 2 blocks of [ntok][ldp] (pstride floats apart; cuBLAS's column-major nout x ntok outputs):
 // W hi over the K pieces in K order, then W mid, then W lo. Summed smallest first, round to nearest:

@@ -34,7 +34,7 @@ __device__ __forceinline__ void rope_store_body(const float* __restrict__ qg, in
         const float ang = (float)((double)pos * inv_freq[jf]);
         const float c = cosf(ang), s = sinf(ang);
         const float rot = d < half ? -xs[d + half] : xs[d - half];
-        y = xn * c + rot * s;
+        y = fmaf(xn, c, rot * s);  // the contraction NVVM chose for xn * c + rot * s, spelled out (the rows form's too)
     }
     if (is_q) {
         qout[(i64)t * ldqo + slot * hd + d] = y;
@@ -63,6 +63,99 @@ extern "C" __global__ void qk_norm_rope_store(const float* __restrict__ qg, int 
     rope_store_body(qg, ldq, kv, ldkv, q_norm, k_norm, eps, nq, nkv, hd, rd, inv_freq, t, *pos0_dev + t, qout, ldqo,
                     kcache, vcache, kv_bf16, max_pos);
 }
+
+// qk_norm_rope_store for prefill chunks: a warp per (token, head) instead of a block of hd threads. Why: the block
+// form is (nlanes x (nq + nkv)) blocks of 256 threads, each one load, two barriers and one store per thread --
+// 229K blocks for a 4,096-token chunk of the 27B, 7.0 ms of an 8K prefill (device run q1, H100) for ~0.5 GB of
+// bytes a layer. Same bits as the block form: lane l holds dims l + 32 j (what warp j's lane l holds there), so
+// warp_sum of its squares per j is that warp's sum, and the warp_sum of those sums (lane j < DPL holding sum j,
+// the rest 0) is block_sum's last step; the norm, angle and rotation are the block form's expressions. The
+// rotation partner of dim d < rd is d +- rd / 2, in the same lane when rd / 2 is a multiple of 32
+// (kernels.rope_rows_fits). grid (nlanes, ceil((nq + nkv) / 4)), block 128 (4 heads of one token).
+template <int DPL>
+__device__ __forceinline__ void rope_store_warp(const float* __restrict__ qg, int ldq, const float* __restrict__ kv,
+                                                int ldkv, const float* __restrict__ q_norm,
+                                                const float* __restrict__ k_norm, float eps, int nq, int nkv, int rd,
+                                                const double* __restrict__ inv_freq, int t, int pos, int slot,
+                                                float* __restrict__ qout, int ldqo, void* kcache, void* vcache,
+                                                int kv_bf16, int max_pos) {
+    constexpr int hd = 32 * DPL;
+    const int lane = threadIdx.x & 31;
+    const bool is_q = slot < nq;
+    const int kvh = slot - nq;
+    const float* src = is_q ? qg + (i64)t * ldq + slot * 2 * hd : kv + (i64)t * ldkv + kvh * hd;
+    float x[DPL];
+#pragma unroll
+    for (int j = 0; j < DPL; j++) x[j] = src[32 * j + lane];
+    float tl = 0.f;
+#pragma unroll
+    for (int j = 0; j < DPL; j++) {
+        const float sj = warp_sum(x[j] * x[j]);  // block_sum: warp j's sum
+        if (lane == j) tl = sj;
+    }
+    const float ss = warp_sum(tl);  // block_sum: the warp sums, lanes past the warps adding 0
+    const float* w = is_q ? q_norm : k_norm;
+    float xn[DPL];
+#pragma unroll
+    for (int j = 0; j < DPL; j++) xn[j] = (x[j] / sqrtf(ss / (float)hd + eps)) * (w[32 * j + lane] + 1.0f);
+    const int half = rd >> 1, hj = half >> 5;  // the partner of dim d < rd is 32 (j +- hj) + lane
+    float c = 0.f, s = 0.f;
+    if (lane < half) {
+        const float ang = (float)((double)pos * inv_freq[lane]);  // jf of dims lane + 32 j < rd: (32 j + lane) % half
+        c = cosf(ang), s = sinf(ang);
+    }
+    float y[DPL];
+#pragma unroll
+    for (int j = 0; j < DPL; j++) {
+        y[j] = xn[j];
+        if (32 * j < rd) {
+            const int jf = (32 * j) % half + lane;  // dims of one lane share jf mod 32: recomputed where half > 32
+            float cj = c, sj2 = s;
+            if (half > 32) {
+                const float ang = (float)((double)pos * inv_freq[jf]);
+                cj = cosf(ang), sj2 = sinf(ang);
+            }
+            const float rot = j < hj ? -xn[j + hj < DPL ? j + hj : 0] : xn[j >= hj ? j - hj : 0];
+            y[j] = fmaf(xn[j], cj, rot * sj2);  // rope_store_body's expression and contraction
+        }
+    }
+    if (is_q) {
+        float* qo = qout + (i64)t * ldqo + slot * hd;
+#pragma unroll
+        for (int j = 0; j < DPL; j++) qo[32 * j + lane] = y[j];
+        return;
+    }
+    const i64 off = ((i64)kvh * max_pos + pos) * hd;
+    const float* vr = kv + (i64)t * ldkv + nkv * hd + kvh * hd;
+#pragma unroll
+    for (int j = 0; j < DPL; j++) {
+        const int d = 32 * j + lane;
+        const float v = vr[d];
+        if (kv_bf16) {
+            reinterpret_cast<u16*>(kcache)[off + d] = float_to_bf16(y[j]);
+            reinterpret_cast<u16*>(vcache)[off + d] = float_to_bf16(v);
+        } else {
+            reinterpret_cast<float*>(kcache)[off + d] = y[j];
+            reinterpret_cast<float*>(vcache)[off + d] = v;
+        }
+    }
+}
+
+#define ROPE_ROWS_KERNEL(NAME, DPL)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                           \
+        const float* __restrict__ qg, int ldq, const float* __restrict__ kv, int ldkv,                                \
+        const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps, int nq, int nkv, int rd,       \
+        const double* __restrict__ inv_freq, const int* __restrict__ pos0_dev, float* __restrict__ qout, int ldqo,    \
+        void* kcache, void* vcache, int kv_bf16, int max_pos) {                                                       \
+        pdl_entry();                                                                                                  \
+        const int t = blockIdx.x, slot = blockIdx.y * 4 + (threadIdx.x >> 5);                                         \
+        if (slot >= nq + nkv) return;                                                                                 \
+        rope_store_warp<DPL>(qg, ldq, kv, ldkv, q_norm, k_norm, eps, nq, nkv, rd, inv_freq, t, *pos0_dev + t, slot,   \
+                             qout, ldqo, kcache, vcache, kv_bf16, max_pos);                                           \
+    }
+ROPE_ROWS_KERNEL(qk_norm_rope_store_rows_d2, 2)
+ROPE_ROWS_KERNEL(qk_norm_rope_store_rows_d4, 4)
+ROPE_ROWS_KERNEL(qk_norm_rope_store_rows_d8, 8)
 
 // decode_batch: lane b is its own sequence's next token (common.cuh lane table): its position and
 // its state's K / V caches, plus kv_off bytes to this layer. Same grid and block as above.

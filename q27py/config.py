@@ -98,32 +98,33 @@ class EngineConfig:
     # class, gated on the trained model: tools/fp8_prefill.py, docs/QUANT.md "fp8 prefill")
     prefill_gemm: str = "auto"
     # cuda, those chunks: how the small bf16 matrices (the GDN gates' in_proj_b / in_proj_a, 96 x 5120 on the
-    # 27B) multiply. "bf16x3": each fp32 activation split exactly into three bf16 terms, x = hi + mid + lo,
-    # and W x as bf16 GEMMs on tensor cores, the hi term's K in 320-column pieces (q27py/gpu/blas.py
-    # prefill_gemm_split3; resident bf16 weights, 47 MB on the 27B). "f32": the pedantic fp32 SGEMM on fp32
-    # copies of the weights (94 MB; ~32 TFLOP/s, 12 ms of an 8K prefill on the 27B). Both are fp32-grade against
-    # float64 (the test holds bf16x3 to the SGEMM's error); the bits differ. Chunks of >= 128 tokens only.
-    # "f32" is the default: on the device (run j6, an H100) the bf16x3 route failed two of its own tests. (1) The
-    # split kernel zeroed mid / lo where x - hi or x - hi - mid is an fp32 subnormal (NVRTC's -ftz=true flushed its
-    # fp32 subtractions: 3,622 of 110,782 plane values of random fp32 inputs): fixed, the remainders are now integer
-    # arithmetic on the bit patterns (cuda/dequant.cu; CPU tests build it with -ftz=true, check its PTX and run its
-    # helpers against the numpy spec bit for bit). (2) A q4s prefill's logits were 0.48% of their scale from the
-    # SGEMM route's, against a 1e-4 tolerance: no fault found in the route (hi from the producer's bf16 rows is
-    # checked on an emulated device); a CPU emulation with q4s's bf16 activations moves the logits by ~0.2% for
-    # any fp32-grade change of the gates (tools/split3_numerics.py --model-drift), so that tolerance was the bf16
-    # tier's; the q4s case now checks the route on the model's own rows at every GDN layer, bit for bit
-    # (tests/gpu/test_prefill_split3.py), and bounds the logits at 2%. Both wait for a device run of those tests
-    # before "bf16x3" comes back as the default.
-    prefill_small_gemm: str = "f32"
+    # 27B) multiply. Each fp32 activation split exactly into three bf16 terms, x = hi + mid + lo, and W x as bf16
+    # products on tensor cores, W hi accumulated in 320-column pieces: "bf16x3f" (the default) in one fused
+    # kernel per matrix (cuda/dequant.cu gemm3_small_m*: the split in registers, no planes or partials in memory;
+    # q27py/gpu/blas.py prefill_gemm_bf16x3f); "bf16x3" as a split pass, cuBLAS GEMMs and a combine
+    # (prefill_gemm_split3). "f32": the pedantic fp32 SGEMM on fp32 weight copies (94 MB; ~32 TFLOP/s, 12.2 ms of
+    # an 8K prefill on the 27B, H100). All fp32-grade against float64 (tests/gpu/test_prefill_split3.py holds both
+    # three-term routes to the SGEMM's error: 2.0e-7 to 3.0e-7 relative L2 at 96 x 5120, device run q3); their
+    # bits differ. Chunks of >= 128 tokens only: decode, verify and the canonical gates' prompts never take any.
+    # Why "bf16x3f": 8.1 ms for the 96 launches of an 8K prefill where the SGEMM took 12.2 (run q2, before the
+    # row-half split), +1.0% on the whole 8K prefill (run q3: 11,079 -> 11,195 tok/s, H100). History: "bf16x3"
+    # failed two of its own tests once (run j6: -ftz=true zeroed subnormal remainders; a q4s tolerance that was the
+    # bf16 tier's), both fixed and passing since run j9; it never measured faster than the SGEMM end to end.
+    prefill_small_gemm: str = "bf16x3f"
     # cuda, cuBLAS route: expand the next matrix to bf16 on a side stream while the current one's GEMM
     # runs (two weight buffers, ~2 x 356 MB on the 27B) instead of taking turns (q27py/gpu/blas.py
     # ExpandAhead). Off until measured on the device: same launches, same bits.
     prefill_expand_ahead: bool = False
     # cuda, cuBLAS route, prefill chunks of >= 128 tokens: the MLP's gate_up GEMM writes gate and up as bf16 (fp32
     # accumulation, one round to nearest each) and SwiGLU reads those (q27py/gpu/blas.py _gemm_expanded): half the
-    # bytes of that pass, ~11-15 ms of an 8K prefill on the 27B. Off: a tolerance-class change (docs/QUANT.md "bf16
-    # gate_up before SwiGLU": ~4x the KL of today's single bf16 rounding), the gates' md5s would move with it on.
-    prefill_gate_up_bf16: bool = False
+    # bytes of that pass. On by default since 2026-12-06 (issue 14): +3.0% on an 8K prefill of the 27B (device run q1,
+    # H100: 11,203 -> 11,542 tok/s; +2.6% on the H200, run n5), and with the other levers of that session it is what
+    # brings the 8K prefill to the bar. Its own tolerance class (docs/QUANT.md "bf16 gate_up before SwiGLU"): on the
+    # trained tiny model, KL mean 2.45e-5 (q4s) / 2.17e-5 (q8), top-1 agreement 99.76% / 99.66%, NLL +0.0002 /
+    # -0.0001 (run q3), ~4x the KL of the single bf16 rounding of the SwiGLU output and 35-40x under the a8 tier's
+    # accepted gate. Decode, verify and prompts under 128 tokens never take it: the canonical gates' md5s PASS either
+    # way. False gives the fp32 gate_up rows back.
+    prefill_gate_up_bf16: bool = True
     # cuda, cuBLAS route: keep up to this many GiB of the bf16 expansions resident (one per matrix,
     # in first-use order; the 27B's all take 49.5 GB = 46.1 GiB), so chunks and interleaved pieces after the first
     # skip the ~20 ms expansion (q27py/gpu/blas.py ExpansionCache). The auto slot / context sizing
@@ -358,7 +359,7 @@ GPU_MAX_SLOTS = 1
 GPU_AUTO_MAX_SLOTS = 16
 GPU_AUTO_MIN_SLOTS = 2
 KV_CHOICES = ("auto", "bf16", "fp8", "k5v3", "k3v3")
-PREFILL_SMALL_GEMM_CHOICES = ("bf16x3", "f32")  # EngineConfig.prefill_small_gemm
+PREFILL_SMALL_GEMM_CHOICES = ("bf16x3", "bf16x3f", "f32")  # EngineConfig.prefill_small_gemm
 # EngineConfig.batch_spec (engine/share_policy.py)
 BATCH_SPEC_CHOICES = ("adaptive", "drafts", "solo-only")
 

@@ -390,7 +390,7 @@ def _gemm_expanded(m, w, x_bf16, ntok: int, y, ldy: int, y_bf16=None, z_bf16: bo
     assert y_bf16 is None or m.mode == C.MODE_SWIGLU, "only the SwiGLU epilogue writes bf16 rows"
     assert not z_bf16 or m.mode == C.MODE_SWIGLU, "only the SwiGLU GEMM writes its rows as bf16"
     if z_bf16:
-        # EngineConfig.prefill_gate_up_bf16 (off by default; docs/QUANT.md "bf16 gate_up before SwiGLU"): the gate /
+        # EngineConfig.prefill_gate_up_bf16 (on by default; docs/QUANT.md "bf16 gate_up before SwiGLU"): the gate /
         # up rows as bf16 (fp32 accumulation, one round to nearest each), then SwiGLU on them (cuda/dequant.cu
         # swiglu_tiles_zbf16*): half the bytes written by the GEMM and read by SwiGLU. The rows live in the fp32
         # route's "z" scratch (the same buffer, half of it used), so the route needs no memory of its own.
@@ -475,8 +475,8 @@ def prefill_gemm_f32(m, x, ldx: int, ntok: int, y, ldy: int) -> None:
 
 
 # ---------------------------------------------------------------- small bf16 matrices: three bf16 terms
-# prefill_gemm_split3, the other route for the same matrices (EngineConfig.prefill_small_gemm "bf16x3"; "f32", the
-# default until a device run confirms this route's fixes (q27py/config.py), keeps prefill_gemm_f32 above). The
+# prefill_gemm_split3, another route for the same matrices (EngineConfig.prefill_small_gemm "bf16x3"; the default,
+# "bf16x3f", runs these terms fused in one kernel: prefill_gemm_bf16x3f below; "f32" keeps prefill_gemm_f32). The
 # pedantic SGEMM runs the 27B's ab (96 x 5120) at ~32 TFLOP/s: 0.127 ms per 4,096-token chunk and layer, 12.2 ms
 # of an 8K prefill (docs/PERF.md i3). Here each fp32 activation is split
 # into three bf16 terms, x = hi + mid + lo exactly (cuda/dequant.cu f32_split3_bf16_rows), and W x = W hi +
@@ -604,6 +604,26 @@ def prefill_gemm_split3(m, x, ldx: int, ntok: int, y, ldy: int, split: Split3 | 
     rt.launch("dequant", "split3_combine", -(-(ntok * nout) // 256), 256,
               (part, i32(ldp), i64(pstride), i32(npieces), i32(nout), i32(ntok), i32(int(m.mode == C.MODE_ADD)), y,
                i32(ldy)))
+
+
+def bf16x3f_fits(m) -> bool:
+    """Whether prefill_gemm_bf16x3f takes the matrix: its nout rows in at most C.GEMM3_MT 16-row tiles."""
+    return f32_route(m) and -(-int(m.nout) // 16) <= C.GEMM3_MT
+
+
+def prefill_gemm_bf16x3f(m, x, ldx: int, ntok: int, y, ldy: int) -> None:
+    """prefill_gemm_split3's terms, grouping and contract in one kernel (cuda/dequant.cu gemm3_small_m*: the split in
+    registers, the products on mma.sync, no planes or partials in memory); other bits than split3's, same class."""
+    assert bf16x3f_fits(m), "prefill_gemm_bf16x3f takes small bf16 matrices of at most GEMM3_MT row tiles"
+    sh = m.shape
+    kpad, nout = int(sh.kpad), int(m.nout)
+    assert kpad % 64 == 0 and ldx % 4 == 0 and ldy >= nout, (kpad, ldx, ldy)
+    mt = -(-nout // 16)  # the packed rows past nout (row groups of 64) are zeros: not loaded, not multiplied
+    w = weights_bf16_small(m)
+    Runtime.get().launch("dequant", f"gemm3_small_m{mt}", -(-ntok // C.GEMM3_TOK), 128,
+                         (w, i32(kpad), x, i32(ldx), i32(ntok), i32(nout), i32(int(m.mode == C.MODE_ADD)), y, i32(ldy),
+                          i32(SPLIT3_PIECE_CHUNKS * 4)),
+                         shared_mem=C.GEMM3_STAGES * (mt * 2048 + C.GEMM3_TOK * 256))
 
 
 # ---------------------------------------------------------------- fp8 route (EngineConfig.prefill_gemm "fp8")

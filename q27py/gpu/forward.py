@@ -2018,7 +2018,7 @@ def load_fast_model(cfg) -> FastModel:
     # this many rows per weight pass (docs/PERF.md)
     K.PREFILL_GEMM = e.prefill_gemm
     K.PREFILL_SMALL_GEMM = K.prefill_small_gemm_mode(e.prefill_small_gemm)
-    K.PREFILL_GATE_UP_BF16 = bool(e.prefill_gate_up_bf16)  # off by default: a tolerance-class change (docs/QUANT.md)
+    K.PREFILL_GATE_UP_BF16 = bool(e.prefill_gate_up_bf16)  # its own tolerance class (docs/QUANT.md)
     from q27py.gpu import blas
 
     blas.set_expand_ahead(e.prefill_expand_ahead)

@@ -481,6 +481,10 @@ class GemvPlan:
                     from q27py.gpu import blas
 
                     blas.prefill_gemm_f32(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
+                elif f32 and PREFILL_SMALL_GEMM == "bf16x3f" and blas_bf16x3f_fits(m):
+                    from q27py.gpu import blas
+
+                    blas.prefill_gemm_bf16x3f(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
                 elif f32:
                     from q27py.gpu import blas
 
@@ -694,11 +698,18 @@ def gemm_supported(m: GpuMatrix) -> bool:
 PREFILL_GEMM = "auto"
 
 
-# How the chunks gemm_f32_route takes multiply their small bf16 matrices (the GDN gates' ab): "bf16x3"
-# (blas.prefill_gemm_split3: x split exactly into three bf16 terms, tensor cores) or "f32" (blas.prefill_gemm_f32:
-# fp32 copies of the weights, pedantic SGEMM; the default, q27py/config.py says why). Both fp32-grade, different bits.
+# How the chunks gemm_f32_route takes multiply their small bf16 matrices (the GDN gates' ab): "bf16x3f" (the default:
+# blas.prefill_gemm_bf16x3f, x split exactly into three bf16 terms in one fused tensor-core kernel), "bf16x3" (the same
+# terms as blas.prefill_gemm_split3: a split pass, cuBLAS GEMMs, a combine) or "f32" (blas.prefill_gemm_f32: fp32 copies
+# of the weights, pedantic SGEMM). All fp32-grade, different bits (q27py/config.py says why the default).
 # EngineConfig.prefill_small_gemm (env Q27_PREFILL_SMALL_GEMM) is the module default, so models built
 # directly (gates, benches, tests) follow it as engines do; load_fast_model sets it from the engine's config.
+def blas_bf16x3f_fits(m) -> bool:
+    from q27py.gpu import blas
+
+    return blas.bf16x3f_fits(m)
+
+
 def prefill_small_gemm_mode(mode: str) -> str:
     """EngineConfig.prefill_small_gemm, checked when the model loads (a typo fails there, not mid-request)."""
     from q27py.config import PREFILL_SMALL_GEMM_CHOICES
@@ -720,9 +731,9 @@ PREFILL_SMALL_GEMM = _prefill_small_gemm_default()
 # Whether the MLP's gate_up GEMM of a prefill chunk on cuBLAS's bf16 route (gemm_bf16_route: >= blas.MIN_TOKENS
 # tokens, never decode / verify / the gates' short prompts) writes its gate and up rows as bf16 (fp32 accumulation,
 # one round to nearest each) for SwiGLU to read (blas._gemm_expanded, cuda/dequant.cu swiglu_tiles_zbf16*) instead
-# of fp32 rows: half the bytes of that pass (~11-15 ms of an 8K prefill on the 27B). A tolerance-class change
-# (docs/QUANT.md "bf16 gate_up before SwiGLU": ~4x the KL of today's single rounding of the SwiGLU output), so off
-# by default. EngineConfig.prefill_gate_up_bf16 (env Q27_PREFILL_GATE_UP_BF16) is the module default, so models built
+# of fp32 rows: half the bytes of that pass (+3.0% on an 8K prefill of the 27B, H100). Its own tolerance class
+# (docs/QUANT.md "bf16 gate_up before SwiGLU"), on by default (q27py/config.py says why).
+# EngineConfig.prefill_gate_up_bf16 (env Q27_PREFILL_GATE_UP_BF16) is the module default, so models built
 # directly (gates, benches, tests) follow it as engines do; load_fast_model sets it from the engine's config. Read
 # per call (a test or bench may switch it on one model).
 def _prefill_gate_up_bf16_default() -> bool:
@@ -1392,10 +1403,27 @@ def gdn_prefill_run(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv
 def qk_norm_rope_store(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int, rd: int,
                        inv_freq, pos0_dev, qout, ldqo: int, kcache, vcache, kv_bf16: bool, max_pos: int,
                        nlanes: int) -> None:
+    if rope_rows_fits(hd, rd, nlanes):
+        Runtime.get().launch("rope", f"qk_norm_rope_store_rows_d{hd // 32}", (nlanes, -(-(nq + nkv) // 4)), 128,
+                             (qg, i32(ldq), kv, i32(ldkv), q_norm, k_norm, f32(eps), i32(nq), i32(nkv), i32(rd),
+                              inv_freq, pos0_dev, qout, i32(ldqo), kcache, vcache, i32(1 if kv_bf16 else 0),
+                              i32(max_pos)))
+        return
     Runtime.get().launch("rope", "qk_norm_rope_store", (nlanes, nq + nkv), max(32, -(-hd // 32) * 32),
                          (qg, i32(ldq), kv, i32(ldkv), q_norm, k_norm, f32(eps), i32(nq), i32(nkv), i32(hd), i32(rd),
                           inv_freq, pos0_dev, qout, i32(ldqo), kcache, vcache, i32(1 if kv_bf16 else 0),
                           i32(max_pos)), shared_mem=4 * hd)
+
+
+# qk_norm_rope_store's warp-per-head form (rope.cu qk_norm_rope_store_rows_d*): the same bits, for prefill chunks
+# (the block form is 229K blocks of 256 threads per 4,096-token chunk of the 27B); decode keeps the block form.
+ROPE_ROWS_MIN = 64
+
+
+def rope_rows_fits(hd: int, rd: int, nlanes: int) -> bool:
+    """Whether qk_norm_rope_store takes the warp-per-head form: head dims 64 / 128 / 256 (2-8 per lane), the
+    rotation partner in the same lane (rd / 2 a multiple of 32), and a chunk of at least ROPE_ROWS_MIN lanes."""
+    return nlanes >= ROPE_ROWS_MIN and hd in (64, 128, 256) and rd <= hd and rd % 64 == 0 and rd > 0
 
 
 def _split_shape(hd: int, nq: int, nkv: int) -> tuple[int, int]:

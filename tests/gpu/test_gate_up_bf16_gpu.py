@@ -1,4 +1,4 @@
-"""EngineConfig.prefill_gate_up_bf16 (env Q27_PREFILL_GATE_UP_BF16, off by default): prefill chunks on cuBLAS's
+"""EngineConfig.prefill_gate_up_bf16 (env Q27_PREFILL_GATE_UP_BF16, on by default): prefill chunks on cuBLAS's
 bf16 route have the MLP's gate_up GEMM write gate and up as bf16 (fp32 accumulation, one round to nearest each)
 and SwiGLU read those (q27py/gpu/blas.py _gemm_expanded, cuda/dequant.cu swiglu_tiles_zbf16 / _bf16).
 
@@ -381,16 +381,15 @@ def test_config_field_env_and_module_default(monkeypatch):
     from q27py.config import EngineConfig, Q27Config, apply_env
     from q27py.gpu import kernels as K
 
-    assert EngineConfig().prefill_gate_up_bf16 is False
+    assert EngineConfig().prefill_gate_up_bf16 is True  # on since 2026-12-06 (q27py/config.py says why)
     assert apply_env(Q27Config(), {"Q27_PREFILL_GATE_UP_BF16": "1"}).engine.prefill_gate_up_bf16 is True
     assert apply_env(Q27Config(), {"Q27_PREFILL_GATE_UP_BF16": "0"}).engine.prefill_gate_up_bf16 is False
-    assert apply_env(Q27Config(), {"Q27_PREFILL_GATE_UP_BF16": ""}).engine.prefill_gate_up_bf16 is False
     with pytest.raises(ValueError):
         apply_env(Q27Config(), {"Q27_PREFILL_GATE_UP_BF16": "yes"})
     monkeypatch.delenv("Q27_PREFILL_GATE_UP_BF16", raising=False)
-    assert K._prefill_gate_up_bf16_default() is False
-    monkeypatch.setenv("Q27_PREFILL_GATE_UP_BF16", "1")
     assert K._prefill_gate_up_bf16_default() is True
+    monkeypatch.setenv("Q27_PREFILL_GATE_UP_BF16", "0")
+    assert K._prefill_gate_up_bf16_default() is False
 
 
 def _swiglu_matrix(C):

@@ -1,5 +1,6 @@
-"""Prefill-chunk forms of the norm, conv and SwiGLU kernels (cuda/norm.cu rmsnorm_rows_wide /
-gated_rmsnorm_rows, cuda/conv.cu gdn_conv_rows_k4, cuda/dequant.cu swiglu_tiles_bf16) and the bf16
+"""Prefill-chunk forms of the norm, conv, RoPE and SwiGLU kernels (cuda/norm.cu rmsnorm_rows_wide /
+gated_rmsnorm_rows, cuda/conv.cu gdn_conv_rows_k4, cuda/rope.cu qk_norm_rope_store_rows_d*,
+cuda/dequant.cu swiglu_tiles_bf16) and the bf16
 rows their producers write for the cuBLAS route (GemvPlan.gemm_inputs / swiglu_bf16).
 
 Each prefill form is held BITWISE to the kernel it replaces on prefill chunks (same products, same
@@ -23,7 +24,7 @@ def cp():
 
     from q27py.gpu.runtime import Runtime
 
-    for mod in ("norm", "conv", "dequant"):
+    for mod in ("norm", "conv", "dequant", "rope"):
         Runtime.get().module(mod)
     return cupy
 
@@ -225,6 +226,40 @@ def test_prefill_forward_is_bitwise_the_converting_route(cp, K, monkeypatch):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=k)
 
 
+@gpu
+@pytest.mark.parametrize("hd,rd,nq,nkv", [(256, 64, 24, 4), (128, 128, 4, 2), (64, 64, 3, 1), (256, 128, 6, 2)])
+@pytest.mark.parametrize("t,pos0", [(64, 0), (301, 250_000)])
+@pytest.mark.parametrize("kv_bf16", [False, True])
+def test_rope_rows_is_bitwise_the_block_form(cp, K, monkeypatch, hd, rd, nq, nkv, t, pos0, kv_bf16):
+    """qk_norm_rope_store's warp-per-head form (prefill chunks) writes the block form's q rows and K / V cache rows
+    bit for bit: the 27B's heads (256, partial rotation 64), a whole-head rotation, the smallest head, a rotation
+    spanning two lanes' dims; row scales over three decades; a position near the model's maximum (large angles)."""
+    rng = np.random.default_rng(hd + rd + t)
+    max_pos = pos0 + t + 5
+    scale = rng.uniform(0.01, 30, (t, 1)).astype(np.float32)
+    qg = cp.asarray((rng.standard_normal((t, 2 * nq * hd)) * scale).astype(np.float32))
+    kv = cp.asarray((rng.standard_normal((t, 2 * nkv * hd)) * scale).astype(np.float32))
+    qn, kn = (cp.asarray((rng.standard_normal(hd) * 0.1).astype(np.float32)) for _ in range(2))
+    inv = cp.asarray(1.0 / (1e7 ** (np.arange(0, rd, 2, dtype=np.float64) / rd)))
+    pos = cp.asarray(np.array([pos0], np.int32))
+    dt = cp.uint16 if kv_bf16 else None
+
+    def run():
+        qout = poisoned(cp, (t, nq * hd))
+        kc, vc = poisoned(cp, (nkv, max_pos, hd), dt), poisoned(cp, (nkv, max_pos, hd), dt)
+        K.qk_norm_rope_store(qg, 2 * nq * hd, kv, 2 * nkv * hd, qn, kn, 1e-6, nq, nkv, hd, rd, inv, pos, qout, nq * hd,
+                             kc, vc, kv_bf16, max_pos, t)
+        return qout.get(), kc.get(), vc.get()
+
+    assert K.rope_rows_fits(hd, rd, t)
+    new = run()
+    monkeypatch.setattr(K, "ROPE_ROWS_MIN", 1 << 30)
+    old = run()
+    for a, b, name in zip(new, old, ("q", "k cache", "v cache")):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+    assert not np.isnan(new[0]).any()
+
+
 # ---------------------------------------------------------------- CPU checks (no GPU): the launches
 def test_wrappers_launch_their_kernels_with_every_parameter(monkeypatch):
     """Each wrapper's argument tuple has as many entries as its kernel has parameters (cuda/ sources
@@ -260,3 +295,26 @@ def test_wrappers_launch_their_kernels_with_every_parameter(monkeypatch):
     assert rec.calls[2].grid == (-(-4096 // C.GATED_ROWS), 48) and rec.calls[2].block == 128
     assert rec.calls[3].grid == (-(-4096 // C.CONV_ROWS), 80) and rec.calls[3].block == 128
     assert rec.calls[5].grid == (34, 3) and rec.calls[5].args[-1] == 17408
+
+
+def test_rope_rows_launch_and_fallbacks(monkeypatch):
+    """qk_norm_rope_store takes the warp-per-head form on prefill chunks of the heads it fits (every kernel
+    parameter passed, 4 heads a block) and the block form for decode-sized launches and other head shapes."""
+    from q27py.gpu import kernels as K
+    from tests.gpu.test_decode_batch_layout import _params, _Recorder
+
+    rec = _Recorder()
+    monkeypatch.setattr(K.Runtime, "get", staticmethod(lambda: rec))
+    x = object()
+    args = (x, 12288, x, 2048, x, x, 1e-6, 24, 4)
+    K.qk_norm_rope_store(*args, 256, 64, x, x, x, 6144, x, x, True, 8192, 4096)
+    K.qk_norm_rope_store(*args, 256, 64, x, x, x, 6144, x, x, True, 8192, 16)  # a verify span
+    K.qk_norm_rope_store(*args, 32, 8, x, x, x, 768, x, x, False, 512, 300)  # the rotation within a lane: block form
+    K.qk_norm_rope_store(*args, 128, 32, x, x, x, 3072, x, x, False, 512, 300)
+    assert [c.kernel for c in rec.calls] == ["qk_norm_rope_store_rows_d8", "qk_norm_rope_store", "qk_norm_rope_store",
+                                             "qk_norm_rope_store"]
+    for c in rec.calls:
+        assert len(c.args) == _params(c.module, c.kernel), c.kernel
+    assert rec.calls[0].grid == (4096, 7) and rec.calls[0].block == 128
+    assert rec.calls[1].grid == (16, 28) and rec.calls[1].block == 256
+    assert K.rope_rows_fits(64, 64, 64) and not K.rope_rows_fits(64, 64, 63) and not K.rope_rows_fits(96, 64, 512)

@@ -1,6 +1,6 @@
-"""The small bf16 matrices' three-term prefill route (blas.prefill_gemm_split3, EngineConfig.prefill_small_gemm
-"bf16x3"; "f32" stays the default until a device run passes these tests) against float64 and against the pedantic
-SGEMM route (blas.prefill_gemm_f32, "f32"), on the same rows.
+"""The small bf16 matrices' three-term prefill routes (blas.prefill_gemm_split3, EngineConfig.prefill_small_gemm
+"bf16x3", and its fused one-kernel form blas.prefill_gemm_bf16x3f, "bf16x3f", the default) against float64 and
+against the pedantic SGEMM route (blas.prefill_gemm_f32, "f32"), on the same rows.
 
 The split: x = hi + mid + lo, three bf16 values (cuda/dequant.cu f32_split3_bf16_rows), exact wherever x is a
 multiple of 2^-133 (every |x| >= 2^-110), within 2^-134 below that. W x then runs as bf16 GEMMs with fp32
@@ -243,12 +243,12 @@ def test_knob_maps_from_config_and_env():
     from q27py.config import Q27Config, apply_env
     from q27py.gpu import kernels as K
 
-    assert Q27Config().engine.prefill_small_gemm == "f32"  # until a device run passes this file (q27py/config.py)
+    assert Q27Config().engine.prefill_small_gemm == "bf16x3f"  # the fused kernel (q27py/config.py says why)
     assert apply_env(Q27Config(), {"Q27_PREFILL_SMALL_GEMM": "f32"}).engine.prefill_small_gemm == "f32"
     assert apply_env(Q27Config(), {"Q27_PREFILL_SMALL_GEMM": " BF16X3 "}).engine.prefill_small_gemm == "bf16x3"
     with pytest.raises(ValueError, match="prefill small GEMM"):
         apply_env(Q27Config(), {"Q27_PREFILL_SMALL_GEMM": "tf32"})
-    for mode in ("bf16x3", "f32"):
+    for mode in ("bf16x3", "bf16x3f", "f32"):
         assert K.prefill_small_gemm_mode(mode) == mode
     with pytest.raises(ValueError, match="prefill_small_gemm"):
         K.prefill_small_gemm_mode("sgemm")
@@ -599,6 +599,7 @@ def test_route_against_float64_and_the_sgemm(cp, nout, cols, ntok, mode):
         return y.get()
 
     new = run(blas.prefill_gemm_split3)
+    fused = run(blas.prefill_gemm_bf16x3f)  # the same terms in one kernel ("bf16x3f"): other bits, same class
     old = run(blas.prefill_gemm_f32)
     xb = blas.to_bf16(xd, ldx, ntok, kpad)
     reuse = run(blas.prefill_gemm_split3, split=blas.split3(xd, ldx, ntok, kpad, x_bf16=xb))
@@ -607,24 +608,27 @@ def test_route_against_float64_and_the_sgemm(cp, nout, cols, ntok, mode):
     ref = x[:, :kpad].astype(np.float64) @ np.pad(w64, ((0, 0), (0, kpad - cols))).T + add
     hi_only = L.bf16_to_f32(L.bf16_bits(x[:, :cols])).astype(np.float64) @ w64.T + add
     err_new, err_old, err_bf16 = rel_rows(new[:, :nout], ref), rel_rows(old[:, :nout], ref), rel_rows(hi_only, ref)
+    err_fused = rel_rows(fused[:, :nout], ref)
     print(f"\n{nout} x {cols} (kpad {kpad}), {ntok} tokens, {mode}: rel L2 vs float64 (RMS over rows) "
-          f"split3 {err_new:.3g}, SGEMM {err_old:.3g}, bf16 activations {err_bf16:.3g}; "
+          f"split3 {err_new:.3g}, fused {err_fused:.3g}, SGEMM {err_old:.3g}, bf16 activations {err_bf16:.3g}; "
           f"FP32_CLASS {fp32_class(kpad):.3g}")
-    for y in (new, old):
+    for y in (new, fused, old):
         np.testing.assert_array_equal(y[:, nout:], 7.0)
         np.testing.assert_array_equal(y[7, :nout], base[7, :nout] if mode == "add" else 0.0)
         assert np.isfinite(y).all()
     assert err_old < 4 * fp32_class(kpad)  # the baseline is an fp32 GEMM
-    assert err_new <= max(2 * err_old, fp32_class(kpad)), (err_new, err_old)
-    assert err_new < 0.01 * err_bf16
+    for err in (err_new, err_fused):
+        assert err <= max(2 * err_old, fp32_class(kpad)), (err, err_old)
+        assert err < 0.01 * err_bf16
 
 
 @gpu
-@pytest.mark.parametrize("route", ["bf16x3", "f32"])
+@pytest.mark.parametrize("route", ["bf16x3", "bf16x3f", "f32"])
 def test_plan_runs_its_small_matrices_on_the_chosen_route(cp, route):
     """GemvPlan.run for a prefill chunk: a q4 matrix on cuBLAS's bf16 route beside two small bf16 matrices
     (STORE and ADD): "bf16x3" splits x once for both, taking the plan's bf16 rows as hi (no hi written), and
-    gives prefill_gemm_split3's bits; "f32" gives prefill_gemm_f32's; neither runs a GEMV launch."""
+    gives prefill_gemm_split3's bits; "bf16x3f" gives prefill_gemm_bf16x3f's (one fused launch a matrix, no
+    split pass); "f32" gives prefill_gemm_f32's; none runs a GEMV launch."""
     from q27py.gpu import blas
     from q27py.gpu import kernels as K
     from q27py.gpu.runtime import Runtime
@@ -648,7 +652,7 @@ def test_plan_runs_its_small_matrices_on_the_chosen_route(cp, route):
             plan.run(x, cols, ntok, x_bf16=xb)
     finally:
         K.PREFILL_SMALL_GEMM = saved
-    fn = blas.prefill_gemm_split3 if route == "bf16x3" else blas.prefill_gemm_f32
+    fn = {"bf16x3": blas.prefill_gemm_split3, "bf16x3f": blas.prefill_gemm_bf16x3f, "f32": blas.prefill_gemm_f32}[route]
     wa, wb = cp.full((ntok, 96), np.nan, dtype=cp.float32), cp.asarray(base)
     fn(ma, x, cols, ntok, wa, 96)
     fn(mb, x, cols, ntok, wb, 40)
@@ -657,6 +661,8 @@ def test_plan_runs_its_small_matrices_on_the_chosen_route(cp, route):
     assert sum(v for (mod, _k), v in n.items() if mod == "gemv") == 0
     split = n[("dequant", "f32_split3_bf16_rows")]
     assert (split, n[("dequant", "split3_combine")]) == ((1, 2) if route == "bf16x3" else (0, 0))
+    fused = {k: v for (mod, k), v in n.items() if mod == "dequant" and k.startswith("gemm3_small")}
+    assert fused == ({"gemm3_small_m6": 1, "gemm3_small_m3": 1} if route == "bf16x3f" else {})  # tiles of nout rows
 
 
 # The logits of the two routes in q4s: every q4 / q8 matrix of that tier takes bf16 activations on the cuBLAS
@@ -673,8 +679,9 @@ LOGIT_TOL = {"bf16": 1e-4, "q4s": 2e-2}
 
 
 @gpu
+@pytest.mark.parametrize("route3", ["bf16x3", "bf16x3f"])
 @pytest.mark.parametrize("tier,kv", [("bf16", "f32"), ("q4s", "bf16")])
-def test_fast_model_prefill_bf16x3_vs_f32(cp, tier, kv):
+def test_fast_model_prefill_bf16x3_vs_f32(cp, tier, kv, route3):
     """The bundled model, one 300-token prompt (a chunk on the cuBLAS route: >= blas.MIN_TOKENS) and the same
     prompt in two pieces (141 + 159): the three-term route's logits track the SGEMM route's with the same greedy
     token, in the bf16 tier (every matrix small bf16: all on this route) to 1e-4 of the logit scale (the prefill
@@ -693,7 +700,7 @@ def test_fast_model_prefill_bf16x3_vs_f32(cp, tier, kv):
     res, splits = {}, {}
     saved = K.PREFILL_SMALL_GEMM
     try:
-        for route in ("f32", "bf16x3"):
+        for route in ("f32", route3):
             K.PREFILL_SMALL_GEMM = route
             with Runtime.get().count_launches() as n:
                 st = model.new_state()
@@ -702,13 +709,14 @@ def test_fast_model_prefill_bf16x3_vs_f32(cp, tier, kv):
             model.forward(st, ids[:141])
             split = np.asarray(model.forward(st, ids[141:], logits_rows="last").logits, np.float64)
             res[route] = (whole, split)
-            splits[route] = n[("dequant", "f32_split3_bf16_rows")]
+            splits[route] = n[("dequant", "f32_split3_bf16_rows")] + sum(
+                v for (mod, k), v in n.items() if mod == "dequant" and k.startswith("gemm3_small"))
     finally:
         K.PREFILL_SMALL_GEMM = saved
-    assert splits["f32"] == 0 and splits["bf16x3"] > 0  # the route ran
+    assert splits["f32"] == 0 and splits[route3] > 0  # the route ran
     scale = np.abs(res["f32"][0]).max()
-    for a, b in zip(res["bf16x3"], res["f32"]):
-        print(f"\n{tier}: bf16x3 vs f32 logits, max |diff| / scale {np.abs(a - b).max() / scale:.3g}")
+    for a, b in zip(res[route3], res["f32"]):
+        print(f"\n{tier}: {route3} vs f32 logits, max |diff| / scale {np.abs(a - b).max() / scale:.3g}")
         assert np.abs(a - b).max() <= LOGIT_TOL[tier] * scale
         assert np.argmax(a[-1]) == np.argmax(b[-1])
 
