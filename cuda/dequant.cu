@@ -212,12 +212,15 @@ extern "C" __global__ void f32_split3_bf16_rows(const float* __restrict__ x, int
 // tensor cores' fp32 accumulation order differs from cuBLAS's, so the bits differ from "bf16x3"; the same error
 // class (tests/gpu/test_prefill_split3.py holds both to the SGEMM's error against float64).
 // Layout: W bf16 [MT * 16][kpad] (blas.weights_bf16_small), x fp32 [ntok][ldx], y fp32 [ntok][ldy]. CTA = 4 warps,
-// GEMM3_TOK = 16 tokens: warp = (8 tokens, one n8 tile; row half: tiles rp, rp + 2, ...), so a 4,096-token chunk is
-// 1,024 warps (two a scheduler) and each x value is split by the two warps of its token group: per k16 step a warp
-// runs 3 ceil(MT / 2) mma.m16n8k16. Ring: GEMM3_STAGES stages of [MT * 16 rows][64] bf16 W (16-byte granule c of
-// row r at c ^ (r & 7): ldmatrix conflict-free) and [16 tokens][64] fp32 x (granule c of token row r at c ^ (r & 7):
-// a warp's float2 fragment reads take the minimum two wavefronts). Tokens past ntok load the last row and are not
-// stored. grid ceil(ntok / GEMM3_TOK), block 128, dynamic smem GEMM3_STAGES * (MT * 2048 + GEMM3_TOK * 256).
+// 16 NTW tokens (C.GEMM3_NTW n8 tiles a warp): warp = (8 NTW tokens; row half: tiles rp, rp + 2, ...), each x value
+// split by the two warps of its token group; per k16 step a warp runs 3 NTW ceil(MT / 2) mma.m16n8k16, one ldmatrix
+// per row tile for its NTW tiles. Every CTA reads all of W (from L2): NTW = 2 halves that traffic against NTW = 1
+// (126 against 252 MB a 4,096-token chunk of the 27B) for half the CTAs, and measured 0.4% slower on a whole 8K
+// prefill (run q7, H100): NTW = 1, 1,024 warps a 4,096-token chunk (two a scheduler). Ring: GEMM3_STAGES stages of [MT * 16
+// rows][64] bf16 W (16-byte granule c of row r at c ^ (r & 7): ldmatrix conflict-free) and [16 NTW tokens][64] fp32 x
+// (granule c of token row r at c ^ (r & 7): a warp's float2 fragment reads take the minimum two wavefronts). Tokens
+// past ntok load the last row and are not stored. grid ceil(ntok / (16 NTW)), block 128, dynamic smem GEMM3_STAGES *
+// (MT * 2048 + 16 NTW * 256).
 __device__ __forceinline__ float sub_rn_noftz(float a, float b) {
     float r;
     asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -238,15 +241,15 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
                  : "r"(addr));
 }
 
-template <int MT>
+template <int MT, int NTW>
 __device__ __forceinline__ void gemm3_body(const u16* __restrict__ w, int kpad, const float* __restrict__ x, int ldx,
                                            int ntok, int nout, int add, float* __restrict__ y, int ldy, int piece) {
-    // warp = (token group of 8: warp >> 1, row half: warp & 1); the half takes row tiles rp, rp + 2, ...
-    constexpr int MW = (MT + 1) / 2, WB = MT * 16 * 128, XB = GEMM3_TOK * 256, SB = WB + XB, S = GEMM3_STAGES;
-    static_assert(GEMM3_TOK == 16, "4 warps: 2 token groups of 8 x 2 row halves");
+    // warp = (token group of 8 NTW tokens: warp >> 1, row half: warp & 1); the half takes row tiles rp, rp + 2, ...
+    constexpr int TOK = 16 * NTW, MW = (MT + 1) / 2, WB = MT * 16 * 128, XB = TOK * 256, SB = WB + XB,
+                  S = GEMM3_STAGES;
     extern __shared__ __align__(128) u8 g3_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, rp = warp & 1;
-    const int tok0 = blockIdx.x * GEMM3_TOK;
+    const int tok0 = blockIdx.x * TOK;
     const u32 base = smem_addr(g3_smem);
     const int nst = kpad >> 6;
     auto issue = [&](int st, int slot) {
@@ -257,7 +260,7 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ w, int kpad, 
             cp_async_cg16(sb + r * 128 + ((c ^ (r & 7)) << 4), w + (i64)r * kpad + k0 + c * 8);
         }
 #pragma unroll
-        for (int i = tid; i < GEMM3_TOK * 16; i += 128) {  // x: token row r, granule c
+        for (int i = tid; i < TOK * 16; i += 128) {  // x: token row r, granule c
             const int r = i >> 4, c = i & 15;
             const int tk = min(tok0 + r, ntok - 1);
             cp_async_cg16(sb + WB + r * 256 + ((c ^ (r & 7)) << 4), x + (i64)tk * ldx + k0 + c * 4);
@@ -268,14 +271,16 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ w, int kpad, 
         if (s < nst) issue(s, s);
         cp_async_commit();
     }
-    float ph[MW][4], th[MW][4], pm[MW][4], pl[MW][4];
+    float ph[MW][NTW][4], th[MW][NTW][4], pm[MW][NTW][4], pl[MW][NTW][4];
 #pragma unroll
     for (int m = 0; m < MW; m++)
 #pragma unroll
-        for (int q = 0; q < 4; q++) ph[m][q] = th[m][q] = pm[m][q] = pl[m][q] = 0.f;
+        for (int n = 0; n < NTW; n++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) ph[m][n][q] = th[m][n][q] = pm[m][n][q] = pl[m][n][q] = 0.f;
     // ldmatrix.x4 row address of this lane: matrix lane / 8 = (row half, k half), row lane % 8
     const int arow = (lane & 7) + ((lane >> 3) & 1) * 8, akh = lane >> 4;
-    const int xrow = (warp >> 1) * 8 + g;
+    const int xrow0 = (warp >> 1) * 8 * NTW + g;  // token row of n-tile n: xrow0 + 8 n (its row & 7 is g)
     int done = 0;  // W hi's k16 steps in the open piece
     for (int st = 0; st < nst; st++) {
         cp_async_wait<S - 2>();
@@ -283,16 +288,20 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ w, int kpad, 
         if (st + S - 1 < nst) issue(st + S - 1, (st + S - 1) % S);
         cp_async_commit();
         const u32 sb = base + (st % S) * SB;
-        const u8* xs = g3_smem + (st % S) * SB + WB + xrow * 256;
+        const u8* xs = g3_smem + (st % S) * SB + WB + xrow0 * 256;
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            // x[token xrow][16 kk + 2t, +1] and [16 kk + 2t + 8, +9]: granules 4 kk + (t >> 1) (+2), float2 t & 1
+            // x[token][16 kk + 2t, +1] and [16 kk + 2t + 8, +9]: granules 4 kk + (t >> 1) (+2), float2 t & 1
             const int c0 = 4 * kk + (t >> 1), c1 = c0 + 2;
-            const float2 v0 = *reinterpret_cast<const float2*>(xs + ((c0 ^ g) << 4) + (t & 1) * 8);
-            const float2 v1 = *reinterpret_cast<const float2*>(xs + ((c1 ^ g) << 4) + (t & 1) * 8);
-            u32 bh0, bm0, bl0, bh1, bm1, bl1;
-            split3_regs(v0.x, v0.y, bh0, bm0, bl0);
-            split3_regs(v1.x, v1.y, bh1, bm1, bl1);
+            u32 bh[NTW][2], bm[NTW][2], bl[NTW][2];
+#pragma unroll
+            for (int n = 0; n < NTW; n++) {
+                const u8* xr = xs + n * 8 * 256;
+                const float2 v0 = *reinterpret_cast<const float2*>(xr + ((c0 ^ g) << 4) + (t & 1) * 8);
+                const float2 v1 = *reinterpret_cast<const float2*>(xr + ((c1 ^ g) << 4) + (t & 1) * 8);
+                split3_regs(v0.x, v0.y, bh[n][0], bm[n][0], bl[n][0]);
+                split3_regs(v1.x, v1.y, bh[n][1], bm[n][1], bl[n][1]);
+            }
 #pragma unroll
             for (int mi = 0; mi < MW; mi++) {
                 const int m = rp + 2 * mi;
@@ -300,9 +309,15 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ w, int kpad, 
                     const int r = m * 16 + arow, c = 2 * kk + akh;
                     u32 a0, a1, a2, a3;
                     ldsm_x4(sb + r * 128 + ((c ^ (r & 7)) << 4), a0, a1, a2, a3);
-                    mma_bf16_16816(ph[mi][0], ph[mi][1], ph[mi][2], ph[mi][3], a0, a1, a2, a3, bh0, bh1);
-                    mma_bf16_16816(pm[mi][0], pm[mi][1], pm[mi][2], pm[mi][3], a0, a1, a2, a3, bm0, bm1);
-                    mma_bf16_16816(pl[mi][0], pl[mi][1], pl[mi][2], pl[mi][3], a0, a1, a2, a3, bl0, bl1);
+#pragma unroll
+                    for (int n = 0; n < NTW; n++) {
+                        float* q0 = ph[mi][n];
+                        float* q1 = pm[mi][n];
+                        float* q2 = pl[mi][n];
+                        mma_bf16_16816(q0[0], q0[1], q0[2], q0[3], a0, a1, a2, a3, bh[n][0], bh[n][1]);
+                        mma_bf16_16816(q1[0], q1[1], q1[2], q1[3], a0, a1, a2, a3, bm[n][0], bm[n][1]);
+                        mma_bf16_16816(q2[0], q2[1], q2[2], q2[3], a0, a1, a2, a3, bl[n][0], bl[n][1]);
+                    }
                 }
             }
         }
@@ -311,33 +326,39 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ w, int kpad, 
 #pragma unroll
             for (int m = 0; m < MW; m++)
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    th[m][q] += ph[m][q];
-                    ph[m][q] = 0.f;
-                }
+                for (int n = 0; n < NTW; n++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        th[m][n][q] += ph[m][n][q];
+                        ph[m][n][q] = 0.f;
+                    }
             done = 0;
         }
     }
     cp_async_wait<0>();
-    // thread (g, t): rows 16 m + g (+8), tokens tok0 + 8 (warp >> 1) + 2t (+1)
+    // thread (g, t): rows 16 m + g (+8), tokens tok0 + 8 NTW (warp >> 1) + 8 n + 2t (+1)
 #pragma unroll
     for (int mi = 0; mi < MW; mi++)
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int r = (rp + 2 * mi) * 16 + g + 8 * (q >> 1), tk = tok0 + (warp >> 1) * 8 + 2 * t + (q & 1);
-            if (rp + 2 * mi < MT && r < nout && tk < ntok) {
-                const float v = th[mi][q] + (pl[mi][q] + pm[mi][q]);
-                float* yr = y + (i64)tk * ldy + r;
-                *yr = add ? *yr + v : v;
+        for (int n = 0; n < NTW; n++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int r = (rp + 2 * mi) * 16 + g + 8 * (q >> 1);
+                const int tk = tok0 + (warp >> 1) * 8 * NTW + 8 * n + 2 * t + (q & 1);
+                if (rp + 2 * mi < MT && r < nout && tk < ntok) {
+                    const float v = th[mi][n][q] + (pl[mi][n][q] + pm[mi][n][q]);
+                    float* yr = y + (i64)tk * ldy + r;
+                    *yr = add ? *yr + v : v;
+                }
             }
-        }
 }
 
+// gemm3_small_m<MT>: MT row tiles, GEMM3_NTW n8 token tiles a warp (1 measured faster than 2 end to end: run q7)
 #define GEMM3_KERNEL(MT)                                                                                               \
     extern "C" __global__ void __launch_bounds__(128) gemm3_small_m##MT(                                             \
         const u16* __restrict__ w, int kpad, const float* __restrict__ x, int ldx, int ntok, int nout, int add,       \
         float* __restrict__ y, int ldy, int piece) {                                                                  \
-        gemm3_body<MT>(w, kpad, x, ldx, ntok, nout, add, y, ldy, piece);                                              \
+        gemm3_body<MT, GEMM3_NTW>(w, kpad, x, ldx, ntok, nout, add, y, ldy, piece);                                   \
     }
 GEMM3_KERNEL(1)
 GEMM3_KERNEL(2)

@@ -619,11 +619,12 @@ def prefill_gemm_bf16x3f(m, x, ldx: int, ntok: int, y, ldy: int) -> None:
     kpad, nout = int(sh.kpad), int(m.nout)
     assert kpad % 64 == 0 and ldx % 4 == 0 and ldy >= nout, (kpad, ldx, ldy)
     mt = -(-nout // 16)  # the packed rows past nout (row groups of 64) are zeros: not loaded, not multiplied
+    ntw = C.GEMM3_NTW
     w = weights_bf16_small(m)
-    Runtime.get().launch("dequant", f"gemm3_small_m{mt}", -(-ntok // C.GEMM3_TOK), 128,
+    Runtime.get().launch("dequant", f"gemm3_small_m{mt}", -(-ntok // (16 * ntw)), 128,
                          (w, i32(kpad), x, i32(ldx), i32(ntok), i32(nout), i32(int(m.mode == C.MODE_ADD)), y, i32(ldy),
                           i32(SPLIT3_PIECE_CHUNKS * 4)),
-                         shared_mem=C.GEMM3_STAGES * (mt * 2048 + C.GEMM3_TOK * 256))
+                         shared_mem=C.GEMM3_STAGES * (mt * 2048 + 16 * ntw * 256))
 
 
 # ---------------------------------------------------------------- fp8 route (EngineConfig.prefill_gemm "fp8")

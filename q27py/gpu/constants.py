@@ -138,9 +138,9 @@ CONV_ROWS = 32  # gdn_conv_rows_k4 (prefill chunks): consecutive tokens of one h
 # ---------------------------------------------------------------- prefill through cuBLAS (cuda/dequant.cu)
 DQ_WARPS = 8  # warps per expansion CTA, one (tile, chunk) block each
 # the small bf16 matrices' fused three-term prefill GEMM (cuda/dequant.cu gemm3_small, prefill_small_gemm "bf16x3f"):
-# tokens per CTA (4 warps: 2 groups of 8 tokens x 2 row halves), 64-column stages in its cp.async ring, row tiles
-# it is built for (MT 1..GEMM3_MT)
-GEMM3_TOK, GEMM3_STAGES, GEMM3_MT = 16, 4, 8
+# n8 token tiles a warp (4 warps: 2 token groups x 2 row halves, so 16 GEMM3_NTW tokens a CTA; 2 measured slower),
+# 64-column stages in its cp.async ring, row tiles it is built for (MT 1..GEMM3_MT)
+GEMM3_NTW, GEMM3_STAGES, GEMM3_MT = 1, 4, 8
 DQ_LD = 72  # bf16 per staged row (64 + 8 pad: 16-byte aligned rows, no bank conflicts)
 
 # ---------------------------------------------------------------- GDN recurrence (cuda/gdn.cu gdn_step_*)
