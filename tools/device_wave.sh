@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -329,6 +329,17 @@ PY
           timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/next_steps$t.txt" 2>&1 || rc=1
           echo "--- steps, n16t / n32s $t"; grep -E "^prefetch|read probe" "$OUT/next_steps$t.txt"
         done ;;
+    prefill14)  # (~7 min, a session's first H200 call) issue 14's bars on the shipped defaults of 2026-12-06 (RoPE rows,
+                # bf16x3f, gate_up bf16): the levers' GPU tests, the gates, the 8K / 32K prefill before vs after alternated
+                # in one process (tools/prefill_levers.py), the warm / cold 25K agent turn (bench replay)
+        timeout 150 $PYTEST tests/gpu/test_prefill_split3.py -m gpu tests/gpu/test_prefill_rows.py > "$OUT/prefill14_tests.txt" 2>&1 || rc=1
+        tail -2 "$OUT/prefill14_tests.txt"
+        timeout 150 python3 gates/run.py > "$OUT/prefill14_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/prefill14_gates.txt"
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
+          --configs before rope+bf16x3f+gateup > "$OUT/prefill14_levers.txt" 2>&1 || rc=1; grep -E "^prefill" "$OUT/prefill14_levers.txt"
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 -m q27py bench replay --random-weights 27b --tier q4s \
+          --system-tokens 20000 --turns 10 > "$OUT/prefill14_replay.txt" 2>&1 || rc=1
+        grep -E "turn  9|warm TTFT" "$OUT/prefill14_replay.txt" | tail -2 ;;
     wg3)  # (~8 min) the 3-CTA gemv_wg entries by launch (GWG_N16_TWO / GWG_N32_SUB = 2, the new default: only
           # launches of more than one wave of the plain entry): the gemv_wg tests, the decode / verify / batched
           # steps and the probe at 1 / 9 / 16 / 32 lanes, 0 (never) vs 2 (by launch), the gates under the default,
