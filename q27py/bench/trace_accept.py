@@ -30,6 +30,7 @@ ladder's depth ceiling (counted as `drafts_cut`).
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,7 +106,10 @@ class TraceAcceptance:
         if not self._records:
             raise ValueError("no recorded rounds")
         self._next = 0
-        self._pending: dict[int, Round] = {}  # id(state) -> the record its planned round drew
+        # id(state) -> (the state, or a weak reference to it; the record its planned round drew). The state is
+        # checked on the way out: a state that went away before its verify (a cancelled request) must not hand
+        # its record to a new one that the allocator put at the same address.
+        self._pending: dict[int, tuple[object, Round]] = {}
         self.recorded_widths = False  # drive_widths: each round offers its record's draft count
         self.rounds = 0  # verify forwards forced
         self.drafts_offered = 0
@@ -144,7 +148,7 @@ class TraceAcceptance:
     def _force(self, state, out, lanes: list[int]):
         """The recorded round's acceptance on a verify output of `lanes` (one-lane ones untouched): the
         record this state's planned round drew, else the next one."""
-        rec = self._pending.pop(id(state), None)
+        rec = self._pop_pending(state)
         if len(lanes) < 2:
             self.undrafted += 1
             return out
@@ -178,13 +182,24 @@ class TraceAcceptance:
     def plan_record(self, state) -> Round:
         """The next record, for the round `state`'s planner is planning (its verify is forced with it)."""
         rec = self._take()
-        self._pending[id(state)] = rec
+        try:
+            ref = weakref.ref(state)
+        except TypeError:  # no weak references: hold the state itself (its address then stays its own)
+            ref = lambda s=state: s  # noqa: E731
+        self._pending[id(state)] = (ref, rec)
         self.rounds_planned += 1
         return rec
 
+    def _pop_pending(self, state) -> Round | None:
+        """The record `state`'s planned round drew, if this very state planned one (see _pending)."""
+        entry = self._pending.pop(id(state), None)
+        if entry is None or entry[0]() is not state:
+            return None
+        return entry[1]
+
     def forget(self, state) -> None:
         """`state`'s next round plans no drafts (no lane for them): it draws no record."""
-        self._pending.pop(id(state), None)
+        self._pop_pending(state)
 
 
 def _fill(tokens: list[int], k: int, more: list[int]) -> list[int]:

@@ -287,3 +287,56 @@ def test_the_load_bench_reports_recorded_widths(rand):
     assert ra["drafts_offered"] >= 0.75 * ra["drafts_recorded_offered"]
     assert any(f"drafts offered {ra['drafts_offered']} against the records' {ra['drafts_recorded_offered']}" in ln
                for ln in lines)
+
+
+class _StubOut:
+    def __init__(self, n: int, vocab: int):
+        self.logits = __import__("numpy").zeros((n, vocab), "float32")
+
+
+class _StubModel:
+    """forward / verify_batch returning zero logits: only the pairing of records with rounds is under test."""
+
+    class cfg:
+        vocab_size = 50
+
+    def forward(self, state, ids, logits_rows="all", verify=False):
+        return _StubOut(len(ids), self.cfg.vocab_size)
+
+
+class _State:
+    pass
+
+
+def test_a_planned_record_never_pairs_with_a_later_state_at_the_same_address():
+    """A record drawn for a state's planned round is forced on that state's verify only. A state whose round was
+    planned and that went away before its verify (a cancelled request) must not hand its record to a new state
+    that CPython allocated at the same address: that state's verify draws the next record. Failed before the
+    pending records were keyed by the state itself (id(state) alone: the new state popped the dead one's record)."""
+    import gc
+
+    # a state planned, then dropped; find a new one at its address (CPython reuses a freed block at once)
+    reused, keep = None, []
+    for _ in range(50):
+        trace = TraceAcceptance(_StubModel(), [Round("mtp", 3, 3), Round("mtp", 1, 0), Round("mtp", 2, 2)])
+        old = _State()
+        addr = id(old)
+        assert trace.plan_record(old).accepted == 3
+        del old
+        gc.collect()
+        new = _State()
+        if id(new) == addr:
+            reused = new
+            break
+        keep.append(new)  # not at that address: keep it alive so the next try's blocks differ
+    if reused is None:
+        pytest.skip("this interpreter did not reuse a freed state's address")
+    out = trace.forward(reused, [7, 8, 9, 10], verify=True)
+    # the next record (1 drafts, 0 accepted), not the dead state's (3 accepted)
+    assert trace.drafts_accepted == 0 and trace.rounds == 1
+    assert out.greedy_ids()[0] != 8
+    # and a live state's planned record still pairs with its own verify
+    live = _State()
+    assert trace.plan_record(live).accepted == 2
+    trace.forward(live, [1, 2, 3, 4], verify=True)
+    assert trace.drafts_accepted == 2 and trace.rounds == 2
