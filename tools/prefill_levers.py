@@ -48,6 +48,9 @@ def main() -> int:
     print(b.rt.describe().get("name", ""), flush=True)
     for n in args.tokens:
         tps: dict[str, list[float]] = {c: [] for c in args.configs}
+        for c in args.configs:  # untimed: each route's first sight (its module, expansions, scratch) out of the runs
+            apply(K, CONFIGS[c])
+            b.prefill(n)
         for _ in range(args.reps):
             for c in args.configs:
                 apply(K, CONFIGS[c])
