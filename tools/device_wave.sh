@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof roomy prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -329,6 +329,14 @@ PY
           timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/next_steps$t.txt" 2>&1 || rc=1
           echo "--- steps, n16t / n32s $t"; grep -E "^prefetch|read probe" "$OUT/next_steps$t.txt"
         done ;;
+    roomy)  # (~5 min) issue 10: does room on each SM for the next launch's CTAs shorten the GEMV launches' fixed term?
+            # The decode / verify / batched steps (tools/gemv_prefetch_ab.py, one process each) under PDL on / early
+            # (Q27_PDL) x the 8-lane entry's shared-memory pad (GWG_N8_PAD: 0, or 24,576 = two CTAs an SM + room)
+        for pdl in on early; do for pad in 0 24576; do
+          Q27_PDL=$pdl timeout 110 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N8_PAD=$pad \
+            > "$OUT/roomy_${pdl}_$pad.txt" 2>&1 || rc=1
+          echo "--- PDL $pdl, pad $pad"; grep -E "^prefetch|of read" "$OUT/roomy_${pdl}_$pad.txt"
+        done; done ;;
     prefill14)  # (~7 min, a session's first H200 call) issue 14's bars on the shipped defaults of 2026-12-06 (RoPE rows,
                 # bf16x3f, gate_up bf16): the levers' GPU tests, the gates, the 8K / 32K prefill before vs after alternated
                 # in one process (tools/prefill_levers.py), the warm / cold 25K agent turn (bench replay)

@@ -55,6 +55,10 @@ GEMV_TRACE = 0  # tools/gemv_trace.py: per-CTA %globaltimer stamps of the unit k
 # sm_90a uses 154 / 200 / 253). 32 lanes: 5 stages of 17 KB, two CTAs in 174 KB of the 227 KB
 GWG_CPS = 4
 GWG_STAGES = 5
+# an experiment knob (0: off): extra dynamic shared memory of each 8-lane gemv_wg CTA, so that two of them fill an SM
+# (e.g. 24,576: 2 x 79 KB of 228) and the next launch's CTAs find room beside them under PDL "early" (Q27_PDL=early),
+# streaming their first stages during this launch's tail instead of after it (docs/PERF.md: the launches' fixed term)
+GWG_N8_PAD = 0
 GWG_CTAS_N8, GWG_CTAS_N16, GWG_CTAS_N32 = 3, 2, 2
 # 9-16 lanes on gemv8w_q4_n16t: the 32-lane two-pass walk (4 residue partials live, bitwise the same) at
 # GWG_CTAS_N16T resident CTAs per SM (12 warps instead of 8: ncu found the 16-lane kernel latency-bound, 0.43

@@ -292,6 +292,12 @@ def gemv_wg_shared_bytes(nl: int, units: int | None = None) -> int:
     return max(stages * stage, GEMV_ROWS_PER_CTA * nl * 4)
 
 
+def gemv_wg_launch_bytes(nl: int, units: int | None = None) -> int:
+    """What a gemv_wg launch asks for: gemv_wg_shared_bytes, plus C.GWG_N8_PAD for the 8-lane entry (read at launch:
+    an experiment can set it before the graphs are captured)."""
+    return gemv_wg_shared_bytes(nl, units) + (C.GWG_N8_PAD if nl == 8 else 0)
+
+
 def gemv_wg_width(n: int) -> int:
     """The gemv_wg kernel (its NL) a launch of n lanes runs: gemv8w_q4_n8 / _n16 / _n32."""
     assert 1 <= n <= GWG_MAX_LANES, n
@@ -528,7 +534,7 @@ class GemvPlan:
             rt.launch("gemv_wg", gemv_wg_kernel(nl, units), units, 128,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
                        np.uint32(0x80808080), i32(n), i32(l0)),
-                      shared_mem=gemv_wg_shared_bytes(nl, units))
+                      shared_mem=gemv_wg_launch_bytes(nl, units))
         elif self.a8 and fmt != L.FMT_BF16:
             rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,

@@ -164,6 +164,21 @@ def test_resident_ctas_fit_the_sm90_shared_memory(monkeypatch):
     assert C.GWG_MAX_LANES == 32 and C.GEMV_MAX_LANES == 16
 
 
+def test_the_8_lane_pad_leaves_room_for_the_next_launch(monkeypatch):
+    """GWG_N8_PAD (an experiment knob, 0 by default) adds to the 8-lane launches' shared memory only; the value the
+    constants table suggests (24,576) holds the 8-lane entry to two CTAs an sm_90 SM and leaves room for one more
+    8-lane CTA of the next launch beside them (228 KB, 1 KB reserved a CTA)."""
+    from q27py.gpu import kernels as K
+
+    assert C.GWG_N8_PAD == 0
+    assert [K.gemv_wg_launch_bytes(nl) for nl in (8, 16, 32)] == [K.gemv_wg_shared_bytes(nl) for nl in (8, 16, 32)]
+    monkeypatch.setattr(C, "GWG_N8_PAD", 24576)
+    padded, plain = K.gemv_wg_launch_bytes(8), K.gemv_wg_shared_bytes(8)
+    assert padded == plain + 24576 and K.gemv_wg_launch_bytes(16) == K.gemv_wg_shared_bytes(16)
+    per = lambda b: b + 128 + 1024  # noqa: E731  (static shared memory and the driver's reserve)
+    assert 3 * per(padded) > 228 * 1024 >= 2 * per(padded) + per(plain)
+
+
 # ---------------------------------------------------------------- the 32-lane kernel's walk and activations
 def stage_walk(nch: int, nl: int, two: bool = False) -> list[tuple[int, bool, int]]:
     """wg_body's stages over a unit of nch chunks, in ring order: (first chunk - c0, whole, acc index of the
