@@ -469,13 +469,13 @@ class GemvPlan:
         assert (x_bf16 is None or (use_gemm and x_bf16.shape[1] == self.kpad)) and (
             y_bf16 is None or (use_gemm and self.swiglu_bf16(nlanes)))
         if use_gemm:
+            from q27py.gpu import blas
+
             xs = x[lane0:] if lane0 else x
             routes = [gemm_bf16_route(m, nlanes) for m in self.mats]
             if x_bf16 is not None:
                 x_bf16 = x_bf16[lane0:] if lane0 else x_bf16
             elif sum(routes) > 1:  # one conversion for every matrix of the plan (e.g. attention's q and kv)
-                from q27py.gpu import blas
-
                 x_bf16 = blas.to_bf16(xs, ldx, nlanes, self.kpad)
             f32 = self._bf16_f32 and gemm_f32_route(nlanes)  # every bf16 matrix through cuBLAS (PREFILL_SMALL_GEMM)
             split = None  # the three-term route's planes of x, made once for every bf16 matrix of the plan
@@ -484,16 +484,10 @@ class GemvPlan:
                     gemm(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy, x_bf16=x_bf16 if bf else None,
                          y_bf16=y_bf16)
                 elif f32 and PREFILL_SMALL_GEMM == "f32":
-                    from q27py.gpu import blas
-
                     blas.prefill_gemm_f32(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
-                elif f32 and PREFILL_SMALL_GEMM == "bf16x3f" and blas_bf16x3f_fits(m):
-                    from q27py.gpu import blas
-
+                elif f32 and PREFILL_SMALL_GEMM == "bf16x3f" and blas.bf16x3f_fits(m):
                     blas.prefill_gemm_bf16x3f(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy)
-                elif f32:
-                    from q27py.gpu import blas
-
+                elif f32:  # "bf16x3", or a matrix of more row tiles than the fused kernel is built for
                     if split is None:  # the plan's bf16 rows of x (if it has them) are the hi term
                         split = blas.split3(xs, ldx, nlanes, self.kpad, x_bf16=x_bf16)
                     blas.prefill_gemm_split3(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy, split=split)
@@ -710,12 +704,6 @@ PREFILL_GEMM = "auto"
 # of the weights, pedantic SGEMM). All fp32-grade, different bits (q27py/config.py says why the default).
 # EngineConfig.prefill_small_gemm (env Q27_PREFILL_SMALL_GEMM) is the module default, so models built
 # directly (gates, benches, tests) follow it as engines do; load_fast_model sets it from the engine's config.
-def blas_bf16x3f_fits(m) -> bool:
-    from q27py.gpu import blas
-
-    return blas.bf16x3f_fits(m)
-
-
 def prefill_small_gemm_mode(mode: str) -> str:
     """EngineConfig.prefill_small_gemm, checked when the model loads (a typo fails there, not mid-request)."""
     from q27py.config import PREFILL_SMALL_GEMM_CHOICES
