@@ -220,8 +220,12 @@ class EngineConfig:
     # for its activations. "off" | "on" (every kernel waits, then lets the next launch) | "early"
     # (the short kernels let the next launch before their wait). Eager launches never use it; below
     # sm_90 the mode is ignored. "on" since device run c1: decode 2K 7.85 -> 7.39 ms, bits unchanged
-    # (gates PASS); "early" measured the same (docs/PERF.md "PDL").
-    pdl: str = "on"
+    # (gates PASS); "early" then measured the same (docs/PERF.md "PDL"). "early" since 2026-12-06 (fifth
+    # session, run r2, H100): with the 3-CTA gemv_wg entries the next GEMV's CTAs now stream their first
+    # weight stages in the tail of the one before: decode 2K 7.75 -> 7.45 ms (-3.9%), verify W=16 10.98 ->
+    # 10.54, the 16-lane batched round 13.01 -> 12.60; a kernel still waits before it reads or writes
+    # anything its predecessors touch, so the bits are the same.
+    pdl: str = "early"
     # Batched decode rounds (issue 15, engine/scheduler.py): when two or more slots are decoding, a
     # round runs one plain-decode lane per slot through ONE model.decode_batch (the weights swept
     # once for all of them: a 27B step is weight-bound, so B lanes cost about one). Off: every slot

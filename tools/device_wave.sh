@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof roomy prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early roomy prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -329,6 +329,15 @@ PY
           timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set GWG_N16_TWO=$t GWG_N32_SUB=$t > "$OUT/next_steps$t.txt" 2>&1 || rc=1
           echo "--- steps, n16t / n32s $t"; grep -E "^prefetch|read probe" "$OUT/next_steps$t.txt"
         done ;;
+    early)  # (~8 min) EngineConfig.pdl "early", the default since 2026-12-06: the PDL tests (graph replay = eager bits),
+            # the canonical gates (md5s recorded under "on"), the verify-group and batched-round suites; then bench load
+            # (full-size untimed run before each timed one, the default since the same day) at C in $STREAMS
+        timeout 200 $PYTEST tests/gpu/test_pdl.py tests/gpu/test_verify_groups_gpu.py tests/gpu/test_batched_rounds_gpu.py \
+          > "$OUT/early_tests.txt" 2>&1 || rc=1; tail -3 "$OUT/early_tests.txt"
+        timeout 150 python3 gates/run.py > "$OUT/early_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/early_gates.txt"
+        timeout ${LOAD_S:-240} python3 -m q27py bench load --random-weights 27b --tier q4s --streams ${STREAMS:-1 2 16} \
+          --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
+          > "$OUT/early_load.txt" 2>&1 || rc=1; grep -E "^C=|rounds, |graph keys|^recorded" "$OUT/early_load.txt" ;;
     roomy)  # (~5 min) issue 10: does room on each SM for the next launch's CTAs shorten the GEMV launches' fixed term?
             # The decode / verify / batched steps (tools/gemv_prefetch_ab.py, one process each) under PDL on / early
             # (Q27_PDL) x the 8-lane entry's shared-memory pad (GWG_N8_PAD: 0, or 24,576 = two CTAs an SM + room)

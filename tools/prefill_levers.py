@@ -43,9 +43,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--chunk", type=int, default=4096,
+                    help="tokens per prefill forward (EngineConfig.gpu_prefill_chunk; the model's scratch is sized by it, "
+                         "so compare chunk sizes across processes)")
     args = ap.parse_args()
-    b = Bench(tier="q4s", max_context=max(args.tokens) + 64, chunk=4096, log=lambda *a: None)
-    print(b.rt.describe().get("name", ""), flush=True)
+    b = Bench(tier="q4s", max_context=max(args.tokens) + 64, chunk=args.chunk, log=lambda *a: None)
+    print(b.rt.describe().get("name", ""), f"chunk {args.chunk}", flush=True)
     for n in args.tokens:
         tps: dict[str, list[float]] = {c: [] for c in args.configs}
         for c in args.configs:  # untimed: each route's first sight (its module, expansions, scratch) out of the runs

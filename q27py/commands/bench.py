@@ -60,6 +60,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="load: tokens per prefill step (cuda gpu_prefill_chunk / cpu_prefill_chunk)")
     p.add_argument("--no-mixed", action="store_true", help="load: skip the long-prefill case")
+    p.add_argument("--short-warm", action="store_true",
+                   help="load: skip the untimed full-size run before each timed one (the timed runs then also pay "
+                        "the graph captures of shapes first seen in them, as before 2026-12-06)")
     p.add_argument("--batch-rounds", type=int, choices=[0, 1], default=None,
                    help="load: 1 = decoding slots share one decode_batch per round (EngineConfig.batch_rounds; "
                         "default: Q27_BATCH_ROUNDS, else off)")
@@ -205,7 +208,7 @@ def _load(args, log) -> dict:
             raise SystemExit("bench load: --traces (recorded acceptance) is for --random-weights 27b")
         engine = LocalEngine.load(cfg)
     return run_load(engine, engine.tokenizer, streams, args.prompt_tokens, tokens, long_tokens or None,
-                    mixed=not args.no_mixed, seed=args.seed, log=log)
+                    mixed=not args.no_mixed, seed=args.seed, log=log, warm_full=not args.short_warm)
 
 
 def _narrow(verify):

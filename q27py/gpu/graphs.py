@@ -41,6 +41,9 @@ class GraphCache:
         self.seen: dict = {}
         self.captures = 0
         self.replays = 0
+        # keys run eagerly because they were new (their first capture_after sightings): with captures, what a
+        # timed window paid for shapes it had not seen before (the load bench reports both per run)
+        self.first_runs = 0
         # device bytes each state's captures took (cudaMemGetInfo before and after instantiate +
         # upload): what EngineConfig.graph_bytes_per_state assumes, measured (the load bench reports it)
         self.bytes_by_state: dict[int, int] = {}
@@ -76,6 +79,7 @@ class GraphCache:
             n = seen.get(full, 0)
             seen[full] = n + 1
             if n < self.capture_after:
+                self.first_runs += 1
                 enqueue()
                 return None
             if at_budget:

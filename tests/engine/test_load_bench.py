@@ -14,7 +14,8 @@ from q27py.engine.engine import LocalEngine
 ROW_KEYS = {"streams", "slots", "prompt_tokens", "gen_tokens", "tokens", "wall_s", "aggregate_tokens_per_s",
             "per_stream_decode_tokens_per_s_mean", "per_stream_decode_tokens_per_s_min", "per_stream_tokens_per_s_mean",
             "ttft_p50_s", "ttft_p99_s", "ttft_max_s", "itl_p50_s", "itl_p99_s", "overlapping_stream_pairs", "finish",
-            "rounds", "max_running", "batched_rounds", "batched_lanes", "solo_turns", "round_seconds"}
+            "rounds", "max_running", "batched_rounds", "batched_lanes", "solo_turns", "round_seconds",
+            "graph_first_runs", "graph_captures", "warm_passes"}
 MIXED_KEYS = {"slots", "prefill_chunk", "interleave_chunk", "running_prompt_tokens", "long_prompt_tokens", "short_prompt_tokens",
               "short_gen_tokens", "running_itl_before_p50_s", "running_itl_during_prefill_p50_s",
               "running_itl_during_prefill_p99_s", "running_itl_during_prefill_max_s",
@@ -23,7 +24,7 @@ MIXED_KEYS = {"slots", "prefill_chunk", "interleave_chunk", "running_prompt_toke
               "batched_lanes", "solo_turns", "round_seconds", "interleave_budget_ms", "piece_at_end"}
 TOP_KEYS = {"bench", "device", "model", "model_name", "slots", "window", "spec", "batch_rounds", "batch_spec",
             "sweep_lanes", "batch_drafts", "recorded_acceptance", "interleave_chunk",
-            "prompt_tokens", "gen_tokens", "concurrency", "aggregate_over_c1", "mixed", "memory"}
+            "prompt_tokens", "gen_tokens", "warm_full", "concurrency", "aggregate_over_c1", "mixed", "memory"}
 
 
 def engine(model, tok, slots, chunk=64, **knobs):
@@ -140,25 +141,55 @@ def test_cli_wires_the_load_suite(capsys):
     assert out["batch_rounds"] and out["interleave_chunk"] == 32 and out["mixed"]["interleave_chunk"] == 32
 
 
-def test_warmup_runs_every_concurrency(monkeypatch, fast, tok):
+@pytest.mark.parametrize("warm_full", [True, False])
+def test_warmup_runs_every_concurrency(monkeypatch, fast, tok, warm_full):
     """Before the timed rows, run_load warms the largest concurrency twice (per-state graphs) and
     every other concurrency above one once (the shared sweep's graphs are keyed by width, and C
-    streams that finish together never pass through the widths below C): the timed rows then pay
-    no captures."""
+    streams that finish together never pass through the widths below C); with warm_full (the default)
+    each timed row follows an untimed run of its own full size (the verify-group widths and chain shapes
+    of a whole run: a short warm-up leaves the timed run paying them, device run 2026-12-06 r3)."""
     import q27py.bench.load as load
 
     calls = []
     real = load.concurrency_run
 
     def spy(engine_, prompts, c, prompt_tokens, gen_tokens, **kw):
-        calls.append(c)
+        calls.append((c, gen_tokens))
         return real(engine_, prompts, c, prompt_tokens, gen_tokens, **kw)
 
     monkeypatch.setattr(load, "concurrency_run", spy)
     e = engine(fast, tok, slots=4)
-    run_load(e, tok, streams=(1, 2, 4), prompt_tokens=16, gen_tokens=3, mixed=False, log=lambda *a: None)
-    assert calls[:3] == [4, 4, 2], calls  # warm-up: 4 twice, then 2; then the timed rows 1, 2, 4
-    assert calls[3:] == [1, 2, 4], calls
+    r = run_load(e, tok, streams=(1, 2, 4), prompt_tokens=16, gen_tokens=5, mixed=False, log=lambda *a: None,
+                 warm_full=warm_full)
+    assert calls[:3] == [(4, 5), (4, 5), (2, 5)], calls  # warm-up: 4 twice, then 2 (min(gen, 16) tokens)
+    timed = [(1, 5), (1, 5), (2, 5), (2, 5), (4, 5), (4, 5)] if warm_full else [(1, 5), (2, 5), (4, 5)]
+    assert calls[3:] == timed, calls
+    assert r["warm_full"] is warm_full and [row["streams"] for row in r["concurrency"]] == [1, 2, 4]
+    assert [row["warm_passes"] for row in r["concurrency"]] == ([1, 1, 1] if warm_full else [0, 0, 0])
+    # the CPU model has no graphs: nothing to count
+    assert all(row["graph_first_runs"] is None and row["graph_captures"] is None for row in r["concurrency"])
+
+
+def test_a_row_reports_the_graph_keys_first_seen_in_it(fast, tok):
+    """concurrency_run reports the graph cache's eager first runs and captures that happened inside it."""
+    from types import SimpleNamespace
+
+    e = engine(fast, tok, slots=2)
+    g = SimpleNamespace(first_runs=0, captures=0)
+    real_step = e.model.forward
+
+    def forward(*a, **kw):  # every forward inside the run: one new key, every second one also captured
+        g.first_runs += 1
+        g.captures += g.first_runs % 2
+        return real_step(*a, **kw)
+
+    e.model.graphs = g
+    e.model.forward = forward
+    try:
+        row = concurrency_run(e, Prompts(tok, 3), 2, 16, 4)
+    finally:
+        del e.model.graphs, e.model.forward
+    assert row["graph_first_runs"] == g.first_runs > 0 and row["graph_captures"] == g.captures
 
 
 def test_the_mixed_run_warms_width_two(monkeypatch, fast, tok):
@@ -186,3 +217,26 @@ def test_the_report_says_when_the_sweep_carries_drafts(fast, tok):
                  log=lambda *a: None)
     assert r["batch_spec"] == "drafts" and r["sweep_lanes"] == 16 and r["batch_drafts"] is False  # host ladder
     assert r["concurrency"][0]["tokens"] == 24 and r["concurrency"][0]["batched_rounds"] >= 1
+
+
+@pytest.mark.parametrize("new_in_runs, slots, c, want", [(2, 8, 1, 3), (0, 8, 1, 1), (99, 8, 1, 9), (99, 8, 4, 3)])
+def test_full_warm_repeats_until_a_run_meets_no_new_graph_key(monkeypatch, new_in_runs, slots, c, want):
+    """_warm_full runs the timed size again while a run still met new graph keys (C streams rotate over the
+    slots, and solo graphs are per state), at most ceil(slots / c) + 1 times."""
+    from types import SimpleNamespace
+
+    import q27py.bench.load as load
+
+    runs = []
+
+    def fake(engine_, prompts, c_, p, g):
+        runs.append(c_)
+        fresh = len(runs) <= new_in_runs
+        return {"graph_first_runs": 3 if fresh else 0, "graph_captures": 1 if fresh else 0}
+
+    monkeypatch.setattr(load, "concurrency_run", fake)
+    e = SimpleNamespace(max_slots=slots, model=SimpleNamespace(graphs=SimpleNamespace(first_runs=0, captures=0)))
+    assert load._warm_full(e, None, c, 16, 8) == want and runs == [c] * want
+    e.model = SimpleNamespace()  # no graphs (the CPU path): one run
+    runs.clear()
+    assert load._warm_full(e, None, c, 16, 8) == 1 and runs == [c]

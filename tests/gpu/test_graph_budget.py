@@ -134,3 +134,22 @@ def test_the_replay_reports_the_warm_engines_graphs():
                    "state_budget": 2 * MIB, "model_budget": 64 * MIB, "steps_over_budget": 1}
     assert graph_stats(SimpleNamespace(model=SimpleNamespace())) is None  # the CPU path keeps no graphs
 
+
+
+def test_first_sightings_are_counted_apart_from_captures_and_budget_eager_runs():
+    """first_runs counts the eager runs of new keys (their first capture_after sightings) -- what the load
+    bench reports a timed run still paid -- not the replays, not the over-budget eager runs."""
+    cache = _Cache(3 * MIB, state_budget=4 * MIB)
+    a = SimpleNamespace(id=1)
+    assert _step(cache, a, ("main", 1)) == "eager"
+    assert (cache.first_runs, cache.captures) == (1, 0)
+    assert _step(cache, a, ("main", 1)) == "replay"  # captured on its second sighting
+    assert _step(cache, a, ("main", 1)) == "replay"
+    assert (cache.first_runs, cache.captures) == (1, 1)
+    assert _step(cache, None, ("groups", 8, 2), model=True) == "eager"
+    assert (cache.first_runs, cache.captures) == (2, 1)
+    # a's graphs hold 3 MiB < 4: one more key is captured (6 MiB), then a third runs eagerly for the budget
+    for key in (("main", 8), ("main", 16)):
+        _step(cache, a, key)
+        _step(cache, a, key)
+    assert cache.first_runs == 4 and cache.captures == 2 and cache.over_budget == 1

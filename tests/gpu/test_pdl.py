@@ -93,8 +93,8 @@ def test_launch_structs_match_cuda_h():
 def test_pdl_mode_from_config_and_compile_option(monkeypatch):
     from q27py.config import Q27Config, apply_env
 
-    assert Q27Config().engine.pdl == "on"
-    assert apply_env(Q27Config(), {"Q27_PDL": "early"}).engine.pdl == "early"
+    assert Q27Config().engine.pdl == "early"
+    assert apply_env(Q27Config(), {"Q27_PDL": "on"}).engine.pdl == "on"
     monkeypatch.setattr(R, "_PDL_MODE", None)
     with pytest.raises(ValueError):
         R.set_pdl_mode("fast")
