@@ -74,14 +74,21 @@ class _Scratch:
 _SCRATCH = _Scratch()
 
 
-def available() -> bool:
-    """cuBLAS reachable through CuPy (it ships with cupy-cudaXXx's CUDA libraries)."""
-    try:
-        from cupy_backends.cuda.libs import cublas  # noqa: F401
+_AVAILABLE: bool | None = None
 
-        return True
-    except Exception:
-        return False
+
+def available() -> bool:
+    """cuBLAS reachable through CuPy (it ships with cupy-cudaXXx's CUDA libraries). Asked once: the prefill's
+    route checks call this for every matrix of every chunk."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        try:
+            from cupy_backends.cuda.libs import cublas  # noqa: F401
+
+            _AVAILABLE = True
+        except Exception:
+            _AVAILABLE = False
+    return _AVAILABLE
 
 
 def _handle():

@@ -743,10 +743,11 @@ def gemm_bf16_route(m: GpuMatrix, ntok: int) -> bool:
     """Whether GemvPlan.run multiplies m for a chunk of ntok tokens through cuBLAS on bf16 activations
     (gemm's cuBLAS branch, not its fp8 one, nor the mma.sync kernel): x's producer may then write the
     bf16 rows itself (GemvPlan.gemm_inputs) and a SwiGLU matrix may write bf16 rows (swiglu_bf16)."""
+    if ntok < GEMM_MIN_TOKENS or PREFILL_GEMM == "kernel" or not gemm_supported(m):
+        return False  # decode, verify and the short pieces: no import, no lookups (asked per matrix per chunk)
     from q27py.gpu import blas
 
-    return (gemm_supported(m) and ntok >= max(GEMM_MIN_TOKENS, blas.MIN_TOKENS) and PREFILL_GEMM != "kernel"
-            and blas.available() and not (PREFILL_GEMM == "fp8" and blas.fp8_available()))
+    return ntok >= blas.MIN_TOKENS and blas.available() and not (PREFILL_GEMM == "fp8" and blas.fp8_available())
 
 
 def gemm(m: GpuMatrix, x, ldx: int, ntok: int, y, ldy: int, x_bf16=None, y_bf16=None) -> None:
@@ -1261,10 +1262,22 @@ def gdn2_state_variant(dk: int, dv: int, warps: int | None = None) -> tuple[int,
     (0, False, 0) when the card cannot run the pipeline for this shape (callers take another route)."""
     if dk != dv or dk not in GDN2_D:
         return 0, False, 0
+    warps = GDN2_STATE_WARPS if warps is None else warps
     rt = Runtime.get()
+    # the card and the module knobs A/B runs change are part of the key
+    key = (dk, warps, GDN2_STATE8_PRESPLIT, rt.cc, rt.smem_optin)
+    got = _GDN2_VARIANTS.get(key)
+    if got is None:
+        got = _GDN2_VARIANTS[key] = _gdn2_state_variant(rt, dk, dv, warps)
+    return got
+
+
+_GDN2_VARIANTS: dict = {}  # gdn2_state_variant's answers: asked twice per GDN layer of every prefill chunk
+
+
+def _gdn2_state_variant(rt, dk: int, dv: int, warps: int) -> tuple[int, bool | str, int]:
     if rt.cc < (8, 0):  # mma.sync tf32 needs sm_80
         return 0, False, 0
-    warps = GDN2_STATE_WARPS if warps is None else warps
     split = GDN2_STATE8_PRESPLIT if warps == 8 else True
     for stages, presplit in ((2, split), (2, False), (1, split), (1, False)):
         if gdn2_state_kernel_exists(stages, presplit, warps) and gdn2_fits(dk, dv, stages, presplit):

@@ -29,6 +29,7 @@ row groups of 4 tiles); rows past N and k past K are zero codes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -46,39 +47,41 @@ def round_up(n: int, m: int) -> int:
 
 @dataclass(frozen=True)
 class MatrixShape:
-    """Geometry of one packed matrix; everything the kernels need besides the pointers."""
+    """Geometry of one packed matrix; everything the kernels need besides the pointers. The derived sizes are
+    cached on first use (the eager prefill asks for them thousands of times a forward: tools/prefill_host_profile.py);
+    the fields are frozen, so a cached value never goes stale."""
 
     rows: int
     cols: int  # K before padding
     fmt: int
     group: int  # k per scale (multiple of 64); ignored for bf16
 
-    @property
+    @cached_property
     def kpad(self) -> int:
         return round_up(self.cols, CHUNK_K)
 
-    @property
+    @cached_property
     def kchunks(self) -> int:
         return self.kpad // CHUNK_K
 
-    @property
+    @cached_property
     def row_tiles(self) -> int:
         # padded to whole row groups of 4 tiles (64 rows): the GEMV walks a group's tiles at a fixed stride
         return round_up(self.rows, 4 * TILE_ROWS) // TILE_ROWS
 
-    @property
+    @cached_property
     def groups(self) -> int:
         return -(-self.kpad // self.group)
 
-    @property
+    @cached_property
     def group_chunks(self) -> int:
         return self.group // CHUNK_K
 
-    @property
+    @cached_property
     def code_bytes(self) -> int:
         return self.row_tiles * self.kchunks * CHUNK_BYTES[self.fmt]
 
-    @property
+    @cached_property
     def scale_bytes(self) -> int:
         return 0 if self.fmt == FMT_BF16 else self.row_tiles * self.groups * 8 * 4
 

@@ -72,11 +72,18 @@ def _scalar(cache: dict, make, v):
 
 
 def i32(v) -> np.int32:
-    return _scalar(_I32, np.int32, v)
+    # the cache hit inline (a dict lookup, no further call): every eager launch converts ~5 of these
+    try:
+        return _I32[v]
+    except (KeyError, TypeError):
+        return _scalar(_I32, np.int32, v)
 
 
 def i64(v) -> np.int64:
-    return _scalar(_I64, np.int64, v)
+    try:
+        return _I64[v]
+    except (KeyError, TypeError):
+        return _scalar(_I64, np.int64, v)
 
 
 def f32(v) -> np.float32:
