@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early roomy prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -338,6 +338,11 @@ PY
         timeout ${LOAD_S:-240} python3 -m q27py bench load --random-weights 27b --tier q4s --streams ${STREAMS:-1 2 16} \
           --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
           > "$OUT/early_load.txt" 2>&1 || rc=1; grep -E "^C=|rounds, |graph keys|^recorded" "$OUT/early_load.txt" ;;
+    mixed)  # (~4 min) issue 15's interleaving bars on the shipped defaults: a running stream's gap beside a 32K prefill
+            # (<= 100 ms) and a short request's first token during it (<= 0.5 s), with C=1 / C=2 plain (speculation
+            # off: the f4 form of the C=2 / C=1 bar)
+        timeout ${LOAD_S:-300} python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 2 --tokens 64 \
+          > "$OUT/mixed.txt" 2>&1 || rc=1; grep -E "^C=|^mixed|^memory" "$OUT/mixed.txt" ;;
     roomy)  # (~5 min) issue 10: does room on each SM for the next launch's CTAs shorten the GEMV launches' fixed term?
             # The decode / verify / batched steps (tools/gemv_prefetch_ab.py, one process each) under PDL on / early
             # (Q27_PDL) x the 8-lane entry's shared-memory pad (GWG_N8_PAD: 0, or 24,576 = two CTAs an SM + room)
