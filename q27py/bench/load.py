@@ -156,8 +156,8 @@ def _request(ids: list[int], n: int) -> GenerationRequest:
 
 def _sightings(engine) -> tuple[int, int] | None:
     """(steps run eagerly as new keys, captures) so far, or None without graphs (the CPU path)."""
-    g = getattr(engine.model, "graphs", None)
-    return (g.first_runs, g.captures) if g is not None and hasattr(g, "first_runs") else None
+    g = getattr(engine.model, "graphs", None)  # as memory(): the cuda model's GraphCache, or none (the CPU path)
+    return (g.first_runs, g.captures) if g is not None else None
 
 
 def concurrency_run(engine, prompts: Prompts, c: int, prompt_tokens: int, gen_tokens: int) -> dict:
