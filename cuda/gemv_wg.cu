@@ -43,16 +43,16 @@ typedef unsigned long long u64;
 // One stage of the ring: GWG_CPS consecutive chunks (byte offsets): per chunk the 4 tiles' fragments
 // (512 B per warp), the 4 tiles' scale words (8 per tile), the N lanes' 64 activation bytes (B layout
 // below) and the N chunk scales.
-template <int NL>
+template <int NL, int CPS = GWG_CPS>
 struct WgStage {
     enum {
         WC = GEMV_R * 512,  // one chunk's fragments
         XC = NL * 64,       // one chunk's activations
         W_OFF = 0,
-        S_OFF = W_OFF + GWG_CPS * WC,
-        X_OFF = S_OFF + GWG_CPS * GEMV_R * 32,
-        XS_OFF = X_OFF + GWG_CPS * XC,
-        BYTES = XS_OFF + GWG_CPS * NL * 4
+        S_OFF = W_OFF + CPS * WC,
+        X_OFF = S_OFF + CPS * GEMV_R * 32,
+        XS_OFF = X_OFF + CPS * XC,
+        BYTES = XS_OFF + CPS * NL * 4
     };
 };
 
@@ -160,12 +160,14 @@ struct WgPar {
 // One chunk's epilogue (gemv.cu compute_stage8's arithmetic, term for term; q4 codes carry a factor 16): chunk j
 // of the stage at st (its first chunk first_k; PASSES, PAR: which residue partial, as wg_body picks it), its int32
 // sums d into acc. FULL: no chunk of the stage is >= c1 (else such a chunk, computed on stale bytes, is dropped).
-template <int NL, int PASSES, int PAR, bool FULL>
+template <int NL, int PASSES, int PAR, bool FULL, int CPS>
 __device__ __forceinline__ void wg_epilogue(const u8* st, int j, const int (&d)[NL / 2],
                                             float (&acc)[GEMV_WARPS / PASSES][NL / 8][4], int first_k, int c1,
                                             int warp, int g, int t) {
-    typedef WgStage<NL> SG;
-    constexpr int R0 = PASSES == 1 ? PAR * GWG_CPS : 0;
+    typedef WgStage<NL, CPS> SG;
+    // stage k's chunk j is residue (k CPS + j) mod 8: CPS = 4 alternates residues 0-3 / 4-7 (PAR = k & 1), CPS = 8
+    // covers all eight every stage
+    constexpr int R0 = PASSES == 1 ? (PAR * CPS) % GEMV_WARPS : 0;
     if (!FULL && first_k + j >= c1) return;
     const u32 sv = *reinterpret_cast<const u32*>(st + SG::S_OFF + (j * GEMV_R + warp) * 32 + g * 4);
     const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
@@ -187,15 +189,16 @@ __device__ __forceinline__ void wg_epilogue(const u8* st, int j, const int (&d)[
 // committed, waited for and its epilogue run before the next batch's A fragments are unpacked (gemv8w_q4_n32s:
 // SUB = 2 keeps half the int32 results and A registers live, so the 32-lane kernel fits 3 CTAs per SM with a
 // ring of STAGES = GWG_STAGES_N32S); each chunk's terms still go to its own residue partial in chunk order.
-template <int NL, int TWO = 0, int SUB = GWG_CPS, int STAGES = GWG_STAGES>
+template <int NL, int TWO = 0, int SUB = GWG_CPS, int STAGES = GWG_STAGES, int CPS = GWG_CPS>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
-    typedef WgStage<NL> SG;
+    typedef WgStage<NL, CPS> SG;
     static_assert(NL == 8 || NL == 16 || NL == 32, "wg_mma's shapes");
     static_assert(NL <= GWG_MAX_LANES && (NL <= GEMV_MAX_LANES || NL == 2 * GEMV_MAX_LANES), "xs: one or two halves");
-    constexpr int S = STAGES, CPS = GWG_CPS, NT = NL / 8, ND = NL / 2;
+    constexpr int S = STAGES, NT = NL / 8, ND = NL / 2;
     static_assert(CPS % SUB == 0, "whole batches of chunks a stage");
-    static_assert(GEMV_WARPS % CPS == 0 && (GEMV_WARPS / CPS) == 2, "two stages span the 8 residues");
+    // CPS = 4: two stages span the 8 residues (every walk); CPS = 8 (the one-pass walk only): one stage does
+    static_assert(GEMV_WARPS / CPS == 2 || (CPS == GEMV_WARPS && NL <= GEMV_MAX_LANES && !TWO), "stages and residues");
     extern __shared__ __align__(128) u8 dyn_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
@@ -368,7 +371,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 #pragma unroll
                 for (int jj = 0; jj < SUB; jj++) wg_reg_fence(dd[jj]);
 #pragma unroll
-                for (int jj = 0; jj < SUB; jj++) wg_epilogue<NL, PASSES, PAR, FULL>(st, b + jj, dd[jj], acc, first(k), c1,
+                for (int jj = 0; jj < SUB; jj++) wg_epilogue<NL, PASSES, PAR, FULL, CPS>(st, b + jj, dd[jj], acc, first(k), c1,
                                                                                      warp, g, t);
             }
             return;
@@ -391,7 +394,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         rd = rd + 1 == S ? 0 : rd + 1;
         wr = wr + 1 == S ? 0 : wr + 1;
 #pragma unroll
-        for (int j = 0; j < CPS; j++) wg_epilogue<NL, PASSES, PAR, FULL>(st, j, dd[j], acc, first(k), c1, warp, g, t);
+        for (int j = 0; j < CPS; j++) wg_epilogue<NL, PASSES, PAR, FULL, CPS>(st, j, dd[j], acc, first(k), c1, warp, g, t);
     };
     float* red0 = reinterpret_cast<float*>(dyn_smem);
     if constexpr (PASSES == 1) {
@@ -465,16 +468,19 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 // xq / xs / sgn / nlanes / lane0: as gemv.cu's gemv8_* kernels (the a8 activations of the launch's lanes;
 // gemv8w_q4_n32: xq rows 0 .. 31, xs two [ldq / 64][GEMV_MAX_LANES] halves, lanes 16 .. 31 in the second)
 // TWO / SUB / STAGES: wg_body's (the walk, chunks per tensor-core batch, ring depth)
-#define GWG_KERNEL(NAME, NL, CTAS, TWO, SUB, STAGES)                                                           \
+// CPS: chunks a ring stage holds (GWG_CPS; the wide-stage entries GWG_CPS_W)
+#define GWG_KERNEL_C(NAME, NL, CTAS, TWO, SUB, STAGES, CPS)                                                    \
     extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
-        GWG_CALL(NL, TWO, SUB, STAGES)                                                                         \
+        GWG_CALL(NL, TWO, SUB, STAGES, CPS)                                                                    \
     }
+#define GWG_KERNEL(NAME, NL, CTAS, TWO, SUB, STAGES) GWG_KERNEL_C(NAME, NL, CTAS, TWO, SUB, STAGES, GWG_CPS)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GWG_CALL(NL, TWO, SUB, STAGES) wg_body<NL, TWO, SUB, STAGES>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
+#define GWG_CALL(NL, TWO, SUB, STAGES, CPS) \
+    wg_body<NL, TWO, SUB, STAGES, CPS>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
 #else
-#define GWG_CALL(NL, TWO, SUB, STAGES) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
+#define GWG_CALL(NL, TWO, SUB, STAGES, CPS) __trap();  // built for sm_90a only (kernels.gemv_wgmma_supported)
 #endif
 GWG_KERNEL(gemv8w_q4_n8, 8, GWG_CTAS_N8, 0, GWG_CPS, GWG_STAGES)
 GWG_KERNEL(gemv8w_q4_n16, 16, GWG_CTAS_N16, 0, GWG_CPS, GWG_STAGES)
@@ -482,4 +488,9 @@ GWG_KERNEL(gemv8w_q4_n32, 32, GWG_CTAS_N32, 0, GWG_CPS, GWG_STAGES)
 // kernels.gemv_wg_kernel under GWG_N16_TWO / GWG_N32_SUB
 GWG_KERNEL(gemv8w_q4_n16t, 16, GWG_CTAS_N16T, 1, GWG_CPS, GWG_STAGES)
 GWG_KERNEL(gemv8w_q4_n32s, 32, GWG_CTAS_N32S, 0, GWG_SUB_N32S, GWG_STAGES_N32S)
+// kernels.gemv_wg_kernel under GWG_WIDE_STAGE: the one-pass walk with GWG_CPS_W chunks a stage (all 8 residues; half
+// the stage barriers and cp.async waits a byte), their tensor-core batches GWG_SUB_W at a time, a ring of
+// GWG_STAGES_W stages (the same bytes in flight as GWG_STAGES of GWG_CPS); bitwise the same sums
+GWG_KERNEL_C(gemv8w_q4_n8w, 8, GWG_CTAS_N8, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_W)
+GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_W)
 

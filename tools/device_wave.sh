@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -393,6 +393,26 @@ PY
           timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 16 --set GWG_STAGES=$st \
             > "$OUT/gwgstages$st.txt" 2>&1 || rc=1
           echo "--- GWG_STAGES=$st"; grep -E "gate_up|^down|gdn_out|GEMV family" "$OUT/gwgstages$st.txt"
+        done ;;
+    splits)  # (~8 min) issue 10, two launch-shape levers, bitwise neutral to lanes: (1) a8 q4 splits sized for gemv_wg's
+             # 3 CTAs per SM (GEMV_SPLIT_CTAS=3: down / gdn_out / attn_o 240 -> 320 units, attn_in's q 192 -> 384) and
+             # gate_up's tail split over K on those slots (GEMV_TAIL_SPLIT=1); (2) the wide-stage entries (GWG_WIDE_STAGE:
+             # 8 chunks a stage). The wide entries' bitwise tests, then the decode / verify / batched steps per setting
+             # (one process each, the baseline first and last)
+        timeout 150 $PYTEST tests/gpu/test_gemv_wg.py -k "wide or stage_walk" > "$OUT/splits_tests.txt" 2>&1 || rc=1
+        tail -2 "$OUT/splits_tests.txt"
+        i=0
+        for cfg in "GEMV_SPLIT_CTAS=0" "GEMV_SPLIT_CTAS=3" "GEMV_SPLIT_CTAS=3 GEMV_TAIL_SPLIT=1" "GWG_WIDE_STAGE=1" \
+                   "GEMV_SPLIT_CTAS=3 GWG_WIDE_STAGE=1" "GEMV_SPLIT_CTAS=0"; do
+          i=$((i + 1))
+          timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/splits_steps$i.txt" 2>&1 || rc=1
+          echo "--- $cfg"; grep -E "^prefetch|of read" "$OUT/splits_steps$i.txt"
+        done ;;
+    splitsprobe)  # (~3 min) the same levers per launch: gemv_probe at 1 / 8 / 16 lanes, each setting
+        for cfg in "GEMV_SPLIT_CTAS=0" "GEMV_SPLIT_CTAS=3 GEMV_TAIL_SPLIT=1" "GWG_WIDE_STAGE=1"; do
+          timeout 80 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set $cfg \
+            > "$OUT/splitsprobe_${cfg// /_}.txt" 2>&1 || rc=1
+          echo "--- $cfg"; grep -vE "^(launch|NVIDIA)" "$OUT/splitsprobe_${cfg// /_}.txt" | tail -10
         done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -45,6 +45,11 @@ GEMV_CLUSTER_MAX = 0  # 8 measured slower: clusters of 3 halve the resident CTAs
 # v1 / a8: 1 runs a matrix's thin last wave of CTAs split over K (kernels.tail_split). 0 (default):
 # measured slower on the H200 (device run g2: decode 2K 7.151 -> 7.325 ms; docs/PERF.md)
 GEMV_TAIL_SPLIT = 0
+# sm_90a (cuda/gemv_wg.cu runs the a8 q4 launches): resident CTAs per SM that a q4 matrix's K splits
+# (kernels.choose_splits) and its tail split (kernels.tail_split) are sized to fill, as one wave at most. 0: the
+# v1 / a8 rule of 2 per SM (gemv.cu's CTAs), which leaves a third of gemv_wg's 3-CTA slots idle on the 80-row-group
+# matrices (down, gdn_out, attn_o: 240 units on 396 slots). A function of the card only, never of the lane count.
+GEMV_SPLIT_CTAS = 0
 # next-launch L2 prefetch (cuda/gemv.cu gemv_prefetch, kernels.link_prefetch): L2 ranges one CTA of
 # a launch may prefetch for the launch after it (its last warp's lanes 0..GEMV_PF_PER-1, one each)
 GEMV_PF_PER = 8
@@ -77,6 +82,13 @@ GWG_N16_TWO = 2
 # GB/s, lm_head 1,476 -> 1,585, the launches of at most 256 units 14-27% slower)
 GWG_SUB_N32S, GWG_STAGES_N32S, GWG_CTAS_N32S = 2, 4, 3
 GWG_N32_SUB = 2
+# 1-16 lanes on the wide-stage entries gemv8w_q4_n8w / n16w (the one-pass walk; Python-side switch GWG_WIDE_STAGE, 0
+# off, 1 on for 8-lane launches and the 16-lane ones on the plain 2-CTA entry): GWG_CPS_W chunks a stage (all 8
+# residues), tensor-core batches of GWG_SUB_W chunks, GWG_STAGES_W stages. Why: ncu puts ~35% of the 1-lane
+# kernel's stall samples on the per-stage cp.async wait and barriers, paid per GWG_CPS chunks; a stage of 8 pays
+# them half as often per byte (docs/PERF.md). Bitwise the same sums.
+GWG_WIDE_STAGE = 0
+GWG_CPS_W, GWG_SUB_W, GWG_STAGES_W = 8, 4, 3
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

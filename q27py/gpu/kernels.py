@@ -66,14 +66,29 @@ def upload_packed(pm: L.PackedMatrix, mode: int = MODE_STORE, out_rows: int | No
     return GpuMatrix(pm.shape, cp.asarray(pm.codes), scales, mode, out_rows)
 
 
-def choose_splits(row_groups: int, kchunks: int, sm_count: int) -> int:
+def choose_splits(row_groups: int, kchunks: int, sm_count: int, ctas_per_sm: int = 0) -> int:
     """v1 split-K count from the matrix shape only (never the lane count: lane bits stay width-invariant).
 
     Units (row group x split, one CTA each) should fill the resident CTAs about once (2 per SM
-    for 8-lane launches), each keeping >= 8 chunks of K (one per warp).
+    for 8-lane launches), each keeping >= 8 chunks of K (one per warp). ctas_per_sm (split_ctas_per_sm):
+    the most splits whose units still fit one wave of that many CTAs per SM (round() may overshoot a
+    wave by a few units, which then run as a thin second one).
     """
-    want = round(GEMV_CTAS_PER_SM[1] * sm_count / max(row_groups, 1))
+    if ctas_per_sm:
+        want = ctas_per_sm * sm_count // max(row_groups, 1)
+    else:
+        want = round(GEMV_CTAS_PER_SM[1] * sm_count / max(row_groups, 1))
     return int(max(1, min(want, kchunks // 8)))
+
+
+def split_ctas_per_sm(impl: str, fmt: int) -> int:
+    """Resident CTAs per SM a matrix's splits are sized for (choose_splits / tail_split): GEMV_SPLIT_CTAS for
+    a8 q4 matrices on a card with cuda/gemv_wg.cu's sm_90a build (its 3-CTA entries run them), else 0 (the
+    v1 / a8 rule). A function of the card and the plan's implementation, never of the lane count or the
+    GEMV_WGMMA mode (gemv.cu runs the same units with the same bits where the mode sends a launch there)."""
+    if not C.GEMV_SPLIT_CTAS or impl != "a8" or fmt != L.FMT_Q4 or not gemv_wgmma_supported():
+        return 0
+    return C.GEMV_SPLIT_CTAS
 
 
 # v2 partition model (choose_partition): a warp should keep >= this many chunks of its split
@@ -84,21 +99,23 @@ ITEM_BYTES = {fmt: 4 * cb + (0 if fmt == L.FMT_BF16 else 64 * 2 * L.CHUNK_K // L
               for fmt, cb in L.CHUNK_BYTES.items()}  # one row group x one chunk, codes + scales
 
 
-def tail_split(row_groups: int, kchunks: int, splits: int, sm_count: int) -> list[tuple[int, int, int]]:
+def tail_split(row_groups: int, kchunks: int, splits: int, sm_count: int,
+               ctas_per_sm: int = 0) -> list[tuple[int, int, int]]:
     """v1 / a8: (first row group, row groups, K splits) pieces of one matrix. A matrix of one split
     whose row groups overrun the resident CTAs by a thin last wave (gate_up: 544 row groups on 264
     slots, a third wave of 16 CTAs that ran alone for ~9 of its ~38 us, tools/gemv_trace.py) runs
     that remainder split over K instead: its units are short and fill the slots the second wave
     frees. A function of the shape and the SM count only, never the lane count (lane bits stay
     width-invariant); the remainder's rows sum in split order, so their bits differ from one split.
-    GEMV_TAIL_SPLIT = 0 keeps every matrix whole."""
-    slots = gemv_slots(sm_count)
+    GEMV_TAIL_SPLIT = 0 keeps every matrix whole. ctas_per_sm: split_ctas_per_sm's (0: gemv_slots)."""
+    slots = ctas_per_sm * sm_count if ctas_per_sm else gemv_slots(sm_count)
     whole = [(0, row_groups, splits)]
     if not C.GEMV_TAIL_SPLIT or splits != 1 or row_groups <= slots:
         return whole
     r = row_groups % slots
     s = min(kchunks // C.GEMV_WARPS, slots // max(r, 1))  # each warp keeps >= 1 chunk of its split
-    if r == 0 or r > slots // 4 or s < 2:
+    # (sized for gemv_wg's slots, any remainder that splits at least in two: gate_up's 148 of 396 run as 296 halves)
+    if r == 0 or (r > slots // 4 and not ctas_per_sm) or s < 2:
         return whole
     return [(0, row_groups - r, 1), (row_groups - r, r, s)]
 
@@ -269,7 +286,15 @@ def gemv_wg_kernel(nl: int, units: int | None = None) -> str:
     assert nl in (8, 16, GWG_MAX_LANES), nl
     if _wg_three(nl, units):
         return "gemv8w_q4_n16t" if nl == 16 else "gemv8w_q4_n32s"
+    if _wg_wide(nl, units):
+        return f"gemv8w_q4_n{nl}w"
     return f"gemv8w_q4_n{nl}"
+
+
+def _wg_wide(nl: int, units: int | None) -> bool:
+    """Whether a launch at width nl runs the wide-stage entry (gemv8w_q4_n8w / n16w: GWG_CPS_W chunks a stage):
+    GWG_WIDE_STAGE on, 8 lanes, or 16 on the plain (2-CTA) entry."""
+    return bool(C.GWG_WIDE_STAGE) and (nl == 8 or (nl == 16 and not _wg_three(nl, units)))
 
 
 def gemv_wg_ctas(nl: int, units: int | None = None) -> int:
@@ -287,8 +312,10 @@ def gemv_wg_shared_bytes(nl: int, units: int | None = None) -> int:
     of 4 tiles' fragments, their scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040
     bytes (n32s: 69,632)."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
-    stage = C.GWG_CPS * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
-    stages = C.GWG_STAGES_N32S if (nl == GWG_MAX_LANES and _wg_three(nl, units)) else C.GWG_STAGES
+    wide = nl < GWG_MAX_LANES and _wg_wide(nl, units)
+    stage = (C.GWG_CPS_W if wide else C.GWG_CPS) * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
+    stages = (C.GWG_STAGES_N32S if (nl == GWG_MAX_LANES and _wg_three(nl, units))
+              else C.GWG_STAGES_W if wide else C.GWG_STAGES)
     return max(stages * stage, GEMV_ROWS_PER_CTA * nl * 4)
 
 
@@ -355,7 +382,8 @@ class GemvPlan:
         elif partition is not None:  # v1 / a8 sweeps: force the K splits (one row group per CTA)
             parts = [(1, max(1, min(partition[1], m.shape.kchunks))) for m in mats]
         else:
-            parts = [(1, choose_splits(m.row_groups, m.shape.kchunks, rt.sm_count)) for m in mats]
+            parts = [(1, choose_splits(m.row_groups, m.shape.kchunks, rt.sm_count,
+                                       split_ctas_per_sm(self.impl, m.shape.fmt))) for m in mats]
         self.rgb = [p[0] for p in parts]  # row groups per CTA
         self.splits = [p[1] for p in parts]
         # whether blocks of 17-32 lanes may run this plan's q4 launches as one gemv8w_q4_n32 launch each (one
@@ -382,7 +410,8 @@ class GemvPlan:
                 if v2 or self.rgb[j] != 1:
                     pieces.append((j, 0, m.row_groups, self.splits[j], False))
                     continue
-                for k, (g0, ng, s) in enumerate(tail_split(m.row_groups, m.shape.kchunks, self.splits[j], rt.sm_count)):
+                for k, (g0, ng, s) in enumerate(tail_split(m.row_groups, m.shape.kchunks, self.splits[j], rt.sm_count,
+                                                           split_ctas_per_sm(self.impl, m.shape.fmt))):
                     pieces.append((j, g0, ng, s, k > 0))
             blocks = {(j, g0): -(-ng // self.rgb[j]) for j, g0, ng, _, _ in pieces}
             # largest matrices first (their CTAs start earliest), split tails last

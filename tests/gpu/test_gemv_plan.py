@@ -82,3 +82,54 @@ def test_tail_split_takes_gate_ups_third_wave(monkeypatch):
     monkeypatch.setattr(C, "GEMV_TAIL_SPLIT", 1)
     assert K.tail_split(544, 80, 1, 132) == [(0, 528, 1), (528, 16, 10)]
     assert K.tail_split(3880, 80, 1, 132) == [(0, 3880, 1)]  # lm_head: a thick last wave (184 of 264)
+
+
+@pytest.mark.parametrize("ctas", [2, 3, 4])
+@pytest.mark.parametrize("sms", [132, 82, 170, 28])
+@pytest.mark.parametrize("rows,cols,fmt", SHAPES)
+def test_splits_sized_for_resident_ctas_never_overrun_one_wave(rows, cols, fmt, sms, ctas):
+    """choose_splits(..., ctas_per_sm): the most splits whose units fit one wave of that many CTAs an SM (a
+    matrix of more row groups than slots keeps one split), every warp keeping >= 1 chunk a residue; a pure
+    function of the shape and the card (the lane count never enters)."""
+    sh = L.matrix_shape(rows, cols, fmt)
+    rg = sh.row_tiles // C.GEMV_R
+    s = K.choose_splits(rg, sh.kchunks, sms, ctas)
+    slots = ctas * sms
+    assert 1 <= s <= max(1, sh.kchunks // 8)
+    if s > 1:
+        assert rg * s <= slots, "one wave at most"
+    if s < sh.kchunks // 8:
+        assert rg * (s + 1) > slots, "no further split would still fit the wave"
+
+
+def test_splits_for_gemv_wg_fill_its_three_ctas_on_the_27b_shapes():
+    """The 80-row-group launches (down, gdn_out, attn_o) run 240 units under the 2-CTA rule but 320 of gemv_wg's
+    396 slots when sized for 3 CTAs an SM; round() would have given 5 splits (400 units: 4 past the wave)."""
+    assert K.choose_splits(80, 272, 132) == 3 and K.choose_splits(80, 96, 132) == 3
+    assert K.choose_splits(80, 272, 132, 3) == 4 and K.choose_splits(80, 96, 132, 3) == 4
+    assert K.choose_splits(192, 80, 132, 3) == 2  # attn_in's q + gate: 384 units
+    assert K.choose_splits(544, 80, 132, 3) == 1 and K.choose_splits(3880, 80, 132, 3) == 1
+
+
+def test_split_ctas_per_sm_is_off_unless_asked_and_only_for_a8_q4(monkeypatch):
+    """GEMV_SPLIT_CTAS = 0 keeps the old rule everywhere; set, it applies to a8 q4 matrices only on a card with
+    gemv_wg's sm_90a build (bf16 / q8 matrices and the v1 / v2 plans keep theirs)."""
+    monkeypatch.setattr(C, "GEMV_SPLIT_CTAS", 0)
+    assert K.split_ctas_per_sm("a8", L.FMT_Q4) == 0
+    monkeypatch.setattr(C, "GEMV_SPLIT_CTAS", 3)
+    monkeypatch.setattr(K, "gemv_wgmma_supported", lambda *a, **k: True)
+    assert K.split_ctas_per_sm("a8", L.FMT_Q4) == 3
+    assert K.split_ctas_per_sm("a8", L.FMT_Q8) == 0 and K.split_ctas_per_sm("a8", L.FMT_BF16) == 0
+    assert K.split_ctas_per_sm("v1", L.FMT_Q4) == 0 and K.split_ctas_per_sm("v2", L.FMT_Q4) == 0
+    monkeypatch.setattr(K, "gemv_wgmma_supported", lambda *a, **k: False)
+    assert K.split_ctas_per_sm("a8", L.FMT_Q4) == 0
+
+
+def test_tail_split_on_gemv_wg_slots_halves_gate_ups_second_wave(monkeypatch):
+    """Sized for 3 CTAs an SM (396 slots), gate_up's 544 row groups are one whole wave of 396 and 148 row groups
+    split in two (296 half units fill the slots the first wave frees); lm_head's remainder (316) cannot split
+    in two within a wave and stays whole."""
+    monkeypatch.setattr(C, "GEMV_TAIL_SPLIT", 1)
+    assert K.tail_split(544, 80, 1, 132, 3) == [(0, 396, 1), (396, 148, 2)]
+    assert K.tail_split(3880, 80, 1, 132, 3) == [(0, 3880, 1)]
+    assert K.tail_split(320, 80, 1, 132, 3) == [(0, 320, 1)]  # fits one wave

@@ -139,15 +139,35 @@ def test_shared_bytes_match_the_stage_layout():
     from q27py.gpu import kernels as K
 
     s = _src()
-    for field in ("WC = GEMV_R * 512", "XC = NL * 64", "S_OFF = W_OFF + GWG_CPS * WC",
-                  "X_OFF = S_OFF + GWG_CPS * GEMV_R * 32", "XS_OFF = X_OFF + GWG_CPS * XC",
-                  "BYTES = XS_OFF + GWG_CPS * NL * 4"):
+    for field in ("template <int NL, int CPS = GWG_CPS>\nstruct WgStage", "WC = GEMV_R * 512", "XC = NL * 64",
+                  "S_OFF = W_OFF + CPS * WC", "X_OFF = S_OFF + CPS * GEMV_R * 32", "XS_OFF = X_OFF + CPS * XC",
+                  "BYTES = XS_OFF + CPS * NL * 4"):
         assert field in s, field
     for nl in (8, 16, 32):
         stage = C.GWG_CPS * (C.GEMV_R * 512 + C.GEMV_R * 32 + nl * 64 + nl * 4)
         assert K.gemv_wg_shared_bytes(nl) == C.GWG_STAGES * stage
         assert stage % 16 == 0  # every slot's B region stays 16-byte aligned (descriptor start field)
     assert K.gemv_wg_shared_bytes(32) == 87040
+
+
+def test_wide_stage_entries_size_and_fit(monkeypatch):
+    """GWG_WIDE_STAGE: the 8-lane launches and the 16-lane ones on the plain entry run gemv8w_q4_n8w / n16w, whose
+    stages hold GWG_CPS_W chunks (all 8 residues: the one-pass walk only) in a ring of GWG_STAGES_W -- the same
+    weight bytes in flight as the plain ring -- at the plain entries' residency; 16-lane launches past a wave
+    keep n16t, 32 lanes theirs."""
+    from q27py.gpu import kernels as K
+
+    assert C.GWG_CPS_W == C.GEMV_WARPS and C.GWG_CPS_W % C.GWG_SUB_W == 0
+    assert (C.GWG_STAGES_W - 1) * C.GWG_CPS_W == (C.GWG_STAGES - 1) * C.GWG_CPS
+    monkeypatch.setattr(C, "GWG_WIDE_STAGE", 0)
+    assert K.gemv_wg_kernel(8) == "gemv8w_q4_n8" and K.gemv_wg_kernel(16) == "gemv8w_q4_n16"
+    monkeypatch.setattr(C, "GWG_WIDE_STAGE", 1)
+    assert K.gemv_wg_kernel(8) == "gemv8w_q4_n8w" and K.gemv_wg_kernel(16) == "gemv8w_q4_n16w"
+    assert K.gemv_wg_kernel(32) == "gemv8w_q4_n32"
+    for nl, ctas in ((8, C.GWG_CTAS_N8), (16, C.GWG_CTAS_N16)):
+        stage = C.GWG_CPS_W * (C.GEMV_R * 512 + C.GEMV_R * 32 + nl * 64 + nl * 4)
+        assert K.gemv_wg_shared_bytes(nl) == C.GWG_STAGES_W * stage and stage % 16 == 0
+        assert ctas * (K.gemv_wg_shared_bytes(nl) + 128 + 1024) <= 228 * 1024, nl
 
 
 def test_resident_ctas_fit_the_sm90_shared_memory(monkeypatch):
@@ -180,14 +200,15 @@ def test_the_8_lane_pad_leaves_room_for_the_next_launch(monkeypatch):
 
 
 # ---------------------------------------------------------------- the 32-lane kernel's walk and activations
-def stage_walk(nch: int, nl: int, two: bool = False) -> list[tuple[int, bool, int]]:
+def stage_walk(nch: int, nl: int, two: bool = False, cps: int | None = None) -> list[tuple[int, bool, int]]:
     """wg_body's stages over a unit of nch chunks, in ring order: (first chunk - c0, whole, acc index of the
     stage's chunk j = 0) -- PASSES = 1 at 8 / 16 lanes (chunks in order, residues CPS (k & 1) + j), 2 at 32
-    (residues 0 .. CPS - 1 over the unit, then CPS .. 7; acc index j)."""
-    cps, w = C.GWG_CPS, C.GEMV_WARPS
+    (residues 0 .. CPS - 1 over the unit, then CPS .. 7; acc index j). cps: chunks a stage (GWG_CPS; the wide-stage
+    entries GWG_CPS_W = 8, every stage residues 0 .. 7)."""
+    cps, w = cps or C.GWG_CPS, C.GEMV_WARPS
     if nl <= C.GEMV_MAX_LANES and not two:
         nst, nfull = (nch + cps - 1) // cps, nch // cps
-        return [(k * cps, k < nfull, (k & 1) * cps) for k in range(nst)]
+        return [(k * cps, k < nfull, ((k & 1) * cps) % w) for k in range(nst)]
     nst0, nfull0 = (nch + w - 1) // w, (nch + cps) // w
     nst1, nfull1 = (nch + w - 1 - cps) // w, nch // w
     first = [w * k for k in range(nst0)] + [w * k + cps for k in range(nst1)]
@@ -200,7 +221,9 @@ def test_stage_walk_formulas_are_the_kernels():
     for expr in ("PASSES = (NL > GEMV_MAX_LANES || TWO) ? 2 : 1, RL = GEMV_WARPS / PASSES",
                  "GWG_KERNEL(gemv8w_q4_n16t, 16, GWG_CTAS_N16T, 1, GWG_CPS, GWG_STAGES)",
                  "GWG_KERNEL(gemv8w_q4_n32s, 32, GWG_CTAS_N32S, 0, GWG_SUB_N32S, GWG_STAGES_N32S)",
-                 "for (int jj = 0; jj < SUB; jj++) wg_epilogue<NL, PASSES, PAR, FULL>(st, b + jj, dd[jj], acc, first(k), c1,",
+                 "for (int jj = 0; jj < SUB; jj++) wg_epilogue<NL, PASSES, PAR, FULL, CPS>(st, b + jj, dd[jj], acc, first(k),",
+                 "GWG_KERNEL_C(gemv8w_q4_n8w, 8, GWG_CTAS_N8, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_W)",
+                 "GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_W)",
                  "nst0 = PASSES == 1 ? (nch + CPS - 1) / CPS : (nch + GEMV_WARPS - 1) / GEMV_WARPS",
                  "nfull0 = PASSES == 1 ? nch / CPS : (nch + CPS) / GEMV_WARPS",
                  "nst1 = PASSES == 1 ? 0 : (nch + GEMV_WARPS - 1 - CPS) / GEMV_WARPS",
@@ -208,9 +231,9 @@ def test_stage_walk_formulas_are_the_kernels():
                  "return k < nst0 ? c0 + GEMV_WARPS * k : c0 + GEMV_WARPS * (k - nst0) + CPS;",
                  "return k < nst0 ? k < nfull0 : k - nst0 < nfull1;",
                  "const int nfull = (c1 - c0) / CPS;",
-                 "constexpr int R0 = PASSES == 1 ? PAR * GWG_CPS : 0;",
+                 "constexpr int R0 = PASSES == 1 ? (PAR * CPS) % GEMV_WARPS : 0;",
                  "if (!FULL && first_k + j >= c1) return;",
-                 "wg_epilogue<NL, PASSES, PAR, FULL>(st, j, dd[j], acc, first(k), c1, warp, g, t);",
+                 "wg_epilogue<NL, PASSES, PAR, FULL, CPS>(st, j, dd[j], acc, first(k), c1, warp, g, t);",
                  "for (k = nst0; k < nst0 + nfull1; k++)"):
         assert expr in s, expr
 
@@ -227,20 +250,22 @@ def gemv8_order_sum(terms, w):
     return ref
 
 
-@pytest.mark.parametrize("nl", [8, 16, 32, "16t"])
+@pytest.mark.parametrize("nl", [8, 16, 32, "16t", "8w", "16w"])
 def test_stage_walk_sums_like_gemv8s_warps(nl):
     """Every chunk of a unit once; the fp32 result of the walk -- each chunk's term added to its residue's
     partial (acc index as the kernel picks it), PASSES = 2 folding residues 0-3 into v when the first pass
     ends and restarting the partials -- bit for bit gemv.cu's: warp w sums chunks w, w + 8, ... in order,
     then v = P0, v += P1, ..., v += P7. Terms of wildly different scales, so any other order shows."""
-    two = nl == "16t" or nl > C.GEMV_MAX_LANES  # "16t": gemv8w_q4_n16t, the two-pass walk at 16 lanes
-    nl = 16 if nl == "16t" else nl
-    rng = np.random.default_rng(nl + two)
-    cps, w = C.GWG_CPS, C.GEMV_WARPS
+    # "16t": gemv8w_q4_n16t, the two-pass walk at 16 lanes; "8w" / "16w": the wide-stage entries (GWG_CPS_W chunks)
+    wide = nl in ("8w", "16w")
+    two = nl == "16t" or (not wide and nl > C.GEMV_MAX_LANES)
+    nl = {"16t": 16, "8w": 8, "16w": 16}.get(nl, nl)
+    rng = np.random.default_rng(nl + two + 2 * wide)
+    cps, w = (C.GWG_CPS_W if wide else C.GWG_CPS), C.GEMV_WARPS
     for nch in list(range(1, 41)) + [80, 272, 11, 54, 55]:
         terms = (rng.standard_normal(nch) * 2.0 ** rng.integers(-30, 30, nch)).astype(np.float32)
         ref = gemv8_order_sum(terms, w)
-        walk = stage_walk(nch, nl, two)
+        walk = stage_walk(nch, nl, two, cps)
         acc = [np.float32(0)] * (w // 2 if two else w)
         seen, v = [], None
         npass0 = (nch + w - 1) // w
@@ -572,9 +597,11 @@ def test_engine_config_maps_the_switch(monkeypatch):
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
-    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16t", "gemv8w_q4_n32", "gemv8w_q4_n32s", "gemv8w_q4_n8"], rep
+    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16t", "gemv8w_q4_n16w", "gemv8w_q4_n32", "gemv8w_q4_n32s",
+                           "gemv8w_q4_n8", "gemv8w_q4_n8w"], rep
     ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32,
-            "gemv8w_q4_n16t": C.GWG_CTAS_N16T, "gemv8w_q4_n32s": C.GWG_CTAS_N32S}
+            "gemv8w_q4_n16t": C.GWG_CTAS_N16T, "gemv8w_q4_n32s": C.GWG_CTAS_N32S,
+            "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16}
     bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
     # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3
@@ -797,3 +824,22 @@ def test_wg_launches_replace_the_q4_launches_only(cp, monkeypatch):
     seen.clear()
     K.GemvPlan([big], [(yb, yb.shape[1])], K.Workspace(), impl="a8", wgmma="auto").run(x, 512, 8)
     assert [k for m, k in seen if m == "gemv_wg"] == ["gemv8w_q4_n8"], seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
+@pytest.mark.parametrize("n", [1, 8, 9, 16])
+def test_wide_stage_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
+    """GWG_WIDE_STAGE: 1-16 lanes on gemv8w_q4_n8w / n16w (8 chunks a stage), bit for bit gemv8_q4_*."""
+    wg = _switched_pair(cp, monkeypatch, "GWG_WIDE_STAGE", _specs_27b(name), n, n + 11)
+    assert any(k in ("gemv8w_q4_n8w", "gemv8w_q4_n16w") for k in wg) or n > 8, wg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (64, 4096, 9),
+                                              (200, 320, 1), (5120, 17408, 5)])
+@pytest.mark.parametrize("n", [1, 13])
+def test_wide_stage_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits, n):
+    """Partial last stages of 8 chunks (K ranges of 5, 11, 13 ... chunks), units shorter than one stage."""
+    _switched_pair(cp, monkeypatch, "GWG_WIDE_STAGE", [(rows, cols, L.FMT_Q4, 0)], n, rows + splits + n,
+                   partition=(1, splits))
