@@ -191,9 +191,11 @@ class EngineConfig:
     gemv_prefetch_mb: float = 0.0
     # cuda, a8 GEMV on q4 weights on sm_90 (H100 / H200): which launch widths run the warpgroup-MMA kernel
     # (cuda/gemv_wg.cu, built for sm_90a; bitwise the mma.sync kernel's outputs at every width, so the
-    # choice is speed only): "auto" (where it measured faster in whole decode steps: 1 lane, 9-16 lanes,
-    # and the lm_head at any width), "off", "wide" (every q4 launch of 9-16 lanes) or "all".
-    gemv_wgmma: str = "auto"
+    # choice is speed only): "all" (every q4 launch; the default since 2026-12-06's sixth session: with gate_up's
+    # tail split, constants GEMV_TAIL_CTAS, "auto" sent its half units at 2-8 lanes to the mma.sync kernel and
+    # verify W=8 ran 8.76 ms against 8.56 under "all", docs/PERF.md), "auto" (1 lane, 9-16 lanes, and the lm_head
+    # at any width), "off", "wide" (every q4 launch of 9-16 lanes).
+    gemv_wgmma: str = "all"
     # cuda: the GDN decode / verify step (conv, gates, delta rule, gated norm, window commit) as one
     # kernel (cuda/gdn_decode.cu, bitwise the kernel chain) instead of four launches. Off until the
     # device run has held it bitwise and measured it (docs/PERF.md).

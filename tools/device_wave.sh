@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -408,6 +408,22 @@ PY
           timeout 100 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/splits_steps$i.txt" 2>&1 || rc=1
           echo "--- $cfg"; grep -E "^prefetch|of read" "$OUT/splits_steps$i.txt"
         done ;;
+    flip)  # (~9 min) after `splits`, with its winners made the defaults in constants.py: the bitwise suites (gemv_wg against
+           # gemv8 on the 27B launches and forced splits, verify = decode, verify groups, batched rounds), the gates
+           # re-recorded (split counts move the md5s: gates_new's steps), the steps, then bench load at C = 1 2 16
+        timeout 170 $PYTEST tests/gpu/test_gemv_wg.py -k "27b or forced" tests/gpu/test_verify_groups_gpu.py \
+          tests/gpu/test_batched_rounds_gpu.py tests/gpu/test_pdl.py > "$OUT/flip_tests.txt" 2>&1 || rc=1
+        tail -3 "$OUT/flip_tests.txt"
+        cp gates/canonical.json "$OUT/canonical_before.json"
+        timeout 120 python3 gates/run.py 2>&1 | tail -5
+        python3 -c "import json; p='gates/canonical.json'; d=json.load(open(p)); [d.pop(k) for k in list(d) if k.endswith('@sm_90')]; json.dump(d, open(p,'w'), indent=1)"
+        timeout 120 python3 gates/run.py --update 2>&1 | tail -5 || rc=1
+        cp gates/canonical.json "$OUT/canonical.json"
+        timeout 90 python3 tools/gemv_prefetch_ab.py --mb 0 > "$OUT/flip_steps.txt" 2>&1 || rc=1
+        grep -E "^prefetch|of read" "$OUT/flip_steps.txt"
+        timeout ${LOAD_S:-200} python3 -m q27py bench load --random-weights 27b --tier q4s --streams ${STREAMS:-1 2 16} \
+          --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
+          > "$OUT/flip_load.txt" 2>&1 || rc=1; grep -E "^C=|rounds, |graph keys|^recorded" "$OUT/flip_load.txt" ;;
     splitsprobe)  # (~3 min) the same levers per launch: gemv_probe at 1 / 8 / 16 lanes, each setting
         for cfg in "GEMV_SPLIT_CTAS=0" "GEMV_SPLIT_CTAS=3 GEMV_TAIL_SPLIT=1" "GWG_WIDE_STAGE=1"; do
           timeout 80 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set $cfg \

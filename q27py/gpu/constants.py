@@ -50,6 +50,12 @@ GEMV_TAIL_SPLIT = 0
 # v1 / a8 rule of 2 per SM (gemv.cu's CTAs), which leaves a third of gemv_wg's 3-CTA slots idle on the 80-row-group
 # matrices (down, gdn_out, attn_o: 240 units on 396 slots). A function of the card only, never of the lane count.
 GEMV_SPLIT_CTAS = 0
+# The same for the tail split alone (kernels.tail_split), which it turns on for those matrices whatever
+# GEMV_TAIL_SPLIT says: gate_up's 544 row groups run as 396 whole units and 148 split in two (296 halves on the
+# slots the first wave frees). H100, 2026-12-06 (docs/PERF.md, sixth session): gate_up 2,366 -> 2,489 GB/s at 1 lane,
+# 1,864 -> 1,935 at 16; decode 2K -1.7%, verify W=16 -1.0%, the 16-lane batched round -0.9%. GEMV_SPLIT_CTAS = 3
+# (the other matrices' splits too) gained 3.6% at 1 lane but lost 1.5% at 16: left at 0.
+GEMV_TAIL_CTAS = 3
 # next-launch L2 prefetch (cuda/gemv.cu gemv_prefetch, kernels.link_prefetch): L2 ranges one CTA of
 # a launch may prefetch for the launch after it (its last warp's lanes 0..GEMV_PF_PER-1, one each)
 GEMV_PF_PER = 8

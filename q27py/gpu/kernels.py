@@ -81,14 +81,15 @@ def choose_splits(row_groups: int, kchunks: int, sm_count: int, ctas_per_sm: int
     return int(max(1, min(want, kchunks // 8)))
 
 
-def split_ctas_per_sm(impl: str, fmt: int) -> int:
+def split_ctas_per_sm(impl: str, fmt: int, tail: bool = False) -> int:
     """Resident CTAs per SM a matrix's splits are sized for (choose_splits / tail_split): GEMV_SPLIT_CTAS for
     a8 q4 matrices on a card with cuda/gemv_wg.cu's sm_90a build (its 3-CTA entries run them), else 0 (the
     v1 / a8 rule). A function of the card and the plan's implementation, never of the lane count or the
     GEMV_WGMMA mode (gemv.cu runs the same units with the same bits where the mode sends a launch there)."""
-    if not C.GEMV_SPLIT_CTAS or impl != "a8" or fmt != L.FMT_Q4 or not gemv_wgmma_supported():
+    ctas = C.GEMV_TAIL_CTAS if tail else C.GEMV_SPLIT_CTAS
+    if not ctas or impl != "a8" or fmt != L.FMT_Q4 or not gemv_wgmma_supported():
         return 0
-    return C.GEMV_SPLIT_CTAS
+    return ctas
 
 
 # v2 partition model (choose_partition): a warp should keep >= this many chunks of its split
@@ -107,10 +108,11 @@ def tail_split(row_groups: int, kchunks: int, splits: int, sm_count: int,
     that remainder split over K instead: its units are short and fill the slots the second wave
     frees. A function of the shape and the SM count only, never the lane count (lane bits stay
     width-invariant); the remainder's rows sum in split order, so their bits differ from one split.
-    GEMV_TAIL_SPLIT = 0 keeps every matrix whole. ctas_per_sm: split_ctas_per_sm's (0: gemv_slots)."""
+    GEMV_TAIL_SPLIT = 0 keeps every matrix whole, except where ctas_per_sm (split_ctas_per_sm(tail=True): a8 q4
+    matrices on gemv_wg cards, GEMV_TAIL_CTAS) sizes the split for those slots: then it is on (0: gemv_slots)."""
     slots = ctas_per_sm * sm_count if ctas_per_sm else gemv_slots(sm_count)
     whole = [(0, row_groups, splits)]
-    if not C.GEMV_TAIL_SPLIT or splits != 1 or row_groups <= slots:
+    if not (C.GEMV_TAIL_SPLIT or ctas_per_sm) or splits != 1 or row_groups <= slots:
         return whole
     r = row_groups % slots
     s = min(kchunks // C.GEMV_WARPS, slots // max(r, 1))  # each warp keeps >= 1 chunk of its split
@@ -411,7 +413,7 @@ class GemvPlan:
                     pieces.append((j, 0, m.row_groups, self.splits[j], False))
                     continue
                 for k, (g0, ng, s) in enumerate(tail_split(m.row_groups, m.shape.kchunks, self.splits[j], rt.sm_count,
-                                                           split_ctas_per_sm(self.impl, m.shape.fmt))):
+                                                           split_ctas_per_sm(self.impl, m.shape.fmt, tail=True))):
                     pieces.append((j, g0, ng, s, k > 0))
             blocks = {(j, g0): -(-ng // self.rgb[j]) for j, g0, ng, _, _ in pieces}
             # largest matrices first (their CTAs start earliest), split tails last

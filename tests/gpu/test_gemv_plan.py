@@ -113,7 +113,9 @@ def test_splits_for_gemv_wg_fill_its_three_ctas_on_the_27b_shapes():
 
 def test_split_ctas_per_sm_is_off_unless_asked_and_only_for_a8_q4(monkeypatch):
     """GEMV_SPLIT_CTAS = 0 keeps the old rule everywhere; set, it applies to a8 q4 matrices only on a card with
-    gemv_wg's sm_90a build (bf16 / q8 matrices and the v1 / v2 plans keep theirs)."""
+    gemv_wg's sm_90a build (bf16 / q8 matrices and the v1 / v2 plans keep theirs). GEMV_TAIL_CTAS (default 3) is
+    the tail split's own, on the same terms."""
+    assert C.GEMV_SPLIT_CTAS == 0 and C.GEMV_TAIL_CTAS == 3  # the shipped defaults (docs/PERF.md)
     monkeypatch.setattr(C, "GEMV_SPLIT_CTAS", 0)
     assert K.split_ctas_per_sm("a8", L.FMT_Q4) == 0
     monkeypatch.setattr(C, "GEMV_SPLIT_CTAS", 3)
@@ -121,14 +123,23 @@ def test_split_ctas_per_sm_is_off_unless_asked_and_only_for_a8_q4(monkeypatch):
     assert K.split_ctas_per_sm("a8", L.FMT_Q4) == 3
     assert K.split_ctas_per_sm("a8", L.FMT_Q8) == 0 and K.split_ctas_per_sm("a8", L.FMT_BF16) == 0
     assert K.split_ctas_per_sm("v1", L.FMT_Q4) == 0 and K.split_ctas_per_sm("v2", L.FMT_Q4) == 0
+    monkeypatch.setattr(C, "GEMV_TAIL_CTAS", 0)
+    assert K.split_ctas_per_sm("a8", L.FMT_Q4, tail=True) == 0
+    monkeypatch.setattr(C, "GEMV_TAIL_CTAS", 3)
+    monkeypatch.setattr(C, "GEMV_SPLIT_CTAS", 0)
+    assert K.split_ctas_per_sm("a8", L.FMT_Q4, tail=True) == 3 and K.split_ctas_per_sm("a8", L.FMT_Q4) == 0
+    assert K.split_ctas_per_sm("a8", L.FMT_Q8, tail=True) == 0
     monkeypatch.setattr(K, "gemv_wgmma_supported", lambda *a, **k: False)
-    assert K.split_ctas_per_sm("a8", L.FMT_Q4) == 0
+    assert K.split_ctas_per_sm("a8", L.FMT_Q4) == 0 and K.split_ctas_per_sm("a8", L.FMT_Q4, tail=True) == 0
 
 
 def test_tail_split_on_gemv_wg_slots_halves_gate_ups_second_wave(monkeypatch):
     """Sized for 3 CTAs an SM (396 slots), gate_up's 544 row groups are one whole wave of 396 and 148 row groups
     split in two (296 half units fill the slots the first wave frees); lm_head's remainder (316) cannot split
     in two within a wave and stays whole."""
+    monkeypatch.setattr(C, "GEMV_TAIL_SPLIT", 0)  # sized for gemv_wg's slots, the split is on whatever this says
+    assert K.tail_split(544, 80, 1, 132, 3) == [(0, 396, 1), (396, 148, 2)]
+    assert K.tail_split(544, 80, 1, 132) == [(0, 544, 1)]  # the 2-CTA rule stays off
     monkeypatch.setattr(C, "GEMV_TAIL_SPLIT", 1)
     assert K.tail_split(544, 80, 1, 132, 3) == [(0, 396, 1), (396, 148, 2)]
     assert K.tail_split(3880, 80, 1, 132, 3) == [(0, 3880, 1)]

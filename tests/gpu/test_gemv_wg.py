@@ -589,9 +589,9 @@ def test_selection_rule(monkeypatch):
 def test_engine_config_maps_the_switch(monkeypatch):
     from q27py.config import Q27Config, apply_env
 
-    assert Q27Config().engine.gemv_wgmma == "auto"
-    monkeypatch.setenv("Q27_GEMV_WGMMA", "all")
-    assert apply_env(Q27Config()).engine.gemv_wgmma == "all"
+    assert Q27Config().engine.gemv_wgmma == "all"
+    monkeypatch.setenv("Q27_GEMV_WGMMA", "auto")
+    assert apply_env(Q27Config()).engine.gemv_wgmma == "auto"
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")

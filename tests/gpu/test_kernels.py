@@ -686,7 +686,10 @@ def test_gemv_tail_split_matches_float64(cp, K, impl, fmt, mode, monkeypatch):
     from q27py.gpu.runtime import Runtime
 
     monkeypatch.setattr(C, "GEMV_TAIL_SPLIT", 1)  # off by default (measured slower): the path stays right
-    slots = K.gemv_slots(Runtime.get().sm_count)
+    # a8 q4 on a gemv_wg card: the tail split is sized for its slots (GEMV_TAIL_CTAS per SM) and on by default
+    ctas = K.split_ctas_per_sm(impl, fmt, tail=True)
+    sms = Runtime.get().sm_count
+    slots = ctas * sms if ctas else K.gemv_slots(sms)
     rng = np.random.default_rng(40 + fmt)
     cols, tail = 1024, 5
     rows_w = (slots + tail) * 64  # packed rows: tail row groups past the slots
@@ -701,7 +704,7 @@ def test_gemv_tail_split_matches_float64(cp, K, impl, fmt, mode, monkeypatch):
         pm = L.pack_matrix(rng.standard_normal((rows_w - 7, cols)).astype(np.float32) * 0.05, fmt)
         m = K.upload_packed(pm, mode=K.MODE_ADD if mode == "add" else K.MODE_STORE)
         nout = rows_w - 7
-    pieces = K.tail_split(m.row_groups, m.shape.kchunks, 1, Runtime.get().sm_count)
+    pieces = K.tail_split(m.row_groups, m.shape.kchunks, 1, sms, ctas)
     assert len(pieces) == 2 and pieces[1][1] == tail and pieces[1][2] >= 2, pieces
     wd = L.unpack(pm).astype(np.float64)
     for n in (1, 9, 16):
