@@ -492,5 +492,8 @@ GWG_KERNEL(gemv8w_q4_n32s, 32, GWG_CTAS_N32S, 0, GWG_SUB_N32S, GWG_STAGES_N32S)
 // the stage barriers and cp.async waits a byte), their tensor-core batches GWG_SUB_W at a time, a ring of
 // GWG_STAGES_W stages (the same bytes in flight as GWG_STAGES of GWG_CPS); bitwise the same sums
 GWG_KERNEL_C(gemv8w_q4_n8w, 8, GWG_CTAS_N8, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_W)
+// kernels.gemv_wg_kernel under GWG_N8_FOUR: 1-8 lanes on the two-pass walk (4 residue partials live), which fits 128
+// registers, so GWG_CTAS_N8Q = 4 CTAs an SM (16 warps instead of 12; the same ring): bitwise the same sums
+GWG_KERNEL(gemv8w_q4_n8q, 8, GWG_CTAS_N8Q, 1, GWG_CPS, GWG_STAGES)
 GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_W)
 

@@ -95,6 +95,12 @@ GWG_N32_SUB = 2
 # them half as often per byte (docs/PERF.md). Bitwise the same sums.
 GWG_WIDE_STAGE = 0
 GWG_CPS_W, GWG_SUB_W, GWG_STAGES_W = 8, 4, 3
+# 1-8 lanes on gemv8w_q4_n8q (Python-side switch GWG_N8_FOUR, 0 off, 1 on): the two-pass walk at 8 lanes fits 128
+# registers (ptxas sm_90a: 128, no spill), so GWG_CTAS_N8Q CTAs an SM in the same shared memory (4 x 54,400 B). Why:
+# a gemv_wg CTA streams ~8 GB/s (a latency-bound loop), so 3 an SM cap a launch at ~3.2 TB/s, 70% of an H200's read
+# rate; 4 an SM would allow ~4.2 (docs/PERF.md, 2026-12-06 sixth session). Bitwise the same sums.
+GWG_N8_FOUR = 0
+GWG_CTAS_N8Q = 4
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

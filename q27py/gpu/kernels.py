@@ -288,6 +288,8 @@ def gemv_wg_kernel(nl: int, units: int | None = None) -> str:
     assert nl in (8, 16, GWG_MAX_LANES), nl
     if _wg_three(nl, units):
         return "gemv8w_q4_n16t" if nl == 16 else "gemv8w_q4_n32s"
+    if nl == 8 and C.GWG_N8_FOUR:
+        return "gemv8w_q4_n8q"
     if _wg_wide(nl, units):
         return f"gemv8w_q4_n{nl}w"
     return f"gemv8w_q4_n{nl}"
@@ -296,7 +298,7 @@ def gemv_wg_kernel(nl: int, units: int | None = None) -> str:
 def _wg_wide(nl: int, units: int | None) -> bool:
     """Whether a launch at width nl runs the wide-stage entry (gemv8w_q4_n8w / n16w: GWG_CPS_W chunks a stage):
     GWG_WIDE_STAGE on, 8 lanes, or 16 on the plain (2-CTA) entry."""
-    return bool(C.GWG_WIDE_STAGE) and (nl == 8 or (nl == 16 and not _wg_three(nl, units)))
+    return bool(C.GWG_WIDE_STAGE) and ((nl == 8 and not C.GWG_N8_FOUR) or (nl == 16 and not _wg_three(nl, units)))
 
 
 def gemv_wg_ctas(nl: int, units: int | None = None) -> int:
@@ -305,7 +307,7 @@ def gemv_wg_ctas(nl: int, units: int | None = None) -> int:
         return C.GWG_CTAS_N16T if _wg_three(nl, units) else C.GWG_CTAS_N16
     if nl == GWG_MAX_LANES:
         return C.GWG_CTAS_N32S if _wg_three(nl, units) else C.GWG_CTAS_N32
-    return C.GWG_CTAS_N8
+    return C.GWG_CTAS_N8Q if C.GWG_N8_FOUR else C.GWG_CTAS_N8
 
 
 def gemv_wg_shared_bytes(nl: int, units: int | None = None) -> int:

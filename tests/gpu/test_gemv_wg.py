@@ -250,7 +250,7 @@ def gemv8_order_sum(terms, w):
     return ref
 
 
-@pytest.mark.parametrize("nl", [8, 16, 32, "16t", "8w", "16w"])
+@pytest.mark.parametrize("nl", [8, 16, 32, "16t", "8t", "8w", "16w"])
 def test_stage_walk_sums_like_gemv8s_warps(nl):
     """Every chunk of a unit once; the fp32 result of the walk -- each chunk's term added to its residue's
     partial (acc index as the kernel picks it), PASSES = 2 folding residues 0-3 into v when the first pass
@@ -258,8 +258,8 @@ def test_stage_walk_sums_like_gemv8s_warps(nl):
     then v = P0, v += P1, ..., v += P7. Terms of wildly different scales, so any other order shows."""
     # "16t": gemv8w_q4_n16t, the two-pass walk at 16 lanes; "8w" / "16w": the wide-stage entries (GWG_CPS_W chunks)
     wide = nl in ("8w", "16w")
-    two = nl == "16t" or (not wide and nl > C.GEMV_MAX_LANES)
-    nl = {"16t": 16, "8w": 8, "16w": 16}.get(nl, nl)
+    two = nl in ("16t", "8t") or (not wide and nl > C.GEMV_MAX_LANES)  # "8t": gemv8w_q4_n8q's walk
+    nl = {"16t": 16, "8t": 8, "8w": 8, "16w": 16}.get(nl, nl)
     rng = np.random.default_rng(nl + two + 2 * wide)
     cps, w = (C.GWG_CPS_W if wide else C.GWG_CPS), C.GEMV_WARPS
     for nch in list(range(1, 41)) + [80, 272, 11, 54, 55]:
@@ -598,10 +598,10 @@ def test_engine_config_maps_the_switch(monkeypatch):
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
     assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16t", "gemv8w_q4_n16w", "gemv8w_q4_n32", "gemv8w_q4_n32s",
-                           "gemv8w_q4_n8", "gemv8w_q4_n8w"], rep
+                           "gemv8w_q4_n8", "gemv8w_q4_n8q", "gemv8w_q4_n8w"], rep
     ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32,
             "gemv8w_q4_n16t": C.GWG_CTAS_N16T, "gemv8w_q4_n32s": C.GWG_CTAS_N32S,
-            "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16}
+            "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16, "gemv8w_q4_n8q": C.GWG_CTAS_N8Q}
     bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
     # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3
@@ -842,4 +842,34 @@ def test_wide_stage_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, 
 def test_wide_stage_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits, n):
     """Partial last stages of 8 chunks (K ranges of 5, 11, 13 ... chunks), units shorter than one stage."""
     _switched_pair(cp, monkeypatch, "GWG_WIDE_STAGE", [(rows, cols, L.FMT_Q4, 0)], n, rows + splits + n,
+                   partition=(1, splits))
+
+
+def test_four_cta_8_lane_entry_selection_and_fit(monkeypatch):
+    """GWG_N8_FOUR: 1-8 lanes on gemv8w_q4_n8q (the two-pass walk, GWG_CTAS_N8Q CTAs an SM in the plain ring's shared
+    memory); 16 / 32 lanes keep theirs."""
+    from q27py.gpu import kernels as K
+
+    monkeypatch.setattr(C, "GWG_N8_FOUR", 1)
+    assert K.gemv_wg_kernel(8) == "gemv8w_q4_n8q" and K.gemv_wg_ctas(8) == C.GWG_CTAS_N8Q == 4
+    assert K.gemv_wg_kernel(16) == "gemv8w_q4_n16" and K.gemv_wg_kernel(32) == "gemv8w_q4_n32"
+    assert C.GWG_CTAS_N8Q * (K.gemv_wg_shared_bytes(8) + 128 + 1024) <= 228 * 1024
+    monkeypatch.setattr(C, "GWG_N8_FOUR", 0)
+    assert K.gemv_wg_kernel(8) == "gemv8w_q4_n8" and K.gemv_wg_ctas(8) == C.GWG_CTAS_N8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
+@pytest.mark.parametrize("n", [1, 5, 8])
+def test_n8q_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
+    """GWG_N8_FOUR: 1-8 lanes on gemv8w_q4_n8q (two-pass walk, 4 CTAs an SM), bit for bit gemv8_q4_*."""
+    wg = _switched_pair(cp, monkeypatch, "GWG_N8_FOUR", _specs_27b(name), n, n + 17)
+    assert "gemv8w_q4_n8q" in wg, wg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (64, 4096, 9),
+                                              (200, 320, 1), (5120, 17408, 5)])
+def test_n8q_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
+    _switched_pair(cp, monkeypatch, "GWG_N8_FOUR", [(rows, cols, L.FMT_Q4, 0)], 3, rows + splits + 3,
                    partition=(1, splits))
