@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -424,6 +424,22 @@ PY
         timeout ${LOAD_S:-200} python3 -m q27py bench load --random-weights 27b --tier q4s --streams ${STREAMS:-1 2 16} \
           --no-mixed --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
           > "$OUT/flip_load.txt" 2>&1 || rc=1; grep -E "^C=|rounds, |graph keys|^recorded" "$OUT/flip_load.txt" ;;
+    n8q)  # (~5 min) issue 10: 1-8 lanes on gemv8w_q4_n8q (the two-pass walk at 4 CTAs an SM, GWG_N8_FOUR): its bitwise
+          # tests, the probe per launch at 1 / 8 lanes, then the steps, off / on (and on with the tail split sized for 4
+          # CTAs an SM), one process each; on an H200 this is the lever past the 3-CTA cap (~3.2 TB/s)
+        timeout 120 $PYTEST tests/gpu/test_gemv_wg.py -k "n8q or stage_walk" > "$OUT/n8q_tests.txt" 2>&1 || rc=1
+        tail -2 "$OUT/n8q_tests.txt"
+        for cfg in "GWG_N8_FOUR=0" "GWG_N8_FOUR=1" "GWG_N8_FOUR=1 GEMV_TAIL_CTAS=4"; do
+          timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 --set $cfg \
+            > "$OUT/n8q_probe_${cfg// /_}.txt" 2>&1 || rc=1
+          echo "--- probe $cfg"; grep -vE "^(launch|NVIDIA)" "$OUT/n8q_probe_${cfg// /_}.txt" | tail -10
+        done
+        i=0
+        for cfg in "GWG_N8_FOUR=0" "GWG_N8_FOUR=1" "GWG_N8_FOUR=1 GEMV_TAIL_CTAS=4" "GWG_N8_FOUR=0"; do
+          i=$((i + 1))
+          timeout 90 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/n8q_steps$i.txt" 2>&1 || rc=1
+          echo "--- steps $cfg"; grep -E "^prefetch|of read" "$OUT/n8q_steps$i.txt"
+        done ;;
     splitsprobe)  # (~3 min) the same levers per launch: gemv_probe at 1 / 8 / 16 lanes, each setting
         for cfg in "GEMV_SPLIT_CTAS=0" "GEMV_SPLIT_CTAS=3 GEMV_TAIL_SPLIT=1" "GWG_WIDE_STAGE=1"; do
           timeout 80 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set $cfg \
