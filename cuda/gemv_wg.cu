@@ -495,5 +495,8 @@ GWG_KERNEL_C(gemv8w_q4_n8w, 8, GWG_CTAS_N8, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_
 // kernels.gemv_wg_kernel under GWG_N8_FOUR: 1-8 lanes on the two-pass walk (4 residue partials live), which fits 128
 // registers, so GWG_CTAS_N8Q = 4 CTAs an SM (16 warps instead of 12; the same ring): bitwise the same sums
 GWG_KERNEL(gemv8w_q4_n8q, 8, GWG_CTAS_N8Q, 1, GWG_CPS, GWG_STAGES)
+// kernels.gemv_wg_kernel under GWG_N16_FOUR: 9-16 lanes the same way (each chunk its own tensor-core batch and a 4-stage
+// ring, so 128 registers and 4 x 52,224 B fit 4 CTAs an SM); bitwise the same sums
+GWG_KERNEL(gemv8w_q4_n16q, 16, GWG_CTAS_N16Q, 1, GWG_SUB_N16Q, GWG_STAGES_N16Q)
 GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_W)
 

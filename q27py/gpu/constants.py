@@ -101,6 +101,10 @@ GWG_CPS_W, GWG_SUB_W, GWG_STAGES_W = 8, 4, 3
 # rate; 4 an SM would allow ~4.2 (docs/PERF.md, 2026-12-06 sixth session). Bitwise the same sums.
 GWG_N8_FOUR = 0
 GWG_CTAS_N8Q = 4
+# 9-16 lanes on gemv8w_q4_n16q (switch GWG_N16_FOUR, 0 off, 1 every 16-lane launch): the two-pass walk with each
+# chunk its own tensor-core batch (GWG_SUB_N16Q) and a GWG_STAGES_N16Q-stage ring: 128 registers, no spill, 4 CTAs an SM
+GWG_N16_FOUR = 0
+GWG_CTAS_N16Q, GWG_SUB_N16Q, GWG_STAGES_N16Q = 4, 1, 4
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

@@ -286,6 +286,8 @@ def gemv_wg_kernel(nl: int, units: int | None = None) -> str:
     per SM, bitwise the same) at 16 lanes its two-pass entry gemv8w_q4_n16t, at 32 its batched-epilogue entry
     gemv8w_q4_n32s, where _wg_three says so."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
+    if nl == 16 and C.GWG_N16_FOUR:
+        return "gemv8w_q4_n16q"
     if _wg_three(nl, units):
         return "gemv8w_q4_n16t" if nl == 16 else "gemv8w_q4_n32s"
     if nl == 8 and C.GWG_N8_FOUR:
@@ -298,12 +300,15 @@ def gemv_wg_kernel(nl: int, units: int | None = None) -> str:
 def _wg_wide(nl: int, units: int | None) -> bool:
     """Whether a launch at width nl runs the wide-stage entry (gemv8w_q4_n8w / n16w: GWG_CPS_W chunks a stage):
     GWG_WIDE_STAGE on, 8 lanes, or 16 on the plain (2-CTA) entry."""
-    return bool(C.GWG_WIDE_STAGE) and ((nl == 8 and not C.GWG_N8_FOUR) or (nl == 16 and not _wg_three(nl, units)))
+    return bool(C.GWG_WIDE_STAGE) and ((nl == 8 and not C.GWG_N8_FOUR) or
+                                       (nl == 16 and not C.GWG_N16_FOUR and not _wg_three(nl, units)))
 
 
 def gemv_wg_ctas(nl: int, units: int | None = None) -> int:
     """Resident CTAs per SM of gemv_wg_kernel(nl, units) (its launch bounds)."""
     if nl == 16:
+        if C.GWG_N16_FOUR:
+            return C.GWG_CTAS_N16Q
         return C.GWG_CTAS_N16T if _wg_three(nl, units) else C.GWG_CTAS_N16
     if nl == GWG_MAX_LANES:
         return C.GWG_CTAS_N32S if _wg_three(nl, units) else C.GWG_CTAS_N32
@@ -316,10 +321,11 @@ def gemv_wg_shared_bytes(nl: int, units: int | None = None) -> int:
     of 4 tiles' fragments, their scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040
     bytes (n32s: 69,632)."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
-    wide = nl < GWG_MAX_LANES and _wg_wide(nl, units)
+    four16 = nl == 16 and bool(C.GWG_N16_FOUR)
+    wide = nl < GWG_MAX_LANES and not four16 and _wg_wide(nl, units)
     stage = (C.GWG_CPS_W if wide else C.GWG_CPS) * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
     stages = (C.GWG_STAGES_N32S if (nl == GWG_MAX_LANES and _wg_three(nl, units))
-              else C.GWG_STAGES_W if wide else C.GWG_STAGES)
+              else C.GWG_STAGES_N16Q if four16 else C.GWG_STAGES_W if wide else C.GWG_STAGES)
     return max(stages * stage, GEMV_ROWS_PER_CTA * nl * 4)
 
 

@@ -597,11 +597,12 @@ def test_engine_config_maps_the_switch(monkeypatch):
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
-    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16t", "gemv8w_q4_n16w", "gemv8w_q4_n32", "gemv8w_q4_n32s",
-                           "gemv8w_q4_n8", "gemv8w_q4_n8q", "gemv8w_q4_n8w"], rep
+    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16q", "gemv8w_q4_n16t", "gemv8w_q4_n16w", "gemv8w_q4_n32",
+                           "gemv8w_q4_n32s", "gemv8w_q4_n8", "gemv8w_q4_n8q", "gemv8w_q4_n8w"], rep
     ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32,
             "gemv8w_q4_n16t": C.GWG_CTAS_N16T, "gemv8w_q4_n32s": C.GWG_CTAS_N32S,
-            "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16, "gemv8w_q4_n8q": C.GWG_CTAS_N8Q}
+            "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16, "gemv8w_q4_n8q": C.GWG_CTAS_N8Q,
+            "gemv8w_q4_n16q": C.GWG_CTAS_N16Q}
     bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
     # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3
@@ -856,6 +857,13 @@ def test_four_cta_8_lane_entry_selection_and_fit(monkeypatch):
     assert C.GWG_CTAS_N8Q * (K.gemv_wg_shared_bytes(8) + 128 + 1024) <= 228 * 1024
     monkeypatch.setattr(C, "GWG_N8_FOUR", 0)
     assert K.gemv_wg_kernel(8) == "gemv8w_q4_n8" and K.gemv_wg_ctas(8) == C.GWG_CTAS_N8
+    monkeypatch.setattr(C, "GWG_N16_FOUR", 1)
+    assert K.gemv_wg_kernel(16) == K.gemv_wg_kernel(16, 10**6) == "gemv8w_q4_n16q"
+    assert K.gemv_wg_ctas(16) == K.gemv_wg_ctas(16, 10**6) == C.GWG_CTAS_N16Q == 4
+    stage = C.GWG_CPS * (C.GEMV_R * 512 + C.GEMV_R * 32 + 16 * 64 + 16 * 4)
+    assert K.gemv_wg_shared_bytes(16) == C.GWG_STAGES_N16Q * stage == 52224
+    assert C.GWG_CTAS_N16Q * (K.gemv_wg_shared_bytes(16) + 128 + 1024) <= 228 * 1024
+    assert C.GWG_CPS % C.GWG_SUB_N16Q == 0
 
 
 @pytest.mark.gpu
@@ -872,4 +880,21 @@ def test_n8q_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
                                               (200, 320, 1), (5120, 17408, 5)])
 def test_n8q_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
     _switched_pair(cp, monkeypatch, "GWG_N8_FOUR", [(rows, cols, L.FMT_Q4, 0)], 3, rows + splits + 3,
+                   partition=(1, splits))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
+@pytest.mark.parametrize("n", [9, 16])
+def test_n16q_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
+    """GWG_N16_FOUR: 9-16 lanes on gemv8w_q4_n16q (two-pass walk, a chunk a batch, 4 CTAs an SM), bit for bit."""
+    wg = _switched_pair(cp, monkeypatch, "GWG_N16_FOUR", _specs_27b(name), n, n + 19)
+    assert "gemv8w_q4_n16q" in wg, wg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (200, 320, 1),
+                                              (5120, 17408, 5)])
+def test_n16q_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
+    _switched_pair(cp, monkeypatch, "GWG_N16_FOUR", [(rows, cols, L.FMT_Q4, 0)], 14, rows + splits + 14,
                    partition=(1, splits))
