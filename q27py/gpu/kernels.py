@@ -82,9 +82,9 @@ def choose_splits(row_groups: int, kchunks: int, sm_count: int, ctas_per_sm: int
 
 
 def split_ctas_per_sm(impl: str, fmt: int, tail: bool = False) -> int:
-    """Resident CTAs per SM a matrix's splits are sized for (choose_splits / tail_split): GEMV_SPLIT_CTAS for
-    a8 q4 matrices on a card with cuda/gemv_wg.cu's sm_90a build (its 3-CTA entries run them), else 0 (the
-    v1 / a8 rule). A function of the card and the plan's implementation, never of the lane count or the
+    """Resident CTAs per SM a matrix's splits are sized for (choose_splits / tail_split): GEMV_SPLIT_CTAS
+    (tail: GEMV_TAIL_CTAS) for a8 q4 matrices on a card with cuda/gemv_wg.cu's sm_90a build (its 3-CTA entries
+    run them), else 0 (the v1 / a8 rule). A function of the card and the plan's implementation, never of the lane count or the
     GEMV_WGMMA mode (gemv.cu runs the same units with the same bits where the mode sends a launch there)."""
     ctas = C.GEMV_TAIL_CTAS if tail else C.GEMV_SPLIT_CTAS
     if not ctas or impl != "a8" or fmt != L.FMT_Q4 or not gemv_wgmma_supported():
@@ -284,7 +284,8 @@ def _wg_three(nl: int, units: int | None) -> bool:
 def gemv_wg_kernel(nl: int, units: int | None = None) -> str:
     """The cuda/gemv_wg.cu entry of a launch of `units` CTAs at width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or (3 CTAs
     per SM, bitwise the same) at 16 lanes its two-pass entry gemv8w_q4_n16t, at 32 its batched-epilogue entry
-    gemv8w_q4_n32s, where _wg_three says so."""
+    gemv8w_q4_n32s, where _wg_three says so. Experiments (constants table, off): the 4-CTA entries gemv8w_q4_n8q /
+    n16q (GWG_N8_FOUR / GWG_N16_FOUR) and the 8-chunk-stage entries gemv8w_q4_n8w / n16w (GWG_WIDE_STAGE)."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
     if nl == 16 and C.GWG_N16_FOUR:
         return "gemv8w_q4_n16q"
