@@ -761,40 +761,41 @@ def _switched_pair(cp, monkeypatch, switch, specs, n, seed, partition=None):
     return [k for m, k in seen if m == "gemv_wg"]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
-@pytest.mark.parametrize("n", [9, 16])
-def test_n16t_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
-    """GWG_N16_TWO: 9-16 lanes on gemv8w_q4_n16t (the two-pass walk at 3 CTAs per SM), bit for bit gemv8_q4_*."""
-    wg = _switched_pair(cp, monkeypatch, "GWG_N16_TWO", _specs_27b(name), n, n + 5)
-    assert "gemv8w_q4_n16t" in wg, wg
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (200, 320, 1),
-                                              (5120, 17408, 5)])
-def test_n16t_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
-    from q27py.gpu import kernels as K
-
-    _switched_pair(cp, monkeypatch, "GWG_N16_TWO", [(rows, cols, L.FMT_Q4, K.MODE_STORE)], 13, rows + splits,
-                   partition=(1, splits))
+# The experimental gemv_wg entries, each behind its constants-table switch: (switch, the entries it may launch, lane
+# counts, a seed offset, the test id's name). Each must give gemv8_q4_*'s bits at every width it takes.
+SWITCHED = [
+    ("GWG_N16_TWO", ("gemv8w_q4_n16t",), (9, 16), 5, "n16t"),  # the two-pass walk at 16 lanes, 3 CTAs an SM
+    ("GWG_N32_SUB", ("gemv8w_q4_n32s",), (17, 32), 7, "n32s"),  # two chunks a tensor-core batch at 32, 3 CTAs an SM
+    ("GWG_WIDE_STAGE", ("gemv8w_q4_n8w", "gemv8w_q4_n16w"), (1, 8, 9, 16), 11, "wide"),  # 8 chunks a stage
+    ("GWG_N8_FOUR", ("gemv8w_q4_n8q",), (1, 5, 8), 17, "n8q"),  # the two-pass walk at 8 lanes, 4 CTAs an SM
+    ("GWG_N16_FOUR", ("gemv8w_q4_n16q",), (9, 16), 19, "n16q"),  # ... at 16, a chunk a batch, 4 CTAs an SM
+]
+SWITCHED_LANES = [(sw, entries, n, off) for sw, entries, lanes, off, _ in SWITCHED for n in lanes]
+SWITCHED_IDS = [f"{tag}-{n}" for _, _, lanes, _, tag in SWITCHED for n in lanes]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
-@pytest.mark.parametrize("n", [17, 32])
-def test_n32s_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
-    """GWG_N32_SUB: 17-32 lanes on gemv8w_q4_n32s (two chunks a tensor-core batch, 3 CTAs per SM), bit for bit."""
-    wg = _switched_pair(cp, monkeypatch, "GWG_N32_SUB", _specs_27b(name), n, n + 7)
-    assert wg == ["gemv8w_q4_n32s"], wg
+@pytest.mark.parametrize("switch,entries,n,off", SWITCHED_LANES, ids=SWITCHED_IDS)
+def test_switched_entries_are_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, switch, entries, n, off):
+    wg = _switched_pair(cp, monkeypatch, switch, _specs_27b(name), n, n + off)
+    if switch == "GWG_N32_SUB":
+        assert wg == ["gemv8w_q4_n32s"], wg  # one 32-lane launch
+    elif switch == "GWG_WIDE_STAGE" and n > 8:
+        # at 9-16 lanes only the launches on the plain 2-CTA entry (gate_up and the lm_head keep n16t)
+        assert set(wg) <= {"gemv8w_q4_n16w", "gemv8w_q4_n16t"} and wg, wg
+    else:
+        assert any(k in entries for k in wg), wg
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (200, 320, 1)])
-def test_n32s_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
-    from q27py.gpu import kernels as K
-
-    _switched_pair(cp, monkeypatch, "GWG_N32_SUB", [(rows, cols, L.FMT_Q4, K.MODE_STORE)], 27, rows + splits,
+@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (64, 4096, 9),
+                                              (200, 320, 1), (5120, 17408, 5)])
+@pytest.mark.parametrize("switch,entries,n,off", SWITCHED_LANES, ids=SWITCHED_IDS)
+def test_switched_entries_are_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits, switch, entries, n,
+                                                                off):
+    """Partial last stages (K ranges that are not whole stages, of either pass), units shorter than a stage."""
+    _switched_pair(cp, monkeypatch, switch, [(rows, cols, L.FMT_Q4, 0)], n, rows + splits + off,
                    partition=(1, splits))
 
 
@@ -827,25 +828,6 @@ def test_wg_launches_replace_the_q4_launches_only(cp, monkeypatch):
     assert [k for m, k in seen if m == "gemv_wg"] == ["gemv8w_q4_n8"], seen
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
-@pytest.mark.parametrize("n", [1, 8, 9, 16])
-def test_wide_stage_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
-    """GWG_WIDE_STAGE: 1-16 lanes on gemv8w_q4_n8w / n16w (8 chunks a stage), bit for bit gemv8_q4_*."""
-    wg = _switched_pair(cp, monkeypatch, "GWG_WIDE_STAGE", _specs_27b(name), n, n + 11)
-    assert any(k in ("gemv8w_q4_n8w", "gemv8w_q4_n16w") for k in wg) or n > 8, wg
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (64, 4096, 9),
-                                              (200, 320, 1), (5120, 17408, 5)])
-@pytest.mark.parametrize("n", [1, 13])
-def test_wide_stage_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits, n):
-    """Partial last stages of 8 chunks (K ranges of 5, 11, 13 ... chunks), units shorter than one stage."""
-    _switched_pair(cp, monkeypatch, "GWG_WIDE_STAGE", [(rows, cols, L.FMT_Q4, 0)], n, rows + splits + n,
-                   partition=(1, splits))
-
-
 def test_four_cta_8_lane_entry_selection_and_fit(monkeypatch):
     """GWG_N8_FOUR: 1-8 lanes on gemv8w_q4_n8q (the two-pass walk, GWG_CTAS_N8Q CTAs an SM in the plain ring's shared
     memory); 16 / 32 lanes keep theirs."""
@@ -864,37 +846,3 @@ def test_four_cta_8_lane_entry_selection_and_fit(monkeypatch):
     assert K.gemv_wg_shared_bytes(16) == C.GWG_STAGES_N16Q * stage == 52224
     assert C.GWG_CTAS_N16Q * (K.gemv_wg_shared_bytes(16) + 128 + 1024) <= 228 * 1024
     assert C.GWG_CPS % C.GWG_SUB_N16Q == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
-@pytest.mark.parametrize("n", [1, 5, 8])
-def test_n8q_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
-    """GWG_N8_FOUR: 1-8 lanes on gemv8w_q4_n8q (two-pass walk, 4 CTAs an SM), bit for bit gemv8_q4_*."""
-    wg = _switched_pair(cp, monkeypatch, "GWG_N8_FOUR", _specs_27b(name), n, n + 17)
-    assert "gemv8w_q4_n8q" in wg, wg
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (64, 4096, 9),
-                                              (200, 320, 1), (5120, 17408, 5)])
-def test_n8q_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
-    _switched_pair(cp, monkeypatch, "GWG_N8_FOUR", [(rows, cols, L.FMT_Q4, 0)], 3, rows + splits + 3,
-                   partition=(1, splits))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["gate_up", "down", "gdn_in", "attn_in", "gdn_out", "lm_head"])
-@pytest.mark.parametrize("n", [9, 16])
-def test_n16q_is_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch, name, n):
-    """GWG_N16_FOUR: 9-16 lanes on gemv8w_q4_n16q (two-pass walk, a chunk a batch, 4 CTAs an SM), bit for bit."""
-    wg = _switched_pair(cp, monkeypatch, "GWG_N16_FOUR", _specs_27b(name), n, n + 19)
-    assert "gemv8w_q4_n16q" in wg, wg
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,cols,splits", [(300, 640, 1), (300, 640, 2), (1040, 5120, 7), (200, 320, 1),
-                                              (5120, 17408, 5)])
-def test_n16q_is_bitwise_gemv8_under_forced_splits(cp, monkeypatch, rows, cols, splits):
-    _switched_pair(cp, monkeypatch, "GWG_N16_FOUR", [(rows, cols, L.FMT_Q4, 0)], 14, rows + splits + 14,
-                   partition=(1, splits))
