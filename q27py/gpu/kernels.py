@@ -293,41 +293,38 @@ def gemv_wg_kernel(nl: int, units: int | None = None) -> str:
         return "gemv8w_q4_n16t" if nl == 16 else "gemv8w_q4_n32s"
     if nl == 8 and C.GWG_N8_FOUR:
         return "gemv8w_q4_n8q"
-    if _wg_wide(nl, units):
+    if C.GWG_WIDE_STAGE and nl < GWG_MAX_LANES:
         return f"gemv8w_q4_n{nl}w"
     return f"gemv8w_q4_n{nl}"
 
 
-def _wg_wide(nl: int, units: int | None) -> bool:
-    """Whether a launch at width nl runs the wide-stage entry (gemv8w_q4_n8w / n16w: GWG_CPS_W chunks a stage):
-    GWG_WIDE_STAGE on, 8 lanes, or 16 on the plain (2-CTA) entry."""
-    return bool(C.GWG_WIDE_STAGE) and ((nl == 8 and not C.GWG_N8_FOUR) or
-                                       (nl == 16 and not C.GWG_N16_FOUR and not _wg_three(nl, units)))
+def _wg_entry(name: str) -> tuple[int, int, int]:
+    """(resident CTAs per SM, chunks a ring stage, ring stages) of a cuda/gemv_wg.cu entry: its GWG_KERNEL line's
+    constants, read at call time (benchmarks override the table before anything compiles)."""
+    return {
+        "gemv8w_q4_n8": (C.GWG_CTAS_N8, C.GWG_CPS, C.GWG_STAGES),
+        "gemv8w_q4_n16": (C.GWG_CTAS_N16, C.GWG_CPS, C.GWG_STAGES),
+        "gemv8w_q4_n32": (C.GWG_CTAS_N32, C.GWG_CPS, C.GWG_STAGES),
+        "gemv8w_q4_n16t": (C.GWG_CTAS_N16T, C.GWG_CPS, C.GWG_STAGES),
+        "gemv8w_q4_n32s": (C.GWG_CTAS_N32S, C.GWG_CPS, C.GWG_STAGES_N32S),
+        "gemv8w_q4_n8w": (C.GWG_CTAS_N8, C.GWG_CPS_W, C.GWG_STAGES_W),
+        "gemv8w_q4_n16w": (C.GWG_CTAS_N16, C.GWG_CPS_W, C.GWG_STAGES_W),
+        "gemv8w_q4_n8q": (C.GWG_CTAS_N8Q, C.GWG_CPS, C.GWG_STAGES),
+        "gemv8w_q4_n16q": (C.GWG_CTAS_N16Q, C.GWG_CPS, C.GWG_STAGES_N16Q),
+    }[name]
 
 
 def gemv_wg_ctas(nl: int, units: int | None = None) -> int:
     """Resident CTAs per SM of gemv_wg_kernel(nl, units) (its launch bounds)."""
-    if nl == 16:
-        if C.GWG_N16_FOUR:
-            return C.GWG_CTAS_N16Q
-        return C.GWG_CTAS_N16T if _wg_three(nl, units) else C.GWG_CTAS_N16
-    if nl == GWG_MAX_LANES:
-        return C.GWG_CTAS_N32S if _wg_three(nl, units) else C.GWG_CTAS_N32
-    return C.GWG_CTAS_N8Q if C.GWG_N8_FOUR else C.GWG_CTAS_N8
+    return _wg_entry(gemv_wg_kernel(nl, units))[0]
 
 
 def gemv_wg_shared_bytes(nl: int, units: int | None = None) -> int:
-    """Dynamic shared memory of one gemv_wg_kernel(nl, units) CTA, nl = 8 / 16 / 32 lanes (WgStage<NL>::BYTES x its
-    stages: GWG_STAGES, gemv8w_q4_n32s GWG_STAGES_N32S; the unit's reduced tile reuses it): per stage GWG_CPS chunks
-    of 4 tiles' fragments, their scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040
-    bytes (n32s: 69,632)."""
-    assert nl in (8, 16, GWG_MAX_LANES), nl
-    four16 = nl == 16 and bool(C.GWG_N16_FOUR)
-    wide = nl < GWG_MAX_LANES and not four16 and _wg_wide(nl, units)
-    stage = (C.GWG_CPS_W if wide else C.GWG_CPS) * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
-    stages = (C.GWG_STAGES_N32S if (nl == GWG_MAX_LANES and _wg_three(nl, units))
-              else C.GWG_STAGES_N16Q if four16 else C.GWG_STAGES_W if wide else C.GWG_STAGES)
-    return max(stages * stage, GEMV_ROWS_PER_CTA * nl * 4)
+    """Dynamic shared memory of one gemv_wg_kernel(nl, units) CTA, nl = 8 / 16 / 32 lanes (WgStage<NL, CPS>::BYTES x
+    its stages, _wg_entry; the unit's reduced tile reuses it): per stage CPS chunks of 4 tiles' fragments, their
+    scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040 bytes (n32s: 69,632)."""
+    _ctas, cps, stages = _wg_entry(gemv_wg_kernel(nl, units))
+    return max(stages * cps * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4), GEMV_ROWS_PER_CTA * nl * 4)
 
 
 def gemv_wg_launch_bytes(nl: int, units: int | None = None) -> int:
