@@ -426,17 +426,19 @@ PY
           > "$OUT/flip_load.txt" 2>&1 || rc=1; grep -E "^C=|rounds, |graph keys|^recorded" "$OUT/flip_load.txt" ;;
     n8q)  # (~7 min) issue 10: 1-8 / 9-16 lanes on gemv8w_q4_n8q / n16q (4 CTAs an SM, GWG_N8_FOUR / GWG_N16_FOUR): bitwise
           # tests, the probe per launch at 1 / 8 lanes, then the steps, off / on (and on with the tail split sized for 4
-          # CTAs an SM), one process each; on an H200 this is the lever past the 3-CTA cap (~3.2 TB/s)
+          # CTAs an SM, then every q4 split sized for 4: one partition serves 1-16 lanes at 4 CTAs an SM), one process
+          # each; on an H200 this is the lever past the 3-CTA cap (~3.2 TB/s)
         timeout 120 $PYTEST tests/gpu/test_gemv_wg.py -k "n8q or n16q or stage_walk" > "$OUT/n8q_tests.txt" 2>&1 || rc=1
         tail -2 "$OUT/n8q_tests.txt"
-        for cfg in "GWG_N8_FOUR=0 GWG_N16_FOUR=0" "GWG_N8_FOUR=1 GWG_N16_FOUR=1" "GWG_N8_FOUR=1 GWG_N16_FOUR=1 GEMV_TAIL_CTAS=4"; do
+        for cfg in "GWG_N8_FOUR=0 GWG_N16_FOUR=0" "GWG_N8_FOUR=1 GWG_N16_FOUR=1" \
+                   "GWG_N8_FOUR=1 GWG_N16_FOUR=1 GEMV_TAIL_CTAS=4 GEMV_SPLIT_CTAS=4"; do
           timeout 80 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set $cfg \
             > "$OUT/n8q_probe_${cfg// /_}.txt" 2>&1 || rc=1
           echo "--- probe $cfg"; grep -vE "^(launch|NVIDIA)" "$OUT/n8q_probe_${cfg// /_}.txt" | tail -10
         done
         i=0
         for cfg in "GWG_N8_FOUR=0" "GWG_N8_FOUR=1" "GWG_N8_FOUR=1 GWG_N16_FOUR=1" "GWG_N8_FOUR=1 GWG_N16_FOUR=1 GEMV_TAIL_CTAS=4" \
-                   "GWG_N8_FOUR=0"; do
+                   "GWG_N8_FOUR=1 GWG_N16_FOUR=1 GEMV_TAIL_CTAS=4 GEMV_SPLIT_CTAS=4"; do
           i=$((i + 1))
           timeout 90 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/n8q_steps$i.txt" 2>&1 || rc=1
           echo "--- steps $cfg"; grep -E "^prefetch|of read" "$OUT/n8q_steps$i.txt"
