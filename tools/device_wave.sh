@@ -362,6 +362,13 @@ PY
         Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 -m q27py bench replay --random-weights 27b --tier q4s \
           --system-tokens 20000 --turns 10 > "$OUT/prefill14_replay.txt" 2>&1 || rc=1
         grep -E "turn  9|warm TTFT" "$OUT/prefill14_replay.txt" | tail -2 ;;
+    pf200)  # (~5 min) issue 14's 8K / 32K bars and the 25K turns on the shipped defaults only (no "before" A/B, no
+            # tests): the figures an H200 owes the issue, in the fewest device seconds
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
+          --configs rope+bf16x3f+gateup > "$OUT/pf200_prefill.txt" 2>&1 || rc=1; grep -E "^prefill|H[12]00" "$OUT/pf200_prefill.txt"
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 -m q27py bench replay --random-weights 27b --tier q4s \
+          --system-tokens 20000 --turns 10 > "$OUT/pf200_replay.txt" 2>&1 || rc=1
+        grep -E "turn  9|warm TTFT|cold" "$OUT/pf200_replay.txt" | tail -3 ;;
     wg3)  # (~8 min) the 3-CTA gemv_wg entries by launch (GWG_N16_TWO / GWG_N32_SUB = 2, the new default: only
           # launches of more than one wave of the plain entry): the gemv_wg tests, the decode / verify / batched
           # steps and the probe at 1 / 9 / 16 / 32 lanes, 0 (never) vs 2 (by launch), the gates under the default,
