@@ -362,6 +362,21 @@ PY
         Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 -m q27py bench replay --random-weights 27b --tier q4s \
           --system-tokens 20000 --turns 10 > "$OUT/prefill14_replay.txt" 2>&1 || rc=1
         grep -E "turn  9|warm TTFT" "$OUT/prefill14_replay.txt" | tail -2 ;;
+    one)  # (<= ~9 min; a session whose device time is nearly spent) the two open measurements in one call: on an H200
+          # issue 14's 8K / 32K prefill on the shipped defaults first, then on any card the 4-CTA gemv_wg entries' steps
+          # (off / n8q + n16q / + every q4 split and the tail sized for 4 CTAs an SM); the bitwise tests of n8q / n16q last
+        if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 170 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
+            --configs rope+bf16x3f+gateup > "$OUT/one_prefill.txt" 2>&1 || rc=1; grep -E "^prefill|H[12]00" "$OUT/one_prefill.txt"
+        fi
+        i=0
+        for cfg in "GWG_N8_FOUR=0" "GWG_N8_FOUR=1 GWG_N16_FOUR=1" "GWG_N8_FOUR=1 GWG_N16_FOUR=1 GEMV_TAIL_CTAS=4 GEMV_SPLIT_CTAS=4"; do
+          i=$((i + 1))
+          timeout 90 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/one_steps$i.txt" 2>&1 || rc=1
+          echo "--- steps $cfg"; grep -E "^prefetch|of read" "$OUT/one_steps$i.txt"
+        done
+        timeout 100 $PYTEST tests/gpu/test_gemv_wg.py -k "n8q or n16q" > "$OUT/one_tests.txt" 2>&1 || rc=1
+        tail -2 "$OUT/one_tests.txt" ;;
     pf200)  # (~5 min) issue 14's 8K / 32K bars and the 25K turns on the shipped defaults only (no "before" A/B, no
             # tests): the figures an H200 owes the issue, in the fewest device seconds
         Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
