@@ -238,7 +238,15 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     // This thread's copies per stage (chunks c .. c + CPS - 1, those < c1):
     // - its 16-byte fragment of its warp's tile for each chunk (gemv.cu's thread loads the same bytes)
     const int tstride = kch * CB_Q4, sstride = ngroups * 8;
+#if GWG_LAYOUT_PROBE
+    // speed probe only (constants GWG_LAYOUT_PROBE, never a result): the unit's 4 tiles read as if interleaved per
+    // chunk, so a stage is one 8 KB run instead of 4 runs of 2 KB (the bytes are not where the layout puts them)
+    const u8* wsrc = w + (i64)rg * GEMV_R * tstride + warp * CB_Q4 + lane * 16;
+#define GWG_CSTRIDE (GEMV_R * CB_Q4)
+#else
     const u8* wsrc = w + (i64)(rg * GEMV_R + warp) * tstride + lane * 16;
+#define GWG_CSTRIDE CB_Q4
+#endif
     const u32 wdst = SG::W_OFF + warp * 512 + wg_frag_pos(g, t);
     // - one 16-byte piece of the scales ([chunk][tile][8 words], threads < CPS * 8)
     const int sj = tid >> 3, sw = (tid >> 1) & 3, sh = tid & 1;
@@ -282,7 +290,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         const u32 base = ring + slot * SG::BYTES;
 #pragma unroll
         for (int j = 0; j < CPS; j++)
-            if (FULL || c + j < c1) cp_async_cg16(base + wdst + j * SG::WC, wsrc + (i64)(c + j) * CB_Q4);
+            if (FULL || c + j < c1) cp_async_cg16(base + wdst + j * SG::WC, wsrc + (i64)(c + j) * GWG_CSTRIDE);
         if (tid < CPS * 8 && (FULL || c + sj < c1))
             cp_async_ca16(base + sdst, ssrc + (((unsigned)(c + sj) / GSC_Q4) << 3));
     };
@@ -499,4 +507,7 @@ GWG_KERNEL(gemv8w_q4_n8q, 8, GWG_CTAS_N8Q, 1, GWG_CPS, GWG_STAGES)
 // ring, so 128 registers and 4 x 52,224 B fit 4 CTAs an SM); bitwise the same sums
 GWG_KERNEL(gemv8w_q4_n16q, 16, GWG_CTAS_N16Q, 1, GWG_SUB_N16Q, GWG_STAGES_N16Q)
 GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_W)
+// kernels.gemv_wg_kernel under GWG_DEEP: 1-8 lanes of a launch that fits one wave at GWG_CTAS_N8D CTAs an SM, the plain
+// entry's walk with a GWG_STAGES_N8D-stage ring (more bytes in flight a CTA where the SM holds ~2 anyway): bitwise the same
+GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
 

@@ -66,6 +66,8 @@ GEMV_TRACE = 0  # tools/gemv_trace.py: per-CTA %globaltimer stamps of the unit k
 # sm_90a uses 154 / 200 / 253). 32 lanes: 5 stages of 17 KB, two CTAs in 174 KB of the 227 KB
 GWG_CPS = 4
 GWG_STAGES = 5
+# speed probe only (gemv_probe --set GWG_LAYOUT_PROBE=1; wrong results): a unit's 4 tiles read as one 8 KB run a stage
+GWG_LAYOUT_PROBE = 0
 # an experiment knob (0: off): extra dynamic shared memory of each 8-lane gemv_wg CTA, so that two of them fill an SM
 # (e.g. 24,576: 2 x 79 KB of 228) and the next launch's CTAs find room beside them under PDL "early" (Q27_PDL=early),
 # streaming their first stages during this launch's tail instead of after it (docs/PERF.md: the launches' fixed term)
@@ -105,6 +107,14 @@ GWG_CTAS_N8Q = 4
 # chunk its own tensor-core batch (GWG_SUB_N16Q) and a GWG_STAGES_N16Q-stage ring: 128 registers, no spill, 4 CTAs an SM
 GWG_N16_FOUR = 0
 GWG_CTAS_N16Q, GWG_SUB_N16Q, GWG_STAGES_N16Q = 4, 1, 4
+# 1-8 lanes of a launch that fits one wave at GWG_CTAS_N8D CTAs an SM and whose units stream at least
+# GWG_DEEP_MIN_CHUNKS chunks each, on gemv8w_q4_n8d (Python-side switch GWG_DEEP, 0 off, 1 on): the plain entry's walk
+# with a GWG_STAGES_N8D-stage ring at GWG_CTAS_N8D CTAs an SM (87,040 B each). Why: such a launch (gdn_in 258 units,
+# attn_in 224, down 240) holds at most ~2 CTAs an SM anyway, and a CTA's rate is what its ring keeps in flight: on the
+# H100 8 stages streamed gdn_in / attn_in / down 7-8% / 7% / 4% faster at 1-8 lanes, but gdn_out / attn_o (32 chunks a
+# unit) 8% slower (2026-12-06 seventh session, docs/PERF.md). Bitwise the same sums.
+GWG_DEEP = 0
+GWG_CTAS_N8D, GWG_STAGES_N8D, GWG_DEEP_MIN_CHUNKS = 2, 8, 64
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

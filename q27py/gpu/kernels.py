@@ -281,12 +281,24 @@ def _wg_three(nl: int, units: int | None) -> bool:
     return units > plain * Runtime.get().sm_count
 
 
-def gemv_wg_kernel(nl: int, units: int | None = None) -> str:
+def _wg_deep(nl: int, units: int | None, chunks: int | None) -> bool:
+    """Whether an 8-lane launch of `units` CTAs whose units stream at least `chunks` chunks each runs the deep-ring
+    entry gemv8w_q4_n8d (constants GWG_DEEP): it fits one wave at GWG_CTAS_N8D CTAs an SM and its units are long
+    enough (GWG_DEEP_MIN_CHUNKS) for the deeper ring to matter. None (no launch in view): the plain entry."""
+    if not (C.GWG_DEEP and nl == 8 and units is not None and chunks is not None):
+        return False
+    return units <= C.GWG_CTAS_N8D * Runtime.get().sm_count and chunks >= C.GWG_DEEP_MIN_CHUNKS
+
+
+def gemv_wg_kernel(nl: int, units: int | None = None, chunks: int | None = None) -> str:
     """The cuda/gemv_wg.cu entry of a launch of `units` CTAs at width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or (3 CTAs
     per SM, bitwise the same) at 16 lanes its two-pass entry gemv8w_q4_n16t, at 32 its batched-epilogue entry
     gemv8w_q4_n32s, where _wg_three says so. Experiments (constants table, off): the 4-CTA entries gemv8w_q4_n8q /
-    n16q (GWG_N8_FOUR / GWG_N16_FOUR) and the 8-chunk-stage entries gemv8w_q4_n8w / n16w (GWG_WIDE_STAGE)."""
+    n16q (GWG_N8_FOUR / GWG_N16_FOUR) and the 8-chunk-stage entries gemv8w_q4_n8w / n16w (GWG_WIDE_STAGE). chunks: the
+    fewest chunks a unit of the launch streams (_wg_deep: the deep-ring 8-lane entry gemv8w_q4_n8d)."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
+    if _wg_deep(nl, units, chunks):
+        return "gemv8w_q4_n8d"
     if nl == 16 and C.GWG_N16_FOUR:
         return "gemv8w_q4_n16q"
     if _wg_three(nl, units):
@@ -311,26 +323,27 @@ def _wg_entry(name: str) -> tuple[int, int, int]:
         "gemv8w_q4_n16w": (C.GWG_CTAS_N16, C.GWG_CPS_W, C.GWG_STAGES_W),
         "gemv8w_q4_n8q": (C.GWG_CTAS_N8Q, C.GWG_CPS, C.GWG_STAGES),
         "gemv8w_q4_n16q": (C.GWG_CTAS_N16Q, C.GWG_CPS, C.GWG_STAGES_N16Q),
+        "gemv8w_q4_n8d": (C.GWG_CTAS_N8D, C.GWG_CPS, C.GWG_STAGES_N8D),
     }[name]
 
 
-def gemv_wg_ctas(nl: int, units: int | None = None) -> int:
-    """Resident CTAs per SM of gemv_wg_kernel(nl, units) (its launch bounds)."""
-    return _wg_entry(gemv_wg_kernel(nl, units))[0]
+def gemv_wg_ctas(nl: int, units: int | None = None, chunks: int | None = None) -> int:
+    """Resident CTAs per SM of gemv_wg_kernel(nl, units, chunks) (its launch bounds)."""
+    return _wg_entry(gemv_wg_kernel(nl, units, chunks))[0]
 
 
-def gemv_wg_shared_bytes(nl: int, units: int | None = None) -> int:
-    """Dynamic shared memory of one gemv_wg_kernel(nl, units) CTA, nl = 8 / 16 / 32 lanes (WgStage<NL, CPS>::BYTES x
+def gemv_wg_shared_bytes(nl: int, units: int | None = None, chunks: int | None = None) -> int:
+    """Dynamic shared memory of one gemv_wg_kernel(nl, units, chunks) CTA, nl = 8 / 16 / 32 lanes (WgStage<NL, CPS>::BYTES x
     its stages, _wg_entry; the unit's reduced tile reuses it): per stage CPS chunks of 4 tiles' fragments, their
-    scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040 bytes (n32s: 69,632)."""
-    _ctas, cps, stages = _wg_entry(gemv_wg_kernel(nl, units))
+    scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040 bytes (n32s: 69,632; n8d: 87,040)."""
+    _ctas, cps, stages = _wg_entry(gemv_wg_kernel(nl, units, chunks))
     return max(stages * cps * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4), GEMV_ROWS_PER_CTA * nl * 4)
 
 
-def gemv_wg_launch_bytes(nl: int, units: int | None = None) -> int:
+def gemv_wg_launch_bytes(nl: int, units: int | None = None, chunks: int | None = None) -> int:
     """What a gemv_wg launch asks for: gemv_wg_shared_bytes, plus C.GWG_N8_PAD for the 8-lane entry (read at launch:
     an experiment can set it before the graphs are captured)."""
-    return gemv_wg_shared_bytes(nl, units) + (C.GWG_N8_PAD if nl == 8 else 0)
+    return gemv_wg_shared_bytes(nl, units, chunks) + (C.GWG_N8_PAD if nl == 8 else 0)
 
 
 def gemv_wg_width(n: int) -> int:
@@ -462,6 +475,8 @@ class GemvPlan:
         self.pf = None
         self.launches = []
         self.clusters = []  # per launch: CTAs per thread-block cluster (1: none)
+        # per launch: the fewest chunks one of its units streams (gemv_wg_kernel's deep-ring rule)
+        self.unit_chunks = [int(min(desc[:, C.D_KCH] // desc[:, C.D_SPLITS])) for _f, desc, _u, _c in rows]
         for fmt, desc, units, cluster in rows:
             desc[:, C.D_WS] = ws_base + desc[:, C.D_WS] * 4
             desc[:, C.D_CNT] = cnt_base + desc[:, C.D_CNT] * 4
@@ -552,20 +567,21 @@ class GemvPlan:
                     continue  # done by the GEMM above
                 pf = self.pf if (final and li == last and not use_gemm) else None
                 xq, xs = (self.xq, self.xs) if self.a8 else (None, None)
-                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs)
+                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs,
+                             self.unit_chunks[li])
             done += n
 
     def _launch(self, rt, fmt: int, desc, nmat: int, units: int, cluster: int, x, ldx: int, n: int, l0: int, pf,
-                xq, xs) -> None:
+                xq, xs, chunks: int | None = None) -> None:
         """One launch of the plan for n <= 16 lanes l0 .. l0 + n - 1, their a8 activations at xq / xs (rows 0 ..
-        n - 1; [chunk][GEMV_MAX_LANES] scales)."""
+        n - 1; [chunk][GEMV_MAX_LANES] scales); chunks: the fewest chunks one of its units streams."""
         nt = 1 if n <= 8 else 2
         if self._on_wg(fmt, units, cluster, n, pf):
             nl = 8 * nt
-            rt.launch("gemv_wg", gemv_wg_kernel(nl, units), units, 128,
+            rt.launch("gemv_wg", gemv_wg_kernel(nl, units, chunks), units, 128,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
                        np.uint32(0x80808080), i32(n), i32(l0)),
-                      shared_mem=gemv_wg_launch_bytes(nl, units))
+                      shared_mem=gemv_wg_launch_bytes(nl, units, chunks))
         elif self.a8 and fmt != L.FMT_BF16:
             rt.launch("gemv", f"gemv8_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
@@ -616,7 +632,8 @@ class GemvPlan:
                           shared_mem=gemv_wg_shared_bytes(GWG_MAX_LANES, units))
                 continue
             for h, (o, m, xq, xs) in enumerate(halves):
-                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, m, l0 + o, pf if h else None, xq, xs)
+                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, m, l0 + o, pf if h else None, xq, xs,
+                             self.unit_chunks[li])
 
     def _wgmma(self, n: int, units: int) -> bool:
         """Whether this plan's a8 q4 launch of `units` CTAs and n lanes runs cuda/gemv_wg.cu (the next-launch

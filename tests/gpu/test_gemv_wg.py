@@ -598,11 +598,11 @@ def test_engine_config_maps_the_switch(monkeypatch):
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
     assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16q", "gemv8w_q4_n16t", "gemv8w_q4_n16w", "gemv8w_q4_n32",
-                           "gemv8w_q4_n32s", "gemv8w_q4_n8", "gemv8w_q4_n8q", "gemv8w_q4_n8w"], rep
+                           "gemv8w_q4_n32s", "gemv8w_q4_n8", "gemv8w_q4_n8d", "gemv8w_q4_n8q", "gemv8w_q4_n8w"], rep
     ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32,
             "gemv8w_q4_n16t": C.GWG_CTAS_N16T, "gemv8w_q4_n32s": C.GWG_CTAS_N32S,
             "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16, "gemv8w_q4_n8q": C.GWG_CTAS_N8Q,
-            "gemv8w_q4_n16q": C.GWG_CTAS_N16Q}
+            "gemv8w_q4_n16q": C.GWG_CTAS_N16Q, "gemv8w_q4_n8d": C.GWG_CTAS_N8D}
     bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
     # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3
@@ -753,6 +753,8 @@ def _switched_pair(cp, monkeypatch, switch, specs, n, seed, partition=None):
     from q27py.gpu import kernels as K
 
     monkeypatch.setattr(C, switch, 1)
+    if switch == "GWG_DEEP":  # every launch of one wave at its residency, whatever its units' length (short K ranges too)
+        monkeypatch.setattr(C, "GWG_DEEP_MIN_CHUNKS", 1)
     seen = []
     got, ref = _pair(cp, K, specs, n, partition=partition, seed=seed, record=seen)
     for a, b in zip(got, ref):
@@ -769,6 +771,7 @@ SWITCHED = [
     ("GWG_WIDE_STAGE", ("gemv8w_q4_n8w", "gemv8w_q4_n16w"), (1, 8, 9, 16), 11, "wide"),  # 8 chunks a stage
     ("GWG_N8_FOUR", ("gemv8w_q4_n8q",), (1, 5, 8), 17, "n8q"),  # the two-pass walk at 8 lanes, 4 CTAs an SM
     ("GWG_N16_FOUR", ("gemv8w_q4_n16q",), (9, 16), 19, "n16q"),  # ... at 16, a chunk a batch, 4 CTAs an SM
+    ("GWG_DEEP", ("gemv8w_q4_n8d",), (1, 5, 8), 23, "n8d"),  # the plain walk, an 8-stage ring, 2 CTAs an SM
 ]
 SWITCHED_LANES = [(sw, entries, n, off) for sw, entries, lanes, off, _ in SWITCHED for n in lanes]
 SWITCHED_IDS = [f"{tag}-{n}" for _, _, lanes, _, tag in SWITCHED for n in lanes]
@@ -781,6 +784,9 @@ def test_switched_entries_are_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch,
     wg = _switched_pair(cp, monkeypatch, switch, _specs_27b(name), n, n + off)
     if switch == "GWG_N32_SUB":
         assert wg == ["gemv8w_q4_n32s"], wg  # one 32-lane launch
+    elif switch == "GWG_DEEP":
+        # only launches of one wave at 2 CTAs an SM (not gate_up's 544 units nor the lm_head's 3,880)
+        assert ("gemv8w_q4_n8d" in wg) == (name not in ("gate_up", "lm_head")), wg
     elif switch == "GWG_WIDE_STAGE" and n > 8:
         # at 9-16 lanes only the launches on the plain 2-CTA entry (gate_up and the lm_head keep n16t)
         assert set(wg) <= {"gemv8w_q4_n16w", "gemv8w_q4_n16t"} and wg, wg
