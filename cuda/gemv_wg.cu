@@ -238,15 +238,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     // This thread's copies per stage (chunks c .. c + CPS - 1, those < c1):
     // - its 16-byte fragment of its warp's tile for each chunk (gemv.cu's thread loads the same bytes)
     const int tstride = kch * CB_Q4, sstride = ngroups * 8;
-#if GWG_LAYOUT_PROBE
-    // speed probe only (constants GWG_LAYOUT_PROBE, never a result): the unit's 4 tiles read as if interleaved per
-    // chunk, so a stage is one 8 KB run instead of 4 runs of 2 KB (the bytes are not where the layout puts them)
-    const u8* wsrc = w + (i64)rg * GEMV_R * tstride + warp * CB_Q4 + lane * 16;
-#define GWG_CSTRIDE (GEMV_R * CB_Q4)
-#else
     const u8* wsrc = w + (i64)(rg * GEMV_R + warp) * tstride + lane * 16;
-#define GWG_CSTRIDE CB_Q4
-#endif
     const u32 wdst = SG::W_OFF + warp * 512 + wg_frag_pos(g, t);
     // - one 16-byte piece of the scales ([chunk][tile][8 words], threads < CPS * 8)
     const int sj = tid >> 3, sw = (tid >> 1) & 3, sh = tid & 1;
@@ -290,7 +282,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         const u32 base = ring + slot * SG::BYTES;
 #pragma unroll
         for (int j = 0; j < CPS; j++)
-            if (FULL || c + j < c1) cp_async_cg16(base + wdst + j * SG::WC, wsrc + (i64)(c + j) * GWG_CSTRIDE);
+            if (FULL || c + j < c1) cp_async_cg16(base + wdst + j * SG::WC, wsrc + (i64)(c + j) * CB_Q4);
         if (tid < CPS * 8 && (FULL || c + sj < c1))
             cp_async_ca16(base + sdst, ssrc + (((unsigned)(c + sj) / GSC_Q4) << 3));
     };

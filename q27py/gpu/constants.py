@@ -66,8 +66,6 @@ GEMV_TRACE = 0  # tools/gemv_trace.py: per-CTA %globaltimer stamps of the unit k
 # sm_90a uses 154 / 200 / 253). 32 lanes: 5 stages of 17 KB, two CTAs in 174 KB of the 227 KB
 GWG_CPS = 4
 GWG_STAGES = 5
-# speed probe only (gemv_probe --set GWG_LAYOUT_PROBE=1; wrong results): a unit's 4 tiles read as one 8 KB run a stage
-GWG_LAYOUT_PROBE = 0
 # an experiment knob (0: off): extra dynamic shared memory of each 8-lane gemv_wg CTA, so that two of them fill an SM
 # (e.g. 24,576: 2 x 79 KB of 228) and the next launch's CTAs find room beside them under PDL "early" (Q27_PDL=early),
 # streaming their first stages during this launch's tail instead of after it (docs/PERF.md: the launches' fixed term)
