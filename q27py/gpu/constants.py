@@ -98,7 +98,9 @@ GWG_CPS_W, GWG_SUB_W, GWG_STAGES_W = 8, 4, 3
 # 1-8 lanes on gemv8w_q4_n8q (Python-side switch GWG_N8_FOUR, 0 off, 1 on): the two-pass walk at 8 lanes fits 128
 # registers (ptxas sm_90a: 128, no spill), so GWG_CTAS_N8Q CTAs an SM in the same shared memory (4 x 54,400 B). Why:
 # a gemv_wg CTA streams ~8 GB/s (a latency-bound loop), so 3 an SM cap a launch at ~3.2 TB/s, 70% of an H200's read
-# rate; 4 an SM would allow ~4.2 (docs/PERF.md, 2026-12-06 sixth session). Bitwise the same sums.
+# rate; 4 an SM would allow ~4.2 (docs/PERF.md, 2026-12-06 sixth session). Bitwise the same sums. Measured (seventh
+# session, H100): negative, the fourth CTA costs ~10% at every ring depth (GEMV family 2,154 -> 1,907 GB/s at 1 lane,
+# decode 2K +8.6%), while the two-pass walk itself at 3 CTAs costs nothing; not yet run on an H200.
 GWG_N8_FOUR = 0
 GWG_CTAS_N8Q = 4
 # 9-16 lanes on gemv8w_q4_n16q (switch GWG_N16_FOUR, 0 off, 1 every 16-lane launch): the two-pass walk with each
