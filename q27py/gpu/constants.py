@@ -112,8 +112,9 @@ GWG_CTAS_N16Q, GWG_SUB_N16Q, GWG_STAGES_N16Q = 4, 1, 4
 # with a GWG_STAGES_N8D-stage ring at GWG_CTAS_N8D CTAs an SM (87,040 B each). Why: such a launch (gdn_in 258 units,
 # attn_in 224, down 240) holds at most ~2 CTAs an SM anyway, and a CTA's rate is what its ring keeps in flight: on the
 # H100 8 stages streamed gdn_in / attn_in / down 7-8% / 7% / 4% faster at 1-8 lanes, but gdn_out / attn_o (32 chunks a
-# unit) 8% slower (2026-12-06 seventh session, docs/PERF.md). Bitwise the same sums.
-GWG_DEEP = 0
+# unit) 8% slower (2026-12-06 seventh session, docs/PERF.md). Bitwise the same sums. On by default since that session's
+# t6: decode 2K 7.423 -> 7.247 ms, verify W=8 8.577 -> 8.255 ms on the H100, the gates' md5s unchanged.
+GWG_DEEP = 1
 GWG_CTAS_N8D, GWG_STAGES_N8D, GWG_DEEP_MIN_CHUNKS = 2, 8, 64
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)

@@ -484,6 +484,35 @@ def test_three_cta_entries_by_launch(plan_rt, monkeypatch, n, mode):
     assert [c.kernel for c in rt.calls if c.module == "gemv_wg"] == ["gemv8w_q4_n8"]
 
 
+def test_deep_ring_entry_by_launch(plan_rt, monkeypatch):
+    """GWG_DEEP (default on): a 1-8-lane q4 launch of at most 2 CTAs an SM (264 units on this 132-SM card) whose units
+    stream at least GWG_DEEP_MIN_CHUNKS chunks runs gemv8w_q4_n8d with its 8-stage ring (87,040 B); more units, shorter
+    units, 9-16 lanes or the switch off keep their entries (the H100 measured 4-8% on gdn_in / attn_in / down and a
+    loss on the 32-chunk units of gdn_out / attn_o, docs/PERF.md)."""
+    rt = plan_rt
+    assert C.GWG_DEEP == 1 and C.GWG_DEEP_MIN_CHUNKS == 64  # the shipped default
+    for rows, cols, n, want in ((64 * 264, 4096, 1, ("gemv8w_q4_n8d", 87040)), (64 * 264, 4096, 8, ("gemv8w_q4_n8d", 87040)),
+                                (64 * 265, 4096, 1, ("gemv8w_q4_n8", 54400)), (64 * 8, 4032, 1, ("gemv8w_q4_n8", 54400)),
+                                (64 * 8, 4096, 16, ("gemv8w_q4_n16", 65280))):
+        rt.calls.clear()
+        plan = _plan(rt, [(rows, cols, L.FMT_Q4)], partition=(1, 1))
+        x = rt.cp.zeros((16, plan.kpad), np.float32)
+        plan.run(x, plan.kpad, n, allow_gemm=False)
+        (c,) = [c for c in rt.calls if c.module == "gemv_wg"]
+        assert (c.kernel, c.smem) == want, (rows, cols, n, c.kernel, c.smem)
+    monkeypatch.setattr(C, "GWG_DEEP", 0)
+    rt.calls.clear()
+    plan = _plan(rt, [(64 * 8, 4096, L.FMT_Q4)], partition=(1, 1))
+    plan.run(rt.cp.zeros((16, plan.kpad), np.float32), plan.kpad, 1, allow_gemm=False)
+    assert [c.kernel for c in rt.calls if c.module == "gemv_wg"] == ["gemv8w_q4_n8"]
+    # the split K range counts: 4 splits of 80 chunks are 20 a unit, too short
+    monkeypatch.setattr(C, "GWG_DEEP", 1)
+    rt.calls.clear()
+    plan = _plan(rt, [(64 * 8, 5120, L.FMT_Q4)], partition=(1, 4))
+    plan.run(rt.cp.zeros((16, plan.kpad), np.float32), plan.kpad, 1, allow_gemm=False)
+    assert [c.kernel for c in rt.calls if c.module == "gemv_wg"] == ["gemv8w_q4_n8"]
+
+
 @pytest.mark.parametrize("n", [24, 32])
 def test_without_n32_wide_blocks_are_two_narrow_blocks(plan_rt, n):
     """wgmma "off" (and a plan without the wide buffers) keeps today's loop: two 16-lane blocks, each
@@ -752,6 +781,7 @@ def _switched_pair(cp, monkeypatch, switch, specs, n, seed, partition=None):
     for bit equal and finite here, the "all" run's launches returned for the caller's entry check."""
     from q27py.gpu import kernels as K
 
+    monkeypatch.setattr(C, "GWG_DEEP", 0)  # the default deep-ring entry would take some 8-lane launches first
     monkeypatch.setattr(C, switch, 1)
     if switch == "GWG_DEEP":  # every launch of one wave at its residency, whatever its units' length (short K ranges too)
         monkeypatch.setattr(C, "GWG_DEEP_MIN_CHUNKS", 1)
