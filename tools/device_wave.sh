@@ -362,6 +362,20 @@ PY
         Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 -m q27py bench replay --random-weights 27b --tier q4s \
           --system-tokens 20000 --turns 10 > "$OUT/prefill14_replay.txt" 2>&1 || rc=1
         grep -E "turn  9|warm TTFT" "$OUT/prefill14_replay.txt" | tail -2 ;;
+    h200)  # (~6 min; the next session's first call on an H200) issue 14's 8K / 32K prefill on the shipped defaults, then
+           # issue 10's open H200 questions per launch and per step: the defaults (n8d on), n8d off, and the 4-CTA n8q
+           # (negative on the H100, where 3 CTAs already reach its read rate; the H200's 1.45x read rate may differ)
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 170 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
+          --configs rope+bf16x3f+gateup > "$OUT/h200_prefill.txt" 2>&1 || rc=1; grep -E "^prefill|H[12]00" "$OUT/h200_prefill.txt"
+        i=0
+        for cfg in "GWG_DEEP=1" "GWG_DEEP=0" "GWG_DEEP=0 GWG_N8_FOUR=1"; do
+          i=$((i + 1))
+          timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set $cfg \
+            > "$OUT/h200_probe$i.txt" 2>&1 || rc=1
+          echo "--- probe $cfg"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/h200_probe$i.txt"
+          timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/h200_steps$i.txt" 2>&1 || rc=1
+          echo "--- steps $cfg"; grep -E "^prefetch|of read" "$OUT/h200_steps$i.txt"
+        done ;;
     deep)  # (~3-5 min) issue 10: gemv8w_q4_n8d (GWG_DEEP) -- its bitwise tests, the probe at 1 / 8 lanes and the steps,
            # off / on in separate processes; on an H200 the 8K / 32K prefill on the shipped defaults first
         if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
