@@ -385,8 +385,8 @@ PY
         timeout 150 $PYTEST tests/gpu/test_gemv_wg.py -k n8d > "$OUT/deep_tests.txt" 2>&1 || rc=1; tail -2 "$OUT/deep_tests.txt"
         for cfg in "GWG_DEEP=0" "GWG_DEEP=1"; do
           timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 --set $cfg \
-            > "$OUT/deep_probe_$cfg.txt" 2>&1 || rc=1
-          echo "--- probe $cfg"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/deep_probe_$cfg.txt"
+            > "$OUT/deep_probe_${cfg#*=}.txt" 2>&1 || rc=1  # no "=" in names: $OUT does not return such files
+          echo "--- probe $cfg"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/deep_probe_${cfg#*=}.txt"
         done
         i=0
         for cfg in "GWG_DEEP=0" "GWG_DEEP=1"; do
