@@ -375,7 +375,11 @@ PY
           echo "--- probe $cfg"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/h200_probe$i.txt"
           timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/h200_steps$i.txt" 2>&1 || rc=1
           echo "--- steps $cfg"; grep -E "^prefetch|of read" "$OUT/h200_steps$i.txt"
-        done ;;
+        done
+        # placement or depth (docs/PERF.md, seventh session t5): 5 stages held to 2 CTAs an SM by padding, per launch
+        timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 --set GWG_DEEP=0 GWG_N8_PAD=24576 \
+          > "$OUT/h200_probe_pad.txt" 2>&1 || rc=1
+        echo "--- probe GWG_DEEP=0 GWG_N8_PAD=24576"; grep -E "down|gdn_in|gdn_out|attn_in|family" "$OUT/h200_probe_pad.txt" ;;
     deep)  # (~3-5 min) issue 10: gemv8w_q4_n8d (GWG_DEEP) -- its bitwise tests, the probe at 1 / 8 lanes and the steps,
            # off / on in separate processes; on an H200 the 8K / 32K prefill on the shipped defaults first
         if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
