@@ -110,7 +110,8 @@ GWG_CTAS_N16Q, GWG_SUB_N16Q, GWG_STAGES_N16Q = 4, 1, 4
 # 1-8 lanes of a launch that fits one wave at GWG_CTAS_N8D CTAs an SM and whose units stream at least
 # GWG_DEEP_MIN_CHUNKS chunks each, on gemv8w_q4_n8d (Python-side switch GWG_DEEP, 0 off, 1 on): the plain entry's walk
 # with a GWG_STAGES_N8D-stage ring at GWG_CTAS_N8D CTAs an SM (87,040 B each). Why: such a launch (gdn_in 258 units,
-# attn_in 224, down 240) holds at most ~2 CTAs an SM anyway, and a CTA's rate is what its ring keeps in flight: on the
+# attn_in 224, down 240) holds ~2 units an SM, and with room for only 2 its CTAs spread evenly (with room for 3 some SMs
+# likely stack 3 and finish last: docs/PERF.md reads the 7-stage column so; the deeper ring is how 2 is enforced): on the
 # H100 8 stages streamed gdn_in / attn_in / down 7-8% / 7% / 4% faster at 1-8 lanes, but gdn_out / attn_o (32 chunks a
 # unit) 8% slower (2026-12-06 seventh session, docs/PERF.md). Bitwise the same sums. On by default since that session's
 # t6: decode 2K 7.423 -> 7.247 ms, verify W=8 8.577 -> 8.255 ms on the H100, the gates' md5s unchanged.
