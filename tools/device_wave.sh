@@ -376,10 +376,13 @@ PY
           timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/h200_steps$i.txt" 2>&1 || rc=1
           echo "--- steps $cfg"; grep -E "^prefetch|of read" "$OUT/h200_steps$i.txt"
         done
-        # placement or depth (docs/PERF.md, seventh session t5): 5 stages held to 2 CTAs an SM by padding, per launch
-        timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 --set GWG_DEEP=0 GWG_N8_PAD=24576 \
-          > "$OUT/h200_probe_pad.txt" 2>&1 || rc=1
-        echo "--- probe GWG_DEEP=0 GWG_N8_PAD=24576"; grep -E "down|gdn_in|gdn_out|attn_in|family" "$OUT/h200_probe_pad.txt" ;;
+        # placement or depth (docs/PERF.md, seventh session t5): the plain 5-stage entry held to 2 CTAs an SM by padding
+        # (GWG_PLACE2) on every launch of one such wave (n8d off), then beside n8d (gdn_out / attn_o only), with its steps
+        timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 --set GWG_DEEP=0 GWG_PLACE2=1 \
+          > "$OUT/h200_probe_place2.txt" 2>&1 || rc=1
+        echo "--- probe GWG_DEEP=0 GWG_PLACE2=1"; grep -E "down|gdn_in|gdn_out|attn_in|attn_o|family" "$OUT/h200_probe_place2.txt"
+        timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_PLACE2=1 > "$OUT/h200_steps_place2.txt" 2>&1 || rc=1
+        echo "--- steps GWG_PLACE2=1"; grep -E "^prefetch|of read" "$OUT/h200_steps_place2.txt" ;;
     deep)  # (~3-5 min) issue 10: gemv8w_q4_n8d (GWG_DEEP) -- its bitwise tests, the probe at 1 / 8 lanes and the steps,
            # off / on in separate processes; on an H200 the 8K / 32K prefill on the shipped defaults first
         if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then

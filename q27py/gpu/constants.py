@@ -117,6 +117,12 @@ GWG_CTAS_N16Q, GWG_SUB_N16Q, GWG_STAGES_N16Q = 4, 1, 4
 # t6: decode 2K 7.423 -> 7.247 ms, verify W=8 8.577 -> 8.255 ms on the H100, the gates' md5s unchanged.
 GWG_DEEP = 1
 GWG_CTAS_N8D, GWG_STAGES_N8D, GWG_DEEP_MIN_CHUNKS = 2, 8, 64
+# An experiment (Python-side switch GWG_PLACE2, 0 off, 1 on): an 8-lane launch on the plain entry of at most 2 x SMs units
+# asks for GWG_PLACE2_BYTES of shared memory (its 5-stage ring + padding), so at most 2 of its CTAs share an SM. It tests
+# the placement reading of n8d's gain (docs/PERF.md, seventh session t5) launch by launch, e.g. on gdn_out / attn_o
+# (n8d's rule leaves them on the plain entry). Same kernel, same bits.
+GWG_PLACE2 = 0
+GWG_PLACE2_BYTES = 78976
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

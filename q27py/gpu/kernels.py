@@ -342,8 +342,13 @@ def gemv_wg_shared_bytes(nl: int, units: int | None = None, chunks: int | None =
 
 def gemv_wg_launch_bytes(nl: int, units: int | None = None, chunks: int | None = None) -> int:
     """What a gemv_wg launch asks for: gemv_wg_shared_bytes, plus C.GWG_N8_PAD for the 8-lane entry (read at launch:
-    an experiment can set it before the graphs are captured)."""
-    return gemv_wg_shared_bytes(nl, units, chunks) + (C.GWG_N8_PAD if nl == 8 else 0)
+    an experiment can set it before the graphs are captured); under GWG_PLACE2 at least GWG_PLACE2_BYTES for a plain
+    8-lane launch of at most 2 x SMs units (so at most 2 of its CTAs share an SM)."""
+    need = gemv_wg_shared_bytes(nl, units, chunks) + (C.GWG_N8_PAD if nl == 8 else 0)
+    if (C.GWG_PLACE2 and nl == 8 and units is not None and units <= 2 * Runtime.get().sm_count
+            and gemv_wg_kernel(nl, units, chunks) == "gemv8w_q4_n8"):
+        need = max(need, C.GWG_PLACE2_BYTES)
+    return need
 
 
 def gemv_wg_width(n: int) -> int:

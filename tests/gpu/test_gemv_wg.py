@@ -513,6 +513,24 @@ def test_deep_ring_entry_by_launch(plan_rt, monkeypatch):
     assert [c.kernel for c in rt.calls if c.module == "gemv_wg"] == ["gemv8w_q4_n8"]
 
 
+def test_place2_pads_only_plain_one_wave_eight_lane_launches(plan_rt, monkeypatch):
+    """GWG_PLACE2 (an experiment, off): a plain 8-lane launch of at most 2 x SMs units asks for GWG_PLACE2_BYTES (so
+    at most 2 of its CTAs share an SM); n8d launches, larger launches and 16-lane ones keep their shared memory."""
+    rt = plan_rt
+    assert C.GWG_PLACE2 == 0
+    monkeypatch.setattr(C, "GWG_PLACE2", 1)
+    for rows, cols, n, want in ((64 * 8, 2048, 1, ("gemv8w_q4_n8", C.GWG_PLACE2_BYTES)),
+                                (64 * 264, 2048, 8, ("gemv8w_q4_n8", C.GWG_PLACE2_BYTES)),
+                                (64 * 265, 2048, 1, ("gemv8w_q4_n8", 54400)),
+                                (64 * 8, 4096, 1, ("gemv8w_q4_n8d", 87040)),
+                                (64 * 8, 2048, 16, ("gemv8w_q4_n16", 65280))):
+        rt.calls.clear()
+        plan = _plan(rt, [(rows, cols, L.FMT_Q4)], partition=(1, 1))
+        plan.run(rt.cp.zeros((16, plan.kpad), np.float32), plan.kpad, n, allow_gemm=False)
+        (c,) = [c for c in rt.calls if c.module == "gemv_wg"]
+        assert (c.kernel, c.smem) == want, (rows, cols, n, c.kernel, c.smem)
+
+
 @pytest.mark.parametrize("n", [24, 32])
 def test_without_n32_wide_blocks_are_two_narrow_blocks(plan_rt, n):
     """wgmma "off" (and a plan without the wide buffers) keeps today's loop: two 16-lane blocks, each
