@@ -500,6 +500,7 @@ GWG_KERNEL(gemv8w_q4_n8q, 8, GWG_CTAS_N8Q, 1, GWG_CPS, GWG_STAGES)
 GWG_KERNEL(gemv8w_q4_n16q, 16, GWG_CTAS_N16Q, 1, GWG_SUB_N16Q, GWG_STAGES_N16Q)
 GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_CPS_W)
 // kernels.gemv_wg_kernel under GWG_DEEP: 1-8 lanes of a launch that fits one wave at GWG_CTAS_N8D CTAs an SM, the plain
-// entry's walk with a GWG_STAGES_N8D-stage ring (more bytes in flight a CTA where the SM holds ~2 anyway): bitwise the same
+// entry's walk with a GWG_STAGES_N8D-stage ring, whose 87 KB hold such a launch to 2 CTAs an SM (spread evenly: docs/PERF.md,
+// 2026-12-06 seventh session, reads the gain as placement more than depth): bitwise the same
 GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
 
