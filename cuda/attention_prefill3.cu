@@ -137,27 +137,6 @@ __device__ __forceinline__ void pf3_wgmma_pv(float (&d)[128], const u32 (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
-// mbarriers (the warp-specialized form): init, arrive, parity wait, and the arrive a thread's cp.async
-// copies trigger when they land (.noinc: it is one of the barrier's expected arrivals)
-__device__ __forceinline__ void pf3_mbar_init(u32 bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void pf3_mbar_arrive(u32 bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void pf3_mbar_wait(u32 bar, int parity) {
-    u32 done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void pf3_cp_async_mbar_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
 // grid (nkv, row tiles, key blocks), dynamic smem kernels.attention_prefill3_bytes(). Arguments and outputs:
 // attention_prefill2.cu prefill2_body (bf16 KV).
 // FORM 0 ("sync"): a CTA barrier per tile keeps the two warpgroups in step (both issue their wgmma at
@@ -250,31 +229,31 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < KS; s++) {
-                pf3_mbar_init(bar_kf + 8 * s, THREADS);
-                pf3_mbar_init(bar_ke + 8 * s, PF3_WARPS);
+                mbar_init(bar_kf + 8 * s, THREADS);
+                mbar_init(bar_ke + 8 * s, PF3_WARPS);
             }
 #pragma unroll
             for (int s = 0; s < VS; s++) {
-                pf3_mbar_init(bar_vf + 8 * s, THREADS);
-                pf3_mbar_init(bar_ve + 8 * s, PF3_WARPS);
+                mbar_init(bar_vf + 8 * s, THREADS);
+                mbar_init(bar_ve + 8 * s, PF3_WARPS);
             }
         }
         __syncthreads();
         load_one(kg, k_st, 0);
-        pf3_cp_async_mbar_arrive(bar_kf);
+        cp_async_mbar_arrive(bar_kf);
         load_one(vg, v_st, 0);
-        pf3_cp_async_mbar_arrive(bar_vf);
+        cp_async_mbar_arrive(bar_vf);
     } else if constexpr (WS) {
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < PF2_STAGES; s++) {
-                pf3_mbar_init(bar_full + 8 * s, THREADS);  // one cp.async arrival per thread
-                pf3_mbar_init(bar_empty + 8 * s, PF3_WARPS);  // one arrival per warp
+                mbar_init(bar_full + 8 * s, THREADS);  // one cp.async arrival per thread
+                mbar_init(bar_empty + 8 * s, PF3_WARPS);  // one arrival per warp
             }
         }
         __syncthreads();
         load_tile(0);
-        pf3_cp_async_mbar_arrive(bar_full);
+        cp_async_mbar_arrive(bar_full);
     } else {
         load_tile(0);
         cp_async_commit();
@@ -428,22 +407,22 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
         // iteration kt's copies: tile kt + 1, K into the slot tile kt - 1 left, V into tile kt - 2's
         auto load_next = [&](int kt) {
             if (kt + 1 >= ntk) return;
-            if (kt >= 1) pf3_mbar_wait(bar_ke + 8 * ((kt + 1) % KS), ((kt - 1) / KS) & 1);
+            if (kt >= 1) mbar_wait(bar_ke + 8 * ((kt + 1) % KS), ((kt - 1) / KS) & 1);
             load_one(kg, k_st + ((kt + 1) % KS) * KV_BYTES, kt + 1);
-            pf3_cp_async_mbar_arrive(bar_kf + 8 * ((kt + 1) % KS));
-            if (kt >= 2) pf3_mbar_wait(bar_ve + 8 * ((kt + 1) % VS), ((kt - 2) / VS) & 1);
+            cp_async_mbar_arrive(bar_kf + 8 * ((kt + 1) % KS));
+            if (kt >= 2) mbar_wait(bar_ve + 8 * ((kt + 1) % VS), ((kt - 2) / VS) & 1);
             load_one(vg, v_st + ((kt + 1) % VS) * KV_BYTES, kt + 1);
-            pf3_cp_async_mbar_arrive(bar_vf + 8 * ((kt + 1) % VS));
+            cp_async_mbar_arrive(bar_vf + 8 * ((kt + 1) % VS));
         };
-        auto wait_k = [&](int kt) { pf3_mbar_wait(bar_kf + 8 * (kt % KS), (kt / KS) & 1); };
-        auto wait_v = [&](int kt) { pf3_mbar_wait(bar_vf + 8 * (kt % VS), (kt / VS) & 1); };
+        auto wait_k = [&](int kt) { mbar_wait(bar_kf + 8 * (kt % KS), (kt / KS) & 1); };
+        auto wait_v = [&](int kt) { mbar_wait(bar_vf + 8 * (kt % VS), (kt / VS) & 1); };
         auto done_k = [&](int kt) {  // this warp no longer reads K tile kt
             __syncwarp();
-            if (lane == 0) pf3_mbar_arrive(bar_ke + 8 * (kt % KS));
+            if (lane == 0) mbar_arrive(bar_ke + 8 * (kt % KS));
         };
         auto done_v = [&](int kt) {
             __syncwarp();
-            if (lane == 0) pf3_mbar_arrive(bar_ve + 8 * (kt % VS));
+            if (lane == 0) mbar_arrive(bar_ve + 8 * (kt % VS));
         };
         auto k_desc = [&](int kt) { return dk0 + (((kt % KS) * KV_BYTES) >> 4); };
         auto v_desc = [&](int kt) { return dvr + (((kt % VS) * KV_BYTES) >> 4); };
@@ -526,11 +505,11 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
         for (int kt = 0; kt < ntk; kt++) {
             if constexpr (WS) {
                 if (kt + 1 < ntk) {  // tile kt + 1 into the stage tile kt - 1 left, once every warp released it
-                    if (kt >= 1) pf3_mbar_wait(bar_empty + 8 * ((kt + 1) & 1), ((kt - 1) >> 1) & 1);
+                    if (kt >= 1) mbar_wait(bar_empty + 8 * ((kt + 1) & 1), ((kt - 1) >> 1) & 1);
                     load_tile(kt + 1);
-                    pf3_cp_async_mbar_arrive(bar_full + 8 * ((kt + 1) & 1));
+                    cp_async_mbar_arrive(bar_full + 8 * ((kt + 1) & 1));
                 }
-                pf3_mbar_wait(bar_full + 8 * (kt & 1), (kt >> 1) & 1);
+                mbar_wait(bar_full + 8 * (kt & 1), (kt >> 1) & 1);
                 pf3_fence_proxy();  // every thread's landed copies (acquired by the wait), for the async proxy
             } else {
                 if (kt + 1 < ntk) {
@@ -564,7 +543,7 @@ __device__ __forceinline__ void prefill3_body(const float* __restrict__ q, int l
             }
             if constexpr (WS) {  // this warp is done reading the stage (its wgmma waited above)
                 __syncwarp();
-                if (lane == 0) pf3_mbar_arrive(bar_empty + 8 * (kt & 1));
+                if (lane == 0) mbar_arrive(bar_empty + 8 * (kt & 1));
             } else {
                 __syncthreads();  // both warpgroups are done with this stage before it is refilled
             }

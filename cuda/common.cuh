@@ -277,6 +277,43 @@ __device__ __forceinline__ void cp_async_wait_mem() {
 }
 __device__ __forceinline__ void cp_async_wait_all_mem() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// ---------------------------------------------------------------- mbarriers and bulk copies (sm_90)
+// The warp-specialized kernels' stage handshakes (attention_prefill3.cu, gemv_wg.cu): init, arrive, parity
+// wait, the arrive a thread's cp.async copies trigger when they land (.noinc: it is one of the barrier's expected
+// arrivals), the arrive that also announces a phase's bulk-copy bytes, and the bulk copy global -> shared that
+// counts its bytes off a barrier (cp.async.bulk: one thread moves a contiguous run of any multiple of 16 bytes).
+// bar / dst: 32-bit shared addresses (smem_addr).
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+// barrier inits visible to the async proxy (the bulk copies' complete_tx) before any thread uses them
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+#endif
+
 // ---------------------------------------------------------------- fp8 e4m3 KV (q27py/model/kvformat.py)
 // Codes: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; max 448; S.1111.111 = NaN. Each
 // (position, kv head) row carries an int8 exponent e: value = e4m3(code) * 2^e, chosen so the row's

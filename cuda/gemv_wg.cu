@@ -157,6 +157,23 @@ struct WgPar {
     static constexpr int value = V;
 };
 
+// A chunk's terms into its residue partial p (gemv.cu compute_stage8's arithmetic, term for term; q4 codes carry a
+// factor 16): sv = the tile's scale word of rows (g, g + 8), float xi of xsb = the chunk's scale of lane 2t (lane
+// tile i 8 floats on), d = the chunk's int32 sums
+template <int NL>
+__device__ __forceinline__ void wg_terms(u32 sv, const u8* xsb, int xi, const int (&d)[NL / 2], float (&p)[NL / 8][4]) {
+    const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
+#pragma unroll
+    for (int i = 0; i < NL / 8; i++) {
+        const float2 x0 = *reinterpret_cast<const float2*>(xsb + (xi + 8 * i) * 4);
+        const float2 x2 = make_float2(x0.x * 0.0625f, x0.y * 0.0625f);
+        p[i][0] = fmaf(s_lo * x2.x, (float)d[4 * i + 0], p[i][0]);
+        p[i][1] = fmaf(s_lo * x2.y, (float)d[4 * i + 1], p[i][1]);
+        p[i][2] = fmaf(s_hi * x2.x, (float)d[4 * i + 2], p[i][2]);
+        p[i][3] = fmaf(s_hi * x2.y, (float)d[4 * i + 3], p[i][3]);
+    }
+}
+
 // One chunk's epilogue (gemv.cu compute_stage8's arithmetic, term for term; q4 codes carry a factor 16): chunk j
 // of the stage at st (its first chunk first_k; PASSES, PAR: which residue partial, as wg_body picks it), its int32
 // sums d into acc. FULL: no chunk of the stage is >= c1 (else such a chunk, computed on stale bytes, is dropped).
@@ -169,18 +186,8 @@ __device__ __forceinline__ void wg_epilogue(const u8* st, int j, const int (&d)[
     // covers all eight every stage
     constexpr int R0 = PASSES == 1 ? (PAR * CPS) % GEMV_WARPS : 0;
     if (!FULL && first_k + j >= c1) return;
-    const u32 sv = *reinterpret_cast<const u32*>(st + SG::S_OFF + (j * GEMV_R + warp) * 32 + g * 4);
-    const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
-#pragma unroll
-    for (int i = 0; i < NL / 8; i++) {
-        const float2 x0 = *reinterpret_cast<const float2*>(st + SG::XS_OFF + (j * NL + 8 * i + 2 * t) * 4);
-        const float2 x2 = make_float2(x0.x * 0.0625f, x0.y * 0.0625f);
-        float* p = acc[R0 + j][i];
-        p[0] = fmaf(s_lo * x2.x, (float)d[4 * i + 0], p[0]);
-        p[1] = fmaf(s_lo * x2.y, (float)d[4 * i + 1], p[1]);
-        p[2] = fmaf(s_hi * x2.x, (float)d[4 * i + 2], p[2]);
-        p[3] = fmaf(s_hi * x2.y, (float)d[4 * i + 3], p[3]);
-    }
+    wg_terms<NL>(*reinterpret_cast<const u32*>(st + SG::S_OFF + (j * GEMV_R + warp) * 32 + g * 4),
+                 st + SG::XS_OFF, j * NL + 2 * t, d, acc[R0 + j]);
 }
 
 // TWO: the 32-lane two-pass walk at 8 / 16 lanes too (gemv8w_q4_n16t: 4 partials live instead of 8, so
@@ -463,6 +470,214 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode);
 }
 
+
+// ---- The warp-specialized walk (gemv8w_q4_n8m / n16m; kernels.gemv_wg_kernel under GWG_MBAR): the one-pass walk's
+// chunks, int32 sums and fp32 terms in the same order (bitwise gemv8_q4_*), with the copying taken off the
+// tensor-core warps. Why (docs/PERF.md, 2026-12-07): a plain-entry warp spends ~300 instructions a 2 KB stage, a third
+// of them computing the 7 cp.async addresses of its share of the next stage, and every stage ends at a CTA barrier,
+// so a CTA streams ~8 GB/s whatever the card's read rate (the H200 reads 1.5x the H100 and decodes no faster). Here
+// a fifth warp (the producer) fills each stage: its lane 0 moves the 4 tiles' weights and scale words and the chunk
+// scales as bulk copies (cp.async.bulk, one instruction a contiguous run, their bytes counted off the stage's "full"
+// mbarrier), and its 32 lanes stage the activations. The 4 MMA warps wait on "full", read their own 16-byte
+// fragment a chunk (one LDS.128: the file's bytes as they are), and release the slot on "empty"; no CTA barrier in
+// the loop. The wgmma A fragment wants the quad's 4 x 4 transpose of those words (gemv_wg's rotated reads); here
+// the transpose moves to the activations instead, which are 1/4 of a stage's bytes at 8 lanes: B row q of lane n
+// holds word q of each of the lane's four 16-byte pieces, so thread t's own words are its A registers (the k
+// order both operands agree on is still gemv.cu's slots, only permuted the same way on both sides).
+template <int NL>
+struct WgmStage {
+    enum {
+        W_OFF = 0,                                     // [tile][chunk][512]: the file's fragments, a tile a bulk copy
+        S_OFF = W_OFF + GEMV_R * GWG_CPS * 512,        // [tile][chunk][8 scale words]
+        X_OFF = S_OFF + GEMV_R * GWG_CPS * 32,         // [chunk][NL x 64]: wg_act_off's B layout, rows transposed
+        XS_OFF = X_OFF + GWG_CPS * NL * 64,            // [chunk][GEMV_MAX_LANES] chunk scales (quant_act8's rows)
+        BYTES = XS_OFF + GWG_CPS * GEMV_MAX_LANES * 4,
+        TX = GEMV_R * (512 + 32) + GEMV_MAX_LANES * 4  // bulk-copied bytes a chunk
+    };
+};
+
+template <int NL, int STAGES>
+__device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
+                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
+    typedef WgmStage<NL> SG;
+    constexpr int S = STAGES, CPS = GWG_CPS, NT = NL / 8, ND = NL / 2;
+    static_assert(NL == 8 || NL == 16, "the one-pass walk's widths");
+    static_assert(CPS == 4 && GEMV_WARPS == 8 && GEMV_R == 4, "two stages span the 8 residues; a warp a tile");
+    static_assert((SG::BYTES & 127) == 0 && (CPS * NL) % 32 == 0, "aligned stages; whole activation pieces a lane");
+    extern __shared__ __align__(128) u8 dyn_smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+    const int u = blockIdx.x;
+    const i64* d = gemv_unit_desc(desc, nmat, u);
+    const u8* w = reinterpret_cast<const u8*>(d[D_W]);
+    const u32* sc = reinterpret_cast<const u32*>(d[D_S]);
+    const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], kch = (int)d[D_KCH];
+    const int mode = (int)d[D_MODE], splits = (int)d[D_SPLITS], ngroups = (int)d[D_NGROUPS];
+    float* y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * ldy;
+    const int local = u - (int)d[D_CTA0];
+    const int rg = local / splits, sp = local - rg * splits;
+    const int c0 = (int)((i64)sp * kch / splits), c1 = (int)((i64)(sp + 1) * kch / splits);
+    const int nch = c1 - c0, nst = (nch + CPS - 1) / CPS, nfull = nch / CPS;
+
+    // stage k holds chunks c0 + CPS k + j (j < CPS, those < c1) in slot k % S; full[s]: lane 0's expect_tx arrive +
+    // the producer's 32 lanes (activations stored) + the bulk bytes; empty[s]: the 4 MMA warps are done with it
+    const u32 ring = smem_addr(dyn_smem);
+    const u32 bar_full = ring + S * SG::BYTES, bar_empty = bar_full + 8 * S;
+    if (tid == 0) {
+#pragma unroll 1
+        for (int s = 0; s < S; s++) {
+            mbar_init(bar_full + 8 * s, 33);
+            mbar_init(bar_empty + 8 * s, GEMV_R);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    float* red0 = reinterpret_cast<float*>(dyn_smem);
+
+    if (warp == GEMV_R) {
+        // ---- the producer warp
+        const i64 tstride = (i64)kch * CB_Q4;
+        const int sstride = ngroups * 8;
+        const u8* wsrc = w + (i64)(rg * GEMV_R) * tstride;
+        const u32* ssrc = sc + (i64)(rg * GEMV_R) * sstride;
+        // lane 0: the weights and scale words of stage k (GSC_Q4 = 1: a scale group a chunk), with the stage's
+        // whole byte count announced first
+        auto issue_w = [&](int k) {
+            const int c = c0 + CPS * k, nv = min(CPS, c1 - c), s = k % S;
+            const u32 st = ring + s * SG::BYTES, fb = bar_full + 8 * s;
+            mbar_arrive_expect_tx(fb, (u32)(nv * SG::TX));
+#pragma unroll
+            for (int i = 0; i < GEMV_R; i++) {
+                bulk_g2s(st + SG::W_OFF + i * CPS * 512, wsrc + i * tstride + (i64)c * CB_Q4, (u32)(nv * 512), fb);
+                bulk_g2s(st + SG::S_OFF + i * CPS * 32, ssrc + (i64)i * sstride + c * 8, (u32)(nv * 32), fb);
+            }
+        };
+        // every lane: its (chunk j, lane n) pieces' 64 activation bytes, stored as the 4 transposed B rows; lane 0
+        // also the chunk scales. Lanes past the launch's repeat its last (their outputs are never written).
+        auto issue_x = [&](int k) {
+            const int c = c0 + CPS * k, nv = min(CPS, c1 - c), s = k % S;
+            const u32 st = ring + s * SG::BYTES, fb = bar_full + 8 * s;
+            if (lane == 0) bulk_g2s(st + SG::XS_OFF, xs + (i64)c * GEMV_MAX_LANES, (u32)(nv * GEMV_MAX_LANES * 4), fb);
+#pragma unroll
+            for (int e = 0; e < CPS * NL / 32; e++) {
+                const int p = lane + 32 * e, j = p / NL, n = p % NL;
+                if (j < nv) {
+                    const uint4* src = reinterpret_cast<const uint4*>(xq + (i64)min(n, nlanes - 1) * ldq + (i64)(c + j) * 64);
+                    const uint4 v0 = __ldg(src), v1 = __ldg(src + 1), v2 = __ldg(src + 2), v3 = __ldg(src + 3);
+                    u8* dst = dyn_smem + s * SG::BYTES + SG::X_OFF + j * NL * 64 + wg_act_off<NL>(n, 0);
+                    // row q (k32 step q >> 1, core-matrix column q & 1): word q of pieces 0..3
+                    *reinterpret_cast<uint4*>(dst) = make_uint4(v0.x, v1.x, v2.x, v3.x);
+                    *reinterpret_cast<uint4*>(dst + 128) = make_uint4(v0.y, v1.y, v2.y, v3.y);
+                    *reinterpret_cast<uint4*>(dst + NL * 32) = make_uint4(v0.z, v1.z, v2.z, v3.z);
+                    *reinterpret_cast<uint4*>(dst + NL * 32 + 128) = make_uint4(v0.w, v1.w, v2.w, v3.w);
+                }
+            }
+            wg_fence_proxy();  // the stores, visible to the async proxy (wgmma reads B through it)
+            mbar_arrive(fb);
+        };
+        // the weights are constants: the first stages' go out before the wait on the kernel that wrote the
+        // activations (PDL)
+        const int pro = min(S, nst);
+        if (lane == 0)
+#pragma unroll 1
+            for (int k = 0; k < pro; k++) issue_w(k);
+        pdl_wait();
+        pdl_trigger();
+#pragma unroll 1
+        for (int k = 0; k < pro; k++) issue_x(k);
+#pragma unroll 1
+        for (int k = S; k < nst; k++) {
+            mbar_wait(bar_empty + 8 * (k % S), ((k / S) - 1) & 1);
+            if (lane == 0) issue_w(k);
+            issue_x(k);
+        }
+        __syncthreads();  // the MMA warps are done with the ring
+    } else {
+        // ---- the 4 MMA warps (one warpgroup), warp = its 16-row tile
+        pdl_wait();
+        pdl_trigger();
+        float acc[GEMV_WARPS][NT][4];
+#pragma unroll
+        for (int r = 0; r < GEMV_WARPS; r++)
+#pragma unroll
+            for (int i = 0; i < NT; i++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) acc[r][i][q] = 0.f;
+        const u8* mine = dyn_smem + SG::W_OFF + warp * CPS * 512 + lane * 16;  // this thread's fragment, chunk 0
+        const u64 xdesc0 = wg_desc(ring + SG::X_OFF);
+        int slot = 0, phase = 0;
+        // stage k (residues CPS PAR + j); FULL: no chunk >= c1
+        auto stage = [&](int k, auto par, auto full) {
+            constexpr int PAR = decltype(par)::value;
+            constexpr bool FULL = decltype(full)::value;
+            mbar_wait(bar_full + 8 * slot, phase);
+            const u8* st = dyn_smem + slot * SG::BYTES;
+            u32 a[CPS][2][4];
+#pragma unroll
+            for (int j = 0; j < CPS; j++) {
+                const uint4 v = *reinterpret_cast<const uint4*>(mine + slot * SG::BYTES + j * 512);
+                a[j][0][0] = q4_lo8(v.x, sgn); a[j][0][1] = q4_hi8(v.x, sgn);  // step 0: words 0, 1
+                a[j][0][2] = q4_lo8(v.y, sgn); a[j][0][3] = q4_hi8(v.y, sgn);
+                a[j][1][0] = q4_lo8(v.z, sgn); a[j][1][1] = q4_hi8(v.z, sgn);  // step 1: words 2, 3
+                a[j][1][2] = q4_lo8(v.w, sgn); a[j][1][3] = q4_hi8(v.w, sgn);
+            }
+            const u64 xd = xdesc0 + (u64)((slot * SG::BYTES) >> 4);
+            int dd[CPS][ND];
+            wg_fence();
+#pragma unroll
+            for (int j = 0; j < CPS; j++) {
+                wg_mma<NL, 0>(dd[j], a[j][0], xd + ((j * NL * 64) >> 4));
+                wg_mma<NL, 1>(dd[j], a[j][1], xd + ((j * NL * 64 + NL * 32) >> 4));
+            }
+            wg_commit();
+            wg_wait0();
+#pragma unroll
+            for (int j = 0; j < CPS; j++) wg_reg_fence(dd[j]);
+            const int first = c0 + CPS * k;
+#pragma unroll
+            for (int j = 0; j < CPS; j++)
+                if (FULL || first + j < c1)  // chunks past c1 (a partial last stage) ran on stale bytes: dropped
+                    wg_terms<NL>(*reinterpret_cast<const u32*>(st + SG::S_OFF + (warp * CPS + j) * 32 + g * 4),
+                                 st + SG::XS_OFF, j * GEMV_MAX_LANES + 2 * t, dd[j], acc[PAR * CPS + j]);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_empty + 8 * slot);
+            if (++slot == S) {
+                slot = 0;
+                phase ^= 1;
+            }
+        };
+        int k = 0;
+#pragma unroll 1
+        for (; k + 1 < nfull; k += 2) {
+            stage(k, WgPar<0>(), WgPar<1>());
+            stage(k + 1, WgPar<1>(), WgPar<1>());
+        }
+        if (k < nfull) {  // k even
+            stage(k, WgPar<0>(), WgPar<1>());
+            k++;
+        }
+        if (k < nst) {  // the partial last stage
+            if (k & 1)
+                stage(k, WgPar<1>(), WgPar<0>());
+            else
+                stage(k, WgPar<0>(), WgPar<0>());
+        }
+        __syncthreads();  // every MMA warp is done with the ring: it becomes the unit's tile
+        // gemv.cu's reduction: the residue (warp) partials added in order
+#pragma unroll
+        for (int i = 0; i < NT; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                float v = acc[0][i][q];
+#pragma unroll
+                for (int r = 1; r < GEMV_WARPS; r++) v += acc[r][i][q];
+                red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v;
+            }
+    }
+    __syncthreads();
+    gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode);
+}
+
 #endif
 
 // xq / xs / sgn / nlanes / lane0: as gemv.cu's gemv8_* kernels (the a8 activations of the launch's lanes;
@@ -503,4 +718,18 @@ GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_C
 // entry's walk with a GWG_STAGES_N8D-stage ring, whose 87 KB hold such a launch to 2 CTAs an SM (spread evenly: docs/PERF.md,
 // 2026-12-06 seventh session, reads the gain as placement more than depth): bitwise the same
 GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
-
+// kernels.gemv_wg_kernel under GWG_MBAR: 1-16 lanes on the warp-specialized walk (wgm_body: a producer warp's bulk
+// copies and mbarriers, 4 MMA warps; block GWG_THREADS_M), a GWG_STAGES_M-stage ring: bitwise the same sums
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GWGM_CALL(NL) wgm_body<NL, GWG_STAGES_M>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
+#else
+#define GWGM_CALL(NL) __trap();
+#endif
+#define GWGM_KERNEL(NAME, NL, CTAS)                                                                            \
+    extern "C" __global__ void __launch_bounds__(GWG_THREADS_M, CTAS)                                          \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
+        GWGM_CALL(NL)                                                                                          \
+    }
+GWGM_KERNEL(gemv8w_q4_n8m, 8, GWG_CTAS_N8M)
+GWGM_KERNEL(gemv8w_q4_n16m, 16, GWG_CTAS_N16M)

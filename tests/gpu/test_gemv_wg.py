@@ -134,6 +134,108 @@ def test_wg_chunk_emulation_gives_the_mma_sync_sums(nl):
                                                                                     xb[l0:l0 + 8, sl]))
 
 
+def emulate_wgm_chunk(codes: np.ndarray, shape: L.MatrixShape, tile: int, chunk: int, xbytes: np.ndarray,
+                      nl: int) -> np.ndarray:
+    """One (16-row tile, 64-k chunk) of the warp-specialized entries (wgm_body): thread (g, t) unpacks its OWN 16-byte
+    fragment (the file's bytes, bulk-copied as they are), words 0 / 1 for k32 step 0 and 2 / 3 for step 1, and the
+    producer stores lane n's 64 activation bytes (pieces 0..3 of 16) as 4 B rows, row q = word q of each piece, at
+    wg_act_off(n, q); read back through the canonical layout. Exact int32 sums [16, nl]."""
+    cb = L.CHUNK_BYTES[shape.fmt]
+    frag = codes[(tile * shape.kchunks + chunk) * cb: (tile * shape.kchunks + chunk + 1) * cb]
+    xs = np.zeros(nl * 64, dtype=np.uint8)
+    for n in range(nl):
+        v = [xbytes[n, p * 16: p * 16 + 16].view(np.uint32) for p in range(4)]  # the producer's v0..v3
+        for q in range(4):
+            row = np.array([v[0][q], v[1][q], v[2][q], v[3][q]], dtype=np.uint32)
+            xs[act_off(nl, n, q): act_off(nl, n, q) + 16] = row.view(np.uint8)
+    lo8 = lambda w: ((w << 4) & 0xF0F0F0F0) ^ 0x80808080  # noqa: E731  (q4_lo8, sgn = 0x80808080)
+    hi8 = lambda w: (w & 0xF0F0F0F0) ^ 0x80808080  # noqa: E731
+    d = np.zeros((16, nl), dtype=np.int64)
+    for b in range(2):
+        A = np.zeros((16, 32), dtype=np.int64)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            wv = [int(x) for x in frag[lane * 16: lane * 16 + 16].view(np.uint32)]
+            regs = [lo8(wv[2 * b]), hi8(wv[2 * b]), lo8(wv[2 * b + 1]), hi8(wv[2 * b + 1])]
+            A[g, 4 * t: 4 * t + 4] = L._s8x4(regs[0] & 0xFFFFFFFF)
+            A[g + 8, 4 * t: 4 * t + 4] = L._s8x4(regs[1] & 0xFFFFFFFF)
+            A[g, 16 + 4 * t: 20 + 4 * t] = L._s8x4(regs[2] & 0xFFFFFFFF)
+            A[g + 8, 16 + 4 * t: 20 + 4 * t] = L._s8x4(regs[3] & 0xFFFFFFFF)
+        d += A @ canonical_b(xs, b * nl * 32, nl)
+    return d
+
+
+def test_wgm_formulas_are_the_kernels():
+    """emulate_wgm_chunk's reads and stores are wgm_body's: own-word unpacking, the transposed rows, wg_act_off."""
+    s = _src()
+    for line in ("a[j][0][0] = q4_lo8(v.x, sgn); a[j][0][1] = q4_hi8(v.x, sgn);",
+                 "a[j][0][2] = q4_lo8(v.y, sgn); a[j][0][3] = q4_hi8(v.y, sgn);",
+                 "a[j][1][0] = q4_lo8(v.z, sgn); a[j][1][1] = q4_hi8(v.z, sgn);",
+                 "a[j][1][2] = q4_lo8(v.w, sgn); a[j][1][3] = q4_hi8(v.w, sgn);",
+                 "wg_act_off<NL>(n, 0);",
+                 "*reinterpret_cast<uint4*>(dst) = make_uint4(v0.x, v1.x, v2.x, v3.x);",
+                 "*reinterpret_cast<uint4*>(dst + 128) = make_uint4(v0.y, v1.y, v2.y, v3.y);",
+                 "*reinterpret_cast<uint4*>(dst + NL * 32) = make_uint4(v0.z, v1.z, v2.z, v3.z);",
+                 "*reinterpret_cast<uint4*>(dst + NL * 32 + 128) = make_uint4(v0.w, v1.w, v2.w, v3.w);",
+                 "wg_mma<NL, 0>(dd[j], a[j][0], xd + ((j * NL * 64) >> 4));",
+                 "wg_mma<NL, 1>(dd[j], a[j][1], xd + ((j * NL * 64 + NL * 32) >> 4));"):
+        assert line in s, line
+    # act_off(nl, n, q) is wg_act_off(n, 0) + the row offsets the kernel adds
+    for nl in (8, 16):
+        for n in range(nl):
+            base = act_off(nl, n, 0)
+            assert [act_off(nl, n, q) - base for q in range(4)] == [0, 128, nl * 32, nl * 32 + 128]
+
+
+@pytest.mark.parametrize("nl", [8, 16])
+def test_wgm_chunk_emulation_gives_the_mma_sync_sums(nl):
+    """The transpose moved from the weights to the activations gives the same exact sums (both operands' k order is
+    gemv.cu's slots, permuted the same way), chunk for chunk equal to gemv_wg's and the mma.sync emulation."""
+    rng = np.random.default_rng(100 + nl)
+    w = rng.standard_normal((32, 192)).astype(np.float32)
+    pm = L.pack_matrix(w, L.FMT_Q4)
+    codes_w, _ = L.quantize(w, L.FMT_Q4)
+    x = rng.standard_normal((nl, 192)).astype(np.float32) * 3
+    xc, _ = L.quantize_act8(x)
+    xb = L.act8_fragment_bytes(xc)
+    for tile in range(2):
+        for chunk in range(3):
+            sl = slice(chunk * 64, chunk * 64 + 64)
+            got = emulate_wgm_chunk(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl)
+            ref = 16 * codes_w[16 * tile: 16 * tile + 16, sl].astype(np.int64) @ xc[:, sl].astype(np.int64).T
+            np.testing.assert_array_equal(got, ref)
+            np.testing.assert_array_equal(got, emulate_wg_chunk(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl))
+
+
+def test_wgm_stage_layout_size_and_fit(monkeypatch):
+    """GWG_MBAR: 1-16 lanes run gemv8w_q4_n8m / n16m (GWG_THREADS_M threads: the warpgroup and a producer warp), 32
+    lanes keep n32; the shared memory is WgmStage's stages (the kernel's enum, parsed) plus two mbarriers a stage, and
+    GWG_CTAS_N8M / N16M such CTAs fit an sm_90 SM; each slot's B region stays 16-byte aligned; the bulk copies move
+    whole 16-byte units."""
+    from q27py.gpu import kernels as K
+
+    s = _src()
+    for field in ("S_OFF = W_OFF + GEMV_R * GWG_CPS * 512", "X_OFF = S_OFF + GEMV_R * GWG_CPS * 32",
+                  "XS_OFF = X_OFF + GWG_CPS * NL * 64", "BYTES = XS_OFF + GWG_CPS * GEMV_MAX_LANES * 4",
+                  "TX = GEMV_R * (512 + 32) + GEMV_MAX_LANES * 4", "bar_full = ring + S * SG::BYTES",
+                  "bar_empty = bar_full + 8 * S", "mbar_init(bar_full + 8 * s, 33);", "mbar_init(bar_empty + 8 * s, GEMV_R);"):
+        assert field in s, field
+    assert C.GWG_MBAR == 0  # an experiment until measured
+    assert K.gemv_wg_kernel(8) != "gemv8w_q4_n8m" and K.gemv_wg_threads(8) == K.gemv_wg_threads(16) == 128
+    monkeypatch.setattr(C, "GWG_MBAR", 1)
+    assert K.gemv_wg_kernel(8) == K.gemv_wg_kernel(8, 10**6, 10**6) == "gemv8w_q4_n8m"
+    assert K.gemv_wg_kernel(16) == K.gemv_wg_kernel(16, 10**6) == "gemv8w_q4_n16m"
+    assert K.gemv_wg_kernel(32) == "gemv8w_q4_n32" and K.gemv_wg_threads(32) == 128
+    assert K.gemv_wg_threads(8) == K.gemv_wg_threads(16) == C.GWG_THREADS_M == 160
+    for nl, ctas in ((8, C.GWG_CTAS_N8M), (16, C.GWG_CTAS_N16M)):
+        stage = C.GWG_CPS * (C.GEMV_R * 512 + C.GEMV_R * 32 + nl * 64 + C.GEMV_MAX_LANES * 4)
+        assert stage % 128 == 0
+        assert K.gemv_wg_shared_bytes(nl) == C.GWG_STAGES_M * (stage + 16)
+        assert K.gemv_wg_ctas(nl) == ctas
+        assert ctas * (K.gemv_wg_shared_bytes(nl) + 128 + 1024) <= 228 * 1024, nl
+    assert (C.GEMV_R * (512 + 32) + C.GEMV_MAX_LANES * 4) % 16 == 0 and 512 % 16 == 0 and 32 % 16 == 0
+
+
 def test_shared_bytes_match_the_stage_layout():
     """kernels.gemv_wg_shared_bytes against WgStage's fields (the kernel's enum, parsed)."""
     from q27py.gpu import kernels as K
@@ -513,6 +615,22 @@ def test_deep_ring_entry_by_launch(plan_rt, monkeypatch):
     assert [c.kernel for c in rt.calls if c.module == "gemv_wg"] == ["gemv8w_q4_n8"]
 
 
+def test_mbar_entries_launch_with_their_producer_warp(plan_rt, monkeypatch):
+    """GWG_MBAR: a recorded plan's q4 launches of 1-16 lanes go to gemv8w_q4_n8m / n16m with GWG_THREADS_M threads
+    and WgmStage's shared memory, ahead of the deep-ring rule; 17-32 lanes keep n32 on 128 threads."""
+    rt = plan_rt
+    monkeypatch.setattr(C, "GWG_MBAR", 1)
+    for rows, cols, n, want in ((64 * 264, 4096, 1, ("gemv8w_q4_n8m", 160, 44096)),
+                                (64 * 8, 2048, 8, ("gemv8w_q4_n8m", 160, 44096)),
+                                (64 * 8, 2048, 16, ("gemv8w_q4_n16m", 160, 52288)),
+                                (64 * 8, 2048, 32, ("gemv8w_q4_n32", 128, 87040))):
+        rt.calls.clear()
+        plan = _plan(rt, [(rows, cols, L.FMT_Q4)], partition=(1, 1))
+        plan.run(rt.cp.zeros((48, plan.kpad), np.float32), plan.kpad, n, allow_gemm=False)
+        (c,) = [c for c in rt.calls if c.module == "gemv_wg"]
+        assert (c.kernel, c.block, c.smem) == want, (rows, cols, n, c.kernel, c.block, c.smem)
+
+
 def test_place2_pads_only_plain_one_wave_eight_lane_launches(plan_rt, monkeypatch):
     """GWG_PLACE2 (an experiment, off): a plain 8-lane launch of at most 2 x SMs units asks for GWG_PLACE2_BYTES (so
     at most 2 of its CTAs share an SM); n8d launches, larger launches and 16-lane ones keep their shared memory."""
@@ -644,13 +762,16 @@ def test_engine_config_maps_the_switch(monkeypatch):
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
-    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16q", "gemv8w_q4_n16t", "gemv8w_q4_n16w", "gemv8w_q4_n32",
-                           "gemv8w_q4_n32s", "gemv8w_q4_n8", "gemv8w_q4_n8d", "gemv8w_q4_n8q", "gemv8w_q4_n8w"], rep
+    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16m", "gemv8w_q4_n16q", "gemv8w_q4_n16t", "gemv8w_q4_n16w",
+                           "gemv8w_q4_n32", "gemv8w_q4_n32s", "gemv8w_q4_n8", "gemv8w_q4_n8d", "gemv8w_q4_n8m",
+                           "gemv8w_q4_n8q", "gemv8w_q4_n8w"], rep
     ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32,
             "gemv8w_q4_n16t": C.GWG_CTAS_N16T, "gemv8w_q4_n32s": C.GWG_CTAS_N32S,
             "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16, "gemv8w_q4_n8q": C.GWG_CTAS_N8Q,
-            "gemv8w_q4_n16q": C.GWG_CTAS_N16Q, "gemv8w_q4_n8d": C.GWG_CTAS_N8D}
-    bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
+            "gemv8w_q4_n16q": C.GWG_CTAS_N16Q, "gemv8w_q4_n8d": C.GWG_CTAS_N8D, "gemv8w_q4_n8m": C.GWG_CTAS_N8M,
+            "gemv8w_q4_n16m": C.GWG_CTAS_N16M}
+    threads = {k: C.GWG_THREADS_M if k.endswith("m") else 128 for k in rep}
+    bound = {k: min(255, 65536 // (threads[k] * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
     # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3
     # CTAs per SM; every other entry none
@@ -820,6 +941,7 @@ SWITCHED = [
     ("GWG_N8_FOUR", ("gemv8w_q4_n8q",), (1, 5, 8), 17, "n8q"),  # the two-pass walk at 8 lanes, 4 CTAs an SM
     ("GWG_N16_FOUR", ("gemv8w_q4_n16q",), (9, 16), 19, "n16q"),  # ... at 16, a chunk a batch, 4 CTAs an SM
     ("GWG_DEEP", ("gemv8w_q4_n8d",), (1, 5, 8), 23, "n8d"),  # the plain walk, an 8-stage ring, 2 CTAs an SM
+    ("GWG_MBAR", ("gemv8w_q4_n8m", "gemv8w_q4_n16m"), (1, 5, 8, 9, 16), 29, "mbar"),  # warp-specialized, bulk copies
 ]
 SWITCHED_LANES = [(sw, entries, n, off) for sw, entries, lanes, off, _ in SWITCHED for n in lanes]
 SWITCHED_IDS = [f"{tag}-{n}" for _, _, lanes, _, tag in SWITCHED for n in lanes]
@@ -835,6 +957,8 @@ def test_switched_entries_are_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch,
     elif switch == "GWG_DEEP":
         # only launches of one wave at 2 CTAs an SM (not gate_up's 544 units nor the lm_head's 3,880)
         assert ("gemv8w_q4_n8d" in wg) == (name not in ("gate_up", "lm_head")), wg
+    elif switch == "GWG_MBAR":  # every q4 launch of 1-16 lanes
+        assert wg and set(wg) == {"gemv8w_q4_n8m" if n <= 8 else "gemv8w_q4_n16m"}, wg
     elif switch == "GWG_WIDE_STAGE" and n > 8:
         # at 9-16 lanes only the launches on the plain 2-CTA entry (gate_up and the lm_head keep n16t)
         assert set(wg) <= {"gemv8w_q4_n16w", "gemv8w_q4_n16t"} and wg, wg
