@@ -719,17 +719,17 @@ GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_C
 // 2026-12-06 seventh session, reads the gain as placement more than depth): bitwise the same
 GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
 // kernels.gemv_wg_kernel under GWG_MBAR: 1-16 lanes on the warp-specialized walk (wgm_body: a producer warp's bulk
-// copies and mbarriers, 4 MMA warps; block GWG_THREADS_M), a GWG_STAGES_M-stage ring: bitwise the same sums
+// copies and mbarriers, 4 MMA warps; block GWG_THREADS_M), rings of GWG_STAGES_N8M / N16M stages: bitwise the same sums
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GWGM_CALL(NL) wgm_body<NL, GWG_STAGES_M>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
+#define GWGM_CALL(NL, STAGES) wgm_body<NL, STAGES>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
 #else
-#define GWGM_CALL(NL) __trap();
+#define GWGM_CALL(NL, STAGES) __trap();
 #endif
-#define GWGM_KERNEL(NAME, NL, CTAS)                                                                            \
+#define GWGM_KERNEL(NAME, NL, CTAS, STAGES)                                                                          \
     extern "C" __global__ void __launch_bounds__(GWG_THREADS_M, CTAS)                                          \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
-        GWGM_CALL(NL)                                                                                          \
+        GWGM_CALL(NL, STAGES)                                                                                  \
     }
-GWGM_KERNEL(gemv8w_q4_n8m, 8, GWG_CTAS_N8M)
-GWGM_KERNEL(gemv8w_q4_n16m, 16, GWG_CTAS_N16M)
+GWGM_KERNEL(gemv8w_q4_n8m, 8, GWG_CTAS_N8M, GWG_STAGES_N8M)
+GWGM_KERNEL(gemv8w_q4_n16m, 16, GWG_CTAS_N16M, GWG_STAGES_N16M)

@@ -124,13 +124,13 @@ GWG_CTAS_N8D, GWG_STAGES_N8D, GWG_DEEP_MIN_CHUNKS = 2, 8, 64
 GWG_PLACE2 = 0
 GWG_PLACE2_BYTES = 78976
 # 1-16 lanes on the warp-specialized entries gemv8w_q4_n8m / n16m (Python-side switch GWG_MBAR, 0 off, 1 on): a
-# producer warp fills a GWG_STAGES_M-stage ring with bulk copies (weights, scale words, chunk scales) and the transposed
+# producer warp fills a GWG_STAGES_N8M / GWG_STAGES_N16M-stage ring with bulk copies (weights, scale words, chunk scales) and the transposed
 # activation rows, 4 MMA warps wait on mbarriers (no CTA barrier a stage, one LDS.128 a chunk for the A fragment);
 # blocks of GWG_THREADS_M threads, GWG_CTAS_N8M / GWG_CTAS_N16M CTAs an SM. Why: the plain entries spend ~300
 # instructions a warp a 2 KB stage and stream ~8 GB/s a CTA whatever the card (docs/PERF.md, 2026-12-07). Bitwise the
 # same sums. Not yet measured on a device.
 GWG_MBAR = 0
-GWG_STAGES_M, GWG_THREADS_M, GWG_CTAS_N8M, GWG_CTAS_N16M = 4, 160, 3, 2
+GWG_THREADS_M, GWG_CTAS_N8M, GWG_CTAS_N16M, GWG_STAGES_N8M, GWG_STAGES_N16M = 160, 3, 2, 5, 6
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

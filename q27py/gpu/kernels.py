@@ -327,8 +327,8 @@ def _wg_entry(name: str) -> tuple[int, int, int]:
         "gemv8w_q4_n8q": (C.GWG_CTAS_N8Q, C.GWG_CPS, C.GWG_STAGES),
         "gemv8w_q4_n16q": (C.GWG_CTAS_N16Q, C.GWG_CPS, C.GWG_STAGES_N16Q),
         "gemv8w_q4_n8d": (C.GWG_CTAS_N8D, C.GWG_CPS, C.GWG_STAGES_N8D),
-        "gemv8w_q4_n8m": (C.GWG_CTAS_N8M, C.GWG_CPS, C.GWG_STAGES_M),
-        "gemv8w_q4_n16m": (C.GWG_CTAS_N16M, C.GWG_CPS, C.GWG_STAGES_M),
+        "gemv8w_q4_n8m": (C.GWG_CTAS_N8M, C.GWG_CPS, C.GWG_STAGES_N8M),
+        "gemv8w_q4_n16m": (C.GWG_CTAS_N16M, C.GWG_CPS, C.GWG_STAGES_N16M),
     }[name]
 
 

@@ -227,10 +227,10 @@ def test_wgm_stage_layout_size_and_fit(monkeypatch):
     assert K.gemv_wg_kernel(16) == K.gemv_wg_kernel(16, 10**6) == "gemv8w_q4_n16m"
     assert K.gemv_wg_kernel(32) == "gemv8w_q4_n32" and K.gemv_wg_threads(32) == 128
     assert K.gemv_wg_threads(8) == K.gemv_wg_threads(16) == C.GWG_THREADS_M == 160
-    for nl, ctas in ((8, C.GWG_CTAS_N8M), (16, C.GWG_CTAS_N16M)):
+    for nl, ctas, stages in ((8, C.GWG_CTAS_N8M, C.GWG_STAGES_N8M), (16, C.GWG_CTAS_N16M, C.GWG_STAGES_N16M)):
         stage = C.GWG_CPS * (C.GEMV_R * 512 + C.GEMV_R * 32 + nl * 64 + C.GEMV_MAX_LANES * 4)
         assert stage % 128 == 0
-        assert K.gemv_wg_shared_bytes(nl) == C.GWG_STAGES_M * (stage + 16)
+        assert K.gemv_wg_shared_bytes(nl) == stages * (stage + 16)
         assert K.gemv_wg_ctas(nl) == ctas
         assert ctas * (K.gemv_wg_shared_bytes(nl) + 128 + 1024) <= 228 * 1024, nl
     assert (C.GEMV_R * (512 + 32) + C.GEMV_MAX_LANES * 4) % 16 == 0 and 512 % 16 == 0 and 32 % 16 == 0
@@ -620,9 +620,10 @@ def test_mbar_entries_launch_with_their_producer_warp(plan_rt, monkeypatch):
     and WgmStage's shared memory, ahead of the deep-ring rule; 17-32 lanes keep n32 on 128 threads."""
     rt = plan_rt
     monkeypatch.setattr(C, "GWG_MBAR", 1)
-    for rows, cols, n, want in ((64 * 264, 4096, 1, ("gemv8w_q4_n8m", 160, 44096)),
-                                (64 * 8, 2048, 8, ("gemv8w_q4_n8m", 160, 44096)),
-                                (64 * 8, 2048, 16, ("gemv8w_q4_n16m", 160, 52288)),
+    n8m, n16m = C.GWG_STAGES_N8M * 11024, C.GWG_STAGES_N16M * 13072
+    for rows, cols, n, want in ((64 * 264, 4096, 1, ("gemv8w_q4_n8m", 160, n8m)),
+                                (64 * 8, 2048, 8, ("gemv8w_q4_n8m", 160, n8m)),
+                                (64 * 8, 2048, 16, ("gemv8w_q4_n16m", 160, n16m)),
                                 (64 * 8, 2048, 32, ("gemv8w_q4_n32", 128, 87040))):
         rt.calls.clear()
         plan = _plan(rt, [(rows, cols, L.FMT_Q4)], partition=(1, 1))
