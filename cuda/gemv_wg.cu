@@ -157,6 +157,21 @@ struct WgPar {
     static constexpr int value = V;
 };
 
+// f(WgPar<I>()) for I = B .. E - 1 in order (a compile-time unrolled loop; NVRTC has no <utility>)
+template <int B, int E>
+struct WgFor {
+    template <class F>
+    __device__ __forceinline__ static void run(F&& f) {
+        f(WgPar<B>());
+        WgFor<B + 1, E>::run(f);
+    }
+};
+template <int E>
+struct WgFor<E, E> {
+    template <class F>
+    __device__ __forceinline__ static void run(F&&) {}
+};
+
 // A chunk's terms into its residue partial p (gemv.cu compute_stage8's arithmetic, term for term; q4 codes carry a
 // factor 16): sv = the tile's scale word of rows (g, g + 8), float xi of xsb = the chunk's scale of lane 2t (lane
 // tile i 8 floats on), d = the chunk's int32 sums
@@ -606,22 +621,25 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
         const u8* mine = dyn_smem + SG::W_OFF + warp * CPS * 512 + lane * 16;  // this thread's fragment, chunk 0
         const u64 xdesc0 = wg_desc(ring + SG::X_OFF);
         int slot = 0, phase = 0;
-        // stage k (residues CPS PAR + j); FULL: no chunk >= c1
-        auto stage = [&](int k, auto par, auto full) {
+        // stage k (residues CPS PAR + j); FULL: no chunk >= c1; CS >= 0: its slot as a constant (the unrolled groups
+        // below, which keep slot at 0 and flip phase once a group), CS < 0: the running slot
+        auto stage = [&](int k, auto par, auto full, auto cs) {
             constexpr int PAR = decltype(par)::value;
             constexpr bool FULL = decltype(full)::value;
-            mbar_wait(bar_full + 8 * slot, phase);
-            const u8* st = dyn_smem + slot * SG::BYTES;
+            constexpr int CS = decltype(cs)::value;
+            const int sl = CS >= 0 ? CS : slot;
+            mbar_wait(bar_full + 8 * sl, phase);
+            const u8* st = dyn_smem + sl * SG::BYTES;
             u32 a[CPS][2][4];
 #pragma unroll
             for (int j = 0; j < CPS; j++) {
-                const uint4 v = *reinterpret_cast<const uint4*>(mine + slot * SG::BYTES + j * 512);
+                const uint4 v = *reinterpret_cast<const uint4*>(mine + sl * SG::BYTES + j * 512);
                 a[j][0][0] = q4_lo8(v.x, sgn); a[j][0][1] = q4_hi8(v.x, sgn);  // step 0: words 0, 1
                 a[j][0][2] = q4_lo8(v.y, sgn); a[j][0][3] = q4_hi8(v.y, sgn);
                 a[j][1][0] = q4_lo8(v.z, sgn); a[j][1][1] = q4_hi8(v.z, sgn);  // step 1: words 2, 3
                 a[j][1][2] = q4_lo8(v.w, sgn); a[j][1][3] = q4_hi8(v.w, sgn);
             }
-            const u64 xd = xdesc0 + (u64)((slot * SG::BYTES) >> 4);
+            const u64 xd = xdesc0 + (u64)((sl * SG::BYTES) >> 4);
             int dd[CPS][ND];
             wg_fence();
 #pragma unroll
@@ -640,27 +658,43 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
                     wg_terms<NL>(*reinterpret_cast<const u32*>(st + SG::S_OFF + (warp * CPS + j) * 32 + g * 4),
                                  st + SG::XS_OFF, j * GEMV_MAX_LANES + 2 * t, dd[j], acc[PAR * CPS + j]);
             __syncwarp();
-            if (lane == 0) mbar_arrive(bar_empty + 8 * slot);
-            if (++slot == S) {
-                slot = 0;
-                phase ^= 1;
+            if (lane == 0) mbar_arrive(bar_empty + 8 * sl);
+            if constexpr (CS < 0) {
+                if (++slot == S) {
+                    slot = 0;
+                    phase ^= 1;
+                }
             }
         };
         int k = 0;
+        if constexpr (GWG_M_UNROLL) {
+            // whole groups of S stages with their slots (and, S even, their residue halves) as constants, so the slot
+            // addresses and wgmma descriptors are constant offsets (docs/PERF.md, 2026-12-07: the running slot's
+            // 64-bit descriptor arithmetic was ~45 of a stage's ~170 instructions)
+            static_assert(S % 2 == 0, "a group's stages alternate the residue halves");
+#pragma unroll 1
+            for (; k + S <= nfull; k += S) {
+                WgFor<0, S>::run([&](auto sc) {
+                    constexpr int SC = decltype(sc)::value;
+                    stage(k + SC, WgPar<SC & 1>(), WgPar<1>(), WgPar<SC>());
+                });
+                phase ^= 1;
+            }
+        }
 #pragma unroll 1
         for (; k + 1 < nfull; k += 2) {
-            stage(k, WgPar<0>(), WgPar<1>());
-            stage(k + 1, WgPar<1>(), WgPar<1>());
+            stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
+            stage(k + 1, WgPar<1>(), WgPar<1>(), WgPar<-1>());
         }
         if (k < nfull) {  // k even
-            stage(k, WgPar<0>(), WgPar<1>());
+            stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
             k++;
         }
         if (k < nst) {  // the partial last stage
             if (k & 1)
-                stage(k, WgPar<1>(), WgPar<0>());
+                stage(k, WgPar<1>(), WgPar<0>(), WgPar<-1>());
             else
-                stage(k, WgPar<0>(), WgPar<0>());
+                stage(k, WgPar<0>(), WgPar<0>(), WgPar<-1>());
         }
         __syncthreads();  // every MMA warp is done with the ring: it becomes the unit's tile
         // gemv.cu's reduction: the residue (warp) partials added in order

@@ -390,10 +390,12 @@ PY
           > "$OUT/mbar_smoke.txt" 2>&1 || rc=1; tail -3 "$OUT/mbar_smoke.txt"
         if grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt"; then
           timeout 200 $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1; tail -3 "$OUT/mbar_tests.txt"
-          for v in 0 1; do
-            timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set GWG_MBAR=$v \
-              > "$OUT/mbar_probe$v.txt" 2>&1 || rc=1
-            echo "--- probe GWG_MBAR=$v"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/mbar_probe$v.txt"
+          i=0
+          for cfg in "GWG_MBAR=0" "GWG_MBAR=1" "GWG_MBAR=1 GWG_M_UNROLL=0"; do
+            i=$((i + 1))
+            timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set $cfg \
+              > "$OUT/mbar_probe$i.txt" 2>&1 || rc=1
+            echo "--- probe $cfg"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/mbar_probe$i.txt"
           done
           for v in 0 1; do
             timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=$v > "$OUT/mbar_steps$v.txt" 2>&1 || rc=1

@@ -130,7 +130,9 @@ GWG_PLACE2_BYTES = 78976
 # instructions a warp a 2 KB stage and stream ~8 GB/s a CTA whatever the card (docs/PERF.md, 2026-12-07). Bitwise the
 # same sums. Not yet measured on a device.
 GWG_MBAR = 0
-GWG_THREADS_M, GWG_CTAS_N8M, GWG_CTAS_N16M, GWG_STAGES_N8M, GWG_STAGES_N16M = 160, 3, 2, 5, 6
+GWG_THREADS_M, GWG_CTAS_N8M, GWG_CTAS_N16M, GWG_STAGES_N8M, GWG_STAGES_N16M = 160, 3, 2, 6, 6
+# the MMA warps' stages in unrolled groups of a ring's length (constant slots and descriptors; 0: the running slot only)
+GWG_M_UNROLL = 1
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

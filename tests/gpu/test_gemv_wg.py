@@ -775,9 +775,11 @@ def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     bound = {k: min(255, 65536 // (threads[k] * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
     # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3
-    # CTAs per SM; every other entry none
-    assert all(spill == 0 for k, (_regs, spill) in rep.items() if k != "gemv8w_q4_n32s"), rep
+    # CTAs per SM, and n8m (an experiment, GWG_MBAR) ~160 with its stages unrolled by the ring (GWG_M_UNROLL: a few
+    # local loads a group of 6 stages, against ~45 descriptor instructions a stage); every other entry none
+    assert all(spill == 0 for k, (_regs, spill) in rep.items() if k not in ("gemv8w_q4_n32s", "gemv8w_q4_n8m")), rep
     assert rep["gemv8w_q4_n32s"][1] <= 128, rep
+    assert rep["gemv8w_q4_n8m"][1] <= (192 if C.GWG_M_UNROLL else 0), rep
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
