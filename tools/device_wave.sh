@@ -389,9 +389,9 @@ PY
         timeout 90 $PYTEST tests/gpu/test_gemv_wg.py -k "switched_entries_are_bitwise_gemv8_on_the_27b_launches and mbar-1 and gdn_out" \
           > "$OUT/mbar_smoke.txt" 2>&1 || rc=1; tail -3 "$OUT/mbar_smoke.txt"
         if grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt"; then
-          timeout 200 $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1; tail -3 "$OUT/mbar_tests.txt"
+          timeout 150 $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1; tail -3 "$OUT/mbar_tests.txt"
           i=0
-          for cfg in "GWG_MBAR=0" "GWG_MBAR=1" "GWG_MBAR=1 GWG_M_UNROLL=0"; do
+          for cfg in "GWG_MBAR=0" "GWG_MBAR=1" ${MBAR_AB:+"GWG_MBAR=1 GWG_M_UNROLL=0"}; do
             i=$((i + 1))
             timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set $cfg \
               > "$OUT/mbar_probe$i.txt" 2>&1 || rc=1
