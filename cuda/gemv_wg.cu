@@ -205,6 +205,56 @@ __device__ __forceinline__ void wg_epilogue(const u8* st, int j, const int (&d)[
                  st + SG::XS_OFF, j * NL + 2 * t, d, acc[R0 + j]);
 }
 
+// the residue partials, zeroed
+template <int R, int N>
+__device__ __forceinline__ void wg_zero(float (&acc)[R][N][4]) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = 0; i < N; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[r][i][q] = 0.f;
+}
+
+// gemv.cu's reduction of the one-pass walk: the 8 residue (warp) partials added in order, v = P0, v += P1, ..., into
+// the unit's tile red0 (64 rows x NL lanes)
+template <int NL>
+__device__ __forceinline__ void wg_fold(const float (&acc)[GEMV_WARPS][NL / 8][4], float* red0, int warp, int g, int t) {
+#pragma unroll
+    for (int i = 0; i < NL / 8; i++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float v = acc[0][i][q];
+#pragma unroll
+            for (int r = 1; r < GEMV_WARPS; r++) v += acc[r][i][q];
+            red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v;
+        }
+}
+
+// This CTA's unit (gemv.cu's units: row group rg of its matrix, K split sp of splits, chunks c0 .. c1 - 1) and its
+// matrix's descriptor fields; y already offset to lane0's row
+struct WgUnit {
+    const i64* d;
+    const u8* w;
+    const u32* sc;
+    float* y;
+    int ldy, nout, kch, mode, splits, ngroups, rg, sp, c0, c1;
+};
+__device__ __forceinline__ WgUnit wg_unit(const i64* __restrict__ desc, int nmat, int lane0) {
+    WgUnit un;
+    const int u = blockIdx.x;
+    const i64* d = un.d = gemv_unit_desc(desc, nmat, u);
+    un.w = reinterpret_cast<const u8*>(d[D_W]);
+    un.sc = reinterpret_cast<const u32*>(d[D_S]);
+    un.ldy = (int)d[D_LDY], un.nout = (int)d[D_NOUT], un.kch = (int)d[D_KCH];
+    un.mode = (int)d[D_MODE], un.splits = (int)d[D_SPLITS], un.ngroups = (int)d[D_NGROUPS];
+    un.y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * un.ldy;
+    const int local = u - (int)d[D_CTA0];
+    un.rg = local / un.splits, un.sp = local - un.rg * un.splits;
+    un.c0 = (int)((i64)un.sp * un.kch / un.splits), un.c1 = (int)((i64)(un.sp + 1) * un.kch / un.splits);
+    return un;
+}
+
 // TWO: the 32-lane two-pass walk at 8 / 16 lanes too (gemv8w_q4_n16t: 4 partials live instead of 8, so
 // the 16-lane kernel fits GWG_CTAS_N16T = 3 CTAs per SM, 12 warps instead of 8; the same additions in the same
 // order, as the 32-lane kernel's are). SUB: a stage's chunks go to the tensor cores SUB at a time, each batch
@@ -224,16 +274,13 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     extern __shared__ __align__(128) u8 dyn_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-    const int u = blockIdx.x;
-    const i64* d = gemv_unit_desc(desc, nmat, u);
-    const u8* w = reinterpret_cast<const u8*>(d[D_W]);
-    const u32* sc = reinterpret_cast<const u32*>(d[D_S]);
-    const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], kch = (int)d[D_KCH];
-    const int mode = (int)d[D_MODE], splits = (int)d[D_SPLITS], ngroups = (int)d[D_NGROUPS];
-    float* y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * ldy;
-    const int local = u - (int)d[D_CTA0];
-    const int rg = local / splits, sp = local - rg * splits;
-    const int c0 = (int)((i64)sp * kch / splits), c1 = (int)((i64)(sp + 1) * kch / splits);
+    const WgUnit un = wg_unit(desc, nmat, lane0);
+    const i64* d = un.d;
+    const u8* w = un.w;
+    const u32* sc = un.sc;
+    float* y = un.y;
+    const int ldy = un.ldy, nout = un.nout, kch = un.kch, mode = un.mode, splits = un.splits, ngroups = un.ngroups;
+    const int rg = un.rg, sp = un.sp, c0 = un.c0, c1 = un.c1;
     // How the stages walk the unit's chunks (each stage CPS consecutive ones, residues R .. R + CPS - 1):
     // PASSES = 1 (8 / 16 lanes): in order, c0 + CPS k, so all 8 residue partials stay live throughout.
     // PASSES = 2 (32 lanes): 8 partials of NL / 2 floats are 128 registers, which beside the 64 wgmma
@@ -349,12 +396,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     // acc[r]: the partial of residue r (gemv.cu's warp r; PASSES = 2: of residue r + CPS in the second pass),
     // summed over its chunks in order
     float acc[RL][NT][4];
-#pragma unroll
-    for (int r = 0; r < RL; r++)
-#pragma unroll
-        for (int i = 0; i < NT; i++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) acc[r][i][q] = 0.f;
+    wg_zero(acc);
     const u8* rbase = dyn_smem + SG::W_OFF + warp * 512 + t * 4;
     // the B descriptor of stage slot 0's first chunk; others by adding their offset / 16 to the start field
     // (shared addresses < 256 KB: the 14-bit field never carries)
@@ -439,16 +481,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         cp_async_wait<0>();
         __syncthreads();  // the ring becomes the unit's tile
 
-        // gemv.cu's reduction: the residue (warp) partials added in order
-#pragma unroll
-        for (int i = 0; i < NT; i++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                float v = acc[0][i][q];
-#pragma unroll
-                for (int r = 1; r < GEMV_WARPS; r++) v += acc[r][i][q];
-                red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v;
-            }
+        wg_fold<NL>(acc, red0, warp, g, t);  // gemv.cu's reduction: the residue (warp) partials added in order
     } else {
         // the first pass (residues 0 .. CPS - 1), then gemv.cu's reduction begun: v = P0, v += P1, ...
         int k = 0;
@@ -522,17 +555,8 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
     extern __shared__ __align__(128) u8 dyn_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-    const int u = blockIdx.x;
-    const i64* d = gemv_unit_desc(desc, nmat, u);
-    const u8* w = reinterpret_cast<const u8*>(d[D_W]);
-    const u32* sc = reinterpret_cast<const u32*>(d[D_S]);
-    const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], kch = (int)d[D_KCH];
-    const int mode = (int)d[D_MODE], splits = (int)d[D_SPLITS], ngroups = (int)d[D_NGROUPS];
-    float* y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * ldy;
-    const int local = u - (int)d[D_CTA0];
-    const int rg = local / splits, sp = local - rg * splits;
-    const int c0 = (int)((i64)sp * kch / splits), c1 = (int)((i64)(sp + 1) * kch / splits);
-    const int nch = c1 - c0, nst = (nch + CPS - 1) / CPS, nfull = nch / CPS;
+    const WgUnit un = wg_unit(desc, nmat, lane0);
+    const int c0 = un.c0, c1 = un.c1, nch = c1 - c0, nst = (nch + CPS - 1) / CPS, nfull = nch / CPS;
 
     // stage k holds chunks c0 + CPS k + j (j < CPS, those < c1) in slot k % S; full[s]: lane 0's expect_tx arrive +
     // the producer's 32 lanes (activations stored) + the bulk bytes; empty[s]: the 4 MMA warps are done with it
@@ -551,10 +575,10 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
 
     if (warp == GEMV_R) {
         // ---- the producer warp
-        const i64 tstride = (i64)kch * CB_Q4;
-        const int sstride = ngroups * 8;
-        const u8* wsrc = w + (i64)(rg * GEMV_R) * tstride;
-        const u32* ssrc = sc + (i64)(rg * GEMV_R) * sstride;
+        const i64 tstride = (i64)un.kch * CB_Q4;
+        const int sstride = un.ngroups * 8;
+        const u8* wsrc = un.w + (i64)(un.rg * GEMV_R) * tstride;
+        const u32* ssrc = un.sc + (i64)(un.rg * GEMV_R) * sstride;
         // lane 0: the weights and scale words of stage k (GSC_Q4 = 1: a scale group a chunk), with the stage's
         // whole byte count announced first
         auto issue_w = [&](int k) {
@@ -612,12 +636,7 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
         pdl_wait();
         pdl_trigger();
         float acc[GEMV_WARPS][NT][4];
-#pragma unroll
-        for (int r = 0; r < GEMV_WARPS; r++)
-#pragma unroll
-            for (int i = 0; i < NT; i++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) acc[r][i][q] = 0.f;
+        wg_zero(acc);
         const u8* mine = dyn_smem + SG::W_OFF + warp * CPS * 512 + lane * 16;  // this thread's fragment, chunk 0
         const u64 xdesc0 = wg_desc(ring + SG::X_OFF);
         int slot = 0, phase = 0;
@@ -697,19 +716,10 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
                 stage(k, WgPar<0>(), WgPar<0>(), WgPar<-1>());
         }
         __syncthreads();  // every MMA warp is done with the ring: it becomes the unit's tile
-        // gemv.cu's reduction: the residue (warp) partials added in order
-#pragma unroll
-        for (int i = 0; i < NT; i++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                float v = acc[0][i][q];
-#pragma unroll
-                for (int r = 1; r < GEMV_WARPS; r++) v += acc[r][i][q];
-                red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v;
-            }
+        wg_fold<NL>(acc, red0, warp, g, t);  // gemv.cu's reduction: the residue (warp) partials added in order
     }
     __syncthreads();
-    gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode);
+    gemv_unit_finish<NL>(un.d, red0, un.rg, un.sp, un.splits, min(nlanes, NL), un.y, un.ldy, un.nout, un.mode);
 }
 
 #endif

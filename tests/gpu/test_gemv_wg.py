@@ -81,6 +81,22 @@ def canonical_b(smem: np.ndarray, start: int, nl: int, lbo: int = 128, sbo: int 
     return b
 
 
+def _lo8(w: int) -> int:
+    return ((w << 4) & 0xF0F0F0F0) ^ 0x80808080  # q4_lo8, sgn = 0x80808080
+
+
+def _hi8(w: int) -> int:
+    return (w & 0xF0F0F0F0) ^ 0x80808080  # q4_hi8
+
+
+def _a_fragment(A: np.ndarray, g: int, t: int, regs: list[int]) -> None:
+    """Thread (g, t)'s four A registers of one k32 step (the m16n8k32 map: rows g / g + 8, k 4t.. and 16 + 4t..) into A."""
+    A[g, 4 * t: 4 * t + 4] = L._s8x4(regs[0] & 0xFFFFFFFF)
+    A[g + 8, 4 * t: 4 * t + 4] = L._s8x4(regs[1] & 0xFFFFFFFF)
+    A[g, 16 + 4 * t: 20 + 4 * t] = L._s8x4(regs[2] & 0xFFFFFFFF)
+    A[g + 8, 16 + 4 * t: 20 + 4 * t] = L._s8x4(regs[3] & 0xFFFFFFFF)
+
+
 def emulate_wg_chunk(codes: np.ndarray, shape: L.MatrixShape, tile: int, chunk: int, xbytes: np.ndarray,
                      nl: int) -> np.ndarray:
     """One (16-row tile, 64-k chunk) of gemv_wg: the warp's 32 fragments copied to their rotated slots,
@@ -97,41 +113,16 @@ def emulate_wg_chunk(codes: np.ndarray, shape: L.MatrixShape, tile: int, chunk: 
     for n in range(nl):
         for q in range(4):
             xs[act_off(nl, n, q): act_off(nl, n, q) + 16] = xbytes[n, q * 16: q * 16 + 16]
-    lo8 = lambda w: ((w << 4) & 0xF0F0F0F0) ^ 0x80808080  # noqa: E731  (q4_lo8, sgn = 0x80808080)
-    hi8 = lambda w: (w & 0xF0F0F0F0) ^ 0x80808080  # noqa: E731
     d = np.zeros((16, nl), dtype=np.int64)
     for b in range(2):
         A = np.zeros((16, 32), dtype=np.int64)
         for lane in range(32):
             g, t = lane // 4, lane % 4
             wv = [int(ring[frag_pos(g, tp) + 4 * t: frag_pos(g, tp) + 4 * t + 4].view(np.uint32)[0]) for tp in range(4)]
-            regs = [lo8(wv[2 * b]), hi8(wv[2 * b]), lo8(wv[2 * b + 1]), hi8(wv[2 * b + 1])]
-            A[g, 4 * t: 4 * t + 4] = L._s8x4(regs[0] & 0xFFFFFFFF)
-            A[g + 8, 4 * t: 4 * t + 4] = L._s8x4(regs[1] & 0xFFFFFFFF)
-            A[g, 16 + 4 * t: 20 + 4 * t] = L._s8x4(regs[2] & 0xFFFFFFFF)
-            A[g + 8, 16 + 4 * t: 20 + 4 * t] = L._s8x4(regs[3] & 0xFFFFFFFF)
+            regs = [_lo8(wv[2 * b]), _hi8(wv[2 * b]), _lo8(wv[2 * b + 1]), _hi8(wv[2 * b + 1])]
+            _a_fragment(A, g, t, regs)
         d += A @ canonical_b(xs, b * nl * 32, nl)
     return d
-
-
-@pytest.mark.parametrize("nl", [8, 16, 32])
-def test_wg_chunk_emulation_gives_the_mma_sync_sums(nl):
-    rng = np.random.default_rng(nl)
-    w = rng.standard_normal((32, 192)).astype(np.float32)
-    pm = L.pack_matrix(w, L.FMT_Q4)
-    codes_w, _ = L.quantize(w, L.FMT_Q4)
-    x = rng.standard_normal((nl, 192)).astype(np.float32) * 3
-    xc, _ = L.quantize_act8(x)
-    xb = L.act8_fragment_bytes(xc)
-    for tile in range(2):
-        for chunk in range(3):
-            sl = slice(chunk * 64, chunk * 64 + 64)
-            got = emulate_wg_chunk(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl)
-            ref = 16 * codes_w[16 * tile: 16 * tile + 16, sl].astype(np.int64) @ xc[:, sl].astype(np.int64).T
-            np.testing.assert_array_equal(got, ref)
-            for l0 in range(0, nl, 8):  # the mma.sync kernel's 8-lane tiles
-                np.testing.assert_array_equal(got[:, l0:l0 + 8], L.emulate_a8_chunk(pm.codes, pm.shape, tile, chunk,
-                                                                                    xb[l0:l0 + 8, sl]))
 
 
 def emulate_wgm_chunk(codes: np.ndarray, shape: L.MatrixShape, tile: int, chunk: int, xbytes: np.ndarray,
@@ -148,19 +139,14 @@ def emulate_wgm_chunk(codes: np.ndarray, shape: L.MatrixShape, tile: int, chunk:
         for q in range(4):
             row = np.array([v[0][q], v[1][q], v[2][q], v[3][q]], dtype=np.uint32)
             xs[act_off(nl, n, q): act_off(nl, n, q) + 16] = row.view(np.uint8)
-    lo8 = lambda w: ((w << 4) & 0xF0F0F0F0) ^ 0x80808080  # noqa: E731  (q4_lo8, sgn = 0x80808080)
-    hi8 = lambda w: (w & 0xF0F0F0F0) ^ 0x80808080  # noqa: E731
     d = np.zeros((16, nl), dtype=np.int64)
     for b in range(2):
         A = np.zeros((16, 32), dtype=np.int64)
         for lane in range(32):
             g, t = lane // 4, lane % 4
             wv = [int(x) for x in frag[lane * 16: lane * 16 + 16].view(np.uint32)]
-            regs = [lo8(wv[2 * b]), hi8(wv[2 * b]), lo8(wv[2 * b + 1]), hi8(wv[2 * b + 1])]
-            A[g, 4 * t: 4 * t + 4] = L._s8x4(regs[0] & 0xFFFFFFFF)
-            A[g + 8, 4 * t: 4 * t + 4] = L._s8x4(regs[1] & 0xFFFFFFFF)
-            A[g, 16 + 4 * t: 20 + 4 * t] = L._s8x4(regs[2] & 0xFFFFFFFF)
-            A[g + 8, 16 + 4 * t: 20 + 4 * t] = L._s8x4(regs[3] & 0xFFFFFFFF)
+            regs = [_lo8(wv[2 * b]), _hi8(wv[2 * b]), _lo8(wv[2 * b + 1]), _hi8(wv[2 * b + 1])]
+            _a_fragment(A, g, t, regs)
         d += A @ canonical_b(xs, b * nl * 32, nl)
     return d
 
@@ -187,24 +173,30 @@ def test_wgm_formulas_are_the_kernels():
             assert [act_off(nl, n, q) - base for q in range(4)] == [0, 128, nl * 32, nl * 32 + 128]
 
 
-@pytest.mark.parametrize("nl", [8, 16])
-def test_wgm_chunk_emulation_gives_the_mma_sync_sums(nl):
-    """The transpose moved from the weights to the activations gives the same exact sums (both operands' k order is
-    gemv.cu's slots, permuted the same way), chunk for chunk equal to gemv_wg's and the mma.sync emulation."""
-    rng = np.random.default_rng(100 + nl)
+@pytest.mark.parametrize("form,nl", [("wg", 8), ("wg", 16), ("wg", 32), ("wgm", 8), ("wgm", 16)])
+def test_chunk_emulations_give_the_mma_sync_sums(form, nl):
+    """wg: gemv_wg's rotated ring and quad transpose; wgm: the warp-specialized entries, the transpose moved from the
+    weights to the activations (both operands' k order is gemv.cu's slots, permuted the same way). Each gives the exact
+    integer sums, chunk for chunk equal to the mma.sync emulation (and wgm to wg)."""
+    rng = np.random.default_rng(nl + (100 if form == "wgm" else 0))
     w = rng.standard_normal((32, 192)).astype(np.float32)
     pm = L.pack_matrix(w, L.FMT_Q4)
     codes_w, _ = L.quantize(w, L.FMT_Q4)
     x = rng.standard_normal((nl, 192)).astype(np.float32) * 3
     xc, _ = L.quantize_act8(x)
     xb = L.act8_fragment_bytes(xc)
+    emulate = emulate_wg_chunk if form == "wg" else emulate_wgm_chunk
     for tile in range(2):
         for chunk in range(3):
             sl = slice(chunk * 64, chunk * 64 + 64)
-            got = emulate_wgm_chunk(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl)
+            got = emulate(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl)
             ref = 16 * codes_w[16 * tile: 16 * tile + 16, sl].astype(np.int64) @ xc[:, sl].astype(np.int64).T
             np.testing.assert_array_equal(got, ref)
-            np.testing.assert_array_equal(got, emulate_wg_chunk(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl))
+            for l0 in range(0, nl, 8):  # the mma.sync kernel's 8-lane tiles
+                np.testing.assert_array_equal(got[:, l0:l0 + 8], L.emulate_a8_chunk(pm.codes, pm.shape, tile, chunk,
+                                                                                    xb[l0:l0 + 8, sl]))
+            if form == "wgm":
+                np.testing.assert_array_equal(got, emulate_wg_chunk(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl))
 
 
 def test_wgm_stage_layout_size_and_fit(monkeypatch):
