@@ -401,6 +401,11 @@ PY
             timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=$v > "$OUT/mbar_steps$v.txt" 2>&1 || rc=1
             echo "--- steps GWG_MBAR=$v"; grep -E "^prefetch|of read" "$OUT/mbar_steps$v.txt"
           done
+          if [ -n "${MBAR_GATES:-}" ]; then  # the canonical gates with the switch on (their md5s must not move)
+            timeout 170 python3 -c "import runpy, sys; from q27py.gpu import constants as C; C.GWG_MBAR = 1; \
+sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/mbar_gates.txt" 2>&1 || rc=1
+            tail -5 "$OUT/mbar_gates.txt"
+          fi
         fi ;;
     deep)  # (~3-5 min) issue 10: gemv8w_q4_n8d (GWG_DEEP) -- its bitwise tests, the probe at 1 / 8 lanes and the steps,
            # off / on in separate processes; on an H200 the 8K / 32K prefill on the shipped defaults first
