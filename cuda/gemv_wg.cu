@@ -521,14 +521,14 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 
 // ---- The warp-specialized walk (gemv8w_q4_n8m / n16m; kernels.gemv_wg_kernel under GWG_MBAR): the one-pass walk's
 // chunks, int32 sums and fp32 terms in the same order (bitwise gemv8_q4_*), with the copying taken off the
-// tensor-core warps. Why (docs/PERF.md, 2026-12-07): a plain-entry warp spends ~300 instructions a 2 KB stage, a third
+// tensor-core warps. Why (docs/PERF.md, 2026-12-06 eighth session): a plain-entry warp spends ~300 instructions a 2 KB stage, a third
 // of them computing the 7 cp.async addresses of its share of the next stage, and every stage ends at a CTA barrier,
 // so a CTA streams ~8 GB/s whatever the card's read rate (the H200 reads 1.5x the H100 and decodes no faster). Here
 // a fifth warp (the producer) fills each stage: its lane 0 moves the 4 tiles' weights and scale words and the chunk
 // scales as bulk copies (cp.async.bulk, one instruction a contiguous run, their bytes counted off the stage's "full"
-// mbarrier), and its 32 lanes stage the activations. The 4 MMA warps wait on "full", read their own 16-byte
-// fragment a chunk (one LDS.128: the file's bytes as they are), and release the slot on "empty"; no CTA barrier in
-// the loop. The wgmma A fragment wants the quad's 4 x 4 transpose of those words (gemv_wg's rotated reads); here
+// mbarrier), and its 32 lanes copy the activations in (cp.async, 4 bytes each, transposed on the way). The 4 MMA
+// warps wait on "full", read their own 16-byte fragment a chunk (one LDS.128: the file's bytes as they are), and
+// release the slot on "empty"; no CTA barrier in the loop. The wgmma A fragment wants the quad's 4 x 4 transpose of those words (gemv_wg's rotated reads); here
 // the transpose moves to the activations instead, which are 1/4 of a stage's bytes at 8 lanes: B row q of lane n
 // holds word q of each of the lane's four 16-byte pieces, so thread t's own words are its A registers (the k
 // order both operands agree on is still gemv.cu's slots, only permuted the same way on both sides).
@@ -591,28 +591,25 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
                 bulk_g2s(st + SG::S_OFF + i * CPS * 32, ssrc + (i64)i * sstride + c * 8, (u32)(nv * 32), fb);
             }
         };
-        // every lane: its (chunk j, lane n) pieces' 64 activation bytes, stored as the 4 transposed B rows; lane 0
-        // also the chunk scales. Lanes past the launch's repeat its last (their outputs are never written).
+        // every lane: activation words by cp.async (4 bytes each, asynchronous: a producer that waited for its own
+        // loads before storing them could fill only one stage per load round trip, ~8 GB/s a CTA, measured
+        // 2026-12-06 eighth session), each lane word w = 4 p + q of piece p of a (chunk j, lane n) 64-byte run, stored
+        // at byte 4 p of B row q (wg_act_off(n, q)): row q holds word q of pieces 0..3. The lane's arrive fires when
+        // its copies have landed (.noinc: one of the 32 expected). Lane 0 also bulk-copies the chunk scales. Lanes
+        // past the launch's repeat its last (their outputs are never written).
+        const int xw = lane & 15, xp = xw >> 2, xqw = xw & 3;
         auto issue_x = [&](int k) {
             const int c = c0 + CPS * k, nv = min(CPS, c1 - c), s = k % S;
             const u32 st = ring + s * SG::BYTES, fb = bar_full + 8 * s;
             if (lane == 0) bulk_g2s(st + SG::XS_OFF, xs + (i64)c * GEMV_MAX_LANES, (u32)(nv * GEMV_MAX_LANES * 4), fb);
 #pragma unroll
-            for (int e = 0; e < CPS * NL / 32; e++) {
-                const int p = lane + 32 * e, j = p / NL, n = p % NL;
-                if (j < nv) {
-                    const uint4* src = reinterpret_cast<const uint4*>(xq + (i64)min(n, nlanes - 1) * ldq + (i64)(c + j) * 64);
-                    const uint4 v0 = __ldg(src), v1 = __ldg(src + 1), v2 = __ldg(src + 2), v3 = __ldg(src + 3);
-                    u8* dst = dyn_smem + s * SG::BYTES + SG::X_OFF + j * NL * 64 + wg_act_off<NL>(n, 0);
-                    // row q (k32 step q >> 1, core-matrix column q & 1): word q of pieces 0..3
-                    *reinterpret_cast<uint4*>(dst) = make_uint4(v0.x, v1.x, v2.x, v3.x);
-                    *reinterpret_cast<uint4*>(dst + 128) = make_uint4(v0.y, v1.y, v2.y, v3.y);
-                    *reinterpret_cast<uint4*>(dst + NL * 32) = make_uint4(v0.z, v1.z, v2.z, v3.z);
-                    *reinterpret_cast<uint4*>(dst + NL * 32 + 128) = make_uint4(v0.w, v1.w, v2.w, v3.w);
-                }
+            for (int e = 0; e < CPS * NL / 2; e++) {
+                const int pr = 2 * e + (lane >> 4), j = pr / NL, n = pr % NL;
+                if (j < nv)
+                    cp_async_ca4(st + SG::X_OFF + j * NL * 64 + wg_act_off<NL>(n, xqw) + 4 * xp,
+                                 xq + (i64)min(n, nlanes - 1) * ldq + (i64)(c + j) * 64 + 4 * xw);
             }
-            wg_fence_proxy();  // the stores, visible to the async proxy (wgmma reads B through it)
-            mbar_arrive(fb);
+            cp_async_mbar_arrive(fb);
         };
         // the weights are constants: the first stages' go out before the wait on the kernel that wrote the
         // activations (PDL)
@@ -648,6 +645,7 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
             constexpr int CS = decltype(cs)::value;
             const int sl = CS >= 0 ? CS : slot;
             mbar_wait(bar_full + 8 * sl, phase);
+            wg_fence_proxy();  // the producer's cp.async activation bytes (acquired by the wait), for the async proxy
             const u8* st = dyn_smem + sl * SG::BYTES;
             u32 a[CPS][2][4];
 #pragma unroll

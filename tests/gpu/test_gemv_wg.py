@@ -129,7 +129,7 @@ def emulate_wgm_chunk(codes: np.ndarray, shape: L.MatrixShape, tile: int, chunk:
                       nl: int) -> np.ndarray:
     """One (16-row tile, 64-k chunk) of the warp-specialized entries (wgm_body): thread (g, t) unpacks its OWN 16-byte
     fragment (the file's bytes, bulk-copied as they are), words 0 / 1 for k32 step 0 and 2 / 3 for step 1, and the
-    producer stores lane n's 64 activation bytes (pieces 0..3 of 16) as 4 B rows, row q = word q of each piece, at
+    producer copies lane n's 64 activation bytes (pieces 0..3 of 16) into 4 B rows, row q = word q of each piece, at
     wg_act_off(n, q); read back through the canonical layout. Exact int32 sums [16, nl]."""
     cb = L.CHUNK_BYTES[shape.fmt]
     frag = codes[(tile * shape.kchunks + chunk) * cb: (tile * shape.kchunks + chunk + 1) * cb]
@@ -158,19 +158,23 @@ def test_wgm_formulas_are_the_kernels():
                  "a[j][0][2] = q4_lo8(v.y, sgn); a[j][0][3] = q4_hi8(v.y, sgn);",
                  "a[j][1][0] = q4_lo8(v.z, sgn); a[j][1][1] = q4_hi8(v.z, sgn);",
                  "a[j][1][2] = q4_lo8(v.w, sgn); a[j][1][3] = q4_hi8(v.w, sgn);",
-                 "wg_act_off<NL>(n, 0);",
-                 "*reinterpret_cast<uint4*>(dst) = make_uint4(v0.x, v1.x, v2.x, v3.x);",
-                 "*reinterpret_cast<uint4*>(dst + 128) = make_uint4(v0.y, v1.y, v2.y, v3.y);",
-                 "*reinterpret_cast<uint4*>(dst + NL * 32) = make_uint4(v0.z, v1.z, v2.z, v3.z);",
-                 "*reinterpret_cast<uint4*>(dst + NL * 32 + 128) = make_uint4(v0.w, v1.w, v2.w, v3.w);",
+                 "const int xw = lane & 15, xp = xw >> 2, xqw = xw & 3;",
+                 "cp_async_ca4(st + SG::X_OFF + j * NL * 64 + wg_act_off<NL>(n, xqw) + 4 * xp,",
+                 "xq + (i64)min(n, nlanes - 1) * ldq + (i64)(c + j) * 64 + 4 * xw);",
                  "wg_mma<NL, 0>(dd[j], a[j][0], xd + ((j * NL * 64) >> 4));",
                  "wg_mma<NL, 1>(dd[j], a[j][1], xd + ((j * NL * 64 + NL * 32) >> 4));"):
         assert line in s, line
-    # act_off(nl, n, q) is wg_act_off(n, 0) + the row offsets the kernel adds
+    # the kernel's per-word copies (word w = 4 p + q of the 64-byte run to byte 4 p of row q) are the emulation's rows
     for nl in (8, 16):
-        for n in range(nl):
-            base = act_off(nl, n, 0)
-            assert [act_off(nl, n, q) - base for q in range(4)] == [0, 128, nl * 32, nl * 32 + 128]
+        run = np.arange(64, dtype=np.uint8)
+        rows = np.zeros(nl * 64, dtype=np.uint8)
+        for w in range(16):
+            p, q = w >> 2, w & 3
+            rows[act_off(nl, 3, q) + 4 * p: act_off(nl, 3, q) + 4 * p + 4] = run[4 * w: 4 * w + 4]
+        v = [run[p * 16: p * 16 + 16].view(np.uint32) for p in range(4)]
+        for q in range(4):
+            np.testing.assert_array_equal(rows[act_off(nl, 3, q): act_off(nl, 3, q) + 16].view(np.uint32),
+                                          [v[0][q], v[1][q], v[2][q], v[3][q]])
 
 
 @pytest.mark.parametrize("form,nl", [("wg", 8), ("wg", 16), ("wg", 32), ("wgm", 8), ("wgm", 16)])
