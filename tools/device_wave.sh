@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu mbar all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu mbar mbarq all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -383,6 +383,16 @@ PY
         echo "--- probe GWG_DEEP=0 GWG_PLACE2=1"; grep -E "down|gdn_in|gdn_out|attn_in|attn_o|family" "$OUT/h200_probe_place2.txt"
         timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_PLACE2=1 > "$OUT/h200_steps_place2.txt" 2>&1 || rc=1
         echo "--- steps GWG_PLACE2=1"; grep -E "^prefetch|of read" "$OUT/h200_steps_place2.txt" ;;
+    mbarq)  # (~2 min; a nearly spent budget) mbar's smoke launch, then the probe off / on and the steps on only
+        timeout 90 $PYTEST tests/gpu/test_gemv_wg.py -k "switched_entries_are_bitwise_gemv8_on_the_27b_launches and mbar-1 and gdn_out" \
+          > "$OUT/mbarq_smoke.txt" 2>&1 || rc=1; tail -2 "$OUT/mbarq_smoke.txt"
+        for v in 1 0; do
+          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set GWG_MBAR=$v \
+            > "$OUT/mbarq_probe$v.txt" 2>&1 || rc=1
+          echo "--- probe GWG_MBAR=$v"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|lm_head|family" "$OUT/mbarq_probe$v.txt"
+        done
+        timeout 60 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=1 > "$OUT/mbarq_steps.txt" 2>&1 || rc=1
+        grep -E "^prefetch|of read" "$OUT/mbarq_steps.txt" ;;
     mbar)  # (~4-5 min) issue 10: the warp-specialized gemv_wg entries (gemv8w_q4_n8m / n16m, GWG_MBAR: a producer warp's
            # bulk copies and mbarriers). First one bitwise launch under a short timeout (a hang costs only that), then the
            # bitwise tests, the probe at 1 / 8 / 16 lanes and the steps, off / on in separate processes
