@@ -686,8 +686,8 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
         int k = 0;
         if constexpr (GWG_M_UNROLL) {
             // whole groups of S stages with their slots (and, S even, their residue halves) as constants, so the slot
-            // addresses and wgmma descriptors are constant offsets (docs/PERF.md, 2026-12-06 eighth session: the running slot's
-            // 64-bit descriptor arithmetic was ~45 of a stage's ~170 instructions)
+            // addresses and wgmma descriptors are constant offsets (docs/PERF.md, 2026-12-06 eighth session: the
+            // running slot's 64-bit descriptor arithmetic was ~45 of a stage's ~170 instructions)
             static_assert(S % 2 == 0, "a group's stages alternate the residue halves");
 #pragma unroll 1
             for (; k + S <= nfull; k += S) {
