@@ -219,7 +219,8 @@ __device__ __forceinline__ void wg_zero(float (&acc)[R][N][4]) {
 // gemv.cu's reduction of the one-pass walk: the 8 residue (warp) partials added in order, v = P0, v += P1, ..., into
 // the unit's tile red0 (64 rows x NL lanes)
 template <int NL>
-__device__ __forceinline__ void wg_fold(const float (&acc)[GEMV_WARPS][NL / 8][4], float* red0, int warp, int g, int t) {
+__device__ __forceinline__ void wg_fold(const float (&acc)[GEMV_WARPS][NL / 8][4], float* red0, int warp, int g,
+                                        int t) {
 #pragma unroll
     for (int i = 0; i < NL / 8; i++)
 #pragma unroll
@@ -520,18 +521,19 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 
 
 // ---- The warp-specialized walk (gemv8w_q4_n8m / n16m; kernels.gemv_wg_kernel under GWG_MBAR): the one-pass walk's
-// chunks, int32 sums and fp32 terms in the same order (bitwise gemv8_q4_*), with the copying taken off the
-// tensor-core warps. Why (docs/PERF.md, 2026-12-06 eighth session): a plain-entry warp spends ~300 instructions a 2 KB stage, a third
-// of them computing the 7 cp.async addresses of its share of the next stage, and every stage ends at a CTA barrier,
-// so a CTA streams ~8 GB/s whatever the card's read rate (the H200 reads 1.5x the H100 and decodes no faster). Here
-// a fifth warp (the producer) fills each stage: its lane 0 moves the 4 tiles' weights and scale words and the chunk
-// scales as bulk copies (cp.async.bulk, one instruction a contiguous run, their bytes counted off the stage's "full"
-// mbarrier), and its 32 lanes copy the activations in (cp.async, 4 bytes each, transposed on the way). The 4 MMA
+// chunks, int32 sums and fp32 terms in the same order (bitwise gemv8_q4_*), with the copying taken off the tensor-core
+// warps. Why (docs/PERF.md, 2026-12-06 eighth session): a plain-entry warp spends ~300 instructions a 2 KB stage, a
+// third of them computing the 7 cp.async addresses of its share of the next stage, and every stage ends at a CTA
+// barrier, so a CTA streams ~8 GB/s whatever the card's read rate (the H200 reads 1.5x the H100 and decodes no faster).
+// Here a fifth warp (the producer) fills each stage: its lane 0 moves the 4 tiles' weights and scale words and the
+// chunk scales as bulk copies (cp.async.bulk, one instruction a contiguous run, their bytes counted off the stage's
+// "full" mbarrier), and its 32 lanes copy the activations in (cp.async, 4 bytes each, transposed on the way). The 4 MMA
 // warps wait on "full", read their own 16-byte fragment a chunk (one LDS.128: the file's bytes as they are), and
-// release the slot on "empty"; no CTA barrier in the loop. The wgmma A fragment wants the quad's 4 x 4 transpose of those words (gemv_wg's rotated reads); here
-// the transpose moves to the activations instead, which are 1/4 of a stage's bytes at 8 lanes: B row q of lane n
-// holds word q of each of the lane's four 16-byte pieces, so thread t's own words are its A registers (the k
-// order both operands agree on is still gemv.cu's slots, only permuted the same way on both sides).
+// release the slot on "empty"; no CTA barrier in the loop. The wgmma A fragment wants the quad's 4 x 4 transpose of
+// those words (gemv_wg's rotated reads); here the transpose moves to the activations instead, which are 1/4 of a
+// stage's bytes at 8 lanes: B row q of lane n holds word q of each of the lane's four 16-byte pieces, so thread t's own
+// words are its A registers (the k order both operands agree on is still gemv.cu's slots, only permuted the same way on
+// both sides).
 template <int NL>
 struct WgmStage {
     enum {
