@@ -25,6 +25,12 @@ wg3_ab() {
     > "$OUT/wg3_load.txt" 2>&1 || rc=1
   tail -12 "$OUT/wg3_load.txt"
 }
+# mbar / mbarq: one bitwise launch of the warp-specialized gemv_wg entries under a short timeout (a hang costs only that)
+mbar_smoke() {
+  timeout 90 $PYTEST tests/gpu/test_gemv_wg.py -k "switched_entries_are_bitwise_gemv8_on_the_27b_launches and mbar-1 and gdn_out" \
+    > "$OUT/mbar_smoke.txt" 2>&1 || rc=1
+  tail -3 "$OUT/mbar_smoke.txt"
+}
 rc=0
 for stage in "$@"; do
   say "$stage"
@@ -384,8 +390,7 @@ PY
         timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_PLACE2=1 > "$OUT/h200_steps_place2.txt" 2>&1 || rc=1
         echo "--- steps GWG_PLACE2=1"; grep -E "^prefetch|of read" "$OUT/h200_steps_place2.txt" ;;
     mbarq)  # (~2 min; a nearly spent budget) mbar's smoke launch, then the probe off / on and the steps on only
-        timeout 90 $PYTEST tests/gpu/test_gemv_wg.py -k "switched_entries_are_bitwise_gemv8_on_the_27b_launches and mbar-1 and gdn_out" \
-          > "$OUT/mbarq_smoke.txt" 2>&1 || rc=1; tail -2 "$OUT/mbarq_smoke.txt"
+        mbar_smoke
         for v in 1 0; do
           timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set GWG_MBAR=$v \
             > "$OUT/mbarq_probe$v.txt" 2>&1 || rc=1
@@ -394,10 +399,9 @@ PY
         timeout 60 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=1 > "$OUT/mbarq_steps.txt" 2>&1 || rc=1
         grep -E "^prefetch|of read" "$OUT/mbarq_steps.txt" ;;
     mbar)  # (~4-5 min) issue 10: the warp-specialized gemv_wg entries (gemv8w_q4_n8m / n16m, GWG_MBAR: a producer warp's
-           # bulk copies and mbarriers). First one bitwise launch under a short timeout (a hang costs only that), then the
-           # bitwise tests, the probe at 1 / 8 / 16 lanes and the steps, off / on in separate processes
-        timeout 90 $PYTEST tests/gpu/test_gemv_wg.py -k "switched_entries_are_bitwise_gemv8_on_the_27b_launches and mbar-1 and gdn_out" \
-          > "$OUT/mbar_smoke.txt" 2>&1 || rc=1; tail -3 "$OUT/mbar_smoke.txt"
+           # bulk copies and mbarriers). First mbar_smoke, then the bitwise tests, the probe at 1 / 8 / 16 lanes and the
+           # steps, off / on in separate processes
+        mbar_smoke
         if grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt"; then
           timeout 150 $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1; tail -3 "$OUT/mbar_tests.txt"
           i=0

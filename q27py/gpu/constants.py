@@ -123,14 +123,14 @@ GWG_CTAS_N8D, GWG_STAGES_N8D, GWG_DEEP_MIN_CHUNKS = 2, 8, 64
 # (n8d's rule leaves them on the plain entry). Same kernel, same bits.
 GWG_PLACE2 = 0
 GWG_PLACE2_BYTES = 78976
-# 1-16 lanes on the warp-specialized entries gemv8w_q4_n8m / n16m (Python-side switch GWG_MBAR, 0 off, 1 on): a
-# producer warp fills a GWG_STAGES_N8M / GWG_STAGES_N16M-stage ring with bulk copies (weights, scale words, chunk scales) and the transposed
-# activation rows, 4 MMA warps wait on mbarriers (no CTA barrier a stage, one LDS.128 a chunk for the A fragment);
-# blocks of GWG_THREADS_M threads, GWG_CTAS_N8M / GWG_CTAS_N16M CTAs an SM. Why: the plain entries spend ~300
-# instructions a warp a 2 KB stage and stream ~8 GB/s a CTA whatever the card (docs/PERF.md, 2026-12-06 eighth
-# session). Bitwise the same sums (H100, u1: 61 bitwise tests, the four gates' md5s unchanged). Measured slower there
-# (GEMV family 2,212 -> 1,729 GB/s at 1 lane): the producer then loaded and stored the activations, waiting a round
-# trip a stage; it now copies them by cp.async (fa29ab9), not yet measured.
+# 1-16 lanes on the warp-specialized entries gemv8w_q4_n8m / n16m (Python-side switch GWG_MBAR, 0 off, 1 on): a producer
+# warp fills a GWG_STAGES_N8M / GWG_STAGES_N16M-stage ring with bulk copies (weights, scale words, chunk scales) and the
+# transposed activation rows, 4 MMA warps wait on mbarriers (no CTA barrier a stage, one LDS.128 a chunk for the A
+# fragment); blocks of GWG_THREADS_M threads, GWG_CTAS_N8M / GWG_CTAS_N16M CTAs an SM. Why: the plain entries spend ~300
+# instructions a warp a 2 KB stage and stream ~8 GB/s a CTA whatever the card (docs/PERF.md, 2026-12-06 eighth session).
+# Bitwise the same sums (H100, u1: 61 bitwise tests, the four gates' md5s unchanged). Measured slower there (GEMV family
+# 2,212 -> 1,729 GB/s at 1 lane): the producer then loaded and stored the activations, waiting a round trip a stage; it
+# now copies them by cp.async (fa29ab9), not yet measured.
 GWG_MBAR = 0
 GWG_THREADS_M, GWG_CTAS_N8M, GWG_CTAS_N16M, GWG_STAGES_N8M, GWG_STAGES_N16M = 160, 3, 2, 6, 6
 # the MMA warps' stages in unrolled groups of a ring's length (constant slots and descriptors; 0: the running slot only)

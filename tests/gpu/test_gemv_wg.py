@@ -767,7 +767,9 @@ def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
             "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16, "gemv8w_q4_n8q": C.GWG_CTAS_N8Q,
             "gemv8w_q4_n16q": C.GWG_CTAS_N16Q, "gemv8w_q4_n8d": C.GWG_CTAS_N8D, "gemv8w_q4_n8m": C.GWG_CTAS_N8M,
             "gemv8w_q4_n16m": C.GWG_CTAS_N16M}
-    threads = {k: C.GWG_THREADS_M if k.endswith("m") else 128 for k in rep}
+    from q27py.gpu import kernels as K
+
+    threads = {k: C.GWG_THREADS_M if K._wg_mbar_entry(k) else 128 for k in rep}
     bound = {k: min(255, 65536 // (threads[k] * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
     # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3
