@@ -400,12 +400,13 @@ PY
         grep -E "^prefetch|of read" "$OUT/mbarq_steps.txt" ;;
     mbar)  # (~4-5 min) issue 10: the warp-specialized gemv_wg entries (gemv8w_q4_n8m / n16m, GWG_MBAR: a producer warp's
            # bulk copies and mbarriers). First mbar_smoke, then the bitwise tests, the probe at 1 / 8 / 16 lanes and the
-           # steps, off / on in separate processes
+           # steps, off / on in separate processes. MBAR_AB: the probe without the unroll and with n8m at 2 CTAs an SM
+           # (no spill); MBAR_NCU: ncu's stall reasons of n8m; MBAR_GATES: the gates with the switch on
         mbar_smoke
         if grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt"; then
           timeout 150 $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1; tail -3 "$OUT/mbar_tests.txt"
           i=0
-          for cfg in "GWG_MBAR=0" "GWG_MBAR=1" ${MBAR_AB:+"GWG_MBAR=1 GWG_M_UNROLL=0"}; do
+          for cfg in "GWG_MBAR=0" "GWG_MBAR=1" ${MBAR_AB:+"GWG_MBAR=1 GWG_M_UNROLL=0"} ${MBAR_AB:+"GWG_MBAR=1 GWG_CTAS_N8M=2"}; do
             i=$((i + 1))
             timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set $cfg \
               > "$OUT/mbar_probe$i.txt" 2>&1 || rc=1
@@ -415,6 +416,12 @@ PY
             timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=$v > "$OUT/mbar_steps$v.txt" 2>&1 || rc=1
             echo "--- steps GWG_MBAR=$v"; grep -E "^prefetch|of read" "$OUT/mbar_steps$v.txt"
           done
+          if [ -n "${MBAR_NCU:-}" ]; then  # n8m on gate_up at 1 lane: where its warps wait (ncu locks clocks: ratios)
+            timeout 120 ncu --launch-count 1 --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
+              -k regex:gemv8w_q4_n8m python3 -m q27py.bench.gemv_probe --rows 34816 --cols 5120 --impl a8w --lanes 1 \
+              --once --set GWG_MBAR=1 > "$OUT/mbar_ncu.txt" 2>&1 || rc=1
+            grep -E "DRAM Throughput|Warp Cycles Per Issued|Issued Warp|Stall|No Eligible" "$OUT/mbar_ncu.txt" | head -20
+          fi
           if [ -n "${MBAR_GATES:-}" ]; then  # the canonical gates with the switch on (their md5s must not move)
             timeout 170 python3 -c "import runpy, sys; from q27py.gpu import constants as C; C.GWG_MBAR = 1; \
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/mbar_gates.txt" 2>&1 || rc=1
