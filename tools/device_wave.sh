@@ -31,6 +31,23 @@ mbar_smoke() {
     > "$OUT/mbar_smoke.txt" 2>&1 || rc=1
   tail -3 "$OUT/mbar_smoke.txt"
 }
+# ncu of one gemv_probe launch (kernel regex $1, log $2, rows $3, cols $4, lanes $5, then --set NAME=V ...): stall
+# reasons per issue, pipe use, SM-active / elapsed cycles (the wave tail), DRAM; one line of the values that matter
+gwg_ncu() {
+  local kre=$1 log=$2 rows=$3 cols=$4 lanes=$5 stalls="" r; shift 5
+  for r in long_scoreboard short_scoreboard wait barrier mio_throttle lg_throttle math_pipe_throttle not_selected \
+           selected dispatch_stall no_instruction branch_resolving membar sleeping drain misc; do
+    stalls="$stalls,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
+  done
+  local pipes="sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"
+  pipes="$pipes,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active"
+  local base="sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_elapsed.avg,dram__throughput.avg.pct_of_peak_sustained_elapsed"
+  base="$base,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__waves_per_multiprocessor"
+  timeout 90 ncu --metrics "$base$stalls,$pipes" -k regex:$kre python3 -m q27py.bench.gemv_probe --rows $rows --cols $cols \
+    --impl a8w --lanes $lanes --once ${1:+--set "$@"} > "$log" 2>&1 || rc=1
+  echo "--- ncu $kre $rows x $cols, $lanes lanes${1:+ ($*)}"
+  grep -E "^\s+(sm__|smsp__|dram__|launch__)" "$log" | awk '{v=$NF; n=$1; sub("smsp__average_warps_issue_stalled_","stall:",n); sub("_per_issue_active.ratio","",n); if (v+0 > 0.05 || n !~ /stall/) printf "%s=%s ", n, v} END {print ""}'
+}
 rc=0
 for stage in "$@"; do
   say "$stage"
@@ -416,11 +433,9 @@ PY
             timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=$v > "$OUT/mbar_steps$v.txt" 2>&1 || rc=1
             echo "--- steps GWG_MBAR=$v"; grep -E "^prefetch|of read" "$OUT/mbar_steps$v.txt"
           done
-          if [ -n "${MBAR_NCU:-}" ]; then  # n8m on gate_up at 1 lane: where its warps wait (ncu locks clocks: ratios)
-            timeout 120 ncu --launch-count 1 --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
-              -k regex:gemv8w_q4_n8m python3 -m q27py.bench.gemv_probe --rows 34816 --cols 5120 --impl a8w --lanes 1 \
-              --once --set GWG_MBAR=1 > "$OUT/mbar_ncu.txt" 2>&1 || rc=1
-            grep -E "DRAM Throughput|Warp Cycles Per Issued|Issued Warp|Stall|No Eligible" "$OUT/mbar_ncu.txt" | head -20
+          if [ -n "${MBAR_NCU:-}" ]; then  # n8m / n16m on gate_up: where their warps wait (ncu locks clocks: ratios)
+            gwg_ncu gemv8w_q4_n8m "$OUT/mbar_ncu1.txt" 34816 5120 1 GWG_MBAR=1
+            gwg_ncu gemv8w_q4_n16m "$OUT/mbar_ncu16.txt" 34816 5120 16 GWG_MBAR=1
           fi
           if [ -n "${MBAR_GATES:-}" ]; then  # the canonical gates with the switch on (their md5s must not move)
             timeout 170 python3 -c "import runpy, sys; from q27py.gpu import constants as C; C.GWG_MBAR = 1; \
@@ -479,21 +494,9 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
     gwgncu)  # why gemv_wg stops short of the read probe (issues 10 / 15; ~4 min): ncu stall reasons, pipe use and
              # SM-active / elapsed cycles (the wave tail) of gate_up at 1 and 32 lanes and down at 1 lane, then the
              # probe at 1 / 16 lanes with the ring 4-7 stages deep (GWG_STAGES; 5 is the default)
-        stalls=""
-        for r in long_scoreboard short_scoreboard wait barrier mio_throttle lg_throttle math_pipe_throttle not_selected \
-                 selected dispatch_stall no_instruction branch_resolving membar sleeping drain misc; do
-          stalls="$stalls,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
-        done
-        pipes="sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"
-        pipes="$pipes,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active"
-        base="sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_elapsed.avg,dram__throughput.avg.pct_of_peak_sustained_elapsed"
-        base="$base,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__waves_per_multiprocessor"
         for spec in "34816 5120 1" "5120 17408 1" "34816 5120 32" "34816 5120 16"; do
           set -- $spec
-          timeout 90 ncu --metrics "$base$stalls,$pipes" -k regex:gemv8w python3 -m q27py.bench.gemv_probe --rows $1 --cols $2 \
-            --impl a8w --lanes $3 --once > "$OUT/gwgncu_$1x$2_$3.txt" 2>&1 || rc=1
-          echo "--- ncu $1 x $2, $3 lanes"
-          grep -E "^\s+(sm__|smsp__|dram__|launch__)" "$OUT/gwgncu_$1x$2_$3.txt" | awk '{v=$NF; n=$1; sub("smsp__average_warps_issue_stalled_","stall:",n); sub("_per_issue_active.ratio","",n); if (v+0 > 0.05 || n !~ /stall/) printf "%s=%s ", n, v} END {print ""}'
+          gwg_ncu gemv8w "$OUT/gwgncu_$1x$2_$3.txt" $1 $2 $3
         done
         for st in 4 5 6 7; do
           timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 16 --set GWG_STAGES=$st \
