@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu mbar mbarq all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu mbar mbarq mbaron all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -443,6 +443,18 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
             tail -5 "$OUT/mbar_gates.txt"
           fi
         fi ;;
+    mbaron)  # (~6-8 min) after a winning mbar call, the same tree with GWG_MBAR = 1 as the default (the caller flips
+             # q27py/gpu/constants.py first): the engine's GPU tests and gates under it, then spec replay and load
+        grep -q "^GWG_MBAR = 1" q27py/gpu/constants.py || echo "note: GWG_MBAR is not 1 in constants.py"
+        timeout 300 $PYTEST tests/gpu/test_gemv_wg.py tests/gpu/test_forward.py tests/gpu/test_slots_gpu.py \
+          tests/gpu/test_device_chain.py tests/gpu/test_verify_groups_gpu.py tests/gpu/test_batched_rounds_gpu.py \
+          tests/gpu/test_gates.py tests/gpu/test_pdl.py > "$OUT/mbaron_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/mbaron_tests.txt"
+        timeout 150 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \
+          q27py/bench/data/spec_traces_code.json --json > "$OUT/mbaron_spec.json" 2> "$OUT/mbaron_spec.txt" || rc=1
+        grep -E "spec replay|per round|plain" "$OUT/mbaron_spec.txt" | tail -6
+        timeout 200 python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 2 16 --no-mixed \
+          --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json > "$OUT/mbaron_load.txt" 2>&1 || rc=1
+        tail -8 "$OUT/mbaron_load.txt" ;;
     deep)  # (~3-5 min) issue 10: gemv8w_q4_n8d (GWG_DEEP) -- its bitwise tests, the probe at 1 / 8 lanes and the steps,
            # off / on in separate processes; on an H200 the 8K / 32K prefill on the shipped defaults first
         if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
