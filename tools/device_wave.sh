@@ -429,7 +429,7 @@ PY
               > "$OUT/mbar_probe$i.txt" 2>&1 || rc=1
             echo "--- probe $cfg"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/mbar_probe$i.txt"
           done
-          for v in 0 1; do
+          for v in 0 1 ${MBAR_AB:+2}; do  # 2: n8m at 1-8 lanes, the plain entries at 9-16
             timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=$v > "$OUT/mbar_steps$v.txt" 2>&1 || rc=1
             echo "--- steps GWG_MBAR=$v"; grep -E "^prefetch|of read" "$OUT/mbar_steps$v.txt"
           done

@@ -123,7 +123,7 @@ GWG_CTAS_N8D, GWG_STAGES_N8D, GWG_DEEP_MIN_CHUNKS = 2, 8, 64
 # (n8d's rule leaves them on the plain entry). Same kernel, same bits.
 GWG_PLACE2 = 0
 GWG_PLACE2_BYTES = 78976
-# 1-16 lanes on the warp-specialized entries gemv8w_q4_n8m / n16m (Python-side switch GWG_MBAR, 0 off, 1 on): a producer
+# 1-16 lanes on the warp-specialized entries gemv8w_q4_n8m / n16m (Python-side switch GWG_MBAR, 0 off, 1 on, 2 n8m only): a producer
 # warp fills a GWG_STAGES_N8M / GWG_STAGES_N16M-stage ring with bulk copies (weights, scale words, chunk scales) and the
 # transposed activation rows, 4 MMA warps wait on mbarriers (no CTA barrier a stage, one LDS.128 a chunk for the A
 # fragment); blocks of GWG_THREADS_M threads, GWG_CTAS_N8M / GWG_CTAS_N16M CTAs an SM. Why: the plain entries spend ~300

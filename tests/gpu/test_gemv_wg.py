@@ -205,7 +205,7 @@ def test_chunk_emulations_give_the_mma_sync_sums(form, nl):
 
 def test_wgm_stage_layout_size_and_fit(monkeypatch):
     """GWG_MBAR: 1-16 lanes run gemv8w_q4_n8m / n16m (GWG_THREADS_M threads: the warpgroup and a producer warp), 32
-    lanes keep n32; the shared memory is WgmStage's stages (the kernel's enum, parsed) plus two mbarriers a stage, and
+    lanes keep n32 (GWG_MBAR = 2: 1-8 lanes only); the shared memory is WgmStage's stages (the kernel's enum, parsed) plus two mbarriers a stage, and
     GWG_CTAS_N8M / N16M such CTAs fit an sm_90 SM; each slot's B region stays 16-byte aligned; the bulk copies move
     whole 16-byte units."""
     from q27py.gpu import kernels as K
@@ -223,6 +223,10 @@ def test_wgm_stage_layout_size_and_fit(monkeypatch):
     assert K.gemv_wg_kernel(16) == K.gemv_wg_kernel(16, 10**6) == "gemv8w_q4_n16m"
     assert K.gemv_wg_kernel(32) == "gemv8w_q4_n32" and K.gemv_wg_threads(32) == 128
     assert K.gemv_wg_threads(8) == K.gemv_wg_threads(16) == C.GWG_THREADS_M == 160
+    monkeypatch.setattr(C, "GWG_MBAR", 2)  # n8m only: 9-16 lanes keep the plain entries' rules
+    assert K.gemv_wg_kernel(8) == "gemv8w_q4_n8m" and K.gemv_wg_threads(8) == 160
+    assert not K.gemv_wg_kernel(16).endswith("m") and K.gemv_wg_threads(16) == 128
+    monkeypatch.setattr(C, "GWG_MBAR", 1)
     for nl, ctas, stages in ((8, C.GWG_CTAS_N8M, C.GWG_STAGES_N8M), (16, C.GWG_CTAS_N16M, C.GWG_STAGES_N16M)):
         stage = C.GWG_CPS * (C.GEMV_R * 512 + C.GEMV_R * 32 + nl * 64 + C.GEMV_MAX_LANES * 4)
         assert stage % 128 == 0
