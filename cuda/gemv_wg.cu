@@ -546,19 +546,34 @@ struct WgmStage {
     };
 };
 
-template <int NL, int STAGES>
+// TWO: wg_body's two-pass walk (residues 0-3 over the unit, then 4-7; 4 partials live instead of 8, the same additions
+// in the same order), so more CTAs fit an SM (gemv8w_q4_n8mt / n16mt)
+template <int NL, int STAGES, int TWO>
 __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
                                          const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
     typedef WgmStage<NL> SG;
     constexpr int S = STAGES, CPS = GWG_CPS, NT = NL / 8, ND = NL / 2;
-    static_assert(NL == 8 || NL == 16, "the one-pass walk's widths");
+    constexpr int PASSES = TWO ? 2 : 1, RL = GEMV_WARPS / PASSES;
+    static_assert(NL == 8 || NL == 16, "the warp-specialized walk's widths");
     static_assert(CPS == 4 && GEMV_WARPS == 8 && GEMV_R == 4, "two stages span the 8 residues; a warp a tile");
     static_assert((SG::BYTES & 127) == 0 && (CPS * NL) % 32 == 0, "aligned stages; whole activation pieces a lane");
     extern __shared__ __align__(128) u8 dyn_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
     const WgUnit un = wg_unit(desc, nmat, lane0);
-    const int c0 = un.c0, c1 = un.c1, nch = c1 - c0, nst = (nch + CPS - 1) / CPS, nfull = nch / CPS;
+    const int c0 = un.c0, c1 = un.c1, nch = c1 - c0;
+    // stages of the first pass (PASSES = 1: of the unit) and of them those whose chunks are all < c1; the same of the
+    // second pass (wg_body's counts)
+    const int nst0 = PASSES == 1 ? (nch + CPS - 1) / CPS : (nch + GEMV_WARPS - 1) / GEMV_WARPS;
+    const int nfull0 = PASSES == 1 ? nch / CPS : (nch + CPS) / GEMV_WARPS;
+    const int nst1 = PASSES == 1 ? 0 : (nch + GEMV_WARPS - 1 - CPS) / GEMV_WARPS;
+    const int nfull1 = PASSES == 1 ? 0 : nch / GEMV_WARPS;
+    const int nst = nst0 + nst1, nfull = nfull0;
+    // stage k's first chunk (its CPS chunks are consecutive either way)
+    auto first = [&](int k) -> int {
+        if (PASSES == 1) return c0 + k * CPS;
+        return k < nst0 ? c0 + GEMV_WARPS * k : c0 + GEMV_WARPS * (k - nst0) + CPS;
+    };
 
     // stage k holds chunks c0 + CPS k + j (j < CPS, those < c1) in slot k % S; full[s]: lane 0's expect_tx arrive +
     // the producer's 32 lanes (activations stored) + the bulk bytes; empty[s]: the 4 MMA warps are done with it
@@ -584,7 +599,7 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
         // lane 0: the weights and scale words of stage k (GSC_Q4 = 1: a scale group a chunk), with the stage's
         // whole byte count announced first
         auto issue_w = [&](int k) {
-            const int c = c0 + CPS * k, nv = min(CPS, c1 - c), s = k % S;
+            const int c = first(k), nv = min(CPS, c1 - c), s = k % S;
             const u32 st = ring + s * SG::BYTES, fb = bar_full + 8 * s;
             mbar_arrive_expect_tx(fb, (u32)(nv * SG::TX));
 #pragma unroll
@@ -601,7 +616,7 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
         // past the launch's repeat its last (their outputs are never written).
         const int xw = lane & 15, xp = xw >> 2, xqw = xw & 3;
         auto issue_x = [&](int k) {
-            const int c = c0 + CPS * k, nv = min(CPS, c1 - c), s = k % S;
+            const int c = first(k), nv = min(CPS, c1 - c), s = k % S;
             const u32 st = ring + s * SG::BYTES, fb = bar_full + 8 * s;
             if (lane == 0) bulk_g2s(st + SG::XS_OFF, xs + (i64)c * GEMV_MAX_LANES, (u32)(nv * GEMV_MAX_LANES * 4), fb);
 #pragma unroll
@@ -634,7 +649,8 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
         // ---- the 4 MMA warps (one warpgroup), warp = its 16-row tile
         pdl_wait();
         pdl_trigger();
-        float acc[GEMV_WARPS][NT][4];
+        // acc[r]: the partial of residue r (PASSES = 2: r + CPS in the second pass), summed over its chunks in order
+        float acc[RL][NT][4];
         wg_zero(acc);
         const u8* mine = dyn_smem + SG::W_OFF + warp * CPS * 512 + lane * 16;  // this thread's fragment, chunk 0
         const u64 xdesc0 = wg_desc(ring + SG::X_OFF);
@@ -670,12 +686,13 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
             wg_wait0();
 #pragma unroll
             for (int j = 0; j < CPS; j++) wg_reg_fence(dd[j]);
-            const int first = c0 + CPS * k;
+            const int fk = first(k);
+            constexpr int R0 = PASSES == 1 ? PAR * CPS : 0;  // chunk j's partial: residue R0 + j (of the pass)
 #pragma unroll
             for (int j = 0; j < CPS; j++)
-                if (FULL || first + j < c1)  // chunks past c1 (a partial last stage) ran on stale bytes: dropped
+                if (FULL || fk + j < c1)  // chunks past c1 (a partial last stage) ran on stale bytes: dropped
                     wg_terms<NL>(*reinterpret_cast<const u32*>(st + SG::S_OFF + (warp * CPS + j) * 32 + g * 4),
-                                 st + SG::XS_OFF, j * GEMV_MAX_LANES + 2 * t, dd[j], acc[PAR * CPS + j]);
+                                 st + SG::XS_OFF, j * GEMV_MAX_LANES + 2 * t, dd[j], acc[R0 + j]);
             __syncwarp();
             if (lane == 0) mbar_arrive(bar_empty + 8 * sl);
             if constexpr (CS < 0) {
@@ -686,37 +703,68 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
             }
         };
         int k = 0;
+        // whole groups of S stages from stage 0 with their slots (and, PASSES = 1 and S even, their residue halves)
+        // as constants, so the slot addresses and wgmma descriptors are constant offsets (docs/PERF.md, 2026-12-06
+        // eighth session: the running slot's 64-bit descriptor arithmetic was ~45 of a stage's ~170 instructions)
         if constexpr (GWG_M_UNROLL) {
-            // whole groups of S stages with their slots (and, S even, their residue halves) as constants, so the slot
-            // addresses and wgmma descriptors are constant offsets (docs/PERF.md, 2026-12-06 eighth session: the
-            // running slot's 64-bit descriptor arithmetic was ~45 of a stage's ~170 instructions)
-            static_assert(S % 2 == 0, "a group's stages alternate the residue halves");
+            static_assert(S % 2 == 0 || PASSES == 2, "a group's stages alternate the residue halves");
 #pragma unroll 1
             for (; k + S <= nfull; k += S) {
                 WgFor<0, S>::run([&](auto sc) {
                     constexpr int SC = decltype(sc)::value;
-                    stage(k + SC, WgPar<SC & 1>(), WgPar<1>(), WgPar<SC>());
+                    stage(k + SC, WgPar<PASSES == 1 ? SC & 1 : 0>(), WgPar<1>(), WgPar<SC>());
                 });
                 phase ^= 1;
             }
         }
+        if constexpr (PASSES == 1) {
 #pragma unroll 1
-        for (; k + 1 < nfull; k += 2) {
-            stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
-            stage(k + 1, WgPar<1>(), WgPar<1>(), WgPar<-1>());
+            for (; k + 1 < nfull; k += 2) {
+                stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
+                stage(k + 1, WgPar<1>(), WgPar<1>(), WgPar<-1>());
+            }
+            if (k < nfull) {  // k even
+                stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
+                k++;
+            }
+            if (k < nst) {  // the partial last stage
+                if (k & 1)
+                    stage(k, WgPar<1>(), WgPar<0>(), WgPar<-1>());
+                else
+                    stage(k, WgPar<0>(), WgPar<0>(), WgPar<-1>());
+            }
+            __syncthreads();  // every MMA warp is done with the ring: it becomes the unit's tile
+            wg_fold<NL>(acc, red0, warp, g, t);  // gemv.cu's reduction: the residue (warp) partials added in order
+        } else {
+            // the first pass's rest (residues 0 .. CPS - 1), then gemv.cu's reduction begun: v = P0, v += P1, ...
+#pragma unroll 1
+            for (; k < nfull0; k++) stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
+            if (k < nst0) stage(k++, WgPar<0>(), WgPar<0>(), WgPar<-1>());  // its partial last stage
+            float v[NT][4];
+#pragma unroll
+            for (int i = 0; i < NT; i++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    v[i][q] = acc[0][i][q];
+#pragma unroll
+                    for (int r = 1; r < RL; r++) v[i][q] += acc[r][i][q];
+#pragma unroll
+                    for (int r = 0; r < RL; r++) acc[r][i][q] = 0.f;
+                }
+            // the second pass (residues CPS .. 7), and the reduction ended: ..., v += P7
+#pragma unroll 1
+            for (; k < nst0 + nfull1; k++) stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
+            if (k < nst) stage(k, WgPar<0>(), WgPar<0>(), WgPar<-1>());
+            __syncthreads();  // every MMA warp is done with the ring: it becomes the unit's tile
+#pragma unroll
+            for (int i = 0; i < NT; i++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+#pragma unroll
+                    for (int r = 0; r < RL; r++) v[i][q] += acc[r][i][q];
+                    red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v[i][q];
+                }
         }
-        if (k < nfull) {  // k even
-            stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
-            k++;
-        }
-        if (k < nst) {  // the partial last stage
-            if (k & 1)
-                stage(k, WgPar<1>(), WgPar<0>(), WgPar<-1>());
-            else
-                stage(k, WgPar<0>(), WgPar<0>(), WgPar<-1>());
-        }
-        __syncthreads();  // every MMA warp is done with the ring: it becomes the unit's tile
-        wg_fold<NL>(acc, red0, warp, g, t);  // gemv.cu's reduction: the residue (warp) partials added in order
     }
     __syncthreads();
     gemv_unit_finish<NL>(un.d, red0, un.rg, un.sp, un.splits, min(nlanes, NL), un.y, un.ldy, un.nout, un.mode);
@@ -765,15 +813,19 @@ GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
 // kernels.gemv_wg_kernel under GWG_MBAR: 1-16 lanes on the warp-specialized walk (wgm_body: a producer warp's bulk
 // copies and mbarriers, 4 MMA warps; block GWG_THREADS_M), rings of GWG_STAGES_N8M / N16M stages: bitwise the same sums
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GWGM_CALL(NL, STAGES) wgm_body<NL, STAGES>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
+#define GWGM_CALL(NL, STAGES, TWO) wgm_body<NL, STAGES, TWO>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);
 #else
-#define GWGM_CALL(NL, STAGES) __trap();
+#define GWGM_CALL(NL, STAGES, TWO) __trap();
 #endif
-#define GWGM_KERNEL(NAME, NL, CTAS, STAGES)                                                                          \
+#define GWGM_KERNEL(NAME, NL, CTAS, STAGES, TWO)                                                               \
     extern "C" __global__ void __launch_bounds__(GWG_THREADS_M, CTAS)                                          \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
-        GWGM_CALL(NL, STAGES)                                                                                  \
+        GWGM_CALL(NL, STAGES, TWO)                                                                             \
     }
-GWGM_KERNEL(gemv8w_q4_n8m, 8, GWG_CTAS_N8M, GWG_STAGES_N8M)
-GWGM_KERNEL(gemv8w_q4_n16m, 16, GWG_CTAS_N16M, GWG_STAGES_N16M)
+GWGM_KERNEL(gemv8w_q4_n8m, 8, GWG_CTAS_N8M, GWG_STAGES_N8M, 0)
+GWGM_KERNEL(gemv8w_q4_n16m, 16, GWG_CTAS_N16M, GWG_STAGES_N16M, 0)
+// ... under GWG_M_TWO: the two-pass walk (4 partials live), so GWG_CTAS_N8MT / N16MT CTAs an SM (4 / 3 instead of 3 / 2)
+// with GWG_STAGES_N8MT / N16MT-stage rings: bitwise the same sums
+GWGM_KERNEL(gemv8w_q4_n8mt, 8, GWG_CTAS_N8MT, GWG_STAGES_N8MT, 1)
+GWGM_KERNEL(gemv8w_q4_n16mt, 16, GWG_CTAS_N16MT, GWG_STAGES_N16MT, 1)

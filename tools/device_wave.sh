@@ -25,11 +25,23 @@ wg3_ab() {
     > "$OUT/wg3_load.txt" 2>&1 || rc=1
   tail -12 "$OUT/wg3_load.txt"
 }
-# mbar / mbarq: one bitwise launch of the warp-specialized gemv_wg entries under a short timeout (a hang costs only that)
+# mbar / mbarq: bitwise launches (gdn_out at 1 and 16 lanes) of the warp-specialized gemv_wg entries of test id tag $1
+# (mbar, mbart) under a short timeout (a hang costs only that); logs $OUT/$1_smoke.txt
 mbar_smoke() {
-  timeout 90 $PYTEST tests/gpu/test_gemv_wg.py -k "switched_entries_are_bitwise_gemv8_on_the_27b_launches and mbar-1 and gdn_out" \
-    > "$OUT/mbar_smoke.txt" 2>&1 || rc=1
-  tail -3 "$OUT/mbar_smoke.txt"
+  timeout 90 $PYTEST tests/gpu/test_gemv_wg.py -k "switched_entries_are_bitwise_gemv8_on_the_27b_launches and $1-1 and gdn_out" \
+    > "$OUT/$1_smoke.txt" 2>&1 || rc=1
+  tail -3 "$OUT/$1_smoke.txt"
+}
+# mbar: the 27B probe at 1 / 8 / 16 lanes (log number $1, then --set NAME=V ...), and the steps (log tag $1, then --set ...)
+mbar_probe() {
+  local n=$1; shift
+  timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set "$@" > "$OUT/mbar_probe$n.txt" 2>&1 || rc=1
+  echo "--- probe $*"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/mbar_probe$n.txt"
+}
+mbar_steps() {
+  local n=$1; shift
+  timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set "$@" > "$OUT/mbar_steps$n.txt" 2>&1 || rc=1
+  echo "--- steps $*"; grep -E "^prefetch|of read" "$OUT/mbar_steps$n.txt"
 }
 # ncu of one gemv_probe launch (kernel regex $1, log $2, rows $3, cols $4, lanes $5, then --set NAME=V ...): stall
 # reasons per issue, pipe use, SM-active / elapsed cycles (the wave tail), DRAM; one line of the values that matter
@@ -407,7 +419,7 @@ PY
         timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_PLACE2=1 > "$OUT/h200_steps_place2.txt" 2>&1 || rc=1
         echo "--- steps GWG_PLACE2=1"; grep -E "^prefetch|of read" "$OUT/h200_steps_place2.txt" ;;
     mbarq)  # (~2 min; a nearly spent budget) mbar's smoke launch, then the probe off / on and the steps on only
-        mbar_smoke
+        mbar_smoke mbar
         for v in 1 0; do
           timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set GWG_MBAR=$v \
             > "$OUT/mbarq_probe$v.txt" 2>&1 || rc=1
@@ -415,27 +427,36 @@ PY
         done
         timeout 60 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=1 > "$OUT/mbarq_steps.txt" 2>&1 || rc=1
         grep -E "^prefetch|of read" "$OUT/mbarq_steps.txt" ;;
-    mbar)  # (~4-5 min) issue 10: the warp-specialized gemv_wg entries (gemv8w_q4_n8m / n16m, GWG_MBAR: a producer warp's
-           # bulk copies and mbarriers). First mbar_smoke, then the bitwise tests, the probe at 1 / 8 / 16 lanes and the
-           # steps, off / on in separate processes. MBAR_AB: the probe without the unroll and with n8m at 2 CTAs an SM
-           # (no spill); MBAR_NCU: ncu's stall reasons of n8m; MBAR_GATES: the gates with the switch on
-        mbar_smoke
+    mbar)  # (~5-8 min) issue 10: the warp-specialized gemv_wg entries (gemv8w_q4_n8m / n16m, GWG_MBAR: a producer warp's
+           # bulk copies and mbarriers). mbar_smoke first; then the probe at 1 / 8 / 16 lanes and the steps, off / on in
+           # separate processes; then the bitwise tests (both forms; MBAR_TESTS_S seconds). MBAR_AB: the two-pass forms
+           # n8mt / n16mt (GWG_M_TWO: their own smoke launch, probe, steps); MBAR_NCU: ncu's stall reasons of n8m (2: and
+           # n16m); MBAR_AB2: the probe with n8m at 2 CTAs an SM (no spill) and without the unroll, the steps with n8m only
+           # (GWG_MBAR=2); MBAR_GATES: the gates with the switch on
+        mbar_smoke mbar
         if grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt"; then
-          timeout 150 $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1; tail -3 "$OUT/mbar_tests.txt"
           i=0
-          for cfg in "GWG_MBAR=0" "GWG_MBAR=1" ${MBAR_AB:+"GWG_MBAR=1 GWG_M_UNROLL=0"} ${MBAR_AB:+"GWG_MBAR=1 GWG_CTAS_N8M=2"}; do
-            i=$((i + 1))
-            timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set $cfg \
-              > "$OUT/mbar_probe$i.txt" 2>&1 || rc=1
-            echo "--- probe $cfg"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/mbar_probe$i.txt"
+          for cfg in "GWG_MBAR=0" "GWG_MBAR=1"; do
+            i=$((i + 1)); mbar_probe $i $cfg
           done
-          for v in 0 1 ${MBAR_AB:+2}; do  # 2: n8m at 1-8 lanes, the plain entries at 9-16
-            timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=$v > "$OUT/mbar_steps$v.txt" 2>&1 || rc=1
-            echo "--- steps GWG_MBAR=$v"; grep -E "^prefetch|of read" "$OUT/mbar_steps$v.txt"
-          done
-          if [ -n "${MBAR_NCU:-}" ]; then  # n8m / n16m on gate_up: where their warps wait (ncu locks clocks: ratios)
+          for v in 0 1; do mbar_steps $v GWG_MBAR=$v; done
+          if [ -n "${MBAR_AB:-}" ]; then
+            mbar_smoke mbart
+            if grep -q " passed" "$OUT/mbart_smoke.txt" && ! grep -q "failed" "$OUT/mbart_smoke.txt"; then
+              mbar_probe 3 GWG_MBAR=1 GWG_M_TWO=1
+              mbar_steps t GWG_MBAR=1 GWG_M_TWO=1
+            fi
+          fi
+          if [ -n "${MBAR_NCU:-}" ]; then  # n8m (MBAR_NCU=2: and n16m) on gate_up: where their warps wait (ncu: ratios)
             gwg_ncu gemv8w_q4_n8m "$OUT/mbar_ncu1.txt" 34816 5120 1 GWG_MBAR=1
-            gwg_ncu gemv8w_q4_n16m "$OUT/mbar_ncu16.txt" 34816 5120 16 GWG_MBAR=1
+            [ "$MBAR_NCU" = 2 ] && gwg_ncu gemv8w_q4_n16m "$OUT/mbar_ncu16.txt" 34816 5120 16 GWG_MBAR=1
+          fi
+          timeout ${MBAR_TESTS_S:-150} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
+          tail -3 "$OUT/mbar_tests.txt"
+          if [ -n "${MBAR_AB2:-}" ]; then
+            mbar_probe 4 GWG_MBAR=1 GWG_CTAS_N8M=2
+            mbar_probe 5 GWG_MBAR=1 GWG_M_UNROLL=0
+            mbar_steps 2 GWG_MBAR=2
           fi
           if [ -n "${MBAR_GATES:-}" ]; then  # the canonical gates with the switch on (their md5s must not move)
             timeout 170 python3 -c "import runpy, sys; from q27py.gpu import constants as C; C.GWG_MBAR = 1; \

@@ -135,6 +135,11 @@ GWG_MBAR = 0
 GWG_THREADS_M, GWG_CTAS_N8M, GWG_CTAS_N16M, GWG_STAGES_N8M, GWG_STAGES_N16M = 160, 3, 2, 6, 6
 # the MMA warps' stages in unrolled groups of a ring's length (constant slots and descriptors; 0: the running slot only)
 GWG_M_UNROLL = 1
+# under GWG_MBAR, the two-pass walk (Python-side switch GWG_M_TWO, 0 off, 1 on: gemv8w_q4_n8mt / n16mt, 4 residue
+# partials live instead of 8, as gemv8w_q4_n16t does), so GWG_CTAS_N8MT / N16MT CTAs fit an SM with
+# GWG_STAGES_N8MT / N16MT-stage rings: more warpgroups an SM to cover each one's wait a stage. Bitwise the same sums.
+GWG_M_TWO = 0
+GWG_CTAS_N8MT, GWG_CTAS_N16MT, GWG_STAGES_N8MT, GWG_STAGES_N16MT = 4, 3, 5, 5
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

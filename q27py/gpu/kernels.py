@@ -295,12 +295,13 @@ def gemv_wg_kernel(nl: int, units: int | None = None, chunks: int | None = None)
     per SM, bitwise the same) at 16 lanes its two-pass entry gemv8w_q4_n16t, at 32 its batched-epilogue entry
     gemv8w_q4_n32s, where _wg_three says so. Experiments (constants table, off): the 4-CTA entries gemv8w_q4_n8q /
     n16q (GWG_N8_FOUR / GWG_N16_FOUR), the 8-chunk-stage entries gemv8w_q4_n8w / n16w (GWG_WIDE_STAGE) and the
-    warp-specialized gemv8w_q4_n8m / n16m (GWG_MBAR 1, ahead of every other rule at 1-16 lanes; 2: n8m only, at 1-8).
+    warp-specialized gemv8w_q4_n8m / n16m (GWG_MBAR 1, ahead of every other rule at 1-16 lanes; 2: n8m only, at 1-8;
+    GWG_M_TWO: their two-pass forms n8mt / n16mt).
     chunks: the fewest
     chunks a unit of the launch streams (_wg_deep: the deep-ring 8-lane entry gemv8w_q4_n8d)."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
     if (C.GWG_MBAR == 1 and nl < GWG_MAX_LANES) or (C.GWG_MBAR == 2 and nl == 8):
-        return f"gemv8w_q4_n{nl}m"
+        return f"gemv8w_q4_n{nl}m" + ("t" if C.GWG_M_TWO else "")
     if _wg_deep(nl, units, chunks):
         return "gemv8w_q4_n8d"
     if nl == 16 and C.GWG_N16_FOUR:
@@ -330,12 +331,14 @@ def _wg_entry(name: str) -> tuple[int, int, int]:
         "gemv8w_q4_n8d": (C.GWG_CTAS_N8D, C.GWG_CPS, C.GWG_STAGES_N8D),
         "gemv8w_q4_n8m": (C.GWG_CTAS_N8M, C.GWG_CPS, C.GWG_STAGES_N8M),
         "gemv8w_q4_n16m": (C.GWG_CTAS_N16M, C.GWG_CPS, C.GWG_STAGES_N16M),
+        "gemv8w_q4_n8mt": (C.GWG_CTAS_N8MT, C.GWG_CPS, C.GWG_STAGES_N8MT),
+        "gemv8w_q4_n16mt": (C.GWG_CTAS_N16MT, C.GWG_CPS, C.GWG_STAGES_N16MT),
     }[name]
 
 
 def _wg_mbar_entry(name: str) -> bool:
     """Whether a cuda/gemv_wg.cu entry is a warp-specialized one (wgm_body: GWG_THREADS_M threads, WgmStage)."""
-    return name in ("gemv8w_q4_n8m", "gemv8w_q4_n16m")
+    return name in ("gemv8w_q4_n8m", "gemv8w_q4_n16m", "gemv8w_q4_n8mt", "gemv8w_q4_n16mt")
 
 
 def gemv_wg_threads(nl: int, units: int | None = None, chunks: int | None = None) -> int:
