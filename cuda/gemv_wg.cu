@@ -626,7 +626,27 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
                     cp_async_ca4(st + SG::X_OFF + j * NL * 64 + wg_act_off<NL>(n, xqw) + 4 * xp,
                                  xq + (i64)min(n, nlanes - 1) * ldq + (i64)(c + j) * 64 + 4 * xw);
             }
-            cp_async_mbar_arrive(fb);
+            if constexpr (GWG_M_XLAG == 0)
+                cp_async_mbar_arrive(fb);
+            else
+                cp_async_commit_mem();
+        };
+        // GWG_M_XLAG = D > 0: stage k's activation copies are waited for by their own lanes D stages later, fenced for
+        // the async proxy (wgmma reads B through it) by the lanes that wrote them, then announced by a plain arrive:
+        // the writer-side fence the PTX proxy rules ask for, which the cp.async arrive above cannot give
+        auto land_x = [&](int k) {
+            if constexpr (GWG_M_XLAG > 0) {
+                if (k < 0) return;
+                wg_fence_proxy();
+                mbar_arrive(bar_full + 8 * (k % S));
+            }
+        };
+        auto issue_x_lag = [&](int k) {
+            issue_x(k);
+            if constexpr (GWG_M_XLAG > 0) {
+                cp_async_wait_mem<GWG_M_XLAG>();  // stage k - D's copies (and all before) have landed
+                land_x(k - GWG_M_XLAG);
+            }
         };
         // the weights are constants: the first stages' go out before the wait on the kernel that wrote the
         // activations (PDL)
@@ -637,12 +657,17 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
         pdl_wait();
         pdl_trigger();
 #pragma unroll 1
-        for (int k = 0; k < pro; k++) issue_x(k);
+        for (int k = 0; k < pro; k++) issue_x_lag(k);
 #pragma unroll 1
         for (int k = S; k < nst; k++) {
             mbar_wait(bar_empty + 8 * (k % S), ((k / S) - 1) & 1);
             if (lane == 0) issue_w(k);
-            issue_x(k);
+            issue_x_lag(k);
+        }
+        if constexpr (GWG_M_XLAG > 0) {  // the last D stages
+            cp_async_wait_all_mem();
+#pragma unroll 1
+            for (int k = max(nst - GWG_M_XLAG, 0); k < nst; k++) land_x(k);
         }
         __syncthreads();  // the MMA warps are done with the ring
     } else {

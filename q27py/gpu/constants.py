@@ -139,6 +139,11 @@ GWG_M_UNROLL = 1
 # partials live instead of 8, as gemv8w_q4_n16t does), so GWG_CTAS_N8MT / N16MT CTAs fit an SM with
 # GWG_STAGES_N8MT / N16MT-stage rings: more warpgroups an SM to cover each one's wait a stage. Bitwise the same sums.
 GWG_M_TWO = 0
+# the producer's activation copies: 0 announce each stage by cp.async.mbarrier.arrive (the consumers fence the proxy
+# after their wait); D > 0: each lane waits for its copies D stages later, fences the proxy itself, then arrives. Why:
+# under 0 the bitwise tests failed 4 of 121 on the H100 (2026-12-06 ninth session: a 16-row tile of all lanes off by
+# ~1e-4..1e-2 in one unit, in n8m and n8mt / n16mt), the pattern of one tensor core reading some B bytes stale.
+GWG_M_XLAG = 0
 GWG_CTAS_N8MT, GWG_CTAS_N16MT, GWG_STAGES_N8MT, GWG_STAGES_N16MT = 4, 3, 5, 5
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)

@@ -76,7 +76,7 @@ def test_every_pdl_kernel_waits_first():
     body = body[: body.index("\n}\n")]
     prod = body[body.index("// ---- the producer warp"): body.index("// ---- the 4 MMA warps")]
     wait = prod.index("pdl_wait();")
-    assert prod.index("issue_w(k);") < wait < prod.index("issue_x(k);")
+    assert prod.index("issue_w(k);") < wait < prod.index("issue_x_lag(k);")
     assert prod.index("pdl_trigger();") > wait
     mma = body[body.index("// ---- the 4 MMA warps"):]
     assert mma.index("pdl_wait();") < mma.index("pdl_trigger();") < mma.index("mbar_wait(")
