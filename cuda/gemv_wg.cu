@@ -232,6 +232,35 @@ __device__ __forceinline__ void wg_fold(const float (&acc)[GEMV_WARPS][NL / 8][4
         }
 }
 
+// The two-pass walks' reduction (gemv.cu's order, v = P0, v += P1, ..., v += P7): after the first pass, its RL
+// residue partials summed into v and zeroed for the second pass
+template <int RL, int NT>
+__device__ __forceinline__ void wg_fold_first(float (&acc)[RL][NT][4], float (&v)[NT][4]) {
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            v[i][q] = acc[0][i][q];
+#pragma unroll
+            for (int r = 1; r < RL; r++) v[i][q] += acc[r][i][q];
+#pragma unroll
+            for (int r = 0; r < RL; r++) acc[r][i][q] = 0.f;
+        }
+}
+// ... and after the second: its partials added to v, written to the unit's tile red0 (64 rows x NL lanes)
+template <int NL, int RL, int NT>
+__device__ __forceinline__ void wg_fold_second(const float (&acc)[RL][NT][4], float (&v)[NT][4], float* red0, int warp,
+                                               int g, int t) {
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+#pragma unroll
+            for (int r = 0; r < RL; r++) v[i][q] += acc[r][i][q];
+            red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v[i][q];
+        }
+}
+
 // This CTA's unit (gemv.cu's units: row group rg of its matrix, K split sp of splits, chunks c0 .. c1 - 1) and its
 // matrix's descriptor fields; y already offset to lane0's row
 struct WgUnit {
@@ -490,30 +519,14 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         for (; k < nfull0; k++) stage(k, WgPar<0>(), WgPar<1>());
         if (k < nst0) stage(k, WgPar<0>(), WgPar<0>());  // its partial last stage
         float v[NT][4];
-#pragma unroll
-        for (int i = 0; i < NT; i++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                v[i][q] = acc[0][i][q];
-#pragma unroll
-                for (int r = 1; r < RL; r++) v[i][q] += acc[r][i][q];
-#pragma unroll
-                for (int r = 0; r < RL; r++) acc[r][i][q] = 0.f;
-            }
+        wg_fold_first(acc, v);
         // the second pass (residues CPS .. 7), and the reduction ended: ..., v += P7
 #pragma unroll 1
         for (k = nst0; k < nst0 + nfull1; k++) stage(k, WgPar<0>(), WgPar<1>());
         if (k < nst) stage(k, WgPar<0>(), WgPar<0>());
         cp_async_wait<0>();
         __syncthreads();  // the ring becomes the unit's tile
-#pragma unroll
-        for (int i = 0; i < NT; i++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-#pragma unroll
-                for (int r = 0; r < RL; r++) v[i][q] += acc[r][i][q];
-                red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v[i][q];
-            }
+        wg_fold_second<NL>(acc, v, red0, warp, g, t);
     }
     __syncthreads();
     gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode);
@@ -766,29 +779,13 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
             for (; k < nfull0; k++) stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
             if (k < nst0) stage(k++, WgPar<0>(), WgPar<0>(), WgPar<-1>());  // its partial last stage
             float v[NT][4];
-#pragma unroll
-            for (int i = 0; i < NT; i++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    v[i][q] = acc[0][i][q];
-#pragma unroll
-                    for (int r = 1; r < RL; r++) v[i][q] += acc[r][i][q];
-#pragma unroll
-                    for (int r = 0; r < RL; r++) acc[r][i][q] = 0.f;
-                }
+            wg_fold_first(acc, v);
             // the second pass (residues CPS .. 7), and the reduction ended: ..., v += P7
 #pragma unroll 1
             for (; k < nst0 + nfull1; k++) stage(k, WgPar<0>(), WgPar<1>(), WgPar<-1>());
             if (k < nst) stage(k, WgPar<0>(), WgPar<0>(), WgPar<-1>());
             __syncthreads();  // every MMA warp is done with the ring: it becomes the unit's tile
-#pragma unroll
-            for (int i = 0; i < NT; i++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-#pragma unroll
-                    for (int r = 0; r < RL; r++) v[i][q] += acc[r][i][q];
-                    red0[(warp * 16 + g + 8 * (q >> 1)) * NL + 8 * i + 2 * t + (q & 1)] = v[i][q];
-                }
+            wg_fold_second<NL>(acc, v, red0, warp, g, t);
         }
     }
     __syncthreads();
