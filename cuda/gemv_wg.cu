@@ -624,9 +624,10 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
         // every lane: activation words by cp.async (4 bytes each, asynchronous: a producer that waited for its own
         // loads before storing them could fill only one stage per load round trip, ~8 GB/s a CTA, measured
         // 2026-12-06 eighth session), each lane word w = 4 p + q of piece p of a (chunk j, lane n) 64-byte run, stored
-        // at byte 4 p of B row q (wg_act_off(n, q)): row q holds word q of pieces 0..3. The lane's arrive fires when
-        // its copies have landed (.noinc: one of the 32 expected). Lane 0 also bulk-copies the chunk scales. Lanes
-        // past the launch's repeat its last (their outputs are never written).
+        // at byte 4 p of B row q (wg_act_off(n, q)): row q holds word q of pieces 0..3. GWG_M_XLAG = 0: the lane's
+        // arrive fires when its copies have landed (.noinc: one of the 32 expected); else land_x below announces them.
+        // Lane 0 also bulk-copies the chunk scales. Lanes past the launch's repeat its last (their outputs are never
+        // written).
         const int xw = lane & 15, xp = xw >> 2, xqw = xw & 3;
         auto issue_x = [&](int k) {
             const int c = first(k), nv = min(CPS, c1 - c), s = k % S;
