@@ -588,7 +588,7 @@ __device__ __forceinline__ void wgm_body(const i64* __restrict__ desc, int nmat,
         return k < nst0 ? c0 + GEMV_WARPS * k : c0 + GEMV_WARPS * (k - nst0) + CPS;
     };
 
-    // stage k holds chunks c0 + CPS k + j (j < CPS, those < c1) in slot k % S; full[s]: lane 0's expect_tx arrive +
+    // stage k holds chunks first(k) + j (j < CPS, those < c1) in slot k % S; full[s]: lane 0's expect_tx arrive +
     // the producer's 32 lanes (activations stored) + the bulk bytes; empty[s]: the 4 MMA warps are done with it
     const u32 ring = smem_addr(dyn_smem);
     const u32 bar_full = ring + S * SG::BYTES, bar_empty = bar_full + 8 * S;

@@ -420,13 +420,8 @@ PY
         echo "--- steps GWG_PLACE2=1"; grep -E "^prefetch|of read" "$OUT/h200_steps_place2.txt" ;;
     mbarq)  # (~2 min; a nearly spent budget) mbar's smoke launch, then the probe off / on and the steps on only
         mbar_smoke mbar
-        for v in 1 0; do
-          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set GWG_MBAR=$v \
-            > "$OUT/mbarq_probe$v.txt" 2>&1 || rc=1
-          echo "--- probe GWG_MBAR=$v"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|lm_head|family" "$OUT/mbarq_probe$v.txt"
-        done
-        timeout 60 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_MBAR=1 > "$OUT/mbarq_steps.txt" 2>&1 || rc=1
-        grep -E "^prefetch|of read" "$OUT/mbarq_steps.txt" ;;
+        for v in 1 0; do mbar_probe q$v GWG_MBAR=$v; done
+        mbar_steps q GWG_MBAR=1 ;;
     mbar)  # (~5-8 min) issue 10: the warp-specialized gemv_wg entries (gemv8w_q4_n8m / n16m, GWG_MBAR: a producer warp's
            # bulk copies and mbarriers). mbar_smoke first; then the probe at 1 / 8 / 16 lanes and the steps, off / on in
            # separate processes; then the bitwise tests (both forms; MBAR_TESTS_S seconds). MBAR_AB: the two-pass forms

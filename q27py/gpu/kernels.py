@@ -296,9 +296,8 @@ def gemv_wg_kernel(nl: int, units: int | None = None, chunks: int | None = None)
     gemv8w_q4_n32s, where _wg_three says so. Experiments (constants table, off): the 4-CTA entries gemv8w_q4_n8q /
     n16q (GWG_N8_FOUR / GWG_N16_FOUR), the 8-chunk-stage entries gemv8w_q4_n8w / n16w (GWG_WIDE_STAGE) and the
     warp-specialized gemv8w_q4_n8m / n16m (GWG_MBAR 1, ahead of every other rule at 1-16 lanes; 2: n8m only, at 1-8;
-    GWG_M_TWO: their two-pass forms n8mt / n16mt).
-    chunks: the fewest
-    chunks a unit of the launch streams (_wg_deep: the deep-ring 8-lane entry gemv8w_q4_n8d)."""
+    GWG_M_TWO: their two-pass forms n8mt / n16mt). chunks: the fewest chunks a unit of the launch streams (_wg_deep:
+    the deep-ring 8-lane entry gemv8w_q4_n8d)."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
     if (C.GWG_MBAR == 1 and nl < GWG_MAX_LANES) or (C.GWG_MBAR == 2 and nl == 8):
         return f"gemv8w_q4_n{nl}m" + ("t" if C.GWG_M_TWO else "")

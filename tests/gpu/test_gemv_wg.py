@@ -205,9 +205,9 @@ def test_chunk_emulations_give_the_mma_sync_sums(form, nl):
 
 def test_wgm_stage_layout_size_and_fit(monkeypatch):
     """GWG_MBAR: 1-16 lanes run gemv8w_q4_n8m / n16m (GWG_THREADS_M threads: the warpgroup and a producer warp), 32
-    lanes keep n32 (GWG_MBAR = 2: 1-8 lanes only); the shared memory is WgmStage's stages (the kernel's enum, parsed) plus two mbarriers a stage, and
-    GWG_CTAS_N8M / N16M such CTAs fit an sm_90 SM; each slot's B region stays 16-byte aligned; the bulk copies move
-    whole 16-byte units."""
+    lanes keep n32 (GWG_MBAR = 2: 1-8 lanes only; GWG_M_TWO: the two-pass forms); the shared memory is WgmStage's
+    stages (the kernel's enum, parsed) plus two mbarriers a stage, and each form's CTAs an SM fit an sm_90 SM; each
+    slot's B region stays 16-byte aligned; the bulk copies move whole 16-byte units."""
     from q27py.gpu import kernels as K
 
     s = _src()
