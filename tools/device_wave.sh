@@ -429,6 +429,7 @@ PY
           mbar_smoke mbar
           mbar_probe 0 GWG_MBAR=0
           mbar_probe 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
+          mbar_probe 7 GWG_STAGES=7
           grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt" && mbar_probe 1 GWG_MBAR=1
           mbar_steps 0 GWG_MBAR=0
           mbar_steps 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
