@@ -22,8 +22,12 @@ typedef long long i64;
 // outputs (nor anything it reads) before griddepcontrol.wait, which returns once every
 // predecessor has completed and its memory is visible. launch_dependents lets the next kernel
 // start early. Below sm_90 (and in launches without the attribute) both are no-ops.
+// PDL_NOWAIT (constants table, 0; a timing probe only, never the engine: the results are wrong) compiles the
+// wait out, so a captured graph's kernels run with no dependency on one another, as far as the SMs hold them.
+// What a step takes then is what it would take if no launch boundary cost anything (no ramp, no wave tail
+// between dependent launches): the bound on what a persistent, dataflow-ordered step could gain.
 __device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !PDL_NOWAIT
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }

@@ -419,32 +419,32 @@ PY
         timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_PLACE2=1 > "$OUT/h200_steps_place2.txt" 2>&1 || rc=1
         echo "--- steps GWG_PLACE2=1"; grep -E "^prefetch|of read" "$OUT/h200_steps_place2.txt" ;;
     s10)  # (~7-9 min; the tenth session's first call, card-aware) on an H200: issue 14's 8K / 32K prefill on the
-          # shipped defaults, then issue 10's open H200 question -- is the per-CTA consumer the bound there? -- as the
-          # probe and steps of the plain entries, the 4-CTA n8q / n16q and the warp-specialized n8m / n16m (GWG_M_XLAG
-          # 2: the writer-side proxy fence), ncu of plain gate_up at 1 lane, then mbar's bitwise tests. On an H100:
-          # mbar's smoke, the mbar tests first (the race check), then the probe / steps off / on and n8m's ncu
+          # shipped defaults first. Then on either card issue 10's question of where the step's time goes: the probe
+          # at 1 / 8 / 16 lanes and the steps with PDL_NOWAIT 0 / 1 (1: every griddepcontrol.wait compiled out, the
+          # graph's kernels free of their dependencies -- the bound a persistent, dataflow-ordered step could reach;
+          # its results are wrong). On an H200 then the 4-CTA n8q / n16q, the 7-stage ring and the warp-specialized
+          # n8m / n16m (GWG_M_XLAG 2: the writer-side proxy fence), ncu of plain gate_up at 1 lane; last (either
+          # card) mbar's smoke launch and bitwise tests (the race check), and on an H100 mbar's probe / steps
         if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
           Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
             --configs rope+bf16x3f+gateup > "$OUT/s10_prefill.txt" 2>&1 || rc=1; grep -E "^prefill|H[12]00" "$OUT/s10_prefill.txt"
-          mbar_smoke mbar
-          mbar_probe 0 GWG_MBAR=0
+        fi
+        for v in 0 1; do mbar_probe w$v PDL_NOWAIT=$v; done
+        for v in 0 1; do mbar_steps w$v PDL_NOWAIT=$v; done
+        mbar_smoke mbar
+        if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
           mbar_probe 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
           mbar_probe 7 GWG_STAGES=7
           grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt" && mbar_probe 1 GWG_MBAR=1
-          mbar_steps 0 GWG_MBAR=0
           mbar_steps 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
-          grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt" && mbar_steps 1 GWG_MBAR=1
           gwg_ncu gemv8w_q4_n8 "$OUT/s10_ncu.txt" 34816 5120 1 GWG_MBAR=0
-          timeout ${MBAR_TESTS_S:-100} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
+          timeout ${MBAR_TESTS_S:-80} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
           tail -3 "$OUT/mbar_tests.txt"
         else
-          mbar_smoke mbar
           timeout ${MBAR_TESTS_S:-150} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
           tail -3 "$OUT/mbar_tests.txt"
-          for v in 0 1; do mbar_probe $v GWG_MBAR=$v; done
-          mbar_probe 3 GWG_MBAR=1 GWG_M_TWO=1
-          for v in 0 1; do mbar_steps $v GWG_MBAR=$v; done
-          gwg_ncu gemv8w_q4_n8m "$OUT/mbar_ncu1.txt" 34816 5120 1 GWG_MBAR=1
+          mbar_probe 1 GWG_MBAR=1
+          mbar_steps 1 GWG_MBAR=1
         fi ;;
     mbarq)  # (~2 min; a nearly spent budget) mbar's smoke launch, then the probe off / on and the steps on only
         mbar_smoke mbar

@@ -234,6 +234,9 @@ GDN2_GATES = 4  # gate rows per (head, chunk) in the scratch: G hi, G lo, e^{G_l
 # 1: the short kernels let the next kernel launch before their own wait (EngineConfig.pdl "early");
 # the runtime compiles with the engine's choice (runtime.compile_options), this is the default
 PDL_EARLY = 0
+# 1: griddepcontrol.wait compiled out (common.cuh pdl_wait) -- a timing probe of the dependency-free step only
+# (`--set PDL_NOWAIT=1` of gemv_probe / tools/gemv_prefetch_ab.py); the engine refuses to load with it
+PDL_NOWAIT = 0
 TOP2_BLOCKS = 16  # partial blocks per row of the argmax / sampling pass
 # ---------------------------------------------------------------- decode_batch lane table (FastModel.decode_batch)
 # One weight sweep for up to LANES_MAX sequences: per lane one row of LT_NFIELDS int64 state base

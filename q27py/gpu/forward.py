@@ -2005,6 +2005,10 @@ def load_fast_model(cfg) -> FastModel:
     from q27py.model.checkpoint import Checkpoint
 
     e = cfg.engine
+    if C.PDL_NOWAIT:  # a timing probe's switch (common.cuh pdl_wait): its results are wrong
+        from q27py.errors import Q27Error
+
+        raise Q27Error("PDL_NOWAIT is set in the constants table: a timing probe only, not for serving")
     set_pdl_mode(e.pdl)  # before any compile: PDL_EARLY is a compile option
     src = Path(e.model_dir)
     if src.is_file():

@@ -159,3 +159,25 @@ def test_pdl_graph_replay_matches_eager(monkeypatch):
     np.testing.assert_array_equal(s1.gdn.get(), s2.gdn.get())
     np.testing.assert_array_equal(s1.k.get(), s2.k.get())
     assert model.graphs.replays > 0
+
+
+def test_the_nowait_probe_switch_is_off_and_the_engine_refuses_it(monkeypatch, tmp_path):
+    """PDL_NOWAIT (a timing probe: griddepcontrol.wait compiled out, so a graph's kernels ignore their
+    dependencies) ships 0, guards the one wait in common.cuh, and load_fast_model refuses it before it
+    loads anything (a server with it would answer with wrong tokens)."""
+    from q27py.config import Q27Config
+    from q27py.errors import Q27Error
+    from q27py.gpu import constants as C
+    from q27py.gpu import forward as F
+
+    assert C.PDL_NOWAIT == 0 and "-DPDL_NOWAIT=0" in C.defines()
+    src = (R.CUDA_DIR / "common.cuh").read_text(encoding="utf-8")
+    body = src[src.index("void pdl_wait()") :]
+    body = body[: body.index("\n}\n")]
+    assert "!PDL_NOWAIT" in body and body.count("griddepcontrol.wait") == 1
+    assert src.count("griddepcontrol.wait;") == 1  # no other wait that the switch would miss
+    monkeypatch.setattr(C, "PDL_NOWAIT", 1)
+    cfg = Q27Config()
+    cfg.engine.model_dir = str(tmp_path / "absent")
+    with pytest.raises(Q27Error, match="PDL_NOWAIT"):
+        F.load_fast_model(cfg)
