@@ -78,6 +78,17 @@ __device__ __forceinline__ void mma3_split_b(float (&d)[4], const u32 (&ah)[4], 
     mma_tf32(d, ah, bh0, bh1);
 }
 
+// d += a b in P passes: 3 = mma3 (the fp32-grade class), 1 = one TF32 product of the operands' hi halves (the
+// output pass's "tf32" class, EngineConfig.prefill_gdn_out_tf32: O within ~1e-3 relative, under the bf16 rounding of
+// the output projection's input that follows). With P = 1 the lo halves of a are never read, so they are not made.
+template <int P>
+__device__ __forceinline__ void mma_p(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], float b0, float b1) {
+    if constexpr (P == 1)
+        mma_tf32(d, ah, to_tf32(b0), to_tf32(b1));
+    else
+        mma3(d, ah, al, b0, b1);
+}
+
 // A fragment (split) from four row-fragment values in a0..a3 order
 __device__ __forceinline__ void split_a(float a0, float a1, float a2, float a3, u32 (&h)[4], u32 (&l)[4]) {
     split_tf32(a0, h[0], l[0]);
@@ -128,7 +139,7 @@ __device__ __forceinline__ void lower_segment(int v, int& tm, int& tn0, int& nn)
 
 // d[j] += (rows 16 tm.. of X)(rows 8 (tn0 + j).. of Y)^T over kdim for j < nn, X and Y row-major
 // [C][ld] tiles read as float2 along their rows (k permuted), columns through swz(row, col).
-template <int KT, typename Swz>
+template <int KT, int P = 3, typename Swz>
 __device__ __forceinline__ void segment_xyt(float (&d)[3][4], const float* X, const float* Y, int ld, int tm,
                                             int tn0, int nn, Swz swz) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -146,7 +157,7 @@ __device__ __forceinline__ void segment_xyt(float (&d)[3][4], const float* X, co
             if (j >= nn) continue;
             const int rb = (tn0 + j) * 8 + g;
             const float2 b = *reinterpret_cast<const float2*>(Y + rb * ld + swz(rb, col));
-            mma3(d[j], ah, al, b.x, b.y);
+            mma_p<P>(d[j], ah, al, b.x, b.y);
         }
     }
 }
@@ -792,7 +803,7 @@ struct GatedNorm {
     int ldyb;
 };
 
-template <int DK, int DV, bool GATED = false>
+template <int DK, int DV, bool GATED = false, int P = 3>
 __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const float* __restrict__ usc,
                                          const float* __restrict__ ssc, const float* __restrict__ gsc,
                                          float* __restrict__ out, int ldo, int H, int HV, int nlanes, int pos0,
@@ -837,7 +848,7 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         int tm, tn0, nn;
         lower_segment(v, tm, tn0, nn);
         float qk[3][4];
-        segment_xyt<KT>(qk, sQ, sK, DK, tm, tn0, nn, [](int r, int c) { return sw_row(r, c); });
+        segment_xyt<KT, P>(qk, sQ, sK, DK, tm, tn0, nn, [](int r, int c) { return sw_row(r, c); });
 #pragma unroll
         for (int j = 0; j < 3; j++) {
             if (j >= nn) continue;
@@ -866,7 +877,7 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
             // barrier cost more than the splits they saved), so it stays here
             const int row = nt * 8 + g;
             const float2 b = *reinterpret_cast<const float2*>(sQ + row * DK + sw_row(row, 8 * s + 2 * t));
-            mma3(o[nt], ah, al, b.x, b.y);
+            mma_p<P>(o[nt], ah, al, b.x, b.y);
         }
     }
 #pragma unroll
@@ -884,7 +895,7 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         for (int nt = 0; nt < CT; nt++) {
             if (nt < mb) continue;  // M is lower triangular: token block nt sees blocks mb <= nt
             const float2 b = *reinterpret_cast<const float2*>(sM + (nt * 8 + g) * LDM + mb * 8 + 2 * t);
-            mma3(o[nt], ah, al, b.x, b.y);
+            mma_p<P>(o[nt], ah, al, b.x, b.y);
         }
     }
     if constexpr (!GATED) {
@@ -957,6 +968,21 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
         state8_body<D, S, P>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                  \
     }
 
+// The output pass, plain and with the gated norm, in P passes a product (mma_p: gdn2_out* 3, gdn2_out1* 1)
+#define GDN2_OUT_KERNELS(D, P, NAME, GNAME)                                                                       \
+    extern "C" __global__ void __launch_bounds__(D * 2, 2)                                                        \
+        NAME(const float* qkvn, const float* usc, const float* ssc, const float* gsc, float* out, int ldo, int H, \
+             int HV, int nlanes, int pos0, int nchunks) {                                                         \
+        out_body<D, D, false, P>(qkvn, usc, ssc, gsc, out, ldo, H, HV, nlanes, pos0, nchunks);                    \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(D * 2, 2)                                                        \
+        GNAME(const float* qkvn, const float* usc, const float* ssc, const float* gsc, const float* z, int ldz,    \
+              const float* w, float eps, float* y, int ldy, u16* yb, int ldyb, int H, int HV, int nlanes,         \
+              int pos0, int nchunks) {                                                                            \
+        out_body<D, D, true, P>(qkvn, usc, ssc, gsc, nullptr, 0, H, HV, nlanes, pos0, nchunks,                    \
+                                GatedNorm{z, ldz, w, eps, y, ldy, yb, ldyb});                                     \
+    }
+
 #define GDN2_KERNELS(D)                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                          \
         gdn2_prep_d##D(const float* qkvn, const float* gb, float* wsc, float* usc, float* gsc, int H, int HV,     \
@@ -972,18 +998,8 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
     GDN2_STATE8_KERNEL(D, 2, 1, gdn2_state_d##D##_s2k_w8)                                                         \
     GDN2_STATE8_KERNEL(D, 2, 2, gdn2_state_d##D##_s2p_w8)                                                         \
     GDN2_STATE8_KERNEL(D, 1, 2, gdn2_state_d##D##_s1p_w8)                                                         \
-    extern "C" __global__ void __launch_bounds__(D * 2, 2)                                                        \
-        gdn2_out_d##D(const float* qkvn, const float* usc, const float* ssc, const float* gsc, float* out,        \
-                      int ldo, int H, int HV, int nlanes, int pos0, int nchunks) {                                \
-        out_body<D, D>(qkvn, usc, ssc, gsc, out, ldo, H, HV, nlanes, pos0, nchunks);                              \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(D * 2, 2)                                                        \
-        gdn2_out_gated_d##D(const float* qkvn, const float* usc, const float* ssc, const float* gsc,              \
-                            const float* z, int ldz, const float* w, float eps, float* y, int ldy, u16* yb,       \
-                            int ldyb, int H, int HV, int nlanes, int pos0, int nchunks) {                         \
-        out_body<D, D, true>(qkvn, usc, ssc, gsc, nullptr, 0, H, HV, nlanes, pos0, nchunks,                       \
-                             GatedNorm{z, ldz, w, eps, y, ldy, yb, ldyb});                                        \
-    }
+    GDN2_OUT_KERNELS(D, 3, gdn2_out_d##D, gdn2_out_gated_d##D)                                                    \
+    GDN2_OUT_KERNELS(D, 1, gdn2_out1_d##D, gdn2_out1_gated_d##D)
 
 GDN2_KERNELS(128)
 GDN2_KERNELS(64)

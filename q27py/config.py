@@ -146,6 +146,13 @@ class EngineConfig:
     # pass (cuda/gdn_chunk2.cu gdn2_out_gated_*) instead of a kernel of its own after it: the O rows stay on
     # chip (no fp32 round trip through memory), the same bits (tests/gpu/test_gdn_chunk.py).
     gdn_out_fused: bool = True
+    # cuda, chunked2 prefill chunks: the output pass's products (O = e^G Q S_c + (M o Q K^T) V_new) as one TF32
+    # product each instead of three (3xTF32, the fp32-grade class the state recurrence keeps): a third of that pass's
+    # tensor-core work (cuda/gdn_chunk2.cu gdn2_out1_*). Its own tolerance class, "tf32 out" (docs/QUANT.md): O
+    # within ~1e-3 relative of the fp32-grade pass, below the bf16 rounding its consumer (the output projection's
+    # bf16 input) applies anyway; no state, snapshot or decode step changes. Off until its device quality numbers
+    # and speed are measured (issue 14).
+    prefill_gdn_out_tf32: bool = False
     # cuda: prefill attention kernel. "v1" (cuda/attention_prefill.cu: Q and P as bf16 hi + lo,
     # fp32-grade) or "v2" (cuda/attention_prefill2.cu: single bf16 Q and P, cp.async + ldmatrix,
     # 128-row tiles, key blocks for long contexts; bf16 / fp8 KV, fp32 KV keeps v1). v2 is the
@@ -497,6 +504,7 @@ ENV_VARS = {
     "Q27_GEMV_WGMMA": ("engine", "gemv_wgmma", str),
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
     "Q27_GDN_OUT_FUSED": ("engine", "gdn_out_fused", parse_switch),
+    "Q27_PREFILL_GDN_OUT_TF32": ("engine", "prefill_gdn_out_tf32", parse_switch),
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),
     "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),
     "Q27_ATTN_PREFILL_WGMMA": ("engine", "attn_prefill_wgmma", parse_switch),

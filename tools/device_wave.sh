@@ -418,33 +418,38 @@ PY
         echo "--- probe GWG_DEEP=0 GWG_PLACE2=1"; grep -E "down|gdn_in|gdn_out|attn_in|attn_o|family" "$OUT/h200_probe_place2.txt"
         timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set GWG_PLACE2=1 > "$OUT/h200_steps_place2.txt" 2>&1 || rc=1
         echo "--- steps GWG_PLACE2=1"; grep -E "^prefetch|of read" "$OUT/h200_steps_place2.txt" ;;
-    s10)  # (~7-9 min; the tenth session's first call, card-aware) on an H200: issue 14's 8K / 32K prefill on the
-          # shipped defaults first. Then on either card issue 10's question of where the step's time goes: the probe
-          # at 1 / 8 / 16 lanes and the steps with PDL_NOWAIT 0 / 1 (1: every griddepcontrol.wait compiled out, the
-          # graph's kernels free of their dependencies -- the bound a persistent, dataflow-ordered step could reach;
-          # its results are wrong). On an H200 then the 4-CTA n8q / n16q, the 7-stage ring and the warp-specialized
-          # n8m / n16m (GWG_M_XLAG 2: the writer-side proxy fence), ncu of plain gate_up at 1 lane; last (either
-          # card) mbar's smoke launch and bitwise tests (the race check), and on an H100 mbar's probe / steps
-        if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
-            --configs rope+bf16x3f+gateup > "$OUT/s10_prefill.txt" 2>&1 || rc=1; grep -E "^prefill|H[12]00" "$OUT/s10_prefill.txt"
+    s10)  # (<= ~9.5 min; the tenth session's first call, card-aware; most telling first)
+          # 1. on an H200 only: issue 14's 8K / 32K prefill, the shipped defaults against the GDN output pass in one
+          #    TF32 product (EngineConfig.prefill_gdn_out_tf32, off), alternated in one process;
+          # 2. issue 10: where the step's time goes -- the probe at 1 / 8 / 16 lanes and the steps with PDL_NOWAIT 0 / 1
+          #    (1: every griddepcontrol.wait compiled out, the graph's kernels free of their dependencies: the bound a
+          #    persistent, dataflow-ordered step could reach; its results are wrong);
+          # 3. the tf32-out switch's GPU tests and quality numbers (an H100: then its 8K prefill A/B);
+          # 4. an H200: the 4-CTA n8q / n16q and the 7-stage ring per launch; either card: mbar's smoke launch, its
+          #    bitwise tests (the race check under GWG_M_XLAG 2) and its probe
+        H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
+        if [ -n "$H200" ]; then
+          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
+            --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdn1 > "$OUT/s10_prefill.txt" 2>&1 || rc=1
+          grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -8
         fi
         for v in 0 1; do mbar_probe w$v PDL_NOWAIT=$v; done
         for v in 0 1; do mbar_steps w$v PDL_NOWAIT=$v; done
-        mbar_smoke mbar
-        if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+        timeout 150 $PYTEST -s tests/gpu/test_gdn_out_tf32.py > "$OUT/s10_tf32.txt" 2>&1 || rc=1
+        grep -E "rel L2|kl_mean|passed|failed" "$OUT/s10_tf32.txt" | tail -14
+        if [ -z "$H200" ]; then
+          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 150 python3 tools/prefill_levers.py --reps 3 --tokens 8192 \
+            --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdn1 > "$OUT/s10_prefill.txt" 2>&1 || rc=1
+          grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -6
+        else
           mbar_probe 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
           mbar_probe 7 GWG_STAGES=7
-          grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt" && mbar_probe 1 GWG_MBAR=1
-          mbar_steps 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
-          gwg_ncu gemv8w_q4_n8 "$OUT/s10_ncu.txt" 34816 5120 1 GWG_MBAR=0
-          timeout ${MBAR_TESTS_S:-80} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
-          tail -3 "$OUT/mbar_tests.txt"
-        else
-          timeout ${MBAR_TESTS_S:-150} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
-          tail -3 "$OUT/mbar_tests.txt"
+        fi
+        mbar_smoke mbar
+        if grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt"; then
           mbar_probe 1 GWG_MBAR=1
-          mbar_steps 1 GWG_MBAR=1
+          timeout ${MBAR_TESTS_S:-120} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
+          tail -3 "$OUT/mbar_tests.txt"
         fi ;;
     mbarq)  # (~2 min; a nearly spent budget) mbar's smoke launch, then the probe off / on and the steps on only
         mbar_smoke mbar

@@ -6,6 +6,7 @@ Levers (each a module default the engine sets from EngineConfig at load):
   rope    kernels.ROPE_ROWS_MIN: qk_norm_rope_store's warp-per-head form on prefill chunks (bitwise), or the block form
   small   kernels.PREFILL_SMALL_GEMM: the GDN gates' ab route ("f32" SGEMM, "bf16x3" cuBLAS, "bf16x3f" fused kernel)
   gateup  kernels.PREFILL_GATE_UP_BF16: the MLP's gate_up rows as bf16 before SwiGLU (a tolerance-class change)
+  gdn1    kernels.GDN2_OUT_TF32: the chunked2 GDN output pass in one TF32 product a mma (the "tf32 out" class)
 
     PYTHONPATH=. Q27_PREFILL_WEIGHT_CACHE_GB=60 python3 tools/prefill_levers.py [--reps 3] [--tokens 8192]
 """
@@ -19,20 +20,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# name -> (rope rows, small GEMM route, gate_up bf16)
+# name -> (rope rows, small GEMM route, gate_up bf16, GDN output pass in one TF32 product)
 CONFIGS = {
-    "before": (False, "f32", False),
-    "rope": (True, "f32", False),
-    "rope+bf16x3f": (True, "bf16x3f", False),
-    "rope+bf16x3f+gateup": (True, "bf16x3f", True),
+    "before": (False, "f32", False, False),
+    "rope": (True, "f32", False, False),
+    "rope+bf16x3f": (True, "bf16x3f", False, False),
+    "rope+bf16x3f+gateup": (True, "bf16x3f", True, False),
+    "rope+bf16x3f+gateup+gdn1": (True, "bf16x3f", True, True),
 }
 
 
 def apply(K, cfg) -> None:
-    rope, small, gateup = cfg
+    rope, small, gateup, gdn1 = cfg
     K.ROPE_ROWS_MIN = 64 if rope else 1 << 30
     K.PREFILL_SMALL_GEMM = small
     K.PREFILL_GATE_UP_BF16 = gateup
+    K.GDN2_OUT_TF32 = gdn1
 
 
 def main() -> int:

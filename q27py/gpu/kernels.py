@@ -1392,7 +1392,8 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
     """gdn_prefill's contract through the three-kernel pipeline; chunk boundaries at absolute
     multiples of GDN2_C (pieces split there give the bits of one run). scratch: a float32 device
     buffer of at least gdn2_scratch_floats(gdn2_nchunks(nlanes, pos0), hv, dk, dv) floats
-    (allocated here when None). Matches the sequential kernel within fp32 rounding (3xTF32).
+    (allocated here when None). Matches the sequential kernel within fp32 rounding (3xTF32; the output pass one
+    TF32 product under GDN2_OUT_TF32, the "tf32 out" class).
     stages / presplit / warps: the state pass's variant (default gdn2_state_variant; every variant gives the same
     bits; presplit "k": K alone, 8 warps only).
     events: four CUDA events recorded around the three launches (the bench's per-kernel split)."""
@@ -1434,14 +1435,15 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
               (state, qkvn, wsc, usc, ssc, gsc, i32(h), i32(hv), i32(dv), i32(nlanes), i32(pos0), i32(nc)),
               shared_mem=4 * smem["state"])
     mark(2)
+    out_name = "gdn2_out1" if GDN2_OUT_TF32 else "gdn2_out"  # the "tf32 out" class or the fp32-grade pass
     if gated is None:
-        rt.launch("gdn_chunk2", f"gdn2_out_d{dk}", (nc, hv), 2 * dv,
+        rt.launch("gdn_chunk2", f"{out_name}_d{dk}", (nc, hv), 2 * dv,
                   (qkvn, usc, ssc, gsc, out, i32(ldo), i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)),
                   shared_mem=4 * smem["out"])
     else:  # the output norm in the same pass (out unused): gated_rmsnorm_rows' bits
         g = gated
         assert g.y is not None or g.yb is not None
-        rt.launch("gdn_chunk2", f"gdn2_out_gated_d{dk}", (nc, hv), 2 * dv,
+        rt.launch("gdn_chunk2", f"{out_name}_gated_d{dk}", (nc, hv), 2 * dv,
                   (qkvn, usc, ssc, gsc, g.z, i32(g.ldz), g.w, f32(g.eps), g.y, i32(g.ldy), g.yb, i32(g.ldyb), i32(h),
                    i32(hv), i32(nlanes), i32(pos0), i32(nc)), shared_mem=4 * smem["out"])
     mark(3)
@@ -1469,6 +1471,18 @@ def _gdn_out_fused_default() -> bool:
 
 
 GDN2_OUT_GATED = _gdn_out_fused_default()
+
+
+# Whether the chunked2 output pass runs its products as one TF32 product each (gdn2_out1_*, the "tf32 out"
+# tolerance class) instead of 3xTF32 (gdn2_out_*). EngineConfig.prefill_gdn_out_tf32 (env Q27_PREFILL_GDN_OUT_TF32)
+# is the module default, as PREFILL_GATE_UP_BF16's; read per call.
+def _gdn_out_tf32_default() -> bool:
+    from q27py.config import Q27Config, apply_env
+
+    return bool(apply_env(Q27Config()).engine.prefill_gdn_out_tf32)
+
+
+GDN2_OUT_TF32 = _gdn_out_tf32_default()
 
 
 def gdn_prefill_run(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,

@@ -35,6 +35,18 @@ def mma3(d, a, b0, b1):
         d[e] = (d[e] + p[GQ + (e >> 1) * 8, 2 * TQ + (e & 1)]).astype(np.float32)
 
 
+def mma1(d, a, b0, b1):
+    """d (4, 32) += A B as one TF32 product (mma_p<1>: the output pass's "tf32 out" class): both operands
+    rounded to tf32 (rna), the product summed in wide precision and added to d in fp32."""
+    af = np.zeros((16, 8), np.float32)
+    af[GQ, TQ], af[GQ + 8, TQ], af[GQ, TQ + 4], af[GQ + 8, TQ + 4] = a
+    bf = np.zeros((8, 8), np.float32)
+    bf[TQ, GQ], bf[TQ + 4, GQ] = b0, b1
+    p = tf32(af).astype(np.float64) @ tf32(bf)
+    for e in range(4):
+        d[e] = (d[e] + p[GQ + (e >> 1) * 8, 2 * TQ + (e & 1)]).astype(np.float32)
+
+
 def ctile_a(c):
     """split_ctile: a C-fragment tile as an A fragment with k permuted."""
     return [c[0], c[2], c[1], c[3]]
@@ -245,7 +257,9 @@ def state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, dv, nlanes, pos0, nc,
                     st[s1 + 8 * s], st[s1 + 8 * s + 1], st[s1 + 8 * DK + 8 * s], st[s1 + 8 * DK + 8 * s + 1] = S[w, s]
 
 
-def out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc):
+def out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc, passes=3):
+    """gdn2_out_d* (passes 3: mma3) or gdn2_out1_d* (passes 1: mma1, kernels.GDN2_OUT_TF32)."""
+    mma = mma3 if passes == 3 else mma1
     NW, KT, CT = DV // 16, DK // 8, C // 8
     ldq = 2 * H * DK + HV * DV
     for h in range(HV):
@@ -273,7 +287,7 @@ def out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc):
                         a02 = ra * DK + sw_row(ra, col)
                         a13 = (ra + 8) * DK + sw_row(ra + 8, col)
                         b = rb * DK + sw_row(rb, col)
-                        mma3(qk, [sQ[a02], sQ[a13], sQ[a02 + 1], sQ[a13 + 1]], sK[b], sK[b + 1])
+                        mma(qk, [sQ[a02], sQ[a13], sQ[a02 + 1], sQ[a13 + 1]], sK[b], sK[b + 1])
                     for e in range(4):
                         i, m = tm * 16 + GQ + (e >> 1) * 8, tn * 8 + 2 * TQ + (e & 1)
                         dec = np.exp(gdiff(sG, sGl, i, np.minimum(m, i))).astype(np.float32)
@@ -286,7 +300,7 @@ def out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc):
                     for nt in range(CT):
                         row = nt * 8 + GQ
                         ad = row * DK + sw_row(row, 8 * s + 2 * TQ)
-                        mma3(o[nt], ctile_a(f), sQ[ad], sQ[ad + 1])
+                        mma(o[nt], ctile_a(f), sQ[ad], sQ[ad + 1])
                 for nt in range(CT):
                     e0, e1 = sEG[nt * 8 + 2 * TQ], sEG[nt * 8 + 2 * TQ + 1]
                     o[nt] = o[nt, 0] * e0, o[nt, 1] * e1, o[nt, 2] * e0, o[nt, 3] * e1
@@ -294,7 +308,7 @@ def out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc):
                 for mb in range(CT):
                     f = [usc[vb + mb * 128 + e] for e in range(4)]
                     for nt in range(mb, CT):
-                        mma3(o[nt], ctile_a(f), sM[nt * 8 + GQ, mb * 8 + 2 * TQ], sM[nt * 8 + GQ, mb * 8 + 2 * TQ + 1])
+                        mma(o[nt], ctile_a(f), sM[nt * 8 + GQ, mb * 8 + 2 * TQ], sM[nt * 8 + GQ, mb * 8 + 2 * TQ + 1])
                 for nt in range(CT):
                     for e in range(4):
                         i, j = nt * 8 + 2 * TQ + (e & 1), w * 16 + GQ + (e >> 1) * 8
@@ -307,9 +321,9 @@ def scratch_floats(nc, HV, DK, DV):
     return HV * nc * (C * DK + C * DV + DV * DK + GATES * C)
 
 
-def run(state, qkvn, gb, out, ldo, H, HV, DK, DV, nlanes, pos0, presplit=False):
+def run(state, qkvn, gb, out, ldo, H, HV, DK, DV, nlanes, pos0, presplit=False, out_passes=3):
     """The three launches of kernels.gdn_prefill_chunked2 on poisoned scratch (presplit: the state
-    pass's K pair layout)."""
+    pass's K pair layout; out_passes: the output pass's products, 1 under kernels.GDN2_OUT_TF32)."""
     nc = nchunks(nlanes, pos0)
     scr = np.full(scratch_floats(nc, HV, DK, DV), np.nan, np.float32)
     o1 = HV * nc * C * DK
@@ -318,7 +332,7 @@ def run(state, qkvn, gb, out, ldo, H, HV, DK, DV, nlanes, pos0, presplit=False):
     wsc, usc, ssc, gsc = scr[:o1], scr[o1:o2], scr[o2:o3], scr[o3:]
     prep(qkvn, gb, wsc, usc, gsc, H, HV, DK, DV, nlanes, pos0, nc)
     state_pass(state, qkvn, wsc, usc, ssc, gsc, H, HV, DK, DV, nlanes, pos0, nc, presplit)
-    out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc)
+    out_pass(qkvn, usc, ssc, gsc, out, ldo, H, HV, DK, DV, nlanes, pos0, nc, out_passes)
 
 
 # ---------------------------------------------------------------- the 8-warp state pass (state8_body)

@@ -280,15 +280,16 @@ def test_route_end_to_end(cp, K, tiny):
     print(f"greedy: {3 - len(diverged)} of 3 prompts equal over {DECODE_STEPS + 1} tokens; near ties: {diverged}")
 
 
-def quality(K, weights, ids, tokens: int = 2048) -> dict:
+def quality(K, weights, ids, tokens: int = 2048, switch=_switch) -> dict:
     """Held-out text in 512-token chunks (each on the cuBLAS route), every row's logits, switch off vs on: KL mean /
-    p99.9 / max, top-1 agreement, NLL (tools/fp8_prefill.py's quality(), for this switch)."""
+    p99.9 / max, top-1 agreement, NLL (tools/fp8_prefill.py's quality(), for this switch; `switch(K, on)`: another
+    prefill switch's context, e.g. test_gdn_out_tf32.py's)."""
     from q27py.gpu.forward import FastModel
 
     ids = ids[:tokens]
     logits = {}
     for on in (False, True):
-        with _switch(K, on):
+        with switch(K, on):
             m = FastModel(weights, max_context=len(ids) + 64, kv_dtype="bf16", chunk=512)
             st = m.new_state()
             rows = [m.forward(st, ids[s : s + 512], logits_rows="all").logits.astype(np.float64)
