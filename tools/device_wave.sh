@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu mbar mbarq mbaron s10 all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu mbar mbarq mbaron s10 s10b all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -450,6 +450,23 @@ PY
           mbar_probe 1 GWG_MBAR=1
           timeout ${MBAR_TESTS_S:-120} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
           tail -3 "$OUT/mbar_tests.txt"
+        fi ;;
+    s10b)  # (<= ~7 min; s10 for a nearly spent budget) the 8K prefill A/B (an H200 only), the PDL_NOWAIT probe and
+           # steps, the tf32-out GPU tests and quality, an H100's 8K prefill A/B last
+        H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
+        if [ -n "$H200" ]; then
+          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 150 python3 tools/prefill_levers.py --reps 3 --tokens 8192 \
+            --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdn1 > "$OUT/s10_prefill.txt" 2>&1 || rc=1
+          grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -6
+        fi
+        for v in 0 1; do mbar_probe w$v PDL_NOWAIT=$v; done
+        for v in 0 1; do mbar_steps w$v PDL_NOWAIT=$v; done
+        timeout 130 $PYTEST -s tests/gpu/test_gdn_out_tf32.py > "$OUT/s10_tf32.txt" 2>&1 || rc=1
+        grep -E "rel L2|kl_mean|passed|failed" "$OUT/s10_tf32.txt" | tail -14
+        if [ -z "$H200" ]; then
+          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 130 python3 tools/prefill_levers.py --reps 3 --tokens 8192 \
+            --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdn1 > "$OUT/s10_prefill.txt" 2>&1 || rc=1
+          grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -6
         fi ;;
     mbarq)  # (~2 min; a nearly spent budget) mbar's smoke launch, then the probe off / on and the steps on only
         mbar_smoke mbar
