@@ -60,6 +60,22 @@ gwg_ncu() {
   echo "--- ncu $kre $rows x $cols, $lanes lanes${1:+ ($*)}"
   grep -E "^\s+(sm__|smsp__|dram__|launch__)" "$log" | awk '{v=$NF; n=$1; sub("smsp__average_warps_issue_stalled_","stall:",n); sub("_per_issue_active.ratio","",n); if (v+0 > 0.05 || n !~ /stall/) printf "%s=%s ", n, v} END {print ""}'
 }
+# s10 / s10b: the prefill A/B of the shipped defaults against the GDN output pass in one TF32 product (tokens $2..,
+# timeout $1); the probe and steps with PDL_NOWAIT 0 / 1; the tf32-out switch's GPU tests and quality (timeout $1)
+s10_prefill() {
+  local t=$1; shift
+  Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout $t python3 tools/prefill_levers.py --reps 3 --tokens "$@" \
+    --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdn1 > "$OUT/s10_prefill.txt" 2>&1 || rc=1
+  grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -8
+}
+s10_nowait() {
+  for v in 0 1; do mbar_probe w$v PDL_NOWAIT=$v; done
+  for v in 0 1; do mbar_steps w$v PDL_NOWAIT=$v; done
+}
+s10_tf32() {
+  timeout $1 $PYTEST -s tests/gpu/test_gdn_out_tf32.py > "$OUT/s10_tf32.txt" 2>&1 || rc=1
+  grep -E "rel L2|kl_mean|passed|failed" "$OUT/s10_tf32.txt" | tail -14
+}
 rc=0
 for stage in "$@"; do
   say "$stage"
@@ -428,19 +444,11 @@ PY
           # 4. an H200: the 4-CTA n8q / n16q and the 7-stage ring per launch; either card: mbar's smoke launch, its
           #    bitwise tests (the race check under GWG_M_XLAG 2) and its probe
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
-        if [ -n "$H200" ]; then
-          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
-            --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdn1 > "$OUT/s10_prefill.txt" 2>&1 || rc=1
-          grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -8
-        fi
-        for v in 0 1; do mbar_probe w$v PDL_NOWAIT=$v; done
-        for v in 0 1; do mbar_steps w$v PDL_NOWAIT=$v; done
-        timeout 150 $PYTEST -s tests/gpu/test_gdn_out_tf32.py > "$OUT/s10_tf32.txt" 2>&1 || rc=1
-        grep -E "rel L2|kl_mean|passed|failed" "$OUT/s10_tf32.txt" | tail -14
+        [ -n "$H200" ] && s10_prefill 240 8192 32768
+        s10_nowait
+        s10_tf32 150
         if [ -z "$H200" ]; then
-          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 150 python3 tools/prefill_levers.py --reps 3 --tokens 8192 \
-            --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdn1 > "$OUT/s10_prefill.txt" 2>&1 || rc=1
-          grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -6
+          s10_prefill 150 8192
         else
           mbar_probe 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
           mbar_probe 7 GWG_STAGES=7
@@ -454,20 +462,10 @@ PY
     s10b)  # (<= ~7 min; s10 for a nearly spent budget) the 8K prefill A/B (an H200 only), the PDL_NOWAIT probe and
            # steps, the tf32-out GPU tests and quality, an H100's 8K prefill A/B last
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
-        if [ -n "$H200" ]; then
-          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 150 python3 tools/prefill_levers.py --reps 3 --tokens 8192 \
-            --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdn1 > "$OUT/s10_prefill.txt" 2>&1 || rc=1
-          grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -6
-        fi
-        for v in 0 1; do mbar_probe w$v PDL_NOWAIT=$v; done
-        for v in 0 1; do mbar_steps w$v PDL_NOWAIT=$v; done
-        timeout 130 $PYTEST -s tests/gpu/test_gdn_out_tf32.py > "$OUT/s10_tf32.txt" 2>&1 || rc=1
-        grep -E "rel L2|kl_mean|passed|failed" "$OUT/s10_tf32.txt" | tail -14
-        if [ -z "$H200" ]; then
-          Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 130 python3 tools/prefill_levers.py --reps 3 --tokens 8192 \
-            --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdn1 > "$OUT/s10_prefill.txt" 2>&1 || rc=1
-          grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -6
-        fi ;;
+        [ -n "$H200" ] && s10_prefill 150 8192
+        s10_nowait
+        s10_tf32 130
+        [ -z "$H200" ] && s10_prefill 130 8192 ;;
     mbarq)  # (~2 min; a nearly spent budget) mbar's smoke launch, then the probe off / on and the steps on only
         mbar_smoke mbar
         for v in 1 0; do mbar_probe q$v GWG_MBAR=$v; done

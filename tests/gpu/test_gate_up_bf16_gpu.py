@@ -456,7 +456,9 @@ def test_kernels_gemm_passes_the_switch_for_swiglu_only(monkeypatch):
     assert seen == [(C.MODE_SWIGLU, False), (C.MODE_STORE, False), (C.MODE_SWIGLU, True), (C.MODE_STORE, False)]
 
 
-if __name__ == "__main__":  # the device numbers for docs/QUANT.md
+def device_quality(label: str, switch=_switch) -> None:
+    """Print quality() for a prefill switch on the bundled model's q4s and q8 tiers (the device numbers for
+    docs/QUANT.md; run as a script on a GPU)."""
     import json
 
     from q27py import DEFAULT_MODEL_DIR
@@ -470,4 +472,9 @@ if __name__ == "__main__":  # the device numbers for docs/QUANT.md
     ids = np.asarray(Tokenizer.from_model_dir(Path(DEFAULT_MODEL_DIR)).encode(text), dtype=np.int64)
     for tier in ("q4s", "q8"):
         w = from_checkpoint(Checkpoint.open(Path(DEFAULT_MODEL_DIR)), tier, progress=False)
-        print(f"gate_up bf16 quality, q36-tiny-agent {tier}:", json.dumps(quality(kernels, w, ids)), flush=True)
+        print(f"{label} quality, q36-tiny-agent {tier}:", json.dumps(quality(kernels, w, ids, switch=switch)),
+              flush=True)
+
+
+if __name__ == "__main__":
+    device_quality("gate_up bf16")

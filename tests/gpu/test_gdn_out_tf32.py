@@ -30,7 +30,8 @@ from q27py.model import ops
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gdn_chunk2_emu as emu2  # noqa: E402
-from test_gate_up_bf16_gpu import _prefill_and_decode, quality, tiny  # noqa: E402,F401  (tiny: a fixture)
+from test_gate_up_bf16_gpu import (  # noqa: E402,F401  (tiny: a fixture)
+    _prefill_and_decode, device_quality, quality, tiny)
 from test_gdn_chunk import SHAPES2, klast, make, rel, run_chunked2  # noqa: E402
 
 gpu = pytest.mark.gpu
@@ -281,18 +282,4 @@ def test_emulated_one_pass_output_in_class(dk, t, pos0, decay):
 
 
 if __name__ == "__main__":  # the device numbers for docs/QUANT.md
-    import json
-
-    from q27py import DEFAULT_MODEL_DIR
-    from q27py.gpu import kernels
-    from q27py.gpu.weights import from_checkpoint
-    from q27py.model.checkpoint import Checkpoint
-    from q27py.tokenizer import Tokenizer
-
-    kernels.PREFILL_GEMM = "auto"
-    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "q27py" / "engine").glob("*.py")))
-    ids = np.asarray(Tokenizer.from_model_dir(Path(DEFAULT_MODEL_DIR)).encode(text), dtype=np.int64)
-    for tier in ("q4s", "q8"):
-        w = from_checkpoint(Checkpoint.open(Path(DEFAULT_MODEL_DIR)), tier, progress=False)
-        print(f"gdn out tf32 quality, q36-tiny-agent {tier}:", json.dumps(quality(kernels, w, ids, switch=_switch)),
-              flush=True)
+    device_quality("gdn out tf32", _switch)
