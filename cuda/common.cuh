@@ -26,11 +26,14 @@ typedef long long i64;
 // wait out, so a captured graph's kernels run with no dependency on one another, as far as the SMs hold them.
 // What a step takes then is what it would take if no launch boundary cost anything (no ramp, no wave tail
 // between dependent launches): the bound on what a persistent, dataflow-ordered step could gain.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !PDL_NOWAIT
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+// PDL_NOWAIT 2 / 3 split it: 2 drops the waits of the kernels that enter through pdl_entry (every kernel but the
+// GEMVs), 3 the GEMVs' own (gemv.cu / gemv_wg.cu call pdl_wait directly).
+__device__ __forceinline__ void pdl_wait_if(bool keep) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (keep) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+__device__ __forceinline__ void pdl_wait() { pdl_wait_if(PDL_NOWAIT != 1 && PDL_NOWAIT != 3); }
 
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -46,9 +49,9 @@ __device__ __forceinline__ void pdl_trigger() {
 __device__ __forceinline__ void pdl_entry() {
 #if PDL_EARLY
     pdl_trigger();
-    pdl_wait();
+    pdl_wait_if(PDL_NOWAIT == 0 || PDL_NOWAIT == 3);
 #else
-    pdl_wait();
+    pdl_wait_if(PDL_NOWAIT == 0 || PDL_NOWAIT == 3);
     pdl_trigger();
 #endif
 }

@@ -234,8 +234,9 @@ GDN2_GATES = 4  # gate rows per (head, chunk) in the scratch: G hi, G lo, e^{G_l
 # 1: the short kernels let the next kernel launch before their own wait (EngineConfig.pdl "early");
 # the runtime compiles with the engine's choice (runtime.compile_options), this is the default
 PDL_EARLY = 0
-# 1: griddepcontrol.wait compiled out (common.cuh pdl_wait) -- a timing probe of the dependency-free step only
-# (`--set PDL_NOWAIT=1` of gemv_probe / tools/gemv_prefetch_ab.py); the engine refuses to load with it
+# A timing probe of the dependency-free step only (`--set PDL_NOWAIT=N` of gemv_probe / tools/gemv_prefetch_ab.py;
+# the engine refuses to load with it, the results are wrong): griddepcontrol.wait compiled out (common.cuh) in every
+# kernel (1), in every kernel but the GEMVs (2), in the GEMVs only (3). docs/PERF.md, 2026-12-07.
 PDL_NOWAIT = 0
 TOP2_BLOCKS = 16  # partial blocks per row of the argmax / sampling pass
 # ---------------------------------------------------------------- decode_batch lane table (FastModel.decode_batch)

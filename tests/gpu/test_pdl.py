@@ -172,10 +172,14 @@ def test_the_nowait_probe_switch_is_off_and_the_engine_refuses_it(monkeypatch, t
 
     assert C.PDL_NOWAIT == 0 and "-DPDL_NOWAIT=0" in C.defines()
     src = (R.CUDA_DIR / "common.cuh").read_text(encoding="utf-8")
-    body = src[src.index("void pdl_wait()") :]
-    body = body[: body.index("\n}\n")]
-    assert "!PDL_NOWAIT" in body and body.count("griddepcontrol.wait") == 1
     assert src.count("griddepcontrol.wait;") == 1  # no other wait that the switch would miss
+    # the one wait sits in pdl_wait_if; pdl_wait (the GEMVs') keeps it unless PDL_NOWAIT is 1 or 3, pdl_entry (every
+    # other kernel's) unless it is 1 or 2 -- so with 0 both wait, as without the switch
+    wait = src[src.index("void pdl_wait()") :].split("\n", 1)[0]
+    assert "pdl_wait_if(PDL_NOWAIT != 1 && PDL_NOWAIT != 3)" in wait
+    entry = src[src.index("void pdl_entry()") :]
+    entry = entry[: entry.index("\n}\n")]
+    assert entry.count("pdl_wait_if(PDL_NOWAIT == 0 || PDL_NOWAIT == 3)") == 2 and "pdl_wait()" not in entry
     monkeypatch.setattr(C, "PDL_NOWAIT", 1)
     cfg = Q27Config()
     cfg.engine.model_dir = str(tmp_path / "absent")
