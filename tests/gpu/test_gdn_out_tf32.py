@@ -9,8 +9,9 @@ What is held, and to what:
   input applies anyway, is ~1.1e-3), where the fp32-grade pass sits at ~2e-7;
 - the gated form (the output norm inside the pass, GDN2_OUT_GATED) bitwise the switched pass followed by
   gated_rmsnorm_rows, as for the fp32-grade pass;
-- end to end on the bundled tiny model (q4s, 300-token prefills): logits within 5e-3 relative L2 of the switch off,
-  greedy decode after it equal but at near ties; 2,048 held-out tokens inside the a8 tier's accepted gate;
+- end to end on the bundled tiny model (q4s, 300-token prefills): logits within 5e-3 relative L2 of the switch off
+  (2.0-2.2e-3 measured), greedy decode after it equal but at near ties; 2,048 held-out tokens inside the a8 tier's
+  accepted gate (KL mean 2.07e-5, top-1 0.9990 measured);
 - switch off: no gdn2_out1_* launch, the same bits before and after a run with it on.
 
 Without a GPU the CPU checks run: config / env / module default, the kernel names chosen, and the emulation's class.
@@ -132,8 +133,9 @@ def test_switched_gated_pass_is_bitwise_the_norm_kernel(cp, K, t, pos0, rows):
 @gpu
 def test_prefill_end_to_end(cp, K, tiny):
     """Three 300-token prefills of held-out text (chunked2 route) with the switch off and on: logits within 5e-3
-    relative L2 (expected ~1e-4: O moves by ~4e-4 relative, then passes a norm, a bf16 rounding and the rest of the
-    stack); the 33 greedy tokens after each equal, or diverging only at a near tie (test_gate_up_bf16_gpu's rule)."""
+    relative L2 (measured 2.0-2.2e-3 on an H100, 2026-12-07: O moves by ~4e-4 relative in every GDN layer of the
+    stack, then through the norms, bf16 roundings and the layers after it); the 33 greedy tokens after each equal, or
+    diverging only at a near tie (test_gate_up_bf16_gpu's rule)."""
     from q27py.gpu.forward import FastModel
 
     weights, ids = tiny
