@@ -28,9 +28,40 @@ typedef long long i64;
 // between dependent launches): the bound on what a persistent, dataflow-ordered step could gain.
 // PDL_NOWAIT 2 / 3 split it: 2 drops the waits of the kernels that enter through pdl_entry (every kernel but the
 // GEMVs), 3 the GEMVs' own (gemv.cu / gemv_wg.cu call pdl_wait directly).
+// STEP_TRACE (constants table, 0; tools/step_trace.py): thread 0 of every CTA of every kernel that waits here (each
+// kernel of runtime.PDL_MODULES) records [%gridid, %globaltimer before the wait, after it, %smid] into this
+// module's q27_trace. %gridid tells the launches apart; a launch's first release is when its predecessor completed.
+#if STEP_TRACE
+__device__ unsigned long long q27_trace[STEP_TRACE_CAP * 4];
+__device__ unsigned int q27_trace_n;
+__device__ __forceinline__ unsigned long long trace_clock() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ int trace_open() {
+    if (threadIdx.x | threadIdx.y | threadIdx.z) return -1;
+    const unsigned int i = atomicAdd(&q27_trace_n, 1u);
+    if (i >= STEP_TRACE_CAP) return -1;
+    unsigned long long gid;
+    unsigned int sm;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(gid));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    q27_trace[4 * i] = gid;
+    q27_trace[4 * i + 1] = trace_clock();
+    q27_trace[4 * i + 3] = sm;
+    return (int)i;
+}
+#endif
 __device__ __forceinline__ void pdl_wait_if(bool keep) {
+#if STEP_TRACE
+    const int ti = trace_open();
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (keep) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#if STEP_TRACE
+    if (ti >= 0) q27_trace[4 * ti + 2] = trace_clock();
 #endif
 }
 __device__ __forceinline__ void pdl_wait() { pdl_wait_if(PDL_NOWAIT != 1 && PDL_NOWAIT != 3); }
@@ -284,12 +315,10 @@ __device__ __forceinline__ void cp_async_wait_mem() {
 }
 __device__ __forceinline__ void cp_async_wait_all_mem() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// ---------------------------------------------------------------- mbarriers and bulk copies (sm_90)
-// The warp-specialized kernels' stage handshakes (attention_prefill3.cu, gemv_wg.cu): init, arrive, parity
-// wait, the arrive a thread's cp.async copies trigger when they land (.noinc: it is one of the barrier's expected
-// arrivals), the arrive that also announces a phase's bulk-copy bytes, and the bulk copy global -> shared that
-// counts its bytes off a barrier (cp.async.bulk: one thread moves a contiguous run of any multiple of 16 bytes).
-// bar / dst: 32-bit shared addresses (smem_addr).
+// ---------------------------------------------------------------- mbarriers (sm_90)
+// The warp-specialized kernels' stage handshakes (attention_prefill3.cu): init, arrive, parity wait, and the
+// arrive a thread's cp.async copies trigger when they land (.noinc: it is one of the barrier's expected arrivals).
+// bar: a 32-bit shared address (smem_addr).
 __device__ __forceinline__ void mbar_init(u32 bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -308,18 +337,6 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
 __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-// barrier inits visible to the async proxy (the bulk copies' complete_tx) before any thread uses them
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-#endif
 
 // ---------------------------------------------------------------- fp8 e4m3 KV (q27py/model/kvformat.py)
 // Codes: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; max 448; S.1111.111 = NaN. Each

@@ -1,0 +1,68 @@
+"""tools/step_trace.py (a captured step's launch timeline from STEP_TRACE stamps): its grouping and summary on the
+CPU, and the stamps' build; the device run itself is a tool, not a test (docs/PERF.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import step_trace as T  # noqa: E402
+
+
+def _rec(gid, t_open, t_rel, sm):
+    return [gid, t_open, t_rel, sm]
+
+
+def test_group_orders_by_gridid_and_measures_the_boundaries():
+    """Three launches (gridids out of record order, CTAs recorded interleaved): each one's open / release / last,
+    its SMs, busy = the next launch's release minus its own, the labels from the capture's sequence, and a record
+    whose CTA never left its wait (t_released 0) dropped."""
+    ns = 1000  # 1 us
+    recs = np.array([
+        _rec(7, 10 * ns, 20 * ns, 0), _rec(5, 0, 2 * ns, 0), _rec(7, 12 * ns, 30 * ns, 1), _rec(5, 1 * ns, 3 * ns, 1),
+        _rec(9, 25 * ns, 45 * ns, 2), _rec(9, 26 * ns, 0, 3),
+    ], dtype=np.uint64)
+    ls = T.group(recs, ["norm:rmsnorm_rows_a8", "gemv_wg:gemv8w_q4_n8", "gdn_decode:gdn_decode_fused"])
+    assert [x.gridid for x in ls] == [5, 7, 9]
+    a, b, c = ls
+    assert (a.ctas, a.open, a.release, a.last, a.sms) == (2, 0.0, 2.0, 3.0, 2)
+    assert (b.ctas, b.open, b.release, b.last, b.sms) == (2, 10.0, 20.0, 30.0, 2)
+    assert (c.ctas, c.release, c.last) == (1, 45.0, 45.0)
+    assert (a.busy, b.busy, c.busy) == (18.0, 25.0, 0.0)
+    assert [x.name for x in ls] == ["norm:rmsnorm_rows_a8", "gemv_wg:gemv8w_q4_n8", "gdn_decode:gdn_decode_fused"]
+    assert [x.name for x in T.group(recs, ["only one"])] == ["?", "?", "?"]  # counts disagree: no labels
+    s = T.summary(ls)
+    assert s["span_us"] == 45.0 and s["launches"] == 3
+    assert s["families"]["gemv"] == {"busy_us": 25.0, "launches": 1}
+    assert list(s["families"])[0] == "gemv"  # the most busy first
+    assert T.group(np.zeros((0, 4), np.uint64)) == []
+
+
+@pytest.mark.parametrize("name,fam", [("gemv_wg:gemv8w_q4_n8", "gemv"), ("gemv:quant_act8", "quant"),
+                                      ("gemv:gemv8_q4_nt1", "gemv"), ("norm:rmsnorm_rows_a8", "norm"),
+                                      ("norm:gated_rmsnorm", "gdn"), ("attention:attn_decode", "attention")])
+def test_family(name, fam):
+    assert T.family(name) == fam
+
+
+def test_the_stamps_build_and_vanish_when_off(tmp_path, monkeypatch):
+    """norm.cu with STEP_TRACE = 1 builds for sm_90 and holds the trace buffer; with 0 (the default) there is none."""
+    import nvcc_build
+    from q27py.gpu import constants as C
+
+    if nvcc_build.NVCC is None:
+        pytest.skip("nvcc not installed")
+    assert C.STEP_TRACE == 0
+    for on in (0, 1):
+        monkeypatch.setattr(C, "STEP_TRACE", on)
+        d = tmp_path / f"t{on}"
+        d.mkdir()
+        rc, err = nvcc_build.build(d, "norm", "sm_90")
+        assert rc == 0, err[-2000:]
+        cubin = (d / "norm_sm_90.cubin").read_bytes()
+        assert (b"q27_trace_n" in cubin) == bool(on)
