@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu mbar mbarq mbaron s10 s10b all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -25,23 +25,16 @@ wg3_ab() {
     > "$OUT/wg3_load.txt" 2>&1 || rc=1
   tail -12 "$OUT/wg3_load.txt"
 }
-# mbar / mbarq: bitwise launches (gdn_out at 1 and 16 lanes) of the warp-specialized gemv_wg entries of test id tag $1
-# (mbar, mbart) under a short timeout (a hang costs only that); logs $OUT/$1_smoke.txt
-mbar_smoke() {
-  timeout 90 $PYTEST tests/gpu/test_gemv_wg.py -k "switched_entries_are_bitwise_gemv8_on_the_27b_launches and $1-1 and gdn_out" \
-    > "$OUT/$1_smoke.txt" 2>&1 || rc=1
-  tail -3 "$OUT/$1_smoke.txt"
-}
-# mbar: the 27B probe at 1 / 8 / 16 lanes (log number $1, then --set NAME=V ...), and the steps (log tag $1, then --set ...)
-mbar_probe() {
+# the 27B gemv_wg probe at 1 / 8 / 16 lanes (log number $1, then --set NAME=V ...), and the steps (log tag $1, then --set ...)
+gwg_probe() {
   local n=$1; shift
-  timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set "$@" > "$OUT/mbar_probe$n.txt" 2>&1 || rc=1
-  echo "--- probe $*"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/mbar_probe$n.txt"
+  timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 8 16 --set "$@" > "$OUT/gwg_probe$n.txt" 2>&1 || rc=1
+  echo "--- probe $*"; grep -E "gate_up|down|gdn_in|gdn_out|attn_in|attn_o|lm_head|family" "$OUT/gwg_probe$n.txt"
 }
-mbar_steps() {
+gwg_steps() {
   local n=$1; shift
-  timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set "$@" > "$OUT/mbar_steps$n.txt" 2>&1 || rc=1
-  echo "--- steps $*"; grep -E "^prefetch|of read" "$OUT/mbar_steps$n.txt"
+  timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set "$@" > "$OUT/gwg_steps$n.txt" 2>&1 || rc=1
+  echo "--- steps $*"; grep -E "^prefetch|of read" "$OUT/gwg_steps$n.txt"
 }
 # ncu of one gemv_probe launch (kernel regex $1, log $2, rows $3, cols $4, lanes $5, then --set NAME=V ...): stall
 # reasons per issue, pipe use, SM-active / elapsed cycles (the wave tail), DRAM; one line of the values that matter
@@ -69,8 +62,8 @@ s10_prefill() {
   grep -E "^prefill|H[12]00|tok/s" "$OUT/s10_prefill.txt" | tail -8
 }
 s10_nowait() {
-  for v in 0 1; do mbar_probe w$v PDL_NOWAIT=$v; done
-  for v in 0 1; do mbar_steps w$v PDL_NOWAIT=$v; done
+  for v in 0 1; do gwg_probe w$v PDL_NOWAIT=$v; done
+  for v in 0 1; do gwg_steps w$v PDL_NOWAIT=$v; done
 }
 s10_tf32() {
   timeout $1 $PYTEST -s tests/gpu/test_gdn_out_tf32.py > "$OUT/s10_tf32.txt" 2>&1 || rc=1
@@ -441,8 +434,7 @@ PY
           #    (1: every griddepcontrol.wait compiled out, the graph's kernels free of their dependencies: the bound a
           #    persistent, dataflow-ordered step could reach; its results are wrong);
           # 3. the tf32-out switch's GPU tests and quality numbers (an H100: then its 8K prefill A/B);
-          # 4. an H200: the 4-CTA n8q / n16q and the 7-stage ring per launch; either card: mbar's smoke launch, its
-          #    bitwise tests (the race check under GWG_M_XLAG 2) and its probe
+          # 4. an H200: the 4-CTA n8q / n16q and the 7-stage ring per launch
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
         [ -n "$H200" ] && s10_prefill 240 8192 32768
         s10_nowait
@@ -450,14 +442,8 @@ PY
         if [ -z "$H200" ]; then
           s10_prefill 150 8192
         else
-          mbar_probe 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
-          mbar_probe 7 GWG_STAGES=7
-        fi
-        mbar_smoke mbar
-        if grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt"; then
-          mbar_probe 1 GWG_MBAR=1
-          timeout ${MBAR_TESTS_S:-120} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
-          tail -3 "$OUT/mbar_tests.txt"
+          gwg_probe 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
+          gwg_probe 7 GWG_STAGES=7
         fi ;;
     s10b)  # (<= ~7 min; s10 for a nearly spent budget) the 8K prefill A/B (an H200 only), the PDL_NOWAIT probe and
            # steps, the tf32-out GPU tests and quality, an H100's 8K prefill A/B last
@@ -466,59 +452,6 @@ PY
         s10_nowait
         s10_tf32 130
         [ -z "$H200" ] && s10_prefill 130 8192 ;;
-    mbarq)  # (~2 min; a nearly spent budget) mbar's smoke launch, then the probe off / on and the steps on only
-        mbar_smoke mbar
-        for v in 1 0; do mbar_probe q$v GWG_MBAR=$v; done
-        mbar_steps q GWG_MBAR=1 ;;
-    mbar)  # (~5-8 min) issue 10: the warp-specialized gemv_wg entries (gemv8w_q4_n8m / n16m, GWG_MBAR: a producer warp's
-           # bulk copies and mbarriers). mbar_smoke first; then the probe at 1 / 8 / 16 lanes and the steps, off / on in
-           # separate processes; then the bitwise tests (both forms; MBAR_TESTS_S seconds). MBAR_AB: the two-pass forms
-           # n8mt / n16mt (GWG_M_TWO: their own smoke launch, probe, steps); MBAR_NCU: ncu's stall reasons of n8m (2: and
-           # n16m); MBAR_AB2: the probe with n8m at 2 CTAs an SM (no spill) and without the unroll, the steps with n8m only
-           # (GWG_MBAR=2); MBAR_GATES: the gates with the switch on
-        mbar_smoke mbar
-        if grep -q " passed" "$OUT/mbar_smoke.txt" && ! grep -q "failed" "$OUT/mbar_smoke.txt"; then
-          i=0
-          for cfg in "GWG_MBAR=0" "GWG_MBAR=1"; do
-            i=$((i + 1)); mbar_probe $i $cfg
-          done
-          for v in 0 1; do mbar_steps $v GWG_MBAR=$v; done
-          if [ -n "${MBAR_AB:-}" ]; then
-            mbar_smoke mbart
-            if grep -q " passed" "$OUT/mbart_smoke.txt" && ! grep -q "failed" "$OUT/mbart_smoke.txt"; then
-              mbar_probe 3 GWG_MBAR=1 GWG_M_TWO=1
-              mbar_steps t GWG_MBAR=1 GWG_M_TWO=1
-            fi
-          fi
-          if [ -n "${MBAR_NCU:-}" ]; then  # n8m (MBAR_NCU=2: and n16m) on gate_up: where their warps wait (ncu: ratios)
-            gwg_ncu gemv8w_q4_n8m "$OUT/mbar_ncu1.txt" 34816 5120 1 GWG_MBAR=1
-            [ "$MBAR_NCU" = 2 ] && gwg_ncu gemv8w_q4_n16m "$OUT/mbar_ncu16.txt" 34816 5120 16 GWG_MBAR=1
-          fi
-          timeout ${MBAR_TESTS_S:-150} $PYTEST tests/gpu/test_gemv_wg.py -k "mbar" > "$OUT/mbar_tests.txt" 2>&1 || rc=1
-          tail -3 "$OUT/mbar_tests.txt"
-          if [ -n "${MBAR_AB2:-}" ]; then
-            mbar_probe 4 GWG_MBAR=1 GWG_CTAS_N8M=2
-            mbar_probe 5 GWG_MBAR=1 GWG_M_UNROLL=0
-            mbar_steps 2 GWG_MBAR=2
-          fi
-          if [ -n "${MBAR_GATES:-}" ]; then  # the canonical gates with the switch on (their md5s must not move)
-            timeout 170 python3 -c "import runpy, sys; from q27py.gpu import constants as C; C.GWG_MBAR = 1; \
-sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/mbar_gates.txt" 2>&1 || rc=1
-            tail -5 "$OUT/mbar_gates.txt"
-          fi
-        fi ;;
-    mbaron)  # (~6-8 min) after a winning mbar call, the same tree with GWG_MBAR = 1 as the default (the caller flips
-             # q27py/gpu/constants.py first): the engine's GPU tests and gates under it, then spec replay and load
-        grep -q "^GWG_MBAR = 1" q27py/gpu/constants.py || echo "note: GWG_MBAR is not 1 in constants.py"
-        timeout 300 $PYTEST tests/gpu/test_gemv_wg.py tests/gpu/test_forward.py tests/gpu/test_slots_gpu.py \
-          tests/gpu/test_device_chain.py tests/gpu/test_verify_groups_gpu.py tests/gpu/test_batched_rounds_gpu.py \
-          tests/gpu/test_gates.py tests/gpu/test_pdl.py > "$OUT/mbaron_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/mbaron_tests.txt"
-        timeout 150 python3 -m q27py bench spec-replay --traces q27py/bench/data/spec_traces.json \
-          q27py/bench/data/spec_traces_code.json --json > "$OUT/mbaron_spec.json" 2> "$OUT/mbaron_spec.txt" || rc=1
-        grep -E "spec replay|per round|plain" "$OUT/mbaron_spec.txt" | tail -6
-        timeout 200 python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 2 16 --no-mixed \
-          --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json > "$OUT/mbaron_load.txt" 2>&1 || rc=1
-        tail -8 "$OUT/mbaron_load.txt" ;;
     deep)  # (~3-5 min) issue 10: gemv8w_q4_n8d (GWG_DEEP) -- its bitwise tests, the probe at 1 / 8 lanes and the steps,
            # off / on in separate processes; on an H200 the 8K / 32K prefill on the shipped defaults first
         if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then

@@ -123,30 +123,6 @@ GWG_CTAS_N8D, GWG_STAGES_N8D, GWG_DEEP_MIN_CHUNKS = 2, 8, 64
 # (n8d's rule leaves them on the plain entry). Same kernel, same bits.
 GWG_PLACE2 = 0
 GWG_PLACE2_BYTES = 78976
-# 1-16 lanes on the warp-specialized entries gemv8w_q4_n8m / n16m (Python-side switch GWG_MBAR, 0 off, 1 on, 2 n8m only): a producer
-# warp fills a GWG_STAGES_N8M / GWG_STAGES_N16M-stage ring with bulk copies (weights, scale words, chunk scales) and the
-# transposed activation rows, 4 MMA warps wait on mbarriers (no CTA barrier a stage, one LDS.128 a chunk for the A
-# fragment); blocks of GWG_THREADS_M threads, GWG_CTAS_N8M / GWG_CTAS_N16M CTAs an SM. Why: the plain entries spend ~300
-# instructions a warp a 2 KB stage and stream ~8 GB/s a CTA whatever the card (docs/PERF.md, 2026-12-06 eighth session).
-# Bitwise the same sums (H100, u1: 61 bitwise tests, the four gates' md5s unchanged). Measured slower there (GEMV family
-# 2,212 -> 1,729 GB/s at 1 lane): the producer then loaded and stored the activations, waiting a round trip a stage.
-# With the activations copied by cp.async (fa29ab9; ninth session v1, H100) still slower: 2,221 -> 1,839 GB/s at 1
-# lane, 1,664 -> 1,513 at 16, decode 2K 7.245 -> 8.602 ms; and 4 of 121 bitwise tests failed (GWG_M_XLAG below).
-GWG_MBAR = 0
-GWG_THREADS_M, GWG_CTAS_N8M, GWG_CTAS_N16M, GWG_STAGES_N8M, GWG_STAGES_N16M = 160, 3, 2, 6, 6
-# the MMA warps' stages in unrolled groups of a ring's length (constant slots and descriptors; 0: the running slot only)
-GWG_M_UNROLL = 1
-# under GWG_MBAR, the two-pass walk (Python-side switch GWG_M_TWO, 0 off, 1 on: gemv8w_q4_n8mt / n16mt, 4 residue
-# partials live instead of 8, as gemv8w_q4_n16t does), so GWG_CTAS_N8MT / N16MT CTAs fit an SM with
-# GWG_STAGES_N8MT / N16MT-stage rings: more warpgroups an SM to cover each one's wait a stage. Bitwise the same sums.
-GWG_M_TWO = 0
-# the producer's activation copies: 0 announce each stage by cp.async.mbarrier.arrive (the consumers fence the proxy
-# after their wait); D > 0: each lane waits for its copies D stages later, fences the proxy itself, then arrives (the
-# writer-side fence of the PTX proxy rules). Why: under 0 the bitwise tests failed 4 of 121 on the H100 (2026-12-06
-# ninth session v1: in each, one unit's 16-row tile (or a unit's rows) of every lane off by ~1e-4..1e-2, in n8m and
-# n8mt / n16mt), the pattern of one warp's tensor core reading a few B bytes stale. 2 is not yet measured.
-GWG_M_XLAG = 2
-GWG_CTAS_N8MT, GWG_CTAS_N16MT, GWG_STAGES_N8MT, GWG_STAGES_N16MT = 4, 3, 5, 5
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

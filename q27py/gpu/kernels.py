@@ -294,13 +294,9 @@ def gemv_wg_kernel(nl: int, units: int | None = None, chunks: int | None = None)
     """The cuda/gemv_wg.cu entry of a launch of `units` CTAs at width nl = 8 / 16 / 32: gemv8w_q4_n<nl>, or (3 CTAs
     per SM, bitwise the same) at 16 lanes its two-pass entry gemv8w_q4_n16t, at 32 its batched-epilogue entry
     gemv8w_q4_n32s, where _wg_three says so. Experiments (constants table, off): the 4-CTA entries gemv8w_q4_n8q /
-    n16q (GWG_N8_FOUR / GWG_N16_FOUR), the 8-chunk-stage entries gemv8w_q4_n8w / n16w (GWG_WIDE_STAGE) and the
-    warp-specialized gemv8w_q4_n8m / n16m (GWG_MBAR 1, ahead of every other rule at 1-16 lanes; 2: n8m only, at 1-8;
-    GWG_M_TWO: their two-pass forms n8mt / n16mt). chunks: the fewest chunks a unit of the launch streams (_wg_deep:
-    the deep-ring 8-lane entry gemv8w_q4_n8d)."""
+    n16q (GWG_N8_FOUR / GWG_N16_FOUR) and the 8-chunk-stage entries gemv8w_q4_n8w / n16w (GWG_WIDE_STAGE). chunks: the
+    fewest chunks a unit of the launch streams (_wg_deep: the deep-ring 8-lane entry gemv8w_q4_n8d)."""
     assert nl in (8, 16, GWG_MAX_LANES), nl
-    if (C.GWG_MBAR == 1 and nl < GWG_MAX_LANES) or (C.GWG_MBAR == 2 and nl == 8):
-        return f"gemv8w_q4_n{nl}m" + ("t" if C.GWG_M_TWO else "")
     if _wg_deep(nl, units, chunks):
         return "gemv8w_q4_n8d"
     if nl == 16 and C.GWG_N16_FOUR:
@@ -328,22 +324,7 @@ def _wg_entry(name: str) -> tuple[int, int, int]:
         "gemv8w_q4_n8q": (C.GWG_CTAS_N8Q, C.GWG_CPS, C.GWG_STAGES),
         "gemv8w_q4_n16q": (C.GWG_CTAS_N16Q, C.GWG_CPS, C.GWG_STAGES_N16Q),
         "gemv8w_q4_n8d": (C.GWG_CTAS_N8D, C.GWG_CPS, C.GWG_STAGES_N8D),
-        "gemv8w_q4_n8m": (C.GWG_CTAS_N8M, C.GWG_CPS, C.GWG_STAGES_N8M),
-        "gemv8w_q4_n16m": (C.GWG_CTAS_N16M, C.GWG_CPS, C.GWG_STAGES_N16M),
-        "gemv8w_q4_n8mt": (C.GWG_CTAS_N8MT, C.GWG_CPS, C.GWG_STAGES_N8MT),
-        "gemv8w_q4_n16mt": (C.GWG_CTAS_N16MT, C.GWG_CPS, C.GWG_STAGES_N16MT),
     }[name]
-
-
-def _wg_mbar_entry(name: str) -> bool:
-    """Whether a cuda/gemv_wg.cu entry is a warp-specialized one (wgm_body: GWG_THREADS_M threads, WgmStage)."""
-    return name in ("gemv8w_q4_n8m", "gemv8w_q4_n16m", "gemv8w_q4_n8mt", "gemv8w_q4_n16mt")
-
-
-def gemv_wg_threads(nl: int, units: int | None = None, chunks: int | None = None) -> int:
-    """Threads of one gemv_wg_kernel(nl, units, chunks) CTA: a warpgroup, plus the producer warp of the
-    warp-specialized entries."""
-    return C.GWG_THREADS_M if _wg_mbar_entry(gemv_wg_kernel(nl, units, chunks)) else 128
 
 
 def gemv_wg_ctas(nl: int, units: int | None = None, chunks: int | None = None) -> int:
@@ -355,13 +336,8 @@ def gemv_wg_shared_bytes(nl: int, units: int | None = None, chunks: int | None =
     """Dynamic shared memory of one gemv_wg_kernel(nl, units, chunks) CTA, nl = 8 / 16 / 32 lanes (WgStage<NL, CPS>::BYTES x
     its stages, _wg_entry; the unit's reduced tile reuses it): per stage CPS chunks of 4 tiles' fragments, their
     scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040 bytes (n32s: 69,632; n8d: 87,040)."""
-    name = gemv_wg_kernel(nl, units, chunks)
-    _ctas, cps, stages = _wg_entry(name)
-    if _wg_mbar_entry(name):  # WgmStage: the chunk scales as quant_act8's 16-lane rows; a full and an empty mbarrier a stage
-        ring = stages * cps * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + GEMV_MAX_LANES * 4) + 16 * stages
-    else:
-        ring = stages * cps * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4)
-    return max(ring, GEMV_ROWS_PER_CTA * nl * 4)
+    _ctas, cps, stages = _wg_entry(gemv_wg_kernel(nl, units, chunks))
+    return max(stages * cps * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4), GEMV_ROWS_PER_CTA * nl * 4)
 
 
 def gemv_wg_launch_bytes(nl: int, units: int | None = None, chunks: int | None = None) -> int:
@@ -607,7 +583,7 @@ class GemvPlan:
         nt = 1 if n <= 8 else 2
         if self._on_wg(fmt, units, cluster, n, pf):
             nl = 8 * nt
-            rt.launch("gemv_wg", gemv_wg_kernel(nl, units, chunks), units, gemv_wg_threads(nl, units, chunks),
+            rt.launch("gemv_wg", gemv_wg_kernel(nl, units, chunks), units, 128,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
                        np.uint32(0x80808080), i32(n), i32(l0)),
                       shared_mem=gemv_wg_launch_bytes(nl, units, chunks))

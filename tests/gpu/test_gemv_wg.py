@@ -125,118 +125,26 @@ def emulate_wg_chunk(codes: np.ndarray, shape: L.MatrixShape, tile: int, chunk: 
     return d
 
 
-def emulate_wgm_chunk(codes: np.ndarray, shape: L.MatrixShape, tile: int, chunk: int, xbytes: np.ndarray,
-                      nl: int) -> np.ndarray:
-    """One (16-row tile, 64-k chunk) of the warp-specialized entries (wgm_body): thread (g, t) unpacks its OWN 16-byte
-    fragment (the file's bytes, bulk-copied as they are), words 0 / 1 for k32 step 0 and 2 / 3 for step 1, and the
-    producer copies lane n's 64 activation bytes (pieces 0..3 of 16) into 4 B rows, row q = word q of each piece, at
-    wg_act_off(n, q); read back through the canonical layout. Exact int32 sums [16, nl]."""
-    cb = L.CHUNK_BYTES[shape.fmt]
-    frag = codes[(tile * shape.kchunks + chunk) * cb: (tile * shape.kchunks + chunk + 1) * cb]
-    xs = np.zeros(nl * 64, dtype=np.uint8)
-    for n in range(nl):
-        v = [xbytes[n, p * 16: p * 16 + 16].view(np.uint32) for p in range(4)]  # the producer's v0..v3
-        for q in range(4):
-            row = np.array([v[0][q], v[1][q], v[2][q], v[3][q]], dtype=np.uint32)
-            xs[act_off(nl, n, q): act_off(nl, n, q) + 16] = row.view(np.uint8)
-    d = np.zeros((16, nl), dtype=np.int64)
-    for b in range(2):
-        A = np.zeros((16, 32), dtype=np.int64)
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            wv = [int(x) for x in frag[lane * 16: lane * 16 + 16].view(np.uint32)]
-            regs = [_lo8(wv[2 * b]), _hi8(wv[2 * b]), _lo8(wv[2 * b + 1]), _hi8(wv[2 * b + 1])]
-            _a_fragment(A, g, t, regs)
-        d += A @ canonical_b(xs, b * nl * 32, nl)
-    return d
-
-
-def test_wgm_formulas_are_the_kernels():
-    """emulate_wgm_chunk's reads and stores are wgm_body's: own-word unpacking, the transposed rows, wg_act_off."""
-    s = _src()
-    for line in ("a[j][0][0] = q4_lo8(v.x, sgn); a[j][0][1] = q4_hi8(v.x, sgn);",
-                 "a[j][0][2] = q4_lo8(v.y, sgn); a[j][0][3] = q4_hi8(v.y, sgn);",
-                 "a[j][1][0] = q4_lo8(v.z, sgn); a[j][1][1] = q4_hi8(v.z, sgn);",
-                 "a[j][1][2] = q4_lo8(v.w, sgn); a[j][1][3] = q4_hi8(v.w, sgn);",
-                 "const int xw = lane & 15, xp = xw >> 2, xqw = xw & 3;",
-                 "cp_async_ca4(st + SG::X_OFF + j * NL * 64 + wg_act_off<NL>(n, xqw) + 4 * xp,",
-                 "xq + (i64)min(n, nlanes - 1) * ldq + (i64)(c + j) * 64 + 4 * xw);",
-                 "wg_mma<NL, 0>(dd[j], a[j][0], xd + ((j * NL * 64) >> 4));",
-                 "wg_mma<NL, 1>(dd[j], a[j][1], xd + ((j * NL * 64 + NL * 32) >> 4));"):
-        assert line in s, line
-    # the kernel's per-word copies (word w = 4 p + q of the 64-byte run to byte 4 p of row q) are the emulation's rows
-    for nl in (8, 16):
-        run = np.arange(64, dtype=np.uint8)
-        rows = np.zeros(nl * 64, dtype=np.uint8)
-        for w in range(16):
-            p, q = w >> 2, w & 3
-            rows[act_off(nl, 3, q) + 4 * p: act_off(nl, 3, q) + 4 * p + 4] = run[4 * w: 4 * w + 4]
-        v = [run[p * 16: p * 16 + 16].view(np.uint32) for p in range(4)]
-        for q in range(4):
-            np.testing.assert_array_equal(rows[act_off(nl, 3, q): act_off(nl, 3, q) + 16].view(np.uint32),
-                                          [v[0][q], v[1][q], v[2][q], v[3][q]])
-
-
-@pytest.mark.parametrize("form,nl", [("wg", 8), ("wg", 16), ("wg", 32), ("wgm", 8), ("wgm", 16)])
-def test_chunk_emulations_give_the_mma_sync_sums(form, nl):
-    """wg: gemv_wg's rotated ring and quad transpose; wgm: the warp-specialized entries, the transpose moved from the
-    weights to the activations (both operands' k order is gemv.cu's slots, permuted the same way). Each gives the exact
-    integer sums, chunk for chunk equal to the mma.sync emulation (and wgm to wg)."""
-    rng = np.random.default_rng(nl + (100 if form == "wgm" else 0))
+@pytest.mark.parametrize("nl", [8, 16, 32])
+def test_wg_chunk_emulation_gives_the_mma_sync_sums(nl):
+    """gemv_wg's rotated ring and quad transpose give the exact integer sums, chunk for chunk equal to the mma.sync
+    emulation."""
+    rng = np.random.default_rng(nl)
     w = rng.standard_normal((32, 192)).astype(np.float32)
     pm = L.pack_matrix(w, L.FMT_Q4)
     codes_w, _ = L.quantize(w, L.FMT_Q4)
     x = rng.standard_normal((nl, 192)).astype(np.float32) * 3
     xc, _ = L.quantize_act8(x)
     xb = L.act8_fragment_bytes(xc)
-    emulate = emulate_wg_chunk if form == "wg" else emulate_wgm_chunk
     for tile in range(2):
         for chunk in range(3):
             sl = slice(chunk * 64, chunk * 64 + 64)
-            got = emulate(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl)
+            got = emulate_wg_chunk(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl)
             ref = 16 * codes_w[16 * tile: 16 * tile + 16, sl].astype(np.int64) @ xc[:, sl].astype(np.int64).T
             np.testing.assert_array_equal(got, ref)
             for l0 in range(0, nl, 8):  # the mma.sync kernel's 8-lane tiles
                 np.testing.assert_array_equal(got[:, l0:l0 + 8], L.emulate_a8_chunk(pm.codes, pm.shape, tile, chunk,
                                                                                     xb[l0:l0 + 8, sl]))
-            if form == "wgm":
-                np.testing.assert_array_equal(got, emulate_wg_chunk(pm.codes, pm.shape, tile, chunk, xb[:, sl], nl))
-
-
-def test_wgm_stage_layout_size_and_fit(monkeypatch):
-    """GWG_MBAR: 1-16 lanes run gemv8w_q4_n8m / n16m (GWG_THREADS_M threads: the warpgroup and a producer warp), 32
-    lanes keep n32 (GWG_MBAR = 2: 1-8 lanes only; GWG_M_TWO: the two-pass forms); the shared memory is WgmStage's
-    stages (the kernel's enum, parsed) plus two mbarriers a stage, and each form's CTAs an SM fit an sm_90 SM; each
-    slot's B region stays 16-byte aligned; the bulk copies move whole 16-byte units."""
-    from q27py.gpu import kernels as K
-
-    s = _src()
-    for field in ("S_OFF = W_OFF + GEMV_R * GWG_CPS * 512", "X_OFF = S_OFF + GEMV_R * GWG_CPS * 32",
-                  "XS_OFF = X_OFF + GWG_CPS * NL * 64", "BYTES = XS_OFF + GWG_CPS * GEMV_MAX_LANES * 4",
-                  "TX = GEMV_R * (512 + 32) + GEMV_MAX_LANES * 4", "bar_full = ring + S * SG::BYTES",
-                  "bar_empty = bar_full + 8 * S", "mbar_init(bar_full + 8 * s, 33);", "mbar_init(bar_empty + 8 * s, GEMV_R);"):
-        assert field in s, field
-    assert C.GWG_MBAR == 0  # an experiment until measured
-    assert K.gemv_wg_kernel(8) != "gemv8w_q4_n8m" and K.gemv_wg_threads(8) == K.gemv_wg_threads(16) == 128
-    monkeypatch.setattr(C, "GWG_MBAR", 1)
-    assert K.gemv_wg_kernel(8) == K.gemv_wg_kernel(8, 10**6, 10**6) == "gemv8w_q4_n8m"
-    assert K.gemv_wg_kernel(16) == K.gemv_wg_kernel(16, 10**6) == "gemv8w_q4_n16m"
-    assert K.gemv_wg_kernel(32) == "gemv8w_q4_n32" and K.gemv_wg_threads(32) == 128
-    assert K.gemv_wg_threads(8) == K.gemv_wg_threads(16) == C.GWG_THREADS_M == 160
-    monkeypatch.setattr(C, "GWG_MBAR", 2)  # n8m only: 9-16 lanes keep the plain entries' rules
-    assert K.gemv_wg_kernel(8) == "gemv8w_q4_n8m" and K.gemv_wg_threads(8) == 160
-    assert not K.gemv_wg_kernel(16).endswith("m") and K.gemv_wg_threads(16) == 128
-    monkeypatch.setattr(C, "GWG_MBAR", 1)
-    for two, nl, ctas, stages in ((0, 8, C.GWG_CTAS_N8M, C.GWG_STAGES_N8M), (0, 16, C.GWG_CTAS_N16M, C.GWG_STAGES_N16M),
-                                  (1, 8, C.GWG_CTAS_N8MT, C.GWG_STAGES_N8MT), (1, 16, C.GWG_CTAS_N16MT, C.GWG_STAGES_N16MT)):
-        monkeypatch.setattr(C, "GWG_M_TWO", two)
-        assert K.gemv_wg_kernel(nl) == f"gemv8w_q4_n{nl}m" + ("t" if two else "") and K.gemv_wg_threads(nl) == 160
-        stage = C.GWG_CPS * (C.GEMV_R * 512 + C.GEMV_R * 32 + nl * 64 + C.GEMV_MAX_LANES * 4)
-        assert stage % 128 == 0
-        assert K.gemv_wg_shared_bytes(nl) == stages * (stage + 16)
-        assert K.gemv_wg_ctas(nl) == ctas
-        assert ctas * (K.gemv_wg_shared_bytes(nl) + 128 + 1024) <= 228 * 1024, (two, nl)
-    assert (C.GEMV_R * (512 + 32) + C.GEMV_MAX_LANES * 4) % 16 == 0 and 512 % 16 == 0 and 32 % 16 == 0
 
 
 def test_shared_bytes_match_the_stage_layout():
@@ -618,23 +526,6 @@ def test_deep_ring_entry_by_launch(plan_rt, monkeypatch):
     assert [c.kernel for c in rt.calls if c.module == "gemv_wg"] == ["gemv8w_q4_n8"]
 
 
-def test_mbar_entries_launch_with_their_producer_warp(plan_rt, monkeypatch):
-    """GWG_MBAR: a recorded plan's q4 launches of 1-16 lanes go to gemv8w_q4_n8m / n16m with GWG_THREADS_M threads
-    and WgmStage's shared memory, ahead of the deep-ring rule; 17-32 lanes keep n32 on 128 threads."""
-    rt = plan_rt
-    monkeypatch.setattr(C, "GWG_MBAR", 1)
-    n8m, n16m = C.GWG_STAGES_N8M * 11024, C.GWG_STAGES_N16M * 13072
-    for rows, cols, n, want in ((64 * 264, 4096, 1, ("gemv8w_q4_n8m", 160, n8m)),
-                                (64 * 8, 2048, 8, ("gemv8w_q4_n8m", 160, n8m)),
-                                (64 * 8, 2048, 16, ("gemv8w_q4_n16m", 160, n16m)),
-                                (64 * 8, 2048, 32, ("gemv8w_q4_n32", 128, 87040))):
-        rt.calls.clear()
-        plan = _plan(rt, [(rows, cols, L.FMT_Q4)], partition=(1, 1))
-        plan.run(rt.cp.zeros((48, plan.kpad), np.float32), plan.kpad, n, allow_gemm=False)
-        (c,) = [c for c in rt.calls if c.module == "gemv_wg"]
-        assert (c.kernel, c.block, c.smem) == want, (rows, cols, n, c.kernel, c.block, c.smem)
-
-
 def test_place2_pads_only_plain_one_wave_eight_lane_launches(plan_rt, monkeypatch):
     """GWG_PLACE2 (an experiment, off): a plain 8-lane launch of at most 2 x SMs units asks for GWG_PLACE2_BYTES (so
     at most 2 of its CTAs share an SM); n8d launches, larger launches and 16-lane ones keep their shared memory."""
@@ -766,25 +657,17 @@ def test_engine_config_maps_the_switch(monkeypatch):
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     rep = nvcc_build.sm90a_report(tmp_path, "gemv_wg")
-    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16m", "gemv8w_q4_n16mt", "gemv8w_q4_n16q", "gemv8w_q4_n16t",
-                           "gemv8w_q4_n16w", "gemv8w_q4_n32", "gemv8w_q4_n32s", "gemv8w_q4_n8", "gemv8w_q4_n8d",
-                           "gemv8w_q4_n8m", "gemv8w_q4_n8mt", "gemv8w_q4_n8q", "gemv8w_q4_n8w"], rep
+    assert sorted(rep) == ["gemv8w_q4_n16", "gemv8w_q4_n16q", "gemv8w_q4_n16t", "gemv8w_q4_n16w", "gemv8w_q4_n32",
+                           "gemv8w_q4_n32s", "gemv8w_q4_n8", "gemv8w_q4_n8d", "gemv8w_q4_n8q", "gemv8w_q4_n8w"], rep
     ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32,
             "gemv8w_q4_n16t": C.GWG_CTAS_N16T, "gemv8w_q4_n32s": C.GWG_CTAS_N32S,
             "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16, "gemv8w_q4_n8q": C.GWG_CTAS_N8Q,
-            "gemv8w_q4_n16q": C.GWG_CTAS_N16Q, "gemv8w_q4_n8d": C.GWG_CTAS_N8D, "gemv8w_q4_n8m": C.GWG_CTAS_N8M,
-            "gemv8w_q4_n16m": C.GWG_CTAS_N16M, "gemv8w_q4_n8mt": C.GWG_CTAS_N8MT, "gemv8w_q4_n16mt": C.GWG_CTAS_N16MT}
-    from q27py.gpu import kernels as K
-
-    threads = {k: C.GWG_THREADS_M if K._wg_mbar_entry(k) else 128 for k in rep}
-    bound = {k: min(255, 65536 // (threads[k] * ctas[k])) for k in rep}
+            "gemv8w_q4_n16q": C.GWG_CTAS_N16Q, "gemv8w_q4_n8d": C.GWG_CTAS_N8D}
+    bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
     # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3
-    # CTAs per SM, and n8m (an experiment, GWG_MBAR) ~160 with its stages unrolled by the ring (GWG_M_UNROLL: a few
-    # local loads a group of 6 stages, against ~45 descriptor instructions a stage), its two-pass forms (GWG_M_TWO)
-    # 16 / 48 at 4 / 3 CTAs an SM; every other entry none
-    tolerated = {"gemv8w_q4_n32s": 128, "gemv8w_q4_n8m": 192 if C.GWG_M_UNROLL else 0, "gemv8w_q4_n8mt": 32,
-                 "gemv8w_q4_n16mt": 64}
+    # CTAs per SM; every other entry none
+    tolerated = {"gemv8w_q4_n32s": 128}
     assert all(spill <= tolerated.get(k, 0) for k, (_regs, spill) in rep.items()), rep
 
 
@@ -931,8 +814,6 @@ def _switched_pair(cp, monkeypatch, switch, specs, n, seed, partition=None):
 
     monkeypatch.setattr(C, "GWG_DEEP", 0)  # the default deep-ring entry would take some 8-lane launches first
     monkeypatch.setattr(C, switch, 1)
-    if switch == "GWG_M_TWO":  # a form of the warp-specialized entries
-        monkeypatch.setattr(C, "GWG_MBAR", 1)
     if switch == "GWG_DEEP":  # every launch of one wave at its residency, whatever its units' length (short K ranges too)
         monkeypatch.setattr(C, "GWG_DEEP_MIN_CHUNKS", 1)
     seen = []
@@ -952,8 +833,6 @@ SWITCHED = [
     ("GWG_N8_FOUR", ("gemv8w_q4_n8q",), (1, 5, 8), 17, "n8q"),  # the two-pass walk at 8 lanes, 4 CTAs an SM
     ("GWG_N16_FOUR", ("gemv8w_q4_n16q",), (9, 16), 19, "n16q"),  # ... at 16, a chunk a batch, 4 CTAs an SM
     ("GWG_DEEP", ("gemv8w_q4_n8d",), (1, 5, 8), 23, "n8d"),  # the plain walk, an 8-stage ring, 2 CTAs an SM
-    ("GWG_MBAR", ("gemv8w_q4_n8m", "gemv8w_q4_n16m"), (1, 5, 8, 9, 16), 29, "mbar"),  # warp-specialized, bulk copies
-    ("GWG_M_TWO", ("gemv8w_q4_n8mt", "gemv8w_q4_n16mt"), (1, 5, 8, 9, 16), 31, "mbart"),  # ... the two-pass walk
 ]
 SWITCHED_LANES = [(sw, entries, n, off) for sw, entries, lanes, off, _ in SWITCHED for n in lanes]
 SWITCHED_IDS = [f"{tag}-{n}" for _, _, lanes, _, tag in SWITCHED for n in lanes]
@@ -969,8 +848,6 @@ def test_switched_entries_are_bitwise_gemv8_on_the_27b_launches(cp, monkeypatch,
     elif switch == "GWG_DEEP":
         # only launches of one wave at 2 CTAs an SM (not gate_up's 544 units nor the lm_head's 3,880)
         assert ("gemv8w_q4_n8d" in wg) == (name not in ("gate_up", "lm_head")), wg
-    elif switch in ("GWG_MBAR", "GWG_M_TWO"):  # every q4 launch of 1-16 lanes
-        assert wg and set(wg) == {entries[0] if n <= 8 else entries[1]}, wg
     elif switch == "GWG_WIDE_STAGE" and n > 8:
         # at 9-16 lanes only the launches on the plain 2-CTA entry (gate_up and the lm_head keep n16t)
         assert set(wg) <= {"gemv8w_q4_n16w", "gemv8w_q4_n16t"} and wg, wg

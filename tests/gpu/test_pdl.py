@@ -46,7 +46,7 @@ def test_every_pdl_kernel_waits_first():
         for name, body in _kernels(src):
             first = body.lstrip().lstrip("\\").lstrip()
             ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<")) or (
-                mod == "gemv_wg" and (first.startswith("GWG_CALL(") or first.startswith("GWGM_CALL(")))
+                mod == "gemv_wg" and first.startswith("GWG_CALL("))
             if not ok and "pdl_entry();" in first:
                 # constants loaded before the wait (norm.cu: the norm weights): every statement before
                 # pdl_entry() is a register array declaration or a *_preload( call, nothing that could
@@ -70,16 +70,6 @@ def test_every_pdl_kernel_waits_first():
     wait = body.index("pdl_wait();")
     assert body.index("issue(k, k, true, false);") < wait < body.index("issue(k, k, false, true);")
     assert body.index("pdl_trigger();") > wait
-    # wgm_body (the warp-specialized entries): the producer's weight copies before its wait, every activation copy
-    # after it; the MMA warps wait before anything else (they read only what the producer staged, and write y)
-    body = wg[wg.index("void wgm_body("):]
-    body = body[: body.index("\n}\n")]
-    prod = body[body.index("// ---- the producer warp"): body.index("// ---- the 4 MMA warps")]
-    wait = prod.index("pdl_wait();")
-    assert prod.index("issue_w(k);") < wait < prod.index("issue_x_lag(k);")
-    assert prod.index("pdl_trigger();") > wait
-    mma = body[body.index("// ---- the 4 MMA warps"):]
-    assert mma.index("pdl_wait();") < mma.index("pdl_trigger();") < mma.index("mbar_wait(")
 
 
 def test_pdl_entry_is_arch_guarded():
