@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -445,6 +445,15 @@ PY
           gwg_probe 4 GWG_N8_FOUR=1 GWG_N16_FOUR=1
           gwg_probe 7 GWG_STAGES=7
         fi ;;
+    trace)  # (~3 min) issue 10 / 15: the launch timeline of a captured step (tools/step_trace.py, STEP_TRACE stamps): the
+            # decode step at 2K, the 16-lane verify round, and the decode step without waits (PDL_NOWAIT=1) beside it
+        timeout 150 python3 tools/step_trace.py --ctx 2048 --json "$OUT/trace_decode.json" > "$OUT/trace_decode.txt" 2>&1 || rc=1
+        grep -E "traced launches|^span|^  " "$OUT/trace_decode.txt" | head -16
+        timeout 150 python3 tools/step_trace.py --ctx 2048 --lanes 16 --json "$OUT/trace_w16.json" > "$OUT/trace_w16.txt" 2>&1 || rc=1
+        grep -E "traced launches|^span|^  " "$OUT/trace_w16.txt" | head -16
+        timeout 150 python3 tools/step_trace.py --ctx 2048 --set PDL_NOWAIT=1 --json "$OUT/trace_nowait.json" \
+          > "$OUT/trace_nowait.txt" 2>&1 || rc=1
+        grep -E "traced launches|^span|^  " "$OUT/trace_nowait.txt" | head -16 ;;
     s10b)  # (<= ~7 min; s10 for a nearly spent budget) the 8K prefill A/B (an H200 only), the PDL_NOWAIT probe and
            # steps, the tf32-out GPU tests and quality, an H100's 8K prefill A/B last
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
