@@ -213,13 +213,18 @@ def tiny():
 
 
 @contextlib.contextmanager
-def _switch(K, on: bool):
-    saved = K.PREFILL_GATE_UP_BF16
-    K.PREFILL_GATE_UP_BF16 = on
+def module_switch(K, name: str, on: bool):
+    """A kernels-module switch (read per call) set to `on` for the block, then restored."""
+    saved = getattr(K, name)
+    setattr(K, name, on)
     try:
         yield
     finally:
-        K.PREFILL_GATE_UP_BF16 = saved
+        setattr(K, name, saved)
+
+
+def _switch(K, on: bool):
+    return module_switch(K, "PREFILL_GATE_UP_BF16", on)
 
 
 def _prefill_and_decode(model, prompt, steps: int) -> dict:

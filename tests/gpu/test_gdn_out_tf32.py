@@ -20,7 +20,6 @@ Without a GPU the CPU checks run: config / env / module default, the kernel name
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from q27py.model import ops
 sys.path.insert(0, str(Path(__file__).parent))
 import gdn_chunk2_emu as emu2  # noqa: E402
 from test_gate_up_bf16_gpu import (  # noqa: E402,F401  (tiny: a fixture)
-    _prefill_and_decode, device_quality, quality, tiny)
+    _prefill_and_decode, device_quality, module_switch, quality, tiny)
 from test_gdn_chunk import SHAPES2, klast, make, rel, run_chunked2  # noqa: E402
 
 gpu = pytest.mark.gpu
@@ -40,14 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CLASS = 1e-3  # "tf32 out": O's relative L2 against float64 (module docstring)
 
 
-@contextlib.contextmanager
 def _switch(K, on: bool):
-    saved = K.GDN2_OUT_TF32
-    K.GDN2_OUT_TF32 = on
-    try:
-        yield
-    finally:
-        K.GDN2_OUT_TF32 = saved
+    return module_switch(K, "GDN2_OUT_TF32", on)
 
 
 @pytest.fixture(scope="module")
