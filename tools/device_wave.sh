@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -454,6 +454,15 @@ PY
         timeout 150 python3 tools/step_trace.py --ctx 2048 --set PDL_NOWAIT=1 --json "$OUT/trace_nowait.json" \
           > "$OUT/trace_nowait.txt" 2>&1 || rc=1
         grep -E "traced launches|^span|^  " "$OUT/trace_nowait.txt" | head -16 ;;
+    s11)  # (<= ~9 min; the eleventh session's first call) the step timeline (trace), then on an H200 issue 14's
+          # 8K / 32K prefill A/B (shipped defaults against the TF32 GDN output pass) and that pass's GPU tests
+        H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
+        for t in "" "--lanes 16" "--set PDL_NOWAIT=1"; do
+          n=$(echo "x$t" | tr -cd 'a-z0-9'); timeout 110 python3 tools/step_trace.py --ctx 2048 $t --json "$OUT/trace_$n.json" \
+            > "$OUT/trace_$n.txt" 2>&1 || rc=1
+          echo "--- trace $t"; grep -E "traced launches|^span|^  " "$OUT/trace_$n.txt" | head -24; tail -3 "$OUT/trace_$n.txt"
+        done
+        if [ -n "$H200" ]; then s10_prefill 200 8192 32768; s10_tf32 100; fi ;;
     s10b)  # (<= ~7 min; s10 for a nearly spent budget) the 8K prefill A/B (an H200 only), the PDL_NOWAIT probe and
            # steps, the tf32-out GPU tests and quality, an H100's 8K prefill A/B last
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
