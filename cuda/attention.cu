@@ -263,9 +263,14 @@ ATT_GROUPS_KERNEL(attn_split_groups_fp8_d8, u8, 8)
 // output gate: out[t][h*hd + d] = (sum_s acc e^(m_s-M)) / (sum_s l e^(m_s-M)) * sigmoid(gate).
 // ssz: the launch's split size; stride: splits per (lane, head) in the partials buffer.
 // row: the lane's row of part / qg / out; t: its offset from pos0 (row for one sequence, 0 for decode_batch).
+// xq (may be null): also the out projection's a8 activations of the row (kernels.attention_a8_fuses: hd % 64 == 0,
+// so the head owns whole 64-k chunks), the bytes quant_act8 makes from out's row -- one launch fewer before
+// each attention out projection of a decode / verify step (the block's values staged in shared memory, then a
+// warp a chunk, as gated_rmsnorm_a8 does).
 __device__ __forceinline__ void combine_body(const float* __restrict__ part, int nq, int hd, int pos0, int t, int row,
                                              int ssz, int stride, const float* __restrict__ qg, int ldq,
-                                             float* __restrict__ out, int ldo) {
+                                             float* __restrict__ out, int ldo, u8* __restrict__ xq, int ldxq,
+                                             float* __restrict__ xs) {
     const int h = blockIdx.y, d = threadIdx.x;
     const int len = pos0 + t + 1;
     const int ns = (len + ssz - 1) / ssz;
@@ -280,35 +285,47 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part, int
         A = fmaf(b[2 + d], e, A);
     }
     const float gate = qg[(i64)row * ldq + h * 2 * hd + hd + d];
-    out[(i64)row * ldo + h * hd + d] = (A / L) * sigmoid_f(gate);
+    const float r = (A / L) * sigmoid_f(gate);
+    out[(i64)row * ldo + h * hd + d] = r;
+    if (xq == nullptr) return;
+    __shared__ __align__(16) float ys[ATT_A8_MAX_HD];
+    ys[d] = r;
+    __syncthreads();
+    const int warp = d >> 5, lane = d & 31;
+    if (warp < hd / 64)
+        act8_quantize_pair(*reinterpret_cast<const float2*>(ys + warp * 64 + 2 * lane), (h * hd) / 64 + warp,
+                           xq + (i64)row * ldxq, xs + row, lane);
 }
 
 // grid (nlanes, nq), block hd: the split kernel's partials (NSPLIT per lane and head).
 extern "C" __global__ void attn_combine(const float* __restrict__ part, int nq, int hd, const int* __restrict__ pos0_dev,
-                                        int span, const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
+                                        int span, const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo, u8* __restrict__ xq, int ldxq,
+    float* __restrict__ xs) {
     pdl_entry();
     const int pos0 = *pos0_dev;
-    combine_body(part, nq, hd, pos0, blockIdx.x, blockIdx.x, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
+    combine_body(part, nq, hd, pos0, blockIdx.x, blockIdx.x, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo, xq, ldxq, xs);
 }
 
 // decode_batch: grid (lanes, nq), lane b at its own position (attn_split_lanes_*' partials).
 extern "C" __global__ void attn_combine_lanes(const float* __restrict__ part, int nq, int hd,
                                               const i64* __restrict__ lanes, int span, const float* __restrict__ qg,
-                                              int ldq, float* __restrict__ out, int ldo) {
+                                              int ldq, float* __restrict__ out, int ldo, u8* __restrict__ xq, int ldxq,
+    float* __restrict__ xs) {
     pdl_entry();
     const int pos0 = lane_positions(lanes)[blockIdx.x];
-    combine_body(part, nq, hd, pos0, 0, blockIdx.x, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
+    combine_body(part, nq, hd, pos0, 0, blockIdx.x, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo, xq, ldxq, xs);
 }
 
 // verify_batch: grid (lanes, nq), lane b = lane b - r0 of its group's round at pos0 = row r0's position
 // (attn_split_groups_*' partials).
 extern "C" __global__ void attn_combine_groups(const float* __restrict__ part, int nq, int hd,
                                                const i64* __restrict__ lanes, const int* __restrict__ groups, int span,
-                                               const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
+                                               const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo, u8* __restrict__ xq, int ldxq,
+    float* __restrict__ xs) {
     pdl_entry();
     const int b = blockIdx.x, r0 = group_first_of_lane(groups, b);
     const int pos0 = lane_positions(lanes)[r0];
-    combine_body(part, nq, hd, pos0, b - r0, b, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo);
+    combine_body(part, nq, hd, pos0, b - r0, b, split_size(pos0, span), NSPLIT, qg, ldq, out, ldo, xq, ldxq, xs);
 }
 
 // ================================================================ tensor-core decode / verify (attn_mma_*)
@@ -756,21 +773,23 @@ ATTD_GROUPS_KERNEL(attn_mma_groups_fp8_d256_bq, 256, true, false, true)
 // grid (nlanes, nq), block hd: the tensor-core kernel's partials (nsplit per lane and head).
 extern "C" __global__ void attn_mma_combine(const float* __restrict__ part, int nq, int hd,
                                             const int* __restrict__ pos0_dev, int span, int nsplit,
-                                            const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo) {
+                                            const float* __restrict__ qg, int ldq, float* __restrict__ out, int ldo, u8* __restrict__ xq, int ldxq,
+    float* __restrict__ xs) {
     pdl_entry();
     const int pos0 = *pos0_dev;
     combine_body(part, nq, hd, pos0, blockIdx.x, blockIdx.x, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out,
-                 ldo);
+                 ldo, xq, ldxq, xs);
 }
 
 // decode_batch: grid (lanes, nq), lane b at its own position (attn_mma_lanes_*' partials).
 extern "C" __global__ void attn_mma_combine_lanes(const float* __restrict__ part, int nq, int hd,
                                                   const i64* __restrict__ lanes, int span, int nsplit,
                                                   const float* __restrict__ qg, int ldq, float* __restrict__ out,
-                                                  int ldo) {
+                                                  int ldo, u8* __restrict__ xq, int ldxq,
+    float* __restrict__ xs) {
     pdl_entry();
     const int pos0 = lane_positions(lanes)[blockIdx.x];
-    combine_body(part, nq, hd, pos0, 0, blockIdx.x, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo);
+    combine_body(part, nq, hd, pos0, 0, blockIdx.x, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo, xq, ldxq, xs);
 }
 
 // verify_batch: grid (lanes, nq), lane b = lane b - r0 of its group's round at pos0 = row r0's position
@@ -778,9 +797,10 @@ extern "C" __global__ void attn_mma_combine_lanes(const float* __restrict__ part
 extern "C" __global__ void attn_mma_combine_groups(const float* __restrict__ part, int nq, int hd,
                                                    const i64* __restrict__ lanes, const int* __restrict__ groups,
                                                    int span, int nsplit, const float* __restrict__ qg, int ldq,
-                                                   float* __restrict__ out, int ldo) {
+                                                   float* __restrict__ out, int ldo, u8* __restrict__ xq, int ldxq,
+    float* __restrict__ xs) {
     pdl_entry();
     const int b = blockIdx.x, r0 = group_first_of_lane(groups, b);
     const int pos0 = lane_positions(lanes)[r0];
-    combine_body(part, nq, hd, pos0, b - r0, b, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo);
+    combine_body(part, nq, hd, pos0, b - r0, b, attd_split_size(pos0, span, nsplit), nsplit, qg, ldq, out, ldo, xq, ldxq, xs);
 }

@@ -1,6 +1,7 @@
 // The GDN decode / verify step of one layer as one kernel: causal conv + SiLU + q/k l2 norm +
 // decay/beta gates (cuda/conv.cu gdn_conv), the gated delta rule step (cuda/gdn.cu gdn_step),
-// the gated RMSNorm of the output (cuda/norm.cu gated_rmsnorm) and, when committing, the conv
+// the gated RMSNorm of the output (cuda/norm.cu gated_rmsnorm; given xq, also its a8 activations for the out
+// projection, as gated_rmsnorm_a8 writes them) and, when committing, the conv
 // window slide (gdn_conv_commit). Why: on the 27B each of those launches costs a few microseconds
 // of graph-node overhead for under a microsecond of work, 48 layers per token.
 //
@@ -74,7 +75,8 @@ __device__ __forceinline__ void gdn_decode_body(
     const float* __restrict__ ab, int ldab, const float* __restrict__ neg_a, const float* __restrict__ dt_bias, int H,
     int HV, int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn, float* __restrict__ gb,
     float* __restrict__ state, float* __restrict__ out, int ldo, const float* __restrict__ normw, float eps,
-    float* __restrict__ y, int ldy, int* __restrict__ tickets, int T, int commit) {
+    float* __restrict__ y, int ldy, u8* __restrict__ xq, int ldq, float* __restrict__ xs, int* __restrict__ tickets,
+    int T, int commit) {
     constexpr int NC = GDN_FD_COLS;
     extern __shared__ float smem[];
     __shared__ int flag;
@@ -257,6 +259,28 @@ __device__ __forceinline__ void gdn_decode_body(
         }
         const float ss = warp_sum(p);
         const float den = sqrtf(ss / (float)dv + eps);
+        if (xq != nullptr) {
+            // the out projection's a8 activations as well (kernels.gated_rmsnorm_fuses: dv % 64 == 0, so the head
+            // owns whole 64-k chunks): lane holds k = 2 lane, 2 lane + 1 of each chunk, the same y values (an
+            // elementwise product, whichever thread forms it), quantized as quant_act8 quantizes y's row. Why: one
+            // launch (and its boundary) fewer before each GDN out projection of a decode / verify step.
+            for (int c = 0; c < dv / 64; c++) {
+                const int j = c * 64 + 2 * lane;
+                float2 yv;
+                {
+                    const float v = __ldcg(orow + j), zz = z[(i64)t * ldr + h * dv + j];
+                    yv.x = (v / den) * normw[j] * (zz * sigmoid_f(zz));
+                }
+                {
+                    const float v = __ldcg(orow + j + 1), zz = z[(i64)t * ldr + h * dv + j + 1];
+                    yv.y = (v / den) * normw[j + 1] * (zz * sigmoid_f(zz));
+                }
+                y[(i64)t * ldy + h * dv + j] = yv.x;
+                y[(i64)t * ldy + h * dv + j + 1] = yv.y;
+                act8_quantize_pair(yv, (h * dv) / 64 + c, xq + (i64)t * ldq, xs + t, lane);
+            }
+            continue;
+        }
         for (int j = lane; j < dv; j += 32) {
             const float v = __ldcg(orow + j);
             const float zz = z[(i64)t * ldr + h * dv + j];
@@ -271,11 +295,11 @@ __device__ __forceinline__ void gdn_decode_body(
     extern "C" __global__ void __launch_bounds__(32 * GDN_FD_MAX_WARPS) NAME(                                       \
         const float* raw, int ldr, float* window, const float* convw, const float* ab, int ldab, const float* neg_a,  \
         const float* dt_bias, int H, int HV, int dk, int dv, int KW, float q_scale, float* qkvn, float* gb,          \
-        float* state, float* out, int ldo, const float* normw, float eps, float* y, int ldy, int* tickets, int T,     \
-        int commit) {                                                                                                 \
+        float* state, float* out, int ldo, const float* normw, float eps, float* y, int ldy, u8* xq, int ldq,         \
+        float* xs, int* tickets, int T, int commit) {                                                                 \
         pdl_entry();                                                                                                  \
         gdn_decode_body<KPL>(raw, ldr, window, convw, ab, ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, qkvn, gb, \
-                             state, out, ldo, normw, eps, y, ldy, tickets, T, commit);                                \
+                             state, out, ldo, normw, eps, y, ldy, xq, ldq, xs, tickets, T, commit);                   \
     }
 
 GDN_DECODE_KERNEL(gdn_decode_k1, 1)
@@ -292,14 +316,16 @@ GDN_DECODE_KERNEL(gdn_decode_k4, 4)
     extern "C" __global__ void __launch_bounds__(32 * GDN_FD_LANES_MAX_WARPS, 1) NAME(                              \
         const float* raw, int ldr, const i64* lanes, i64 win_off, i64 state_off, const float* convw, const float* ab, \
         int ldab, const float* neg_a, const float* dt_bias, int H, int HV, int dk, int dv, int KW, float q_scale,     \
-        float* qkvn, float* gb, float* out, int ldo, const float* normw, float eps, float* y, int ldy, int* tickets) { \
+        float* qkvn, float* gb, float* out, int ldo, const float* normw, float eps, float* y, int ldy, u8* xq,        \
+        int ldq, float* xs, int* tickets) {                                                                           \
         pdl_entry();                                                                                                  \
         const int b = blockIdx.z;                                                                                     \
         const i64 C = 2 * H * dk + HV * dv;                                                                           \
         gdn_decode_body<KPL>(raw + (i64)b * ldr, ldr, lane_ptr<float>(lanes, b, LT_WIN, win_off), convw,              \
                              ab + (i64)b * ldab, ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, qkvn + b * C,      \
                              gb + (i64)b * 2 * HV, lane_ptr<float>(lanes, b, LT_GDN, state_off), out + (i64)b * ldo,  \
-                             ldo, normw, eps, y + (i64)b * ldy, ldy, tickets + (i64)b * (H + HV), 1, 1);              \
+                             ldo, normw, eps, y + (i64)b * ldy, ldy, xq ? xq + (i64)b * ldq : nullptr, ldq, xs + b,   \
+                             tickets + (i64)b * (H + HV), 1, 1);                                                      \
     }
 
 GDN_DECODE_LANES_KERNEL(gdn_decode_lanes_k1, 1)

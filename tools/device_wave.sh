@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -463,6 +463,23 @@ PY
           echo "--- trace $t"; grep -E "traced launches|^span|^  " "$OUT/trace_$n.txt" | head -24; tail -3 "$OUT/trace_$n.txt"
         done
         if [ -n "$H200" ]; then s10_prefill 200 8192 32768; s10_tf32 100; fi ;;
+    s12)  # (<= ~9.5 min; carry .ab: `git archive HEAD~ q27py cuda tools | tar -x -C .ab/base`, its q27py/data linked
+          # here) the launch folds of 2026-12-07 (the GDN step and the attention combines write the out projections'
+          # a8 activations: no quant_act8 launch before gdn_out / attn_o): their bitwise tests and the gates, the steps
+          # against .ab/base, then the step timeline; on an H200 the 8K prefill A/B last
+        H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
+        timeout 200 $PYTEST tests/gpu/test_gdn_fused.py tests/gpu/test_attention_mma.py -k "a8 or q4s or quantiz" \
+          > "$OUT/s12_bits.txt" 2>&1 || rc=1; tail -4 "$OUT/s12_bits.txt"
+        timeout 150 $PYTEST tests/gpu/test_gates.py > "$OUT/s12_gates.txt" 2>&1 || rc=1; tail -3 "$OUT/s12_gates.txt"
+        [ -d .ab/base/q27py ] && ln -sfn "$PWD/q27py/data" .ab/base/q27py/data
+        for side in base new; do
+          if [ $side = base ]; then d=.ab/base; else d=.; fi
+          (cd $d && timeout 90 python3 tools/gemv_prefetch_ab.py --mb 0 > "$OUT/s12_steps_$side.txt" 2>&1) || rc=1
+          echo "--- steps $side"; grep -E "^prefetch|of read" "$OUT/s12_steps_$side.txt"
+        done
+        timeout 110 python3 tools/step_trace.py --ctx 2048 --json "$OUT/trace_decode.json" > "$OUT/trace_decode.txt" 2>&1 || rc=1
+        echo "--- trace"; grep -E "traced launches|^span|^  " "$OUT/trace_decode.txt" | head -30; tail -3 "$OUT/trace_decode.txt"
+        [ -n "$H200" ] && s10_prefill 150 8192 ;;
     s10b)  # (<= ~7 min; s10 for a nearly spent budget) the 8K prefill A/B (an H200 only), the PDL_NOWAIT probe and
            # steps, the tf32-out GPU tests and quality, an H100's 8K prefill A/B last
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1

@@ -1477,12 +1477,14 @@ class FastModel:
         else:  # _input_norm wrote an a8 plan's int8 activations
             plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t))
         if self.gdn_fused and t <= VERIFY_SPAN and K.gdn_fused_supported(hk, hv, dk, dv, kw, t, self.gdn_fused_warps):
-            # one launch, bitwise the chain below (same records, o, normed rows, state and window)
+            # one launch, bitwise the chain below (same records, o, normed rows, state and window), which also
+            # writes the out plan's int8 activations where gated_rmsnorm would (no quant_act8 launch then)
+            fuse = K.gated_rmsnorm_fuses(plan["out"], t, hv, dv)
             K.gdn_decode_fused(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
                                g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, state.gdn[gi], self.o_gdn, hv * dv, g.norm_w,
                                cfg.rms_norm_eps, self.xo, self.ld_xo, self.gdn_tickets, t, commit,
-                               warps=self.gdn_fused_warps)
-            plan["out"].run(self.xo, self.ld_xo, t)
+                               warps=self.gdn_fused_warps, a8=plan["out"] if fuse else None)
+            plan["out"].run(self.xo, self.ld_xo, t, prequantized=fuse)
             return
         conv = K.gdn_conv_rows if t > VERIFY_SPAN else K.gdn_conv  # same bits; the rows form for prefill chunks
         conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv,
@@ -1527,11 +1529,12 @@ class FastModel:
         raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
         plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
         if self.gdn_fused and K.gdn_fused_supported(hk, hv, dk, dv, kw, 1, self.gdn_fused_warps):
+            fuse = K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
             K.gdn_decode_fused_lanes(raw, self.ld_proj, self.lane_table, win_off, state_off, g.conv_w, self.ab,
                                      self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, self.o_gdn,
                                      hv * dv, g.norm_w, cfg.rms_norm_eps, self.xo, self.ld_xo, self.gdn_tickets_lanes, n,
-                                     warps=self.gdn_fused_warps)
-            plan["out"].run(self.xo, self.ld_xo, n)
+                                     warps=self.gdn_fused_warps, a8=plan["out"] if fuse else None)
+            plan["out"].run(self.xo, self.ld_xo, n, prequantized=fuse)
             return
         K.gdn_conv_lanes(raw, self.ld_proj, self.lane_table, win_off, g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
                          g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n)
@@ -1574,15 +1577,16 @@ class FastModel:
         cfg = self.cfg
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         fp8 = self._store_lanes(lw, plan, n, lanes, kv_off, x_off)
+        a8 = self._attn_a8(plan, n)
         if self.attn_mma:  # as _attention's verify branch (span VERIFY_SPAN); never for fp32 rows
             K.attention_mma_groups(self.qbuf, nq * hd, lanes, groups, kv_off, x_off, fp8,
                                    self.max_pos, nq, nkv, hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa,
-                                   self.ld_xa, n, ngroups, n - ngroups + 1)
+                                   self.ld_xa, n, ngroups, n - ngroups + 1, a8=a8)
         else:
             K.attention_groups(self.qbuf, nq * hd, lanes, groups, kv_off, x_off, self.kv_name,
                                self.max_pos, nq, nkv, hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa,
-                               self.ld_xa, n)
-        plan["out"].run(self.xa, self.ld_xa, n)
+                               self.ld_xa, n, a8=a8)
+        plan["out"].run(self.xa, self.ld_xa, n, prequantized=a8 is not None)
 
     def _store_lanes(self, lw: LayerW, plan: dict, n: int, lanes, kv_off: int, x_off: int) -> bool:
         """The q / k / v / gate projection of n lanes, then q / k norm, RoPE and the KV store, each lane at its
@@ -1609,13 +1613,21 @@ class FastModel:
         cfg = self.cfg
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         fp8 = self._store_lanes(lw, plan, n, self.lane_table, kv_off, x_off)
+        a8 = self._attn_a8(plan, n)
         if self.attn_mma:  # as _attention's decode branch (span VERIFY_SPAN); never for fp32 rows
             K.attention_mma_lanes(self.qbuf, nq * hd, self.lane_table, kv_off, x_off, fp8, self.max_pos, nq, nkv, hd,
-                                  VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, n)
+                                  VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, n, a8=a8)
         else:
             K.attention_lanes(self.qbuf, nq * hd, self.lane_table, kv_off, x_off, self.kv_name, self.max_pos, nq, nkv,
-                              hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, n)
-        plan["out"].run(self.xa, self.ld_xa, n)
+                              hd, VERIFY_SPAN, self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, n, a8=a8)
+        plan["out"].run(self.xa, self.ld_xa, n, prequantized=a8 is not None)
+
+    def _attn_a8(self, plan: dict, t: int) -> "K.GemvPlan | None":
+        """The out plan when the attention combine of t lanes writes its a8 activations (K.attention_a8_fuses),
+        else None; the caller's combine then gets it as a8= and the plan runs prequantized."""
+        cfg = self.cfg
+        fuse = K.attention_a8_fuses(plan["out"], t, cfg.num_attention_heads, cfg.head_dim)
+        return plan["out"] if fuse else None
 
     def _pf2_scratch(self):
         """The v2 partials buffer (None when no row of this window can pass the first key block)."""
@@ -1649,6 +1661,7 @@ class FastModel:
             K.qk_norm_rope_store_fp8(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                      cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
                                      nq * hd, kc, vc, kx, vx, self.max_pos, t)
+            a8 = None  # set where a combine kernel writes the out plan's a8 activations
             if self._use_pf2(t, pos0, True):
                 K.attention_prefill2(self.qbuf, nq * hd, kc, vc, True, self.max_pos, nq, nkv, hd, pos0_dev, pos0,
                                      self.qg, self.ld_qg, self.xa, self.ld_xa, t, self._pf2_scratch(), kx, vx)
@@ -1656,16 +1669,19 @@ class FastModel:
                 K.attention_prefill_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev,
                                         self.qg, self.ld_qg, self.xa, self.ld_xa, t)
             elif self.attn_mma and span == VERIFY_SPAN:
+                a8 = self._attn_a8(plan, t)
                 K.attention_mma(self.qbuf, nq * hd, kc, vc, kx, vx, True, self.max_pos, nq, nkv, hd, pos0_dev, span,
-                                self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+                                self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t, a8=a8)
             else:
+                a8 = self._attn_a8(plan, t)
                 K.attention_fp8(self.qbuf, nq * hd, kc, vc, kx, vx, self.max_pos, nq, nkv, hd, pos0_dev, span,
-                                self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
-            plan["out"].run(self.xa, self.ld_xa, t)
+                                self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t, a8=a8)
+            plan["out"].run(self.xa, self.ld_xa, t, prequantized=a8 is not None)
             return
         K.qk_norm_rope_store(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm, cfg.rms_norm_eps, nq,
                              nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf, nq * hd, kc, vc, self.kv_bf16,
                              self.max_pos, t)
+        a8 = None  # set where a combine kernel writes the out plan's a8 activations
         if self._use_pf2(t, pos0, False):
             K.attention_prefill2(self.qbuf, nq * hd, kc, vc, False, self.max_pos, nq, nkv, hd, pos0_dev, pos0, self.qg,
                                  self.ld_qg, self.xa, self.ld_xa, t, self._pf2_scratch())
@@ -1673,12 +1689,14 @@ class FastModel:
             K.attention_prefill(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, self.qg,
                                 self.ld_qg, self.xa, self.ld_xa, t)
         elif self.attn_mma and span == VERIFY_SPAN:  # bf16 KV (attn_mma is False for fp32 rows)
+            a8 = self._attn_a8(plan, t)
             K.attention_mma(self.qbuf, nq * hd, kc, vc, None, None, False, self.max_pos, nq, nkv, hd, pos0_dev, span,
-                            self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t)
+                            self.part, self.qg, self.ld_qg, self.xa, self.ld_xa, t, a8=a8)
         else:
+            a8 = self._attn_a8(plan, t)
             K.attention(self.qbuf, nq * hd, kc, vc, self.kv_bf16, self.max_pos, nq, nkv, hd, pos0_dev, span, self.part,
-                        self.qg, self.ld_qg, self.xa, self.ld_xa, t)
-        plan["out"].run(self.xa, self.ld_xa, t)
+                        self.qg, self.ld_qg, self.xa, self.ld_xa, t, a8=a8)
+        plan["out"].run(self.xa, self.ld_xa, t, prequantized=a8 is not None)
 
     def _attention_rotated(self, lw: LayerW, plan: dict, t: int, kc, vc, pos0_dev, span: int, kn, vn) -> None:
         """Attention over rotated Lloyd-Max KV (kvformat "k5v3" / "k3v3"): the store quantizes K (after

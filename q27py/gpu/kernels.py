@@ -970,6 +970,19 @@ def gated_rmsnorm_fuses(plan: "GemvPlan", nlanes: int, hv: int, dv: int) -> bool
     return plan.fuses_quant(nlanes) and dv % L.CHUNK_K == 0 and dv <= C.GATED_A8_MAX_DV and plan.kpad == hv * dv
 
 
+def attention_a8_fuses(plan: "GemvPlan", nlanes: int, nq: int, hd: int) -> bool:
+    """Whether the decode / verify attention's combine can write `plan`'s a8 activations of its gated output
+    (the wrappers' a8=; then plan.run(prequantized=True)): each q head owns whole 64-k chunks and the plan's
+    K is exactly the heads. The attention kernels' a8 rows follow their output rows, one per lane."""
+    return plan.fuses_quant(nlanes) and hd % L.CHUNK_K == 0 and hd <= C.ATT_A8_MAX_HD and plan.kpad == nq * hd
+
+
+def _att_a8(a8: "GemvPlan | None", nlanes: int, nq: int, hd: int) -> tuple:
+    """An attention combine's (xq, ldq, xs) arguments: a8's int8 activations (attention_a8_fuses), or nulls."""
+    assert a8 is None or attention_a8_fuses(a8, nlanes, nq, hd)
+    return _a8_args(a8)
+
+
 def gated_rmsnorm(o, ldo: int, z, ldz: int, w, eps: float, nlanes: int, hv: int, dv: int, y, ldy: int,
                   a8: "GemvPlan | None" = None) -> None:
     """The GDN output norm; with a8 (gated_rmsnorm_fuses) the same launch also writes that plan's
@@ -1113,21 +1126,29 @@ def gdn_fused_supported(h: int, hv: int, dk: int, dv: int, kw: int, nlanes: int,
 
 def gdn_decode_fused(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int, dv: int,
                      kw: int, qkvn, gb, state, out, ldo: int, norm_w, eps: float, y, ldy: int, tickets, nlanes: int,
-                     commit: bool, warps: int = C.GDN_FD_WARPS) -> None:
+                     commit: bool, warps: int = C.GDN_FD_WARPS, a8: "GemvPlan | None" = None) -> None:
     """gdn_conv + [gdn_conv_commit] + gdn_step(emit, write_state=commit) + gated_rmsnorm of one layer,
     bitwise: the same records (qkvn, gb), o in `out`, the normed rows in y, and when committing the
     state and window advanced by nlanes. z is read from raw's columns past the conv channels.
-    tickets: int32 [h + hv], zero, left zero (the kernel's last arrivals reset them)."""
+    tickets: int32 [h + hv], zero, left zero (the kernel's last arrivals reset them).
+    a8 (gated_rmsnorm_fuses): also that plan's int8 activations of y, as gated_rmsnorm(a8=) writes them
+    (then the plan runs prequantized: no quant_act8 launch)."""
     if not gdn_fused_supported(h, hv, dk, dv, kw, nlanes, warps):
         raise ValueError(f"fused GDN step: unsupported shape h={h} hv={hv} dk={dk} dv={dv} kw={kw} lanes={nlanes}")
+    assert a8 is None or gated_rmsnorm_fuses(a8, nlanes, hv, dv)
     kpl = -(-dk // 32)
     kernel = {1: "gdn_decode_k1", 2: "gdn_decode_k2", 3: "gdn_decode_k4", 4: "gdn_decode_k4"}[kpl]
     nb = -(-dv // (warps * C.GDN_FD_COLS))
     Runtime.get().launch("gdn_decode", kernel, (nb, hv), 32 * warps,
                          (raw, i32(ldr), window, convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv), i32(dk),
                           i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb, state, out, i32(ldo),
-                          norm_w, f32(eps), y, i32(ldy), tickets, i32(nlanes), i32(1 if commit else 0)),
+                          norm_w, f32(eps), y, i32(ldy), *_a8_args(a8), tickets, i32(nlanes), i32(1 if commit else 0)),
                          shared_mem=4 * gdn_fused_shared_floats(nlanes, dk, warps))
+
+
+def _a8_args(a8: "GemvPlan | None") -> tuple:
+    """(xq, ldq, xs) of a plan whose int8 activations a producer kernel writes, or nulls."""
+    return (None, i32(0), None) if a8 is None else (a8.xq, i32(a8.xq.shape[1]), a8.xs)
 
 
 def gdn_fused_lanes_supported(h: int, hv: int, dk: int, dv: int, kw: int, warps: int = C.GDN_FD_WARPS) -> bool:
@@ -1137,19 +1158,21 @@ def gdn_fused_lanes_supported(h: int, hv: int, dk: int, dv: int, kw: int, warps:
 
 def gdn_decode_fused_lanes(raw, ldr: int, lanes, win_off: int, state_off: int, convw, ab, ldab: int, neg_a, dt_bias,
                            h: int, hv: int, dk: int, dv: int, kw: int, qkvn, gb, out, ldo: int, norm_w, eps: float,
-                           y, ldy: int, tickets, nlanes: int, warps: int = C.GDN_FD_WARPS) -> None:
+                           y, ldy: int, tickets, nlanes: int, warps: int = C.GDN_FD_WARPS,
+                           a8: "GemvPlan | None" = None) -> None:
     """gdn_decode_fused(commit, one token) per lane, lane b on its own state's window and S (+ win_off /
-    state_off bytes), its rows b of raw / ab / qkvn / gb / out / y. tickets: int32 [lanes][h + hv], zero,
-    left zero."""
+    state_off bytes), its rows b of raw / ab / qkvn / gb / out / y (and with a8, of the plan's int8
+    activations). tickets: int32 [lanes][h + hv], zero, left zero."""
     if not gdn_fused_lanes_supported(h, hv, dk, dv, kw, warps):
         raise ValueError(f"fused GDN lanes step: unsupported shape h={h} hv={hv} dk={dk} dv={dv} kw={kw} warps={warps}")
+    assert a8 is None or gated_rmsnorm_fuses(a8, nlanes, hv, dv)
     kpl = -(-dk // 32)
     kernel = {1: "gdn_decode_lanes_k1", 2: "gdn_decode_lanes_k2", 3: "gdn_decode_lanes_k4", 4: "gdn_decode_lanes_k4"}[kpl]
     nb = -(-dv // (warps * C.GDN_FD_COLS))
     Runtime.get().launch("gdn_decode", kernel, (nb, hv, nlanes), 32 * warps,
                          (raw, i32(ldr), lanes, i64(win_off), i64(state_off), convw, ab, i32(ldab), neg_a, dt_bias,
                           i32(h), i32(hv), i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn,
-                          gb, out, i32(ldo), norm_w, f32(eps), y, i32(ldy), tickets),
+                          gb, out, i32(ldo), norm_w, f32(eps), y, i32(ldy), *_a8_args(a8), tickets),
                          shared_mem=4 * gdn_fused_shared_floats(1, dk, warps))
 
 
@@ -1518,7 +1541,7 @@ def _split_shape(hd: int, nq: int, nkv: int) -> tuple[int, int]:
 
 
 def attention(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
-              span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+              span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int, a8: "GemvPlan | None" = None) -> None:
     """Split-K attention + combine with the sigmoid gate; out[t][h*hd + d]."""
     dpl, rep = _split_shape(hd, nq, nkv)
     kernel = f"attn_split_{'bf16' if kv_bf16 else 'f32'}_d{dpl}"
@@ -1527,7 +1550,7 @@ def attention(q, ldq: int, kcache, vcache, kv_bf16: bool, max_pos: int, nq: int,
               (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5), pos0_dev, i32(span),
                part), shared_mem=4 * ATT_WARPS * rep * (hd + 2))
     rt.launch("attention", "attn_combine", (nlanes, nq), hd,
-              (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo)))
+              (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo), *_att_a8(a8, nlanes, nq, hd)))
 
 
 def qk_norm_rope_store_fp8(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int,
@@ -1541,7 +1564,7 @@ def qk_norm_rope_store_fp8(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: flo
 
 
 def attention_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int, nq: int, nkv: int, hd: int, pos0_dev,
-                  span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+                  span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int, a8: "GemvPlan | None" = None) -> None:
     """attention() over fp8 e4m3 KV (codes + row exponents); decode, verify and (for now) prefill lanes."""
     dpl, rep = _split_shape(hd, nq, nkv)
     rt = Runtime.get()
@@ -1549,7 +1572,7 @@ def attention_fp8(q, ldq: int, kcache, vcache, kexp, vexp, max_pos: int, nq: int
               (q, i32(ldq), kcache, vcache, i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5), pos0_dev, i32(span),
                part, kexp, vexp), shared_mem=4 * ATT_WARPS * rep * (hd + 2))
     rt.launch("attention", "attn_combine", (nlanes, nq), hd,
-              (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo)))
+              (part, i32(nq), i32(hd), pos0_dev, i32(span), qg, i32(ldqg), out, i32(ldo), *_att_a8(a8, nlanes, nq, hd)))
 
 
 def qk_norm_rope_store_lanes(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, eps: float, nq: int, nkv: int, hd: int,
@@ -1573,7 +1596,7 @@ def qk_norm_rope_store_fp8_lanes(qg, ldq: int, kv, ldkv: int, q_norm, k_norm, ep
 
 
 def attention_lanes(q, ldq: int, lanes, kv_off: int, x_off: int, kv: str, max_pos: int, nq: int, nkv: int, hd: int,
-                    span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+                    span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int, a8: "GemvPlan | None" = None) -> None:
     """attention() / attention_fp8() for decode_batch lanes: lane b is a one-token decode of its own
     sequence (its position, its state's K / V + kv_off, fp8 exponents + x_off bytes). kv: "f32",
     "bf16" or "fp8". part: attention_partials_floats(>= nlanes, nq, hd)."""
@@ -1585,7 +1608,7 @@ def attention_lanes(q, ldq: int, lanes, kv_off: int, x_off: int, kv: str, max_po
               (q, i32(ldq), lanes, i64(kv_off), i64(x_off), i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5),
                i32(span), part), shared_mem=4 * ATT_WARPS * rep * (hd + 2))
     rt.launch("attention", "attn_combine_lanes", (nlanes, nq), hd,
-              (part, i32(nq), i32(hd), lanes, i32(span), qg, i32(ldqg), out, i32(ldo)))
+              (part, i32(nq), i32(hd), lanes, i32(span), qg, i32(ldqg), out, i32(ldo), *_att_a8(a8, nlanes, nq, hd)))
 
 
 def attention_partials_floats(max_lanes: int, nq: int, hd: int, nsplit: int = ATT_NSPLIT) -> int:
@@ -1694,7 +1717,7 @@ def _attention_mma_variant(hd: int, nq: int, nkv: int, span: int, fp8: bool, max
 
 def attention_mma(q, ldq: int, kcache, vcache, kexp, vexp, fp8: bool, max_pos: int, nq: int, nkv: int, hd: int,
                   pos0_dev, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int,
-                  qsplit: bool | None = None) -> None:
+                  qsplit: bool | None = None, a8: "GemvPlan | None" = None) -> None:
     """attention() / attention_fp8() on tensor cores: the same contract (out[t][h*hd + d], gated), the
     KV read once for all lanes. kcache / vcache: bf16 bits (fp8=False) or e4m3 codes with row
     exponents kexp / vexp. part: attention_partials_floats(lanes, nq, hd, attention_mma_splits(...)).
@@ -1710,12 +1733,12 @@ def attention_mma(q, ldq: int, kcache, vcache, kexp, vexp, fp8: bool, max_pos: i
                i32(nsplit), i32(nlanes), part, kexp if fp8 else None, vexp if fp8 else None),
               shared_mem=attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit))
     rt.launch("attention", "attn_mma_combine", (nlanes, nq), hd,
-              (part, i32(nq), i32(hd), pos0_dev, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo)))
+              (part, i32(nq), i32(hd), pos0_dev, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo), *_att_a8(a8, nlanes, nq, hd)))
 
 
 def attention_mma_lanes(q, ldq: int, lanes, kv_off: int, x_off: int, fp8: bool, max_pos: int, nq: int, nkv: int,
                         hd: int, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int,
-                        qsplit: bool | None = None) -> None:
+                        qsplit: bool | None = None, a8: "GemvPlan | None" = None) -> None:
     """attention_mma for decode_batch lanes: grid z = lane, each lane b a one-lane launch of its own
     sequence (its position, its state's K / V + kv_off, fp8 exponents + x_off bytes) with the block
     size and split count a one-token decode uses, so its bits are that decode's."""
@@ -1730,11 +1753,11 @@ def attention_mma_lanes(q, ldq: int, lanes, kv_off: int, x_off: int, fp8: bool, 
                i32(span), i32(nsplit), part),
               shared_mem=attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit))
     rt.launch("attention", "attn_mma_combine_lanes", (nlanes, nq), hd,
-              (part, i32(nq), i32(hd), lanes, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo)))
+              (part, i32(nq), i32(hd), lanes, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo), *_att_a8(a8, nlanes, nq, hd)))
 
 
 def attention_groups(q, ldq: int, lanes, groups, kv_off: int, x_off: int, kv: str, max_pos: int, nq: int, nkv: int,
-                     hd: int, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int) -> None:
+                     hd: int, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int, a8: "GemvPlan | None" = None) -> None:
     """attention() / attention_fp8() for the nlanes lanes of a verify_batch: lane b is lane b - r0 of its
     group's verify round (the round's pos0 = row r0's position and its split size; its state's K / V +
     kv_off, fp8 exponents + x_off bytes). kv: "f32", "bf16" or "fp8"."""
@@ -1746,12 +1769,12 @@ def attention_groups(q, ldq: int, lanes, groups, kv_off: int, x_off: int, kv: st
               (q, i32(ldq), lanes, groups, i64(kv_off), i64(x_off), i32(max_pos), i32(nq), i32(nkv), f32(hd ** -0.5),
                i32(span), part), shared_mem=4 * ATT_WARPS * rep * (hd + 2))
     rt.launch("attention", "attn_combine_groups", (nlanes, nq), hd,
-              (part, i32(nq), i32(hd), lanes, groups, i32(span), qg, i32(ldqg), out, i32(ldo)))
+              (part, i32(nq), i32(hd), lanes, groups, i32(span), qg, i32(ldqg), out, i32(ldo), *_att_a8(a8, nlanes, nq, hd)))
 
 
 def attention_mma_groups(q, ldq: int, lanes, groups, kv_off: int, x_off: int, fp8: bool, max_pos: int, nq: int,
                          nkv: int, hd: int, span: int, part, qg, ldqg: int, out, ldo: int, nlanes: int, ngroups: int,
-                         max_width: int, qsplit: bool | None = None) -> None:
+                         max_width: int, qsplit: bool | None = None, a8: "GemvPlan | None" = None) -> None:
     """attention_mma for a verify_batch of nlanes lanes in ngroups groups: grid z = group, each group (its
     GT_COUNT lanes from its first row) the launch its sequence's solo verify makes -- its pos0, nlanes and
     split count -- then the combine over every lane. The block is sized for max_width lanes (at least the
@@ -1769,7 +1792,7 @@ def attention_mma_groups(q, ldq: int, lanes, groups, kv_off: int, x_off: int, fp
                i32(span), i32(nsplit), part),
               shared_mem=attention_mma_shared_bytes(hd, fp8, max_pos, span, nsplit))
     rt.launch("attention", "attn_mma_combine_groups", (nlanes, nq), hd,
-              (part, i32(nq), i32(hd), lanes, groups, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo)))
+              (part, i32(nq), i32(hd), lanes, groups, i32(span), i32(nsplit), qg, i32(ldqg), out, i32(ldo), *_att_a8(a8, nlanes, nq, hd)))
 
 
 # ---------------------------------------------------------------- argmax / sampling

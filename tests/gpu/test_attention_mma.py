@@ -215,8 +215,9 @@ def cp():
     return cupy
 
 
-def run_mma(cp, case, pos0, nlanes=None, qsplit=None, poison=False):
-    """attention_mma on the case's first nlanes lanes -> (out [nlanes, nq, hd], partials)."""
+def run_mma(cp, case, pos0, nlanes=None, qsplit=None, poison=False, a8=None):
+    """attention_mma on the case's first nlanes lanes -> (out [nlanes, nq, hd], partials); a8: the out plan
+    whose int8 activations the combine writes as well."""
     from q27py.gpu.runtime import Runtime
 
     q, gate = case["q"], case["gate"]
@@ -237,8 +238,62 @@ def run_mma(cp, case, pos0, nlanes=None, qsplit=None, poison=False):
     part = cp.full(K.attention_partials_floats(nlanes, nq, hd, nsplit), np.nan if poison else 0, dtype=cp.float32)
     K.attention_mma(cp.asarray(q[:nlanes].reshape(nlanes, -1)), nq * hd, kd, vd, kx, vx, fp8, max_pos, nq, nkv, hd,
                     cp.asarray(np.array([pos0], np.int32)), SPAN, part, cp.asarray(qg.reshape(nlanes, -1)),
-                    2 * nq * hd, out, nq * hd, nlanes, qsplit=qsplit)
+                    2 * nq * hd, out, nq * hd, nlanes, qsplit=qsplit, a8=a8)
     return out.get().reshape(nlanes, nq, hd), part.get().reshape(nlanes, nq, nsplit, hd + 2)
+
+
+def a8_plans(cp, k: int, n: int):
+    """Two a8 plans of one random q4 matrix of K = k (the attention out projection's shape)."""
+    rng = np.random.default_rng(k + n)
+    m = K.upload_packed(L.pack_matrix(rng.standard_normal((80, k)).astype(np.float32) * 0.05, L.FMT_Q4))
+    ws = K.Workspace()
+    ya, yb = cp.full((n, 80), np.nan, cp.float32), cp.full((n, 80), np.nan, cp.float32)
+    return (K.GemvPlan([m], [(ya, 80)], ws, impl="a8"), ya), (K.GemvPlan([m], [(yb, 80)], ws, impl="a8"), yb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,nq,nkv", [(64, 4, 2), (256, 24, 4)])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kernel", ["mma", "split"])
+def test_combine_writes_the_out_plans_a8_activations(cp, hd, nq, nkv, fp8, kernel):
+    """With a8 (attention_a8_fuses) the combine writes, beside the same gated rows, the bytes quant_act8 makes
+    from them (codes and chunk scales), so the out projection runs prequantized with the unfused GEMV bits."""
+    pos0 = 777
+    for t in (1, 9, 16):
+        case = make_case(31 + t, t, nq, nkv, hd, pos0, fp8)
+        (pa, ya), (pb, yb) = a8_plans(cp, nq * hd, t)
+        assert K.attention_a8_fuses(pb, t, nq, hd) and not K.attention_a8_fuses(pb, 17, nq, hd)
+        pb.xq.fill(0xAB)
+        pb.xs.fill(np.nan)
+        if kernel == "mma":
+            want, _ = run_mma(cp, case, pos0)
+            got, _ = run_mma(cp, case, pos0, a8=pb)
+        else:
+            qg = np.zeros((t, nq, 2 * hd), np.float32)
+            qg[..., hd:] = case["gate"]
+            outs = []
+            for a8 in (None, pb):
+                out = cp.full((t, nq * hd), np.nan, cp.float32)
+                part = cp.zeros(K.attention_partials_floats(t, nq, hd), dtype=cp.float32)
+                args = (cp.asarray(np.array([pos0], np.int32)), SPAN, part, cp.asarray(qg.reshape(t, -1)), 2 * nq * hd,
+                        out, nq * hd, t)
+                q = cp.asarray(case["q"].reshape(t, -1))
+                if fp8:
+                    K.attention_fp8(q, nq * hd, cp.asarray(case["kc"]), cp.asarray(case["vc"]), cp.asarray(case["kx"]),
+                                    cp.asarray(case["vx"]), case["max_pos"], nq, nkv, hd, *args, a8=a8)
+                else:
+                    K.attention(q, nq * hd, cp.asarray(L.bf16_bits(case["kc"])), cp.asarray(L.bf16_bits(case["vc"])),
+                                True, case["max_pos"], nq, nkv, hd, *args, a8=a8)
+                outs.append(out.get().reshape(t, nq, hd))
+            want, got = outs
+        np.testing.assert_array_equal(got, want)
+        x = cp.asarray(want.reshape(t, -1))
+        pa.run(x, nq * hd, t)  # quant_act8 from the rows, then the GEMV
+        pb.run(x, nq * hd, t, prequantized=True)
+        k = nq * hd
+        np.testing.assert_array_equal(pb.xq.get()[:t, :k], pa.xq.get()[:t, :k], err_msg=f"codes t={t}")
+        np.testing.assert_array_equal(pb.xs.get()[: k // 64, :t], pa.xs.get()[: k // 64, :t], err_msg=f"scales t={t}")
+        np.testing.assert_array_equal(yb.get(), ya.get())
 
 
 def boundary_pos0(nkv):

@@ -69,7 +69,7 @@ def run_chain(cp, K, d, h, hv, dk, dv, t, commit):
     return {"qkvn": qkvn, "gb": gb, "o": o, "y": y, "state": state, "window": window}
 
 
-def run_fused(cp, K, d, h, hv, dk, dv, t, commit, warps, tickets=None):
+def run_fused(cp, K, d, h, hv, dk, dv, t, commit, warps, tickets=None, a8=None):
     c, ldr, kw = d["c"], d["ldr"], d["kw"]
     raw, ab = cp.asarray(d["raw"]), cp.asarray(d["ab"])
     window, state = cp.asarray(d["window"]), cp.asarray(d["state"])
@@ -78,7 +78,7 @@ def run_fused(cp, K, d, h, hv, dk, dv, t, commit, warps, tickets=None):
     tickets = cp.zeros(h + hv, cp.int32) if tickets is None else tickets
     K.gdn_decode_fused(raw, ldr, window, cp.asarray(d["convw"]), ab, ab.shape[1], cp.asarray(d["neg_a"]),
                        cp.asarray(d["dt"]), h, hv, dk, dv, kw, qkvn, gb, state, o, hv * dv, cp.asarray(d["norm_w"]),
-                       1e-6, y, y.shape[1], tickets, t, commit, warps=warps)
+                       1e-6, y, y.shape[1], tickets, t, commit, warps=warps, a8=a8)
     return {"qkvn": qkvn, "gb": gb, "o": o, "y": y, "state": state, "window": window, "tickets": tickets}
 
 
@@ -154,22 +154,61 @@ def test_fused_steps_chain_and_share_tickets(cp, K):
     assert not tickets.get().any()
 
 
+@pytest.mark.parametrize("shape", ["27b", "tiny-model"])
+@pytest.mark.parametrize("commit", [False, True])
+def test_fused_writes_the_out_plans_a8_activations(cp, K, shape, commit):
+    """With a8 (an a8 out plan whose K is the heads: gated_rmsnorm_fuses), the fused step writes the bytes
+    gated_rmsnorm(a8=) writes from the chain's o -- codes and chunk scales -- beside the same fp32 rows, so
+    the out projection runs prequantized with the unfused GEMV bits (one quant_act8 launch fewer)."""
+    from q27py.gpu import layout as L
+
+    h, hv, dk, dv = SHAPES[shape]
+    k = hv * dv
+    rng = np.random.default_rng(5)
+    m = K.upload_packed(L.pack_matrix(rng.standard_normal((96, k)).astype(np.float32) * 0.05, L.FMT_Q4))
+    ws = K.Workspace()
+    for t in (1, 2, 7, 16):
+        d = inputs(np.random.default_rng(300 + t), t, h, hv, dk, dv)
+        want = run_chain(cp, K, d, h, hv, dk, dv, t, commit)
+        ya = cp.full((t, 96), np.nan, cp.float32)
+        pa = K.GemvPlan([m], [(ya, 96)], ws, impl="a8")
+        assert K.gated_rmsnorm_fuses(pa, t, hv, dv)
+        xa = cp.zeros((t, k), cp.float32)
+        K.gated_rmsnorm(want["o"], k, cp.asarray(d["raw"])[:, d["c"]:], d["ldr"], cp.asarray(d["norm_w"]), 1e-6, t,
+                        hv, dv, xa, k, a8=pa)
+        pa.run(xa, k, t, prequantized=True)
+        for warps in (1, 4, 8):
+            yb = cp.full((t, 96), np.nan, cp.float32)
+            pb = K.GemvPlan([m], [(yb, 96)], ws, impl="a8")
+            pb.xq.fill(0xAB)
+            pb.xs.fill(np.nan)
+            got = run_fused(cp, K, d, h, hv, dk, dv, t, commit, warps, a8=pb)
+            assert_same(got, want, t, hv, dv)
+            np.testing.assert_array_equal(pb.xq.get()[:t, :k], pa.xq.get()[:t, :k], err_msg=f"codes t={t} w={warps}")
+            np.testing.assert_array_equal(pb.xs.get()[:, :t], pa.xs.get()[:, :t], err_msg=f"scales t={t} w={warps}")
+            assert not np.isnan(pb.xs.get()[: k // 64, :t]).any()
+            pb.run(got["y"], got["y"].shape[1], t, prequantized=True)
+            np.testing.assert_array_equal(yb.get(), ya.get())
+
+
 # ---------------------------------------------------------------- the model with the switch on / off
-def build(gdn_fused: bool, graphs: bool = False):
+def build(gdn_fused: bool, graphs: bool = False, tier: str = "bf16"):
+    """The bundled model; tier "q4s": a8 GEMV plans, so a GDN layer's out plan reads int8 activations."""
     from q27py.gpu.forward import FastModel
     from q27py.gpu.weights import from_checkpoint
     from q27py.model.checkpoint import Checkpoint
 
-    m = FastModel(from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), "bf16", progress=False), max_context=512,
+    m = FastModel(from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), tier, progress=False), max_context=512,
                   kv_dtype="f32", chunk=16, gdn_fused=gdn_fused)
     if graphs:
         m.enable_graphs()
     return m
 
 
+@pytest.mark.parametrize("tier", ["bf16", "q4s"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_model_decode_and_verify_fused_equals_chain(graphs):
-    chain, fused = build(False, graphs), build(True, graphs)
+def test_model_decode_and_verify_fused_equals_chain(graphs, tier):
+    chain, fused = build(False, graphs, tier), build(True, graphs, tier)
     assert fused.gdn_fused and not chain.gdn_fused
     ids = [int(x) for x in np.random.default_rng(0).integers(0, 16000, 37)]  # 16-lane prefill chunks commit fused
     a, b = chain.new_state(), fused.new_state()
@@ -210,3 +249,36 @@ def test_fused_removes_launches_per_gdn_layer():
     assert counts[False][0] - counts[True][0] == 3 * ng
     assert counts[False][1] - counts[True][1] == 2 * ng
     assert counts[True][2][("gdn_decode", "gdn_decode_k2")] == ng  # tiny models: dk 64
+
+
+def test_fused_quantizes_for_the_a8_out_plan():
+    """With a8 plans (q4s) the fused step also writes the out plan's int8 activations, as the chain's
+    gated_rmsnorm_a8 does: the same quant_act8 launches as the chain, so the fused step still saves its
+    3 launches a GDN layer in a decode step (before 2026-12-07 it added a quant_act8 for each: 2)."""
+    from q27py.gpu.runtime import Runtime
+
+    rt = Runtime.get()
+    counts = {}
+    for fused in (False, True):
+        m = build(fused, tier="q4s")
+        assert K_fuses(m)
+        st = m.new_state()
+        m.forward(st, [1, 2, 3], logits_rows="last")
+        with rt.count_launches() as dec:
+            m.forward(st, [4])
+        counts[fused] = dec
+    ng = len(m.cfg.linear_layers)
+    assert sum(counts[False].values()) - sum(counts[True].values()) == 3 * ng
+    assert counts[False][("gemv", "quant_act8")] == counts[True][("gemv", "quant_act8")]
+    # what is left to quantize in a decode step: the SwiGLU rows before each down projection and the final
+    # norm's row before lm_head (the norms, the GDN steps and the attention combines write theirs)
+    assert counts[True][("gemv", "quant_act8")] == m.cfg.num_hidden_layers + 1
+
+
+def K_fuses(m) -> bool:
+    """Whether the model's first GDN layer's out plan takes its activations from the GDN step."""
+    from q27py.gpu import kernels as K
+
+    cfg = m.cfg
+    li = cfg.linear_layers[0]
+    return K.gated_rmsnorm_fuses(m.layer_plans[li]["out"], 1, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
