@@ -548,7 +548,7 @@ __device__ __forceinline__ void gemv_body(const i64* __restrict__ desc, int nmat
         for (int wi = 1; wi < GEMV_WARPS; wi++) v += red[wi][e];
         red[0][e] = v;
     }
-    gemv_unit_finish<COLS>(d, red[0], rg, sp, splits, nv, y, ldy, nout, mode);
+    gemv_unit_finish<COLS>(d, red[0], rg, sp, splits, nv, y, ldy, nout, mode, lane0);
     GSTAMP(7);
 }
 

@@ -73,9 +73,50 @@ __device__ __forceinline__ const i64* gemv_unit_desc(const i64* __restrict__ des
 // the row group (integer ticket) sums the partials in split order and runs the epilogue (a cluster of
 // the row group's splits sums them through DSMEM instead, in the same order). The bits never depend
 // on timing, nor on the launch width.
+// The SwiGLU epilogue's a8 hand-over (d[D_XQ] != 0: kernels.GemvPlan quant_into): a row group writes 32 SwiGLU
+// outputs (GEMV_R tiles x 8), so two consecutive row groups make one 64-k chunk of the next plan's input. The second
+// of a chunk's row groups to finish (an arrival counter per chunk, reset by that arrival, so a captured graph replays
+// cleanly; __threadfence before and after, as the split-K ticket) quantizes the chunk from the rows both wrote, as
+// quant_act8 does from the finished rows: the same bytes, one launch (and its boundary) fewer before the down
+// projection. The codes go to the next plan's own buffers (never the ones this launch reads its activations from).
+// Only a launch of lanes 0 .. nv - 1, nv <= GEMV_MAX_LANES (the next plan then runs prequantized); wider or later
+// blocks skip it (the next plan quantizes for itself then). y: the piece's outputs (lane 0).
+// Not inlined: the epilogue runs once a unit, and inlined it cost gemv8_q4_nt2 a spill at 128 registers (sm_86).
+__device__ __noinline__ void swiglu_act8(const i64* __restrict__ d, int rg, int nv, const float* __restrict__ y,
+                                            int ldy, int nout) {
+    constexpr int RGO = GEMV_R * 8;  // SwiGLU outputs of a row group
+    __shared__ int s_mine;
+    const int o0 = (int)d[D_O0];
+    const int c = (o0 / RGO + rg) >> 1;            // the chunk of the matrix's row group
+    const int groups = (o0 + nout + RGO - 1) / RGO;  // the matrix's row groups
+    const int expect = min(2, groups - 2 * c);
+    __threadfence();  // this CTA's outputs before its arrival
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int mine = 1;
+        if (expect > 1) {
+            int* cnt = reinterpret_cast<int*>(d[D_QCNT]) + c;
+            mine = atomicAdd(cnt, 1) == expect - 1;
+            if (mine) *cnt = 0;  // every other arrival is in: ready for the next launch
+        }
+        s_mine = mine;
+    }
+    __syncthreads();
+    if (!s_mine) return;
+    __threadfence();  // the other row group's outputs before this CTA's reads
+    const float* row = y - o0;  // the matrix's output row of lane 0
+    u8* xq = reinterpret_cast<u8*>(d[D_XQ]);
+    float* xs = reinterpret_cast<float*>(d[D_XS]);
+    const int ldq = (int)d[D_LDQ], warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int ln = warp; ln < nv; ln += blockDim.x >> 5)
+        act8_quantize_pair(__ldcg(reinterpret_cast<const float2*>(row + (i64)ln * ldy + c * 64 + 2 * lane)), c,
+                           xq + (i64)ln * ldq, xs + ln, lane);
+}
+
 template <int COLS>
 __device__ __forceinline__ void gemv_unit_finish(const i64* __restrict__ d, float* red0, int rg, int sp, int splits,
-                                                 int nv, float* __restrict__ y, int ldy, int nout, int mode) {
+                                                 int nv, float* __restrict__ y, int ldy, int nout, int mode,
+                                                 int lane0) {
     constexpr int E = GEMV_R * 16 * COLS;
     __shared__ int s_last;
     const int tid = threadIdx.x, EV = GEMV_R * 16 * nv;
@@ -137,4 +178,5 @@ __device__ __forceinline__ void gemv_unit_finish(const i64* __restrict__ d, floa
                 *dst = red0[e];
         }
     }
+    if (mode == MODE_SWIGLU && d[D_XQ] != 0 && lane0 == 0 && nv <= GEMV_MAX_LANES) swiglu_act8(d, rg, nv, y, ldy, nout);
 }

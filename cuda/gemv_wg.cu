@@ -514,7 +514,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         wg_fold_second<NL>(acc, v, red0, warp, g, t);
     }
     __syncthreads();
-    gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode);
+    gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode, lane0);
 }
 
 #endif

@@ -466,9 +466,9 @@ PY
     s12)  # (<= ~9.5 min; carry .ab: `git archive HEAD~ q27py cuda tools | tar -x -C .ab/base`, its q27py/data linked
           # here) the launch folds of 2026-12-07 (the GDN step and the attention combines write the out projections'
           # a8 activations: no quant_act8 launch before gdn_out / attn_o): their bitwise tests and the gates, the steps
-          # against .ab/base, then the step timeline; on an H200 the 8K prefill A/B last
+          # against .ab/base, then the step timeline (gate_up's epilogue writes down's activations too); on an H200 the 8K prefill A/B last
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
-        timeout 200 $PYTEST tests/gpu/test_gdn_fused.py tests/gpu/test_attention_mma.py -k "a8 or q4s or quantiz" \
+        timeout 200 $PYTEST tests/gpu/test_swiglu_act8.py tests/gpu/test_gdn_fused.py tests/gpu/test_attention_mma.py -k "a8 or q4s or quantiz or replays" \
           > "$OUT/s12_bits.txt" 2>&1 || rc=1; tail -4 "$OUT/s12_bits.txt"
         timeout 150 $PYTEST tests/gpu/test_gates.py > "$OUT/s12_gates.txt" 2>&1 || rc=1; tail -3 "$OUT/s12_gates.txt"
         [ -d .ab/base/q27py ] && ln -sfn "$PWD/q27py/data" .ab/base/q27py/data

@@ -141,7 +141,10 @@ PIPE2_BF16, PIPE2_Q8, PIPE2_Q4 = 3, 4, 2  # 16-lane kernels (168 registers, q8 2
 D_W, D_S, D_Y, D_WS, D_CNT, D_LDY, D_NOUT, D_KCH = 0, 1, 2, 3, 4, 5, 6, 7
 D_RT, D_FMT, D_MODE, D_SPLITS, D_RG, D_CTA0, D_GSC, D_NGROUPS = 8, 9, 10, 11, 12, 13, 14, 15
 D_RGB = 16  # v2: row groups per CTA (its warps split as D_RGB x G2_WARPS / D_RGB over K)
-D_NFIELDS = 17
+# a SwiGLU matrix whose epilogue also writes the next plan's a8 activations (kernels.GemvPlan quant_into; 0: none):
+# that plan's codes / scales / code row stride, the chunk arrival counters, and the piece's first output in the matrix
+D_XQ, D_XS, D_LDQ, D_QCNT, D_O0 = 17, 18, 19, 20, 21
+D_NFIELDS = 22
 
 # ---------------------------------------------------------------- prefill GEMM (cuda/gemm.cu)
 GM_WARPS = 8

@@ -794,10 +794,10 @@ class FastModel:
 
     def _layer_plan(self, lw: LayerW, gi: int | None) -> dict:
         ws = self.ws
-        p = {
-            "up": K.GemvPlan([lw.gate_up], [(self.act, self.ld_act)], ws),
-            "down": K.GemvPlan([lw.down], [(self.h, self.hp)], ws),
-        }
+        # down reads its a8 activations from buffers of its own, which gate_up's epilogue writes while gate_up
+        # still reads its input from the shared ones (GemvPlan quant_into: no quant_act8 launch between them)
+        down = K.GemvPlan([lw.down], [(self.h, self.hp)], ws, act8_slot=1)
+        p = {"up": K.GemvPlan([lw.gate_up], [(self.act, self.ld_act)], ws, quant_into=down), "down": down}
         if lw.kind == FULL:
             a = lw.attn
             p["in"] = K.GemvPlan([a.q, a.kv], [(self.qg, self.ld_qg), (self.kvp, self.kvp.shape[1])], ws)
@@ -1757,7 +1757,7 @@ class FastModel:
             down.run(self.act, self.ld_act, t, x_bf16=actb)
             return
         up.run(self.x, self.hp, t, prequantized=up.fuses_quant(t))
-        down.run(self.act, self.ld_act, t)
+        down.run(self.act, self.ld_act, t, prequantized=up.quantizes_for(down, t))
 
     def _logits_rows(self, src, rows: np.ndarray) -> None:
         """lm_head + argmax for the given lanes (contiguous runs become one GEMV each).

@@ -193,21 +193,31 @@ class Workspace:
         self.lanes8 = 0
         self.xq = None
         self.xs = None
+        self._slots: dict[int, tuple] = {}  # slot -> (kpad8, lanes8, xq, xs); slot 0 is xq / xs above
         self._keep = []
 
-    def reserve_act8(self, kpad: int, lanes: int = GEMV_MAX_LANES) -> None:
+    def reserve_act8(self, kpad: int, lanes: int = GEMV_MAX_LANES, slot: int = 0) -> None:
         """Room for `lanes` (GEMV_MAX_LANES, or GWG_MAX_LANES for a plan that may run gemv8w_q4_n32) lanes'
-        a8 activations of K up to kpad. 32 lanes at the 27B's widest K (17408): 557 KB + 35 KB."""
+        a8 activations of K up to kpad. 32 lanes at the 27B's widest K (17408): 557 KB + 35 KB.
+        slot: which buffer pair (0: every plan's by default; 1: the plans a producer kernel quantizes into
+        while plans of slot 0 still read theirs, GemvPlan quant_into)."""
         assert lanes in (GEMV_MAX_LANES, GWG_MAX_LANES)
         cp = Runtime.get().cp
-        if self.xq is None or kpad > self.kpad8 or lanes > self.lanes8:
-            self.kpad8 = max(kpad, self.kpad8)
-            self.lanes8 = max(lanes, self.lanes8)
-            halves = self.lanes8 // GEMV_MAX_LANES
-            self.xq = cp.zeros((self.lanes8, self.kpad8), dtype=cp.uint8)
-            chunks = (self.kpad8 // L.CHUNK_K, GEMV_MAX_LANES)
-            self.xs = cp.zeros(chunks if halves == 1 else (halves,) + chunks, dtype=cp.float32)
-            self._keep += [self.xq, self.xs]
+        kpad8, lanes8, xq, xs = self._slots.get(slot, (0, 0, None, None))
+        if xq is None or kpad > kpad8 or lanes > lanes8:
+            kpad8, lanes8 = max(kpad, kpad8), max(lanes, lanes8)
+            halves = lanes8 // GEMV_MAX_LANES
+            xq = cp.zeros((lanes8, kpad8), dtype=cp.uint8)
+            chunks = (kpad8 // L.CHUNK_K, GEMV_MAX_LANES)
+            xs = cp.zeros(chunks if halves == 1 else (halves,) + chunks, dtype=cp.float32)
+            self._keep += [xq, xs]
+            self._slots[slot] = (kpad8, lanes8, xq, xs)
+            if slot == 0:
+                self.kpad8, self.lanes8, self.xq, self.xs = kpad8, lanes8, xq, xs
+
+    def act8(self, slot: int = 0) -> tuple:
+        """The current (codes, scales) of a slot (reserve_act8)."""
+        return self._slots[slot][2:]
 
     def reserve(self, floats: int, counters: int) -> None:
         cp = Runtime.get().cp
@@ -383,7 +393,13 @@ class GemvPlan:
     """
 
     def __init__(self, mats: list[GpuMatrix], outputs: list[tuple[object, int]], workspace: Workspace,
-                 impl: str | None = None, partition: tuple[int, int] | None = None, wgmma: str | None = None):
+                 impl: str | None = None, partition: tuple[int, int] | None = None, wgmma: str | None = None,
+                 act8_slot: int = 0, quant_into: "GemvPlan | None" = None):
+        """act8_slot: which of the workspace's a8 activation buffers this plan reads (1: a buffer no plan of slot 0
+        reads, so a producer may write it while such a plan runs). quant_into: for a plan of one SwiGLU matrix, the
+        next plan (a8, its own slot, K covering this plan's outputs): this plan's GEMV launches of lanes 0 ..
+        n - 1, n <= 16, also write that plan's a8 activations of the rows they output (cuda/gemv_common.cuh
+        swiglu_act8), so it runs prequantized (quantizes_for)."""
         assert 1 <= len(mats) <= 4 and len(mats) == len(outputs)
         rt = Runtime.get()
         self.impl = gemv_impl() if impl is None else impl
@@ -457,7 +473,7 @@ class GemvPlan:
                 f[C.D_WS], f[C.D_CNT], f[C.D_LDY], f[C.D_NOUT] = ws_need, cnt_need, ldy, m.nout - o0
                 f[C.D_KCH], f[C.D_RT], f[C.D_FMT], f[C.D_MODE] = sh.kchunks, sh.row_tiles - t0, sh.fmt, m.mode
                 f[C.D_SPLITS], f[C.D_RG], f[C.D_CTA0] = s, ng, cta
-                f[C.D_GSC], f[C.D_NGROUPS], f[C.D_RGB] = sh.group_chunks, sh.groups, rgb
+                f[C.D_GSC], f[C.D_NGROUPS], f[C.D_RGB], f[C.D_O0] = sh.group_chunks, sh.groups, rgb, o0
                 nb = blocks[(j, g0)]
                 cta += nb * s
                 if s > 1:
@@ -466,12 +482,26 @@ class GemvPlan:
             rows.append((fmt, desc, cta, self._cluster([int(x) for x in desc[:, C.D_SPLITS]], rt)))
         workspace.reserve(ws_need, cnt_need)
         self.a8 = self.impl == "a8" and any(m.shape.fmt != L.FMT_BF16 for m in mats)
+        self.act8_slot = act8_slot
         self.xq = self.xs = None  # a8 only
         if self.a8:
-            workspace.reserve_act8(self.kpad, GWG_MAX_LANES if self.wide else GEMV_MAX_LANES)
+            workspace.reserve_act8(self.kpad, GWG_MAX_LANES if self.wide else GEMV_MAX_LANES, slot=act8_slot)
             # the buffers as of now (a later, larger reserve allocates new ones and keeps these alive,
             # so graphs captured with this plan stay valid)
-            self.xq, self.xs = workspace.xq, workspace.xs
+            self.xq, self.xs = workspace.act8(act8_slot)
+        self.quant_into = None
+        if quant_into is not None and self.a8 and quant_into.a8:
+            m, (y, ldy) = mats[0], outputs[0]
+            assert len(mats) == 1 and m.mode == MODE_SWIGLU, "quant_into: one SwiGLU matrix"
+            assert quant_into.act8_slot != act8_slot, "quant_into: the next plan's own activation buffers"
+            assert m.nout <= quant_into.kpad <= ldy and ldy % 2 == 0, "quant_into: K covers the outputs' rows"
+            self.quant_into = quant_into
+            nq = quant_into.kpad // L.CHUNK_K
+            for _fmt, desc, _units, _cl in rows:
+                desc[:, C.D_XQ], desc[:, C.D_XS] = int(ptr(quant_into.xq)), int(ptr(quant_into.xs))
+                desc[:, C.D_LDQ], desc[:, C.D_QCNT] = quant_into.xq.shape[1], cnt_need
+            cnt_need += nq
+            workspace.reserve(ws_need, cnt_need)
         ws_base, cnt_base = int(ptr(workspace.ws)), int(ptr(workspace.cnt))
         # host copies of the descriptors (link_prefetch reads the next plan's tiles from them)
         self.desc_host = [(fmt, desc.copy(), units) for fmt, desc, units, _ in rows]
@@ -485,6 +515,8 @@ class GemvPlan:
         for fmt, desc, units, cluster in rows:
             desc[:, C.D_WS] = ws_base + desc[:, C.D_WS] * 4
             desc[:, C.D_CNT] = cnt_base + desc[:, C.D_CNT] * 4
+            if self.quant_into is not None:
+                desc[:, C.D_QCNT] = cnt_base + desc[:, C.D_QCNT] * 4
             self.launches.append((fmt, rt.cp.asarray(desc), len(desc), units))
             self.clusters.append(cluster)
 
@@ -499,6 +531,11 @@ class GemvPlan:
     def fuses_quant(self, nlanes: int) -> bool:
         """Whether x's producer may write this plan's int8 activations (then run(prequantized=True))."""
         return self.a8 and nlanes <= GEMV_MAX_LANES
+
+    def quantizes_for(self, nxt: "GemvPlan", nlanes: int) -> bool:
+        """Whether run(nlanes) writes nxt's a8 activations (quant_into; then nxt.run(prequantized=True)): the
+        GEMV's one block of lanes 0 .. nlanes - 1 (no prefill GEMM)."""
+        return self.quant_into is nxt and nxt.fuses_quant(nlanes) and nlanes < GEMM_MIN_TOKENS
 
     def gemm_inputs(self, nlanes: int) -> tuple[bool, bool]:
         """(bf16, f32): which rows of x run(nlanes) reads -- bf16 ones for the matrices on cuBLAS's bf16

@@ -297,6 +297,9 @@ class _Plan:
     def fuses_quant(self, nlanes):
         return nlanes <= C.GEMV_MAX_LANES
 
+    def quantizes_for(self, nxt, nlanes):  # a layer's gate_up writes its down's activations (GemvPlan quant_into)
+        return self.name.startswith("up") and nxt.name == "down" + self.name[2:] and nxt.fuses_quant(nlanes)
+
     def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False, x_bf16=None, y_bf16=None):
         assert x_bf16 is None and y_bf16 is None, "bf16 rows are for prefill chunks only"
         self.rec.calls.append(types.SimpleNamespace(module="plan", kernel=self.name, grid=(nlanes, lane0),
