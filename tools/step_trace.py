@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     from q27py.gpu.graphs import capture
     from q27py.gpu.runtime import PDL_MODULES, Runtime
 
-    probe = copy_bandwidth(1 << 30)
+    probe = copy_bandwidth(1 << 30)["read_GBps"]
     b = Bench(tier=args.tier, max_context=args.ctx + 64, log=lambda *a: print(*a, flush=True))
     m, st, s = b.model, b.state, b.stream
     rt = Runtime.get()

@@ -292,7 +292,8 @@ def test_combine_writes_the_out_plans_a8_activations(cp, hd, nq, nkv, fp8, kerne
         pb.run(x, nq * hd, t, prequantized=True)
         k = nq * hd
         np.testing.assert_array_equal(pb.xq.get()[:t, :k], pa.xq.get()[:t, :k], err_msg=f"codes t={t}")
-        np.testing.assert_array_equal(pb.xs.get()[: k // 64, :t], pa.xs.get()[: k // 64, :t], err_msg=f"scales t={t}")
+        sa, sb = (p.xs.get().reshape(-1, k // 64, 16)[0, :, :t] for p in (pa, pb))  # lanes 0-15's half
+        np.testing.assert_array_equal(sb, sa, err_msg=f"scales t={t}")
         np.testing.assert_array_equal(yb.get(), ya.get())
 
 

@@ -185,8 +185,9 @@ def test_fused_writes_the_out_plans_a8_activations(cp, K, shape, commit):
             got = run_fused(cp, K, d, h, hv, dk, dv, t, commit, warps, a8=pb)
             assert_same(got, want, t, hv, dv)
             np.testing.assert_array_equal(pb.xq.get()[:t, :k], pa.xq.get()[:t, :k], err_msg=f"codes t={t} w={warps}")
-            np.testing.assert_array_equal(pb.xs.get()[:, :t], pa.xs.get()[:, :t], err_msg=f"scales t={t} w={warps}")
-            assert not np.isnan(pb.xs.get()[: k // 64, :t]).any()
+            sa, sb = (p.xs.get().reshape(-1, k // 64, 16)[0, :, :t] for p in (pa, pb))  # lanes 0-15's half
+            np.testing.assert_array_equal(sb, sa, err_msg=f"scales t={t} w={warps}")
+            assert not np.isnan(sb).any()
             pb.run(got["y"], got["y"].shape[1], t, prequantized=True)
             np.testing.assert_array_equal(yb.get(), ya.get())
 
