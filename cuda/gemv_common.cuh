@@ -76,7 +76,7 @@ __device__ __forceinline__ const i64* gemv_unit_desc(const i64* __restrict__ des
 // The SwiGLU epilogue's a8 hand-over (d[D_XQ] != 0: kernels.GemvPlan quant_into): a row group writes 32 SwiGLU
 // outputs (GEMV_R tiles x 8), so two consecutive row groups make one 64-k chunk of the next plan's input. The second
 // of a chunk's row groups to finish (an arrival counter per chunk, reset by that arrival, so a captured graph replays
-// cleanly; __threadfence before and after, as the split-K ticket) quantizes the chunk from the rows both wrote, as
+// cleanly; release / acquire by thread 0) quantizes the chunk from the rows both wrote, as
 // quant_act8 does from the finished rows: the same bytes, one launch (and its boundary) fewer before the down
 // projection. The codes go to the next plan's own buffers (never the ones this launch reads its activations from).
 // Only a launch of lanes 0 .. nv - 1, nv <= GEMV_MAX_LANES (the next plan then runs prequantized); wider or later
@@ -90,20 +90,24 @@ __device__ __noinline__ void swiglu_act8(const i64* __restrict__ d, int rg, int 
     const int c = (o0 / RGO + rg) >> 1;            // the chunk of the matrix's row group
     const int groups = (o0 + nout + RGO - 1) / RGO;  // the matrix's row groups
     const int expect = min(2, groups - 2 * c);
-    __threadfence();  // this CTA's outputs before its arrival
+    // The arrival as release / acquire by thread 0 between two barriers (the CTA's writes are ordered before
+    // thread 0's release by the first barrier, the other CTA's writes before this CTA's reads by thread 0's
+    // acquire and the second): one acq_rel atomic where a __threadfence in every thread would cost each of them
+    // the wait for its own writes.
     __syncthreads();
     if (threadIdx.x == 0) {
         int mine = 1;
         if (expect > 1) {
             int* cnt = reinterpret_cast<int*>(d[D_QCNT]) + c;
-            mine = atomicAdd(cnt, 1) == expect - 1;
+            int prev;
+            asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(cnt) : "memory");
+            mine = prev == expect - 1;
             if (mine) *cnt = 0;  // every other arrival is in: ready for the next launch
         }
         s_mine = mine;
     }
     __syncthreads();
     if (!s_mine) return;
-    __threadfence();  // the other row group's outputs before this CTA's reads
     const float* row = y - o0;  // the matrix's output row of lane 0
     u8* xq = reinterpret_cast<u8*>(d[D_XQ]);
     float* xs = reinterpret_cast<float*>(d[D_XS]);

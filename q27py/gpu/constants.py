@@ -188,6 +188,10 @@ TAB_F32, TAB_BF16, TAB_Q8 = 0, 1, 2
 NORM_PER_THREAD = 8  # row elements a rmsnorm thread keeps in registers
 NORM_A8_MAX_K = 8192  # rmsnorm_rows_a8 quantizes from a shared copy of rows up to this long (32 KB)
 GATED_A8_MAX_DV = 1024  # gated_rmsnorm_a8: value head dims it stages (one block of dv threads)
+# which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
+# value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).
+# Cleared bits bring back those quant_act8 launches (tools/gemv_prefetch_ab.py --set A8_FOLD=N: the A/B)
+A8_FOLD = 7
 ATT_A8_MAX_HD = 1024  # the attention combines' a8 output (attention_a8_fuses): head dims they stage (a block of hd)
 GATED_ROWS = 16  # gated_rmsnorm_rows (prefill chunks): tokens of one value head per block
 CONV_ROWS = 32  # gdn_conv_rows_k4 (prefill chunks): consecutive tokens of one head slot per block

@@ -797,7 +797,8 @@ class FastModel:
         # down reads its a8 activations from buffers of its own, which gate_up's epilogue writes while gate_up
         # still reads its input from the shared ones (GemvPlan quant_into: no quant_act8 launch between them)
         down = K.GemvPlan([lw.down], [(self.h, self.hp)], ws, act8_slot=1)
-        p = {"up": K.GemvPlan([lw.gate_up], [(self.act, self.ld_act)], ws, quant_into=down), "down": down}
+        p = {"up": K.GemvPlan([lw.gate_up], [(self.act, self.ld_act)], ws, quant_into=down if C.A8_FOLD & 4 else None),
+             "down": down}
         if lw.kind == FULL:
             a = lw.attn
             p["in"] = K.GemvPlan([a.q, a.kv], [(self.qg, self.ld_qg), (self.kvp, self.kvp.shape[1])], ws)
@@ -1479,7 +1480,7 @@ class FastModel:
         if self.gdn_fused and t <= VERIFY_SPAN and K.gdn_fused_supported(hk, hv, dk, dv, kw, t, self.gdn_fused_warps):
             # one launch, bitwise the chain below (same records, o, normed rows, state and window), which also
             # writes the out plan's int8 activations where gated_rmsnorm would (no quant_act8 launch then)
-            fuse = K.gated_rmsnorm_fuses(plan["out"], t, hv, dv)
+            fuse = bool(C.A8_FOLD & 1) and K.gated_rmsnorm_fuses(plan["out"], t, hv, dv)
             K.gdn_decode_fused(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
                                g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, state.gdn[gi], self.o_gdn, hv * dv, g.norm_w,
                                cfg.rms_norm_eps, self.xo, self.ld_xo, self.gdn_tickets, t, commit,
@@ -1529,7 +1530,7 @@ class FastModel:
         raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
         plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
         if self.gdn_fused and K.gdn_fused_supported(hk, hv, dk, dv, kw, 1, self.gdn_fused_warps):
-            fuse = K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
+            fuse = bool(C.A8_FOLD & 1) and K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
             K.gdn_decode_fused_lanes(raw, self.ld_proj, self.lane_table, win_off, state_off, g.conv_w, self.ab,
                                      self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, self.o_gdn,
                                      hv * dv, g.norm_w, cfg.rms_norm_eps, self.xo, self.ld_xo, self.gdn_tickets_lanes, n,
@@ -1626,7 +1627,7 @@ class FastModel:
         """The out plan when the attention combine of t lanes writes its a8 activations (K.attention_a8_fuses),
         else None; the caller's combine then gets it as a8= and the plan runs prequantized."""
         cfg = self.cfg
-        fuse = K.attention_a8_fuses(plan["out"], t, cfg.num_attention_heads, cfg.head_dim)
+        fuse = bool(C.A8_FOLD & 2) and K.attention_a8_fuses(plan["out"], t, cfg.num_attention_heads, cfg.head_dim)
         return plan["out"] if fuse else None
 
     def _pf2_scratch(self):
