@@ -542,6 +542,12 @@ def apply_env(cfg: Q27Config, environ: dict[str, str] | None = None) -> Q27Confi
     return cfg
 
 
+def engine_env() -> EngineConfig:
+    """The engine section of the defaults overlaid with the environment: what a module-level default of the GPU
+    path reads when no engine built from flags has set it (one place instead of one apply_env per knob)."""
+    return apply_env(Q27Config()).engine
+
+
 def apply_device_defaults(cfg: Q27Config) -> Q27Config:
     """Install the CPU path's output limits (ServerConfig.cpu_*) when the engine runs on the CPU.
     Call after env and engine flags (which pick the device), before the server flags (which win)."""

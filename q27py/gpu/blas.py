@@ -252,9 +252,9 @@ def expand_ahead() -> ExpandAhead | None:
     """The process's ExpandAhead when EngineConfig.prefill_expand_ahead (env Q27_PREFILL_EXPAND_AHEAD)
     is on, else None; read once (set_expand_ahead overrides)."""
     if not _EXPAND_AHEAD_SET:
-        from q27py.config import Q27Config, apply_env
+        from q27py.config import engine_env
 
-        set_expand_ahead(apply_env(Q27Config()).engine.prefill_expand_ahead)
+        set_expand_ahead(engine_env().prefill_expand_ahead)
     return _EXPAND_AHEAD
 
 
@@ -343,9 +343,9 @@ def weight_cache() -> ExpansionCache | None:
     EngineConfig.prefill_weight_cache_gb (env Q27_PREFILL_WEIGHT_CACHE_GB) as its budget, read once;
     load_fast_model sets it from the engine's config, capped at the model's expansions."""
     if not _WEIGHT_CACHE_SET:
-        from q27py.config import Q27Config, apply_env
+        from q27py.config import engine_env
 
-        set_weight_cache(weight_cache_budget(apply_env(Q27Config()).engine.prefill_weight_cache_gb, 1 << 62))
+        set_weight_cache(weight_cache_budget(engine_env().prefill_weight_cache_gb, 1 << 62))
     return _WEIGHT_CACHE
 
 

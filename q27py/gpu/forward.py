@@ -271,9 +271,9 @@ class FastGroupOutput:
 
 def batch_sweep_default() -> bool:
     """EngineConfig.batch_sweep with Q27_BATCH_SWEEP applied (models built directly follow the env)."""
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return bool(apply_env(Q27Config()).engine.batch_sweep)
+    return bool(engine_env().batch_sweep)
 
 
 def lane_table_words() -> int:
@@ -332,9 +332,9 @@ class _GroupBatch(_LaneBatch):
 
 def verify_groups_default() -> bool:
     """EngineConfig.verify_groups with Q27_VERIFY_GROUPS applied (models built directly follow the env)."""
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return bool(apply_env(Q27Config()).engine.verify_groups)
+    return bool(engine_env().verify_groups)
 
 
 def group_table_words() -> int:

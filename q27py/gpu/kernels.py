@@ -159,9 +159,9 @@ def gemv_impl() -> str:
     """The GEMV implementation plans use by default: EngineConfig.gemv (env Q27_GEMV), read once."""
     global _GEMV_IMPL
     if _GEMV_IMPL is None:
-        from q27py.config import Q27Config, apply_env
+        from q27py.config import engine_env
 
-        set_gemv_impl(apply_env(Q27Config()).engine.gemv)
+        set_gemv_impl(engine_env().gemv)
     return _GEMV_IMPL
 
 
@@ -263,9 +263,9 @@ GWG_AUTO_WAVES = 4
 
 
 def _gemv_wgmma_default() -> str:
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return gemv_wgmma_mode(apply_env(Q27Config()).engine.gemv_wgmma)
+    return gemv_wgmma_mode(engine_env().gemv_wgmma)
 
 
 def gemv_wgmma_mode(mode: str) -> str:
@@ -810,9 +810,9 @@ def prefill_small_gemm_mode(mode: str) -> str:
 
 
 def _prefill_small_gemm_default() -> str:
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return prefill_small_gemm_mode(apply_env(Q27Config()).engine.prefill_small_gemm)
+    return prefill_small_gemm_mode(engine_env().prefill_small_gemm)
 
 
 PREFILL_SMALL_GEMM = _prefill_small_gemm_default()
@@ -827,9 +827,9 @@ PREFILL_SMALL_GEMM = _prefill_small_gemm_default()
 # directly (gates, benches, tests) follow it as engines do; load_fast_model sets it from the engine's config. Read
 # per call (a test or bench may switch it on one model).
 def _prefill_gate_up_bf16_default() -> bool:
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return bool(apply_env(Q27Config()).engine.prefill_gate_up_bf16)
+    return bool(engine_env().prefill_gate_up_bf16)
 
 
 PREFILL_GATE_UP_BF16 = _prefill_gate_up_bf16_default()
@@ -1217,9 +1217,9 @@ def gemv_prefetch_default() -> float:
     """EngineConfig.gemv_prefetch_mb (env Q27_GEMV_PREFETCH_MB), read once."""
     global _GEMV_PREFETCH_MB
     if _GEMV_PREFETCH_MB is None:
-        from q27py.config import Q27Config, apply_env
+        from q27py.config import engine_env
 
-        _GEMV_PREFETCH_MB = float(apply_env(Q27Config()).engine.gemv_prefetch_mb)
+        _GEMV_PREFETCH_MB = float(engine_env().gemv_prefetch_mb)
     return _GEMV_PREFETCH_MB
 
 
@@ -1236,9 +1236,9 @@ def gdn_fused_default() -> bool:
     """Whether models use the fused step by default: EngineConfig.gdn_fused (env Q27_GDN_FUSED), read once."""
     global _GDN_FUSED
     if _GDN_FUSED is None:
-        from q27py.config import Q27Config, apply_env
+        from q27py.config import engine_env
 
-        _GDN_FUSED = bool(apply_env(Q27Config()).engine.gdn_fused)
+        _GDN_FUSED = bool(engine_env().gdn_fused)
     return _GDN_FUSED
 
 
@@ -1261,9 +1261,9 @@ def gdn_prefill(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: in
 # (env Q27_GDN_PREFILL) is the module default, so models built directly (gates, benches, tests)
 # follow it as engines do; load_fast_model sets it from the engine's config.
 def _gdn_prefill_default() -> str:
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return apply_env(Q27Config()).engine.gdn_prefill
+    return engine_env().gdn_prefill
 
 
 GDN_PREFILL = _gdn_prefill_default()
@@ -1501,9 +1501,9 @@ class GatedNormArgs:
 # Whether prefill chunks run the GDN output norm inside the chunked2 output pass (gdn2_out_gated_*: the O rows
 # never leave the chip as fp32) instead of gated_rmsnorm_rows after it; the same bits. EngineConfig.gdn_out_fused.
 def _gdn_out_fused_default() -> bool:
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return bool(apply_env(Q27Config()).engine.gdn_out_fused)
+    return bool(engine_env().gdn_out_fused)
 
 
 GDN2_OUT_GATED = _gdn_out_fused_default()
@@ -1513,9 +1513,9 @@ GDN2_OUT_GATED = _gdn_out_fused_default()
 # tolerance class) instead of 3xTF32 (gdn2_out_*). EngineConfig.prefill_gdn_out_tf32 (env Q27_PREFILL_GDN_OUT_TF32)
 # is the module default, as PREFILL_GATE_UP_BF16's; read per call.
 def _gdn_out_tf32_default() -> bool:
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return bool(apply_env(Q27Config()).engine.prefill_gdn_out_tf32)
+    return bool(engine_env().prefill_gdn_out_tf32)
 
 
 GDN2_OUT_TF32 = _gdn_out_tf32_default()
@@ -1667,9 +1667,9 @@ def attn_decode_default() -> str:
     so `Q27_ATTN_DECODE=mma pytest tests/gpu` runs every FastModel test on the tensor-core kernel."""
     global ATTN_DECODE
     if ATTN_DECODE is None:
-        from q27py.config import Q27Config, apply_env
+        from q27py.config import engine_env
 
-        ATTN_DECODE = attn_decode_mode(apply_env(Q27Config()).engine.attn_decode)
+        ATTN_DECODE = attn_decode_mode(engine_env().attn_decode)
     return ATTN_DECODE
 ATTD_HEAD_DIMS = (32, 64, 128, 256)
 ATTN_DECODE_FP8: bool | None = None  # None: EngineConfig.attn_decode_fp8 overlaid with the environment, read once
@@ -1680,9 +1680,9 @@ def attn_decode_fp8_default() -> bool:
     Q27_ATTN_DECODE_FP8), read once (so `Q27_ATTN_DECODE_FP8=1 pytest tests/gpu` runs fp8 on it)."""
     global ATTN_DECODE_FP8
     if ATTN_DECODE_FP8 is None:
-        from q27py.config import Q27Config, apply_env
+        from q27py.config import engine_env
 
-        ATTN_DECODE_FP8 = bool(apply_env(Q27Config()).engine.attn_decode_fp8)
+        ATTN_DECODE_FP8 = bool(engine_env().attn_decode_fp8)
     return ATTN_DECODE_FP8
 
 
@@ -1928,9 +1928,9 @@ ATTN_PREFILL_IMPLS = ("v1", "v2")
 def _attn_prefill_default() -> str:
     """EngineConfig.attn_prefill with Q27_ATTN_PREFILL applied: the module default, so models built
     directly (gates, benches, tests) follow the env switch as engines do."""
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return apply_env(Q27Config()).engine.attn_prefill
+    return engine_env().attn_prefill
 
 
 ATTN_PREFILL = _attn_prefill_default()
@@ -2040,9 +2040,9 @@ def attention_prefill2(q, ldq: int, kcache, vcache, fp8: bool, max_pos: int, nq:
 # selected, and v2 runs everywhere else (fp8 KV, other head dims, cards without an sm_90a build).
 # Set from EngineConfig.attn_prefill_wgmma.
 def _attn_prefill_wgmma_default() -> bool:
-    from q27py.config import Q27Config, apply_env
+    from q27py.config import engine_env
 
-    return bool(apply_env(Q27Config()).engine.attn_prefill_wgmma)
+    return bool(engine_env().attn_prefill_wgmma)
 
 
 ATTN_PREFILL_WGMMA = _attn_prefill_wgmma_default()

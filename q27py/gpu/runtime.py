@@ -128,9 +128,9 @@ def pdl_mode() -> str:
     """EngineConfig.pdl (env Q27_PDL), read once; set_pdl_mode before the first compile changes it."""
     global _PDL_MODE
     if _PDL_MODE is None:
-        from q27py.config import Q27Config, apply_env
+        from q27py.config import engine_env
 
-        set_pdl_mode(apply_env(Q27Config()).engine.pdl)
+        set_pdl_mode(engine_env().pdl)
     return _PDL_MODE
 
 
