@@ -15,6 +15,7 @@ and the step's span. Why (docs/PERF.md, 2026-12-07): the same kernels without th
 step 27% faster; this shows which boundaries hold that time.
 
     PYTHONPATH=. python3 tools/step_trace.py [--ctx 2048] [--lanes 1] [--top 40] [--json out.json]
+    python3 tools/step_trace.py --compare a.json b.json   (per kernel: launches x mean busy = total, side by side)
 """
 
 from __future__ import annotations
@@ -87,8 +88,38 @@ def summary(launches: list[Launch]) -> dict:
             "families": {k: {"busy_us": v[0], "launches": v[1]} for k, v in sorted(fam.items(), key=lambda kv: -kv[1][0])}}
 
 
+def by_kernel(launches: list[Launch]) -> dict[str, tuple[int, float]]:
+    """name -> (launches, total busy us), the most busy first."""
+    out: dict[str, list] = {}
+    for x in launches:
+        v = out.setdefault(x.name, [0, 0.0])
+        v[0] += 1
+        v[1] += x.busy
+    return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
+
+
+def compare(paths: list[str]) -> str:
+    """Two or more --json files side by side: span, then per kernel its launches and busy (total and mean, us)."""
+    runs = []
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        runs.append((Path(p).stem, d["summary"]["span_us"], by_kernel([Launch(**x) for x in d["launches"]])))
+    names = list(dict.fromkeys(k for _, _, bk in runs for k in bk))
+    lines = [f"{'kernel':<40}" + "".join(f" {t[:22]:>24}" for t, _, _ in runs),
+             f"{'span us':<40}" + "".join(f" {sp:>24.0f}" for _, sp, _ in runs)]
+    for k in names:
+        cells = []
+        for _, _, bk in runs:
+            n, tot = bk.get(k, (0, 0.0))
+            cells.append(f" {n:>4} x {tot / n if n else 0:5.1f} = {tot:7.0f}")
+        lines.append(f"{k[:40]:<40}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                    help="print earlier runs' --json files side by side (no device needed)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--lanes", type=int, default=1, help="1: the decode step; W > 1: a verify round of W lanes")
     ap.add_argument("--tier", default="q4s")
@@ -96,6 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE", help="constants-table overrides")
     args = ap.parse_args(argv)
+    if args.compare:
+        print(compare(args.compare))
+        return 0
     from q27py.bench.gemv_probe import _apply_overrides
     from q27py.gpu import constants as C
 

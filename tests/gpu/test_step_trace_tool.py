@@ -43,6 +43,23 @@ def test_group_orders_by_gridid_and_measures_the_boundaries():
     assert T.group(np.zeros((0, 4), np.uint64)) == []
 
 
+def test_compare_lists_each_kernels_busy_side_by_side(tmp_path):
+    """--compare: per kernel name, launches x mean busy = total in each run; a kernel missing from a run shows 0."""
+    import json
+
+    def run(path, rows):
+        ls = [T.Launch(i, 1, 0.0, float(i), float(i), 1, name, busy) for i, (name, busy) in enumerate(rows)]
+        path.write_text(json.dumps({"summary": T.summary(ls), "launches": [x.__dict__ for x in ls]}))
+        return str(path)
+
+    a = run(tmp_path / "a.json", [("gemv:quant_act8", 3.0), ("gemv_wg:n8", 20.0), ("gemv:quant_act8", 5.0)])
+    b = run(tmp_path / "b.json", [("gemv_wg:n8", 22.0)])
+    out = T.compare([a, b]).splitlines()
+    row = next(x for x in out if x.startswith("gemv:quant_act8"))
+    assert "2 x   4.0 =       8" in row and "0 x   0.0 =       0" in row
+    assert T.by_kernel([T.Launch(0, 1, 0, 0, 0, 1, "k", 2.0), T.Launch(1, 1, 0, 0, 0, 1, "k", 1.0)]) == {"k": (2, 3.0)}
+
+
 @pytest.mark.parametrize("name,fam", [("gemv_wg:gemv8w_q4_n8", "gemv"), ("gemv:quant_act8", "quant"),
                                       ("gemv:gemv8_q4_nt1", "gemv"), ("norm:rmsnorm_rows_a8", "norm"),
                                       ("norm:gated_rmsnorm", "gdn"), ("attention:attn_decode", "attention")])
