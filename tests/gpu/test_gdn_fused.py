@@ -252,12 +252,16 @@ def test_fused_removes_launches_per_gdn_layer():
     assert counts[True][2][("gdn_decode", "gdn_decode_k2")] == ng  # tiny models: dk 64
 
 
-def test_fused_quantizes_for_the_a8_out_plan():
+@pytest.mark.parametrize("fold", [0, 7])
+def test_fused_quantizes_for_the_a8_out_plan(fold, monkeypatch):
     """With a8 plans (q4s) the fused step also writes the out plan's int8 activations, as the chain's
     gated_rmsnorm_a8 does: the same quant_act8 launches as the chain, so the fused step still saves its
-    3 launches a GDN layer in a decode step (before 2026-12-07 it added a quant_act8 for each: 2)."""
+    3 launches a GDN layer in a decode step (before 2026-12-07 it added a quant_act8 for each: 2). fold: the
+    constants' A8_FOLD (0: every hand-over off, the quant_act8 launches back)."""
+    from q27py.gpu import constants as C
     from q27py.gpu.runtime import Runtime
 
+    monkeypatch.setattr(C, "A8_FOLD", fold)
     rt = Runtime.get()
     counts = {}
     for fused in (False, True):
@@ -268,7 +272,11 @@ def test_fused_quantizes_for_the_a8_out_plan():
         with rt.count_launches() as dec:
             m.forward(st, [4])
         counts[fused] = dec
-    ng = len(m.cfg.linear_layers)
+    ng, nl = len(m.cfg.linear_layers), m.cfg.num_hidden_layers
+    if not fold:  # the fused step's quant_act8 before gdn_out (the chain's norm writes those bytes itself)
+        assert sum(counts[False].values()) - sum(counts[True].values()) == 2 * ng
+        assert counts[True][("gemv", "quant_act8")] == ng + (nl - ng) + nl + 1  # gdn_out, attn_o, down, lm_head
+        return
     assert sum(counts[False].values()) - sum(counts[True].values()) == 3 * ng
     assert counts[False][("gemv", "quant_act8")] == counts[True][("gemv", "quant_act8")]
     # what is left to quantize in a decode step: the final norm's row before lm_head (the norms, the GDN steps,
