@@ -482,11 +482,8 @@ PY
         [ -n "$H200" ] && s10_prefill 150 8192 ;;
     fold)  # (~5 min) the a8 hand-overs (constants A8_FOLD: 1 the GDN step, 2 the attention combines, 4 gate_up's
            # epilogue write the next GEMV's int8 activations; 0 = the quant_act8 launches back): their bitwise tests
-           # and the gates, the steps at 0 / 7 alternated then 4 and 3, and the step timeline at 0 and 7
-        timeout 120 $PYTEST tests/gpu/test_swiglu_act8.py tests/gpu/test_gdn_fused.py tests/gpu/test_attention_mma.py \
-          -k "a8 or q4s or quantiz or replays" > "$OUT/fold_bits.txt" 2>&1 || rc=1; tail -3 "$OUT/fold_bits.txt"
-        timeout 60 $PYTEST tests/gpu/test_gates.py > "$OUT/fold_gates.txt" 2>&1 || rc=1; tail -1 "$OUT/fold_gates.txt"
-        for f in 0 7 0 7 4 3; do
+           # and the gates (last), the steps at 0 / 7 alternated then 3 (FOLD_MORE), and the step timeline at 0 and 7
+        for f in 0 7 0 7 ${FOLD_MORE:-3}; do
           timeout 80 python3 tools/gemv_prefetch_ab.py --mb 0 --set A8_FOLD=$f > "$OUT/fold_steps$f.txt" 2>&1 || rc=1
           echo "--- A8_FOLD=$f"; grep -E "^prefetch" "$OUT/fold_steps$f.txt"
         done
@@ -495,7 +492,10 @@ PY
             > "$OUT/trace_f$f.txt" 2>&1 || rc=1
           echo "--- trace A8_FOLD=$f"; grep -E "traced launches|^span|^  " "$OUT/trace_f$f.txt" | head -14
           tail -1 "$OUT/trace_f$f.txt"
-        done ;;
+        done
+        timeout 120 $PYTEST tests/gpu/test_swiglu_act8.py tests/gpu/test_gdn_fused.py tests/gpu/test_attention_mma.py \
+          -k "a8 or q4s or quantiz or replays" > "$OUT/fold_bits.txt" 2>&1 || rc=1; tail -3 "$OUT/fold_bits.txt"
+        timeout 60 $PYTEST tests/gpu/test_gates.py > "$OUT/fold_gates.txt" 2>&1 || rc=1; tail -1 "$OUT/fold_gates.txt" ;;
     s10b)  # (<= ~7 min; s10 for a nearly spent budget) the 8K prefill A/B (an H200 only), the PDL_NOWAIT probe and
            # steps, the tf32-out GPU tests and quality, an H100's 8K prefill A/B last
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
