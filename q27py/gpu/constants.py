@@ -190,8 +190,10 @@ NORM_A8_MAX_K = 8192  # rmsnorm_rows_a8 quantizes from a shared copy of rows up 
 GATED_A8_MAX_DV = 1024  # gated_rmsnorm_a8: value head dims it stages (one block of dv threads)
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
 # value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).
-# Cleared bits bring back those quant_act8 launches (tools/gemv_prefetch_ab.py --set A8_FOLD=N: the A/B)
-A8_FOLD = 7
+# Cleared bits bring back those quant_act8 launches (tools/gemv_prefetch_ab.py --set A8_FOLD=N: the A/B). 3 since
+# 2026-12-07 (H100, docs/PERF.md eleventh session): 1 | 2 neutral to slightly ahead; 4 cost the decode step +0.6%
+# (the chunk arrival on every gate_up unit's exit path outweighs the quant_act8 launch it removes)
+A8_FOLD = 3
 ATT_A8_MAX_HD = 1024  # the attention combines' a8 output (attention_a8_fuses): head dims they stage (a block of hd)
 GATED_ROWS = 16  # gated_rmsnorm_rows (prefill chunks): tokens of one value head per block
 CONV_ROWS = 32  # gdn_conv_rows_k4 (prefill chunks): consecutive tokens of one head slot per block
