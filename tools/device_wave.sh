@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -496,6 +496,24 @@ PY
         timeout 120 $PYTEST tests/gpu/test_swiglu_act8.py tests/gpu/test_gdn_fused.py tests/gpu/test_attention_mma.py \
           -k "a8 or q4s or quantiz or replays" > "$OUT/fold_bits.txt" 2>&1 || rc=1; tail -3 "$OUT/fold_bits.txt"
         timeout 60 $PYTEST tests/gpu/test_gates.py > "$OUT/fold_gates.txt" 2>&1 || rc=1; tail -1 "$OUT/fold_gates.txt" ;;
+    next12)  # (<= ~8 min; the twelfth session's first call) issue 10's two chain levers the eleventh session's
+             # timeline named: (1) GEMV_BRANCH (the GDN layer's bf16 gates launch beside qkvz on a graph branch): its
+             # bitwise test, then the steps at 0 / 1 alternated; (2) the fused GDN step again (Q27_GDN_FUSED, bitwise
+             # the chain, tested; with it the A8_FOLD bit-1 hand-over applies): steps off / on alternated; then the
+             # timeline with both on; on an H200 the 8K prefill A/B (issue 14) last
+        H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
+        timeout 100 $PYTEST tests/gpu/test_gemv_branch.py > "$OUT/n12_bits.txt" 2>&1 || rc=1; tail -2 "$OUT/n12_bits.txt"
+        for b in 0 1 0 1; do
+          timeout 60 python3 tools/gemv_prefetch_ab.py --mb 0 --set GEMV_BRANCH=$b > "$OUT/n12_branch$b.txt" 2>&1 || rc=1
+          echo "--- GEMV_BRANCH=$b"; grep -E "^prefetch|of read" "$OUT/n12_branch$b.txt"
+        done
+        for f in 0 1 0 1; do
+          Q27_GDN_FUSED=$f timeout 60 python3 tools/gemv_prefetch_ab.py --mb 0 > "$OUT/n12_fused$f.txt" 2>&1 || rc=1
+          echo "--- GDN_FUSED=$f"; grep -E "^prefetch|of read" "$OUT/n12_fused$f.txt"
+        done
+        Q27_GDN_FUSED=1 timeout 80 python3 tools/step_trace.py --ctx 2048 --top 800 --set GEMV_BRANCH=1 \
+          --json "$OUT/n12_trace.json" > "$OUT/n12_trace.txt" 2>&1 || rc=1; head -1 "$OUT/n12_trace.txt"
+        [ -n "$H200" ] && s10_prefill 150 8192 ;;
     s10b)  # (<= ~7 min; s10 for a nearly spent budget) the 8K prefill A/B (an H200 only), the PDL_NOWAIT probe and
            # steps, the tf32-out GPU tests and quality, an H100's 8K prefill A/B last
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1

@@ -528,6 +528,13 @@ class GemvPlan:
             return 1
         return s
 
+    def branches(self, nlanes: int, use_gemm: bool = False) -> bool:
+        """Whether run() puts this plan's first launch on a side branch (constants GEMV_BRANCH): a bf16 launch
+        before others of the plan, at GEMV widths. Its outputs are its own matrices' and the launches after it
+        neither read them nor share its split-K workspace (the plan's pieces own disjoint ranges)."""
+        return (bool(C.GEMV_BRANCH) and not use_gemm and len(self.launches) > 1 and self.launches[0][0] == L.FMT_BF16
+                and nlanes <= GEMV_MAX_LANES)
+
     def fuses_quant(self, nlanes: int) -> bool:
         """Whether x's producer may write this plan's int8 activations (then run(prequantized=True))."""
         return self.a8 and nlanes <= GEMV_MAX_LANES
@@ -604,11 +611,17 @@ class GemvPlan:
                 rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
                            i32(self.xq.shape[1]), self.xs))
+            branch = self.branches(nlanes, use_gemm)  # one block of lanes only: a later block's quant_act8 is on main
             for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
                 if use_gemm and fmt != L.FMT_BF16:
                     continue  # done by the GEMM above
                 pf = self.pf if (final and li == last and not use_gemm) else None
                 xq, xs = (self.xq, self.xs) if self.a8 else (None, None)
+                if branch and li == 0:
+                    with rt.side_branch():
+                        self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs,
+                                     self.unit_chunks[li])
+                    continue
                 self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs,
                              self.unit_chunks[li])
             done += n

@@ -400,6 +400,33 @@ class Runtime:
             self._pdl_capture = saved
 
     @contextmanager
+    def side_branch(self):
+        """Launches inside run on a second stream, forked from the current one (an event) and joined back
+        after (the current stream waits for the side's last launch): under graph capture, a branch of the
+        graph beside what the current stream launches meanwhile. For work that reads only what was complete
+        at the fork and that nothing launched before the join reads (GemvPlan.run's first launch under
+        constants GEMV_BRANCH: the GDN layer's bf16 decay / beta gates beside its q4 qkvz launch). Its
+        launches go without PDL (their dependency is the fork); the join is a full dependency. Same kernels,
+        same arguments: the same bits."""
+        cp = self.cp
+        main = cp.cuda.get_current_stream()
+        if getattr(self, "_side", None) is None:
+            self._side = cp.cuda.Stream(non_blocking=True)
+        side = self._side
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(main)
+        side.wait_event(fork)
+        saved, self._pdl_capture = self._pdl_capture, False
+        try:
+            with side:
+                yield
+        finally:
+            self._pdl_capture = saved
+            join = cp.cuda.Event(disable_timing=True)
+            join.record(side)
+            main.wait_event(join)
+
+    @contextmanager
     def count_launches(self):
         """Yields a Counter of (module, kernel) -> launches made inside the block, eager or recorded
         into a graph capture (a captured step's launches are its graph's kernel nodes). Every
