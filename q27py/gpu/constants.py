@@ -188,10 +188,10 @@ TAB_F32, TAB_BF16, TAB_Q8 = 0, 1, 2
 NORM_PER_THREAD = 8  # row elements a rmsnorm thread keeps in registers
 NORM_A8_MAX_K = 8192  # rmsnorm_rows_a8 quantizes from a shared copy of rows up to this long (32 KB)
 GATED_A8_MAX_DV = 1024  # gated_rmsnorm_a8: value head dims it stages (one block of dv threads)
-# GemvPlan.run at GEMV widths: a plan whose first launch is a bf16 matrix beside others (the GDN layer's decay / beta
-# gates before qkvz) runs that launch on a side branch (Runtime.side_branch), so the chain no longer waits for it: the
-# decode step's timeline (docs/PERF.md, eleventh session) has it holding 8.1 us a GDN layer for 1 MB. 0: off (not yet
-# measured on a device); 1: on. Bitwise either way (the same launches)
+# GemvPlan.run at GEMV widths: a plan of two or more launches runs its first (smallest) one on a side branch
+# (Runtime.side_branch) beside the others, so the chain no longer waits for it: the GDN layer's bf16 decay / beta gates
+# beside qkvz (the decode step's timeline, docs/PERF.md eleventh session: 8.1 us a GDN layer for 1 MB), attention's
+# q8 kv beside q. 0: off (not yet measured on a device); 1: on. Bitwise either way (the same launches)
 GEMV_BRANCH = 0
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
 # value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).

@@ -529,11 +529,12 @@ class GemvPlan:
         return s
 
     def branches(self, nlanes: int, use_gemm: bool = False) -> bool:
-        """Whether run() puts this plan's first launch on a side branch (constants GEMV_BRANCH): a bf16 launch
-        before others of the plan, at GEMV widths. Its outputs are its own matrices' and the launches after it
-        neither read them nor share its split-K workspace (the plan's pieces own disjoint ranges)."""
-        return (bool(C.GEMV_BRANCH) and not use_gemm and len(self.launches) > 1 and self.launches[0][0] == L.FMT_BF16
-                and nlanes <= GEMV_MAX_LANES)
+        """Whether run() puts this plan's first launch on a side branch (constants GEMV_BRANCH): the smallest of
+        two or more launches (the GDN layer's bf16 gates beside qkvz, attention's q8 kv beside q), at GEMV
+        widths, one block of lanes. Its outputs are its own matrices', the launches after it neither read them nor
+        write what it reads (x, or the int8 activations quantized before the fork), and the plan's pieces own
+        disjoint ranges of the split-K workspace."""
+        return bool(C.GEMV_BRANCH) and not use_gemm and len(self.launches) > 1 and nlanes <= GEMV_MAX_LANES
 
     def fuses_quant(self, nlanes: int) -> bool:
         """Whether x's producer may write this plan's int8 activations (then run(prequantized=True))."""

@@ -1,8 +1,8 @@
-"""constants GEMV_BRANCH (GemvPlan.branches, Runtime.side_branch): a plan's first, bf16 launch (the GDN layer's decay /
-beta gates) on a side branch beside the plan's other launches instead of ahead of them in the chain. The same kernels
+"""constants GEMV_BRANCH (GemvPlan.branches, Runtime.side_branch): a plan's first launch (the GDN layer's bf16 decay /
+beta gates, attention's q8 kv) on a side branch beside the plan's other launches instead of ahead of them in the chain. The same kernels
 with the same arguments, so the same bits: the 27B heads' q4s model (the gates bf16, as the tier keeps them) decoding,
 verifying and committing, eager and as graph replays, branch on against branch off; and the branch only where it
-applies (a bf16 first launch beside others, one block of at most 16 lanes).
+applies (a plan of several launches, one block of at most 16 lanes).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def test_branch_keeps_the_bits(graphs, monkeypatch):
         plan = m.layer_plans[0]["in"]
         assert plan.branches(1) == bool(b) and plan.branches(16) == bool(b)
         assert not plan.branches(17) and not m.layer_plans[0]["up"].branches(1)
+        assert m.layer_plans[3]["in"].branches(1) == bool(b)  # attention: kv (q8) beside q (q4)
         got[b] = run(m, ids)
     for a, c in zip(got[0], got[1]):
         np.testing.assert_array_equal(a, c)
