@@ -67,6 +67,21 @@ def group(records: np.ndarray, names: list[str] | None = None) -> list[Launch]:
     return out
 
 
+def align(launches: list[Launch], seq: list[tuple[str, int]]) -> bool:
+    """Label traced launches from the capture's (name, CTAs) sequence when some captured launches left no
+    stamps (a zero-size grid that never launched, a kernel without a wait): each traced launch takes the
+    next captured one of its CTA count, in order. Returns whether every traced launch found one."""
+    j = 0
+    for x in launches:
+        while j < len(seq) and seq[j][1] != x.ctas:
+            j += 1
+        if j == len(seq):
+            return False
+        x.name = seq[j][0]
+        j += 1
+    return True
+
+
 def family(name: str) -> str:
     """A launch label "module:kernel" -> its family for the summary."""
     module, _, kernel = name.partition(":")
@@ -146,10 +161,11 @@ def main(argv=None) -> int:
     seq: list[str] = []
     real = rt.launch
 
-    def launch(module, kernel, *a, **kw):
+    def launch(module, kernel, grid, *a, **kw):
         if module in PDL_MODULES:
-            seq.append(f"{module}:{kernel}")
-        return real(module, kernel, *a, **kw)
+            g = grid if isinstance(grid, tuple) else (grid,)
+            seq.append((f"{module}:{kernel}", int(np.prod([int(x) for x in g]))))
+        return real(module, kernel, grid, *a, **kw)
 
     w = args.lanes
     b._set(st, args.ctx - 1, list(range(5, 5 + w)))
@@ -186,8 +202,8 @@ def main(argv=None) -> int:
         n = min(n, C.STEP_TRACE_CAP)
         buf = cp.ndarray((C.STEP_TRACE_CAP * 4,), dtype=cp.uint64, memptr=mod.get_global("q27_trace"))
         parts.append(buf[: 4 * n].get().reshape(-1, 4))
-    launches = group(np.concatenate(parts), seq)
-    labelled = len(seq) == len(launches)
+    launches = group(np.concatenate(parts), [n for n, _ in seq])
+    labelled = len(seq) == len(launches) or align(launches, seq)
     print(f"{rt.name}: read probe {probe:.0f} GB/s; step of {w} lane(s) at {args.ctx}: {ms * 1e3:.0f} us a replay; "
           f"{len(launches)} traced launches ({len(seq)} in the capture{'' if labelled else ': NOT labelled'})")
     print(f"{'#':>4} {'launch':<40} {'ctas':>5} {'sms':>4} {'open':>9} {'release':>9} {'last':>9} {'busy':>7}")

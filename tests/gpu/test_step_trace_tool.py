@@ -43,6 +43,17 @@ def test_group_orders_by_gridid_and_measures_the_boundaries():
     assert T.group(np.zeros((0, 4), np.uint64)) == []
 
 
+def test_align_labels_by_cta_count_past_unstamped_launches():
+    """Captured launches that left no stamps (here a 0-CTA grid and a 7-CTA kernel without a wait) are skipped:
+    each traced launch takes the next captured one of its CTA count; a count never captured fails the labelling."""
+    ls = [T.Launch(i, c, 0.0, 0.0, 0.0, 1) for i, c in enumerate((1, 20, 256))]
+    seq = [("norm:rmsnorm_rows_a8", 1), ("gemv:quant_act8", 0), ("gemv:gemv_bf16_nt1", 20), ("x:unstamped", 7),
+           ("gemv_wg:gemv8w_q4_n8", 256)]
+    assert T.align(ls, seq)
+    assert [x.name for x in ls] == ["norm:rmsnorm_rows_a8", "gemv:gemv_bf16_nt1", "gemv_wg:gemv8w_q4_n8"]
+    assert not T.align([T.Launch(0, 5, 0.0, 0.0, 0.0, 1)], seq)
+
+
 def test_compare_lists_each_kernels_busy_side_by_side(tmp_path):
     """--compare: per kernel name, launches x mean busy = total in each run; a kernel missing from a run shows 0."""
     import json
