@@ -7,6 +7,7 @@ activations are fp32 with a row stride (`ld`) per lane.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,14 +187,10 @@ class Workspace:
         self.counters = 0
         self.ws = None
         self.cnt = None
-        # a8: int8 activation codes [lanes8][kpad8] and chunk scales [kpad8 / 64][GEMV_MAX_LANES] (gemv8's
-        # layout), at lanes8 = GWG_MAX_LANES two such halves [2][kpad8 / 64][GEMV_MAX_LANES]: lanes 16-31's
-        # scales kpad8 / 4 floats after lanes 0-15's (what gemv8w_q4_n32 reads; quant_act8 writes a half)
-        self.kpad8 = 0
-        self.lanes8 = 0
-        self.xq = None
-        self.xs = None
-        self._slots: dict[int, tuple] = {}  # slot -> (kpad8, lanes8, xq, xs); slot 0 is xq / xs above
+        # a8, per slot (reserve_act8): int8 activation codes [lanes8][kpad8] and chunk scales [kpad8 / 64]
+        # [GEMV_MAX_LANES] (gemv8's layout), at lanes8 = GWG_MAX_LANES two such halves [2][kpad8 / 64][GEMV_MAX_LANES]:
+        # lanes 16-31's scales kpad8 / 4 floats after lanes 0-15's (what gemv8w_q4_n32 reads; quant_act8 writes a half)
+        self._slots: dict[int, tuple] = {}  # slot -> (kpad8, lanes8, xq, xs)
         self._keep = []
 
     def reserve_act8(self, kpad: int, lanes: int = GEMV_MAX_LANES, slot: int = 0) -> None:
@@ -212,8 +209,6 @@ class Workspace:
             xs = cp.zeros(chunks if halves == 1 else (halves,) + chunks, dtype=cp.float32)
             self._keep += [xq, xs]
             self._slots[slot] = (kpad8, lanes8, xq, xs)
-            if slot == 0:
-                self.kpad8, self.lanes8, self.xq, self.xs = kpad8, lanes8, xq, xs
 
     def act8(self, slot: int = 0) -> tuple:
         """The current (codes, scales) of a slot (reserve_act8)."""
@@ -618,13 +613,9 @@ class GemvPlan:
                     continue  # done by the GEMM above
                 pf = self.pf if (final and li == last and not use_gemm) else None
                 xq, xs = (self.xq, self.xs) if self.a8 else (None, None)
-                if branch and li == 0:
-                    with rt.side_branch():
-                        self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs,
-                                     self.unit_chunks[li])
-                    continue
-                self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs,
-                             self.unit_chunks[li])
+                with rt.side_branch() if branch and li == 0 else nullcontext():
+                    self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs,
+                                 self.unit_chunks[li])
             done += n
 
     def _launch(self, rt, fmt: int, desc, nmat: int, units: int, cluster: int, x, ldx: int, n: int, l0: int, pf,
