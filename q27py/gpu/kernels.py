@@ -608,14 +608,16 @@ class GemvPlan:
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
                            i32(self.xq.shape[1]), self.xs))
             branch = self.branches(nlanes, use_gemm)  # one block of lanes only: a later block's quant_act8 is on main
-            for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
-                if use_gemm and fmt != L.FMT_BF16:
-                    continue  # done by the GEMM above
-                pf = self.pf if (final and li == last and not use_gemm) else None
-                xq, xs = (self.xq, self.xs) if self.a8 else (None, None)
-                with rt.side_branch() if branch and li == 0 else nullcontext():
-                    self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs,
-                                 self.unit_chunks[li])
+            # the branch forks before the first launch and joins after the last (the first on the side stream)
+            with rt.side_branch() if branch else nullcontext() as on_side:
+                for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
+                    if use_gemm and fmt != L.FMT_BF16:
+                        continue  # done by the GEMM above
+                    pf = self.pf if (final and li == last and not use_gemm) else None
+                    xq, xs = (self.xq, self.xs) if self.a8 else (None, None)
+                    with on_side() if on_side is not None and li == 0 else nullcontext():
+                        self._launch(rt, fmt, desc, nmat, units, cluster, x, ldx, n, lane0 + done, pf, xq, xs,
+                                     self.unit_chunks[li])
             done += n
 
     def _launch(self, rt, fmt: int, desc, nmat: int, units: int, cluster: int, x, ldx: int, n: int, l0: int, pf,

@@ -401,13 +401,16 @@ class Runtime:
 
     @contextmanager
     def side_branch(self):
-        """Launches inside run on a second stream, forked from the current one (an event) and joined back
-        after (the current stream waits for the side's last launch): under graph capture, a branch of the
-        graph beside what the current stream launches meanwhile. For work that reads only what was complete
-        at the fork and that nothing launched before the join reads (GemvPlan.run's first launch under
-        constants GEMV_BRANCH: the GDN layer's bf16 decay / beta gates beside its q4 qkvz launch). Its
-        launches go without PDL (their dependency is the fork); the join is a full dependency. Same kernels,
-        same arguments: the same bits."""
+        """Forks a second stream from the current one (an event) and joins it back at exit (the current
+        stream waits for the side's last launch): under graph capture, a branch of the graph. Yields
+        on_side, a context whose launches go to the side stream; launches outside it stay on the current
+        stream and run beside the side's (neither waits for the other before the join). For work that reads
+        only what was complete at the fork and that nothing launched before the join reads (GemvPlan.run's
+        first launch under constants GEMV_BRANCH: the GDN layer's bf16 decay / beta gates beside its q4 qkvz
+        launch). The side's launches go without PDL (their dependency is the fork); the join is a full
+        dependency. Same kernels, same arguments: the same bits.
+        The join is at exit, after the main stream's launches: joining right after the side's launch would
+        make the next main launch wait for it, the chain the branch is there to take away."""
         cp = self.cp
         main = cp.cuda.get_current_stream()
         if getattr(self, "_side", None) is None:
@@ -416,12 +419,19 @@ class Runtime:
         fork = cp.cuda.Event(disable_timing=True)
         fork.record(main)
         side.wait_event(fork)
-        saved, self._pdl_capture = self._pdl_capture, False
+
+        @contextmanager
+        def on_side():
+            saved, self._pdl_capture = self._pdl_capture, False
+            try:
+                with side:
+                    yield
+            finally:
+                self._pdl_capture = saved
+
         try:
-            with side:
-                yield
+            yield on_side
         finally:
-            self._pdl_capture = saved
             join = cp.cuda.Event(disable_timing=True)
             join.record(side)
             main.wait_event(join)

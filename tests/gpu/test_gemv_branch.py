@@ -8,11 +8,10 @@ applies (a plan of several launches, one block of at most 16 lanes).
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
-
-pytestmark = pytest.mark.gpu
 
 
 def heads27b(graphs: bool):
@@ -42,6 +41,7 @@ def run(m, ids):
     return out
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
 def test_branch_keeps_the_bits(graphs, monkeypatch):
     from q27py.gpu import constants as C
@@ -58,3 +58,63 @@ def test_branch_keeps_the_bits(graphs, monkeypatch):
         got[b] = run(m, ids)
     for a, c in zip(got[0], got[1]):
         np.testing.assert_array_equal(a, c)
+
+
+def fake_cupy(log):
+    """A cupy stand-in that logs stream and event calls: which stream each launch went to, what waits on what."""
+    cur = []
+
+    class Stream:
+        def __init__(self, name="side", non_blocking=False):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.name))
+
+        def __enter__(self):
+            cur.append(self)
+
+        def __exit__(self, *a):
+            cur.pop()
+
+    class Event:
+        n = 0
+
+        def __init__(self, disable_timing=False):
+            Event.n += 1
+            self.name = f"ev{Event.n}"
+
+        def record(self, st):
+            log.append(("record", st.name, self.name))
+
+    main = Stream("main")
+    cuda = types.SimpleNamespace(Stream=Stream, Event=Event, get_current_stream=lambda: cur[-1] if cur else main)
+    return types.SimpleNamespace(cuda=cuda)
+
+
+def test_side_branch_runs_beside_the_main_launches_and_joins_at_exit():
+    """The fork comes before the side's launch, the main stream's launches inside the branch wait for nothing on
+    the side, and the join (main waits for the side) comes only at exit. The branch as first built joined right
+    after the side's launch, so qkvz (the next main launch) waited for the gates launch: the chain it was meant
+    to take away, and without PDL."""
+    from q27py.gpu.runtime import Runtime
+
+    log = []
+    rt = types.SimpleNamespace(cp=fake_cupy(log), _pdl_capture=True)
+
+    def launch(what):
+        log.append(("launch", rt.cp.cuda.get_current_stream().name, what, rt._pdl_capture))
+
+    with Runtime.side_branch(rt) as on_side:
+        with on_side():
+            launch("ab")
+        launch("qkvz")
+        launch("more")
+    launch("conv")
+    fork = log[0]
+    assert fork[:2] == ("record", "main") and log[1] == ("wait", "side", fork[2])
+    assert log[2] == ("launch", "side", "ab", False)  # the side's launches go without PDL
+    assert log[3] == ("launch", "main", "qkvz", True) and log[4] == ("launch", "main", "more", True)
+    join = log[5]
+    assert join[:2] == ("record", "side") and log[6] == ("wait", "main", join[2])
+    assert log[7] == ("launch", "main", "conv", True) and len(log) == 8
