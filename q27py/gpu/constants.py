@@ -193,6 +193,7 @@ GATED_A8_MAX_DV = 1024  # gated_rmsnorm_a8: value head dims it stages (one block
 # beside qkvz (the decode step's timeline, docs/PERF.md eleventh session: 8.1 us a GDN layer for 1 MB), attention's
 # q8 kv beside q. 0: off (not yet measured on a device); 1: on. Bitwise either way (the same launches)
 GEMV_BRANCH = 0
+GEMV_BRANCH_PDL = 0  # the side branch's launches with PDL too (a programmatic edge from the fork's kernel)
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
 # value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).
 # Cleared bits bring back those quant_act8 launches (tools/gemv_prefetch_ab.py --set A8_FOLD=N: the A/B). 3 since

@@ -422,7 +422,9 @@ class Runtime:
 
         @contextmanager
         def on_side():
-            saved, self._pdl_capture = self._pdl_capture, False
+            from q27py.gpu import constants as C  # read at each branch: --set overrides it
+
+            saved, self._pdl_capture = self._pdl_capture, bool(self._pdl_capture and C.GEMV_BRANCH_PDL)
             try:
                 with side:
                     yield
