@@ -529,7 +529,9 @@ class GemvPlan:
         widths, one block of lanes. Its outputs are its own matrices', the launches after it neither read them nor
         write what it reads (x, or the int8 activations quantized before the fork), and the plan's pieces own
         disjoint ranges of the split-K workspace."""
-        return bool(C.GEMV_BRANCH) and not use_gemm and len(self.launches) > 1 and nlanes <= GEMV_MAX_LANES
+        if not C.GEMV_BRANCH or use_gemm or len(self.launches) < 2 or nlanes > GEMV_MAX_LANES:
+            return False
+        return C.GEMV_BRANCH == 1 or self.launches[0][0] == L.FMT_BF16  # 2: the bf16 gates only
 
     def fuses_quant(self, nlanes: int) -> bool:
         """Whether x's producer may write this plan's int8 activations (then run(prequantized=True))."""

@@ -56,6 +56,9 @@ def test_branch_keeps_the_bits(graphs, monkeypatch):
         assert plan.branches(1) == bool(b) and plan.branches(16) == bool(b)
         assert not plan.branches(17) and not m.layer_plans[0]["up"].branches(1)
         assert m.layer_plans[3]["in"].branches(1) == bool(b)  # attention: kv (q8) beside q (q4)
+        monkeypatch.setattr(C, "GEMV_BRANCH", 2 * int(b > 0))  # 2: the bf16 gates only
+        assert plan.branches(1) == bool(b) and not m.layer_plans[3]["in"].branches(1)
+        monkeypatch.setattr(C, "GEMV_BRANCH", int(b > 0))
         got[b] = run(m, ids)
     for b in (1, 2):
         for a, c in zip(got[0], got[b]):
