@@ -191,10 +191,10 @@ GATED_A8_MAX_DV = 1024  # gated_rmsnorm_a8: value head dims it stages (one block
 # GemvPlan.run at GEMV widths: a plan of two or more launches runs its first (smallest) one on a side branch
 # (Runtime.side_branch) beside the others, so the chain no longer waits for it: the GDN layer's bf16 decay / beta gates
 # beside qkvz (the decode step's timeline, docs/PERF.md eleventh session: 8.1 us a GDN layer for 1 MB), attention's
-# q8 kv beside q. 0: off; 1: every such plan; 2: a plan whose first launch is bf16 only (the GDN gates; y2's timeline:
-# attention's kv gained nothing beside q). Bitwise either way (the same launches). docs/PERF.md twelfth session
+# q8 kv beside q. 0: off; 1: every such plan; 2: a plan whose first launch is bf16 only (the GDN gates; y4 measured
+# then mode 1 measured better on every step). Bitwise either way (the same launches). Off: -1.1% on the 1-lane step but
+# +0.7% on verify W=8, and the engine's rounds are W=4 / W=8 (docs/PERF.md twelfth session)
 GEMV_BRANCH = 0
-GEMV_BRANCH_PDL = 0  # the side branch's launches with PDL too (a programmatic edge from the fork's kernel)
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
 # value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).
 # Cleared bits bring back those quant_act8 launches (tools/gemv_prefetch_ab.py --set A8_FOLD=N: the A/B). 3 since

@@ -422,9 +422,9 @@ class Runtime:
 
         @contextmanager
         def on_side():
-            from q27py.gpu import constants as C  # read at each branch: --set overrides it
-
-            saved, self._pdl_capture = self._pdl_capture, bool(self._pdl_capture and C.GEMV_BRANCH_PDL)
+            # Without PDL: with it (measured, docs/PERF.md twelfth session) the side's launch still started ~10 us after
+            # the fork's kernel completed, as a captured cross-stream edge is a full one
+            saved, self._pdl_capture = self._pdl_capture, False
             try:
                 with side:
                     yield

@@ -48,21 +48,19 @@ def test_branch_keeps_the_bits(graphs, monkeypatch):
 
     ids = [int(x) for x in np.random.default_rng(1).integers(0, 4096, 70)]
     got = {}
-    for b in (0, 1, 2):  # 2: the branch with its launches under PDL too (GEMV_BRANCH_PDL)
-        monkeypatch.setattr(C, "GEMV_BRANCH", int(b > 0))
-        monkeypatch.setattr(C, "GEMV_BRANCH_PDL", int(b > 1))
+    for b in (0, 1):
+        monkeypatch.setattr(C, "GEMV_BRANCH", b)
         m = heads27b(graphs)
         plan = m.layer_plans[0]["in"]
         assert plan.branches(1) == bool(b) and plan.branches(16) == bool(b)
         assert not plan.branches(17) and not m.layer_plans[0]["up"].branches(1)
         assert m.layer_plans[3]["in"].branches(1) == bool(b)  # attention: kv (q8) beside q (q4)
-        monkeypatch.setattr(C, "GEMV_BRANCH", 2 * int(b > 0))  # 2: the bf16 gates only
+        monkeypatch.setattr(C, "GEMV_BRANCH", 2 * b)  # 2: the bf16 gates only
         assert plan.branches(1) == bool(b) and not m.layer_plans[3]["in"].branches(1)
-        monkeypatch.setattr(C, "GEMV_BRANCH", int(b > 0))
+        monkeypatch.setattr(C, "GEMV_BRANCH", b)
         got[b] = run(m, ids)
-    for b in (1, 2):
-        for a, c in zip(got[0], got[b]):
-            np.testing.assert_array_equal(a, c)
+    for a, c in zip(got[0], got[1]):
+        np.testing.assert_array_equal(a, c)
 
 
 def fake_cupy(log):
