@@ -191,8 +191,8 @@ GATED_A8_MAX_DV = 1024  # gated_rmsnorm_a8: value head dims it stages (one block
 # GemvPlan.run at GEMV widths: a plan of two or more launches runs its first (smallest) one on a side branch
 # (Runtime.side_branch) beside the others, so the chain no longer waits for it: the GDN layer's bf16 decay / beta gates
 # beside qkvz (the decode step's timeline, docs/PERF.md eleventh session: 8.1 us a GDN layer for 1 MB), attention's
-# q8 kv beside q. 0: off; 1: every such plan; 2: a plan whose first launch is bf16 only (the GDN gates; y4 measured
-# then mode 1 measured better on every step). Bitwise either way (the same launches). Off: -1.1% on the 1-lane step but
+# q8 kv beside q. 0: off; 1: every such plan; 2: a plan whose first launch is bf16 only (the GDN gates; mode 1
+# measured better on every step). Bitwise either way (the same launches). Off: -1.1% on the 1-lane step but
 # +0.7% on verify W=8, and the engine's rounds are W=4 / W=8 (docs/PERF.md twelfth session)
 GEMV_BRANCH = 0
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
