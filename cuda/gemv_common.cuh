@@ -68,6 +68,29 @@ __device__ __forceinline__ const i64* gemv_unit_desc(const i64* __restrict__ des
     return desc + m * D_NFIELDS;
 }
 
+// Unit u's place (gemv_v1.cuh's units: row group rg of its matrix, K split sp of splits, chunks c0 .. c1 - 1) and its
+// matrix's descriptor fields; y already offset to lane0's row. u: the CTA's unit in its launch's numbering
+struct GemvUnit {
+    const i64* d;
+    const u8* w;
+    const u32* sc;
+    float* y;
+    int ldy, nout, kch, mode, splits, ngroups, rg, sp, c0, c1;
+};
+__device__ __forceinline__ GemvUnit gemv_unit(const i64* __restrict__ desc, int nmat, int lane0, int u) {
+    GemvUnit un;
+    const i64* d = un.d = gemv_unit_desc(desc, nmat, u);
+    un.w = reinterpret_cast<const u8*>(d[D_W]);
+    un.sc = reinterpret_cast<const u32*>(d[D_S]);
+    un.ldy = (int)d[D_LDY], un.nout = (int)d[D_NOUT], un.kch = (int)d[D_KCH];
+    un.mode = (int)d[D_MODE], un.splits = (int)d[D_SPLITS], un.ngroups = (int)d[D_NGROUPS];
+    un.y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * un.ldy;
+    const int local = u - (int)d[D_CTA0];
+    un.rg = local / un.splits, un.sp = local - un.rg * un.splits;
+    un.c0 = (int)((i64)un.sp * un.kch / un.splits), un.c1 = (int)((i64)(un.sp + 1) * un.kch / un.splits);
+    return un;
+}
+
 // A unit's reduced tile red0 (GEMV_R x 16 rows x COLS lanes in shared memory; the launch's nv lanes
 // valid) to its outputs. A unit with splits > 1 writes its partial tile; the CTA that arrives last for
 // the row group (integer ticket) sums the partials in split order and runs the epilogue (a cluster of

@@ -32,6 +32,7 @@
 #include "common.cuh"
 #define GSTAMP(i)
 #include "gemv_common.cuh"
+#include "gemv_v1.cuh"
 
 // the runtime asked for the sm_90a build (runtime.ARCH_SPECIFIC): fail loudly if the compiler targets plain sm_90
 #if defined(Q27_ARCH_SPECIFIC) && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -246,30 +247,6 @@ __device__ __forceinline__ void wg_fold_second(const float (&acc)[RL][NT][4], fl
         }
 }
 
-// This CTA's unit (gemv.cu's units: row group rg of its matrix, K split sp of splits, chunks c0 .. c1 - 1) and its
-// matrix's descriptor fields; y already offset to lane0's row
-struct WgUnit {
-    const i64* d;
-    const u8* w;
-    const u32* sc;
-    float* y;
-    int ldy, nout, kch, mode, splits, ngroups, rg, sp, c0, c1;
-};
-__device__ __forceinline__ WgUnit wg_unit(const i64* __restrict__ desc, int nmat, int lane0) {
-    WgUnit un;
-    const int u = blockIdx.x;
-    const i64* d = un.d = gemv_unit_desc(desc, nmat, u);
-    un.w = reinterpret_cast<const u8*>(d[D_W]);
-    un.sc = reinterpret_cast<const u32*>(d[D_S]);
-    un.ldy = (int)d[D_LDY], un.nout = (int)d[D_NOUT], un.kch = (int)d[D_KCH];
-    un.mode = (int)d[D_MODE], un.splits = (int)d[D_SPLITS], un.ngroups = (int)d[D_NGROUPS];
-    un.y = reinterpret_cast<float*>(d[D_Y]) + (i64)lane0 * un.ldy;
-    const int local = u - (int)d[D_CTA0];
-    un.rg = local / un.splits, un.sp = local - un.rg * un.splits;
-    un.c0 = (int)((i64)un.sp * un.kch / un.splits), un.c1 = (int)((i64)(un.sp + 1) * un.kch / un.splits);
-    return un;
-}
-
 // TWO: the 32-lane two-pass walk at 8 / 16 lanes too (gemv8w_q4_n16t: 4 partials live instead of 8, so
 // the 16-lane kernel fits GWG_CTAS_N16T = 3 CTAs per SM, 12 warps instead of 8; the same additions in the same
 // order, as the 32-lane kernel's are). SUB: a stage's chunks go to the tensor cores SUB at a time, each batch
@@ -278,7 +255,7 @@ __device__ __forceinline__ WgUnit wg_unit(const i64* __restrict__ desc, int nmat
 // ring of STAGES = GWG_STAGES_N32S); each chunk's terms still go to its own residue partial in chunk order.
 template <int NL, int TWO = 0, int SUB = GWG_CPS, int STAGES = GWG_STAGES, int CPS = GWG_CPS>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
-                                        const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
+                                        const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, int ubase = 0) {
     typedef WgStage<NL, CPS> SG;
     static_assert(NL == 8 || NL == 16 || NL == 32, "wg_mma's shapes");
     static_assert(NL <= GWG_MAX_LANES && (NL <= GEMV_MAX_LANES || NL == 2 * GEMV_MAX_LANES), "xs: one or two halves");
@@ -289,7 +266,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     extern __shared__ __align__(128) u8 dyn_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-    const WgUnit un = wg_unit(desc, nmat, lane0);
+    const GemvUnit un = gemv_unit(desc, nmat, lane0, (int)blockIdx.x - ubase);  // ubase: gemv8w_*_g's v1 units
     const i64* d = un.d;
     const u8* w = un.w;
     const u32* sc = un.sc;
@@ -557,3 +534,29 @@ GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_C
 // entry's walk with a GWG_STAGES_N8D-stage ring, whose 87 KB hold such a launch to 2 CTAs an SM (spread evenly: docs/PERF.md,
 // 2026-12-06 seventh session, reads the gain as placement more than depth): bitwise the same
 GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
+
+// constants GEMV_MERGE (kernels.GemvPlan): a plan of a bf16 launch and a q4 one -- the GDN layer's decay / beta gates
+// and its qkvz -- as one grid: CTAs 0 .. gunits - 1 run the bf16 units (gemv.cu's gemv_bf16_nt* units on 4 warps,
+// gemv_v1.cuh gemv_body_w4: the same bits), the rest this entry's q4 units. Why: the gates' own launch of 20 CTAs held
+// the chain ~8 us a GDN layer before qkvz (docs/PERF.md, eleventh session's timeline), and a graph branch beside qkvz
+// cannot launch early (twelfth session); in one grid the gates' units run in qkvz's first wave, under its PDL wait.
+// gdesc / gnmat / gunits / x / ldx: the bf16 launch's descriptors, units and fp32 rows (gemv.cu's GEMV_KERNEL args).
+#define GWG_KERNEL_G(NAME, NL, CTAS, TWO, SUB, STAGES)                                                         \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, const i64* __restrict__ gdesc,      \
+             int gnmat, int gunits, const float* __restrict__ x, int ldx) {                                    \
+        GWG_CALL_G(NL, TWO, SUB, STAGES, GWG_CPS)                                                              \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GWG_CALL_G(NL, TWO, SUB, STAGES, CPS)                                                                  \
+    if ((int)blockIdx.x < gunits)                                                                              \
+        gemv_body_w4<FMT_BF16, NL / 8>(gdesc, gnmat, blockIdx.x, x, ldx, nlanes, lane0);                       \
+    else                                                                                                       \
+        wg_body<NL, TWO, SUB, STAGES, CPS>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0, gunits);
+#else
+#define GWG_CALL_G(NL, TWO, SUB, STAGES, CPS) __trap();
+#endif
+GWG_KERNEL_G(gemv8w_q4_n8_g, 8, GWG_CTAS_N8, 0, GWG_CPS, GWG_STAGES)
+GWG_KERNEL_G(gemv8w_q4_n8d_g, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
+GWG_KERNEL_G(gemv8w_q4_n16_g, 16, GWG_CTAS_N16, 0, GWG_CPS, GWG_STAGES)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -513,6 +513,24 @@ PY
         done
         Q27_GDN_FUSED=1 timeout 80 python3 tools/step_trace.py --ctx 2048 --top 800 --set GEMV_BRANCH=1 \
           --json "$OUT/n12_trace.json" > "$OUT/n12_trace.txt" 2>&1 || rc=1; head -1 "$OUT/n12_trace.txt"
+        [ -n "$H200" ] && s10_prefill 150 8192 ;;
+    merge)  # (<= ~6 min; the thirteenth session's first call) issue 10: GEMV_MERGE (the GDN layer's bf16 gates in qkvz's
+            # grid, cuda/gemv_wg.cu gemv8w_q4_n8d_g / n16_g): its bitwise tests, the steps at 0 / 1 alternated, the gates
+            # with it on, the 1- and 8-lane timelines; on an H200 the 8K prefill A/B (issue 14) last
+        H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
+        timeout 200 $PYTEST tests/gpu/test_gemv_merge.py tests/gpu/test_gemv_branch.py > "$OUT/m13_bits.txt" 2>&1 || rc=1
+        tail -2 "$OUT/m13_bits.txt"
+        for b in 0 1 0 1; do
+          timeout 60 python3 tools/gemv_prefetch_ab.py --mb 0 --set GEMV_MERGE=$b > "$OUT/m13_steps$b.txt" 2>&1 || rc=1
+          echo "--- GEMV_MERGE=$b"; grep -E "^prefetch|of read" "$OUT/m13_steps$b.txt"
+        done
+        timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.GEMV_MERGE = 1; \
+sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/m13_gates.txt" 2>&1 || rc=1
+        tail -4 "$OUT/m13_gates.txt"
+        for l in 1 8; do
+          timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes $l --top 0 --set GEMV_MERGE=1 \
+            --json "$OUT/m13_trace$l.json" > "$OUT/m13_trace$l.txt" 2>&1 || rc=1; head -1 "$OUT/m13_trace$l.txt"
+        done
         [ -n "$H200" ] && s10_prefill 150 8192 ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on

@@ -195,6 +195,11 @@ GATED_A8_MAX_DV = 1024  # gated_rmsnorm_a8: value head dims it stages (one block
 # measured better on every step). Bitwise either way (the same launches). Off: -1.1% on the 1-lane step but
 # +0.7% on verify W=8, and the engine's rounds are W=4 / W=8 (docs/PERF.md twelfth session)
 GEMV_BRANCH = 0
+# GemvPlan.run at GEMV widths: a plan of a bf16 launch then a q4 one on gemv_wg (the GDN layer's decay / beta gates and
+# qkvz) as ONE grid (cuda/gemv_wg.cu gemv8w_q4_n8_g / n8d_g / n16_g: its first CTAs run the bf16 units on 4 warps,
+# gemv_v1.cuh gemv_body_w4, the rest the q4 units): the gates' launch leaves the chain and the grid keeps its PDL
+# wait, which the side branch above cannot. 0: off (built, not yet measured on a device); 1: on. Bitwise either way
+GEMV_MERGE = 0
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
 # value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).
 # Cleared bits bring back those quant_act8 launches (tools/gemv_prefetch_ab.py --set A8_FOLD=N: the A/B). 3 since

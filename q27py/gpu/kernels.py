@@ -231,11 +231,12 @@ FMT_KERNEL = {L.FMT_BF16: "bf16", L.FMT_Q8: "q8", L.FMT_Q4: "q4"}
 GEMV_WPC = {L.FMT_BF16: C.WPC_BF16, L.FMT_Q8: C.WPC_Q8, L.FMT_Q4: C.WPC_Q4}
 
 
-def gemv_shared_bytes(fmt: int, nt: int, a8: bool = False) -> int:
+def gemv_shared_bytes(fmt: int, nt: int, a8: bool = False, threads: int | None = None) -> int:
     """Dynamic shared memory of one GEMV CTA: the warps' cp.async rings, or the reduction if larger
-    (cuda/gemv.cu RingCfg: a8 on q4 weights carries each chunk's activation fragments and scales in
-    the ring, 24 bytes per thread and lane tile, with RING_Q4_NT2 stages at 16 lanes)."""
-    threads = 32 * C.GEMV_WARPS
+    (cuda/gemv_v1.cuh RingCfg: a8 on q4 weights carries each chunk's activation fragments and scales in
+    the ring, 24 bytes per thread and lane tile, with RING_Q4_NT2 stages at 16 lanes). threads: the ring's
+    (gemv_body_w4's 128 inside a gemv_wg launch; gemv_body's GEMV_WARPS x 32 by default)."""
+    threads = threads or 32 * C.GEMV_WARPS
     stages = {L.FMT_BF16: C.RING_BF16, L.FMT_Q8: C.RING_Q8, L.FMT_Q4: C.RING_Q4}[fmt]  # live: probe --set A/B
     act = a8 and fmt == L.FMT_Q4 and a8_act_in_ring(Runtime.get().cc)
     if act and nt == 2:
@@ -609,6 +610,11 @@ class GemvPlan:
                 rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
                            i32(self.xq.shape[1]), self.xs))
+            merged = self._merged_kernel(n, final, use_gemm)
+            if merged is not None:  # GEMV_MERGE: the bf16 launch's units in the q4 launch's grid
+                self._launch_merged(rt, merged, x, ldx, n, lane0 + done)
+                done += n
+                continue
             branch = self.branches(nlanes, use_gemm)  # one block of lanes only: a later block's quant_act8 is on main
             # the branch forks before the first launch and joins after the last (the first on the side stream)
             with rt.side_branch() if branch else nullcontext() as on_side:
@@ -645,6 +651,34 @@ class GemvPlan:
             rt.launch("gemv", f"gemv_{FMT_KERNEL[fmt]}_nt{nt}", units, 32 * C.GEMV_WARPS,
                       (desc, i32(nmat), i32(units), x, i32(ldx), i32(n), i32(l0), pf),
                       shared_mem=gemv_shared_bytes(fmt, nt), cluster=cluster)
+
+    def _merged_kernel(self, n: int, final: bool, use_gemm: bool) -> str | None:
+        """The cuda/gemv_wg.cu entry that runs this plan's two launches as one grid for a block of n lanes
+        (constants GEMV_MERGE), or None: a plan of a bf16 launch (v1, no cluster) then a q4 one on gemv_wg whose
+        entry has a _g twin (n8 / n8d / n16) -- the GDN layer's decay / beta gates and qkvz. Same units, so the
+        same bits (gemv_v1.cuh gemv_body_w4)."""
+        if not C.GEMV_MERGE or use_gemm or len(self.launches) != 2 or self.impl == "v2" or n > GEMV_MAX_LANES:
+            return None
+        (f0, _d0, _m0, _u0), (f1, _d1, _m1, u1) = self.launches
+        pf = self.pf if final else None
+        if f0 != L.FMT_BF16 or f1 != L.FMT_Q4 or self.clusters[0] != 1:
+            return None
+        if not self._on_wg(f1, u1, self.clusters[1], n, pf):
+            return None
+        name = gemv_wg_kernel(gemv_wg_width(n), u1, self.unit_chunks[1])
+        return name + "_g" if name in ("gemv8w_q4_n8", "gemv8w_q4_n8d", "gemv8w_q4_n16") else None
+
+    def _launch_merged(self, rt, kernel: str, x, ldx: int, n: int, l0: int) -> None:
+        """The plan's bf16 launch and q4 launch for lanes l0 .. l0 + n - 1 as one grid of `kernel` (_merged_kernel):
+        its first CTAs the bf16 units (fp32 rows x), the rest the q4 units (the plan's a8 activations)."""
+        (_f0, d0, m0, u0), (_f1, d1, m1, u1) = self.launches
+        nl = gemv_wg_width(n)
+        smem = max(gemv_wg_launch_bytes(nl, u1, self.unit_chunks[1]),
+                   gemv_shared_bytes(L.FMT_BF16, nl // 8, threads=128))
+        rt.launch("gemv_wg", kernel, u0 + u1, 128,
+                  (d1, i32(m1), i32(u1), self.xq, i32(self.xq.shape[1]), self.xs, np.uint32(0x80808080), i32(n),
+                   i32(l0), d0, i32(m0), i32(u0), x, i32(ldx)),
+                  shared_mem=smem)
 
     def _on_wg(self, fmt: int, units: int, cluster: int, n: int, pf) -> bool:
         """Whether this plan's launch (format fmt, `units` CTAs, n lanes) runs cuda/gemv_wg.cu: a8 q4 launches

@@ -7,38 +7,12 @@ applies (a plan of several launches, one block of at most 16 lanes).
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import numpy as np
 import pytest
 
-
-def heads27b(graphs: bool):
-    from q27py.gpu.forward import FastModel
-    from q27py.gpu.weights import random_weights
-    from q27py.model.config import FULL, LINEAR, qwen36_27b_config
-
-    cfg = dataclasses.replace(qwen36_27b_config(), vocab_size=4096, hidden_size=512, intermediate_size=1024,
-                              num_hidden_layers=4, layer_types=(LINEAR, LINEAR, LINEAR, FULL), mtp_num_hidden_layers=0,
-                              max_position_embeddings=4096)
-    m = FastModel(random_weights(cfg, "q4s", seed=5, with_mtp=False), max_context=2048, kv_dtype="bf16", chunk=64)
-    if graphs:
-        m.enable_graphs()
-    return m
-
-
-def run(m, ids):
-    st = m.new_state()
-    out = [m.forward(st, ids, logits_rows="last").logits]
-    for step in range(4):  # graphs: eager, capture, replays
-        out.append(m.forward(st, [40 + step]).logits)
-        drafts = [50 + step, 51, 52, 53, 54, 55, 56, 57][: 2 + 2 * step]
-        v = m.forward(st, drafts, verify=True)
-        out.append(v.logits)
-        m.commit(st, v.trace, 1 + step % len(drafts))
-    out += [st.gdn.get(), st.window.get()]
-    return out
+from tests.gpu.plan_rounds import heads27b, rounds
 
 
 @pytest.mark.gpu
@@ -50,7 +24,7 @@ def test_branch_keeps_the_bits(graphs, monkeypatch):
     got = {}
     for b in (0, 1):
         monkeypatch.setattr(C, "GEMV_BRANCH", b)
-        m = heads27b(graphs)
+        m = heads27b(graphs, hidden=512)
         plan = m.layer_plans[0]["in"]
         assert plan.branches(1) == bool(b) and plan.branches(16) == bool(b)
         assert not plan.branches(17) and not m.layer_plans[0]["up"].branches(1)
@@ -58,7 +32,7 @@ def test_branch_keeps_the_bits(graphs, monkeypatch):
         monkeypatch.setattr(C, "GEMV_BRANCH", 2 * b)  # 2: the bf16 gates only
         assert plan.branches(1) == bool(b) and not m.layer_plans[3]["in"].branches(1)
         monkeypatch.setattr(C, "GEMV_BRANCH", b)
-        got[b] = run(m, ids)
+        got[b] = rounds(m, ids)
     for a, c in zip(got[0], got[1]):
         np.testing.assert_array_equal(a, c)
 

@@ -147,11 +147,11 @@ def test_config_knob_maps_from_env():
 
 
 def test_kernel_word_layout_matches_the_host():
-    """cuda/gemv.cu decodes the words the way prefetch_words packs them (address bits 0..47,
-    16-byte units above), per CTA row of GEMV_PF_PER."""
-    from q27py.gpu.runtime import CUDA_DIR
+    """cuda/gemv.cu (its unit in gemv_v1.cuh) decodes the words the way prefetch_words packs them (address bits
+    0..47, 16-byte units above), per CTA row of GEMV_PF_PER."""
+    from q27py.gpu.runtime import source_text
 
-    src = (CUDA_DIR / "gemv.cu").read_text()
+    src = source_text("gemv")  # gemv.cu with its headers spliced in, as NVRTC compiles it
     body = src[src.index("void gemv_prefetch("):]
     body = body[: body.index("\n}\n")]
     assert body.count("0xFFFFFFFFFFFFull") == 2 and body.count(">> 48) * 16u") == 2

@@ -46,7 +46,7 @@ def test_every_pdl_kernel_waits_first():
         for name, body in _kernels(src):
             first = body.lstrip().lstrip("\\").lstrip()
             ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<")) or (
-                mod == "gemv_wg" and first.startswith("GWG_CALL("))
+                mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(")))  # wg_body / gemv_body_w4 wait inside
             if not ok and "pdl_entry();" in first:
                 # constants loaded before the wait (norm.cu: the norm weights): every statement before
                 # pdl_entry() is a register array declaration or a *_preload( call, nothing that could
@@ -56,7 +56,7 @@ def test_every_pdl_kernel_waits_first():
             assert ok, f"{mod}.cu {name}: first statement is not pdl_entry(): {first[:60]!r}"
             seen += 1
     assert seen >= 25
-    gemv = (R.CUDA_DIR / "gemv.cu").read_text()
+    gemv = R.source_text("gemv")  # gemv.cu with its headers (gemv_loop lives in gemv_v1.cuh)
     loop = gemv[gemv.index("void gemv_loop("):]
     loop = loop[: loop.index("\n}\n")]
     wait, prologue_end = loop.index("pdl_wait();"), loop.index("cp_async_commit();")
@@ -70,6 +70,10 @@ def test_every_pdl_kernel_waits_first():
     wait = body.index("pdl_wait();")
     assert body.index("issue(k, k, true, false);") < wait < body.index("issue(k, k, false, true);")
     assert body.index("pdl_trigger();") > wait
+    # the merged entries (GEMV_MERGE) run nothing of their own: one of the two bodies above, whole
+    call = wg[wg.index("#define GWG_CALL_G(NL, TWO, SUB, STAGES, CPS)"):]
+    call = call[: call.index("#else")]
+    assert "gemv_body_w4<" in call and "wg_body<" in call and call.count(";") == 2
 
 
 def test_pdl_entry_is_arch_guarded():
