@@ -291,7 +291,8 @@ __device__ __forceinline__ void a8_issue_act(u32 qslot, u32 xslot, const Act<NT>
 // consumed, so the overwrite is safe) with chunk k+STAGES-1, then computes chunk k.
 // pf_dst / pf_word: the next-launch prefetch word this thread loaded at entry (gemv_body), stored
 // to shared memory once the prologue's copies are issued, so its load latency hides behind them.
-template <int FMT, int NT, bool A8, int TH = GEMV_WARPS * 32>
+// WAIT false: the thread has already waited (gemv_body_w4's second pass: one wait a CTA, one STEP_TRACE record)
+template <int FMT, int NT, bool A8, int TH = GEMV_WARPS * 32, bool WAIT = true>
 __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_ptr, const u8* __restrict__ w,
                                           const u32* __restrict__ sc, int kch, int ngroups, int rg, int cstart,
                                           int cstep, int n, const Act<NT>& xa, int lane,
@@ -325,8 +326,10 @@ __device__ __forceinline__ void gemv_loop(float (&acc)[GEMV_R][NT][4], u8* ring_
     // The weights are constants: their first S-1 stages are in flight before the wait on the
     // kernel that wrote this launch's activations (PDL; a no-op without it). Trigger after the
     // wait, so the kernels launched early never reach past this GEMV.
-    pdl_wait();
-    pdl_trigger();
+    if constexpr (WAIT) {
+        pdl_wait();
+        pdl_trigger();
+    }
     GSTAMP(2);
     if constexpr (ACT) {
         // group 0 = the prologue's weights + chunk 0's activations, group k = chunk k's activations
@@ -537,19 +540,22 @@ __device__ __forceinline__ void gemv_body_w4(const i64* __restrict__ desc, int n
     const int rg = un.rg, sp = un.sp, c0 = un.c0, c1 = un.c1, splits = un.splits;
 
     float acc[GEMV_WARPS / WR][GEMV_R][NT][4];
+    static_assert(GEMV_WARPS == 2 * WR, "two passes");
 #pragma unroll
-    for (int h = 0; h < GEMV_WARPS / WR; h++) {
-        const int cs = c0 + warp + WR * h;  // gemv_body's warp warp + 4 h
-        const int n = cs < c1 ? (c1 - cs + GEMV_WARPS - 1) / GEMV_WARPS : 0;
+    for (int h = 0; h < 2; h++)
 #pragma unroll
         for (int i = 0; i < GEMV_R; i++)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
                 acc[h][i][nt][0] = acc[h][i][nt][1] = acc[h][i][nt][2] = acc[h][i][nt][3] = 0.f;
-        // a ring of 128 threads' slots
-        gemv_loop<FMT, NT, false, WR * 32>(acc[h], dyn_smem, un.w, un.sc, un.kch, un.ngroups, rg, cs, GEMV_WARPS, n, xa,
-                                           lane, nullptr, 0ull);
-    }
+    // gemv_body's warps warp and warp + 4, through a ring of 128 threads' slots; the second pass does not wait again
+    const int cs0 = c0 + warp, cs1 = c0 + warp + WR;
+    const int n0 = cs0 < c1 ? (c1 - cs0 + GEMV_WARPS - 1) / GEMV_WARPS : 0;
+    const int n1 = cs1 < c1 ? (c1 - cs1 + GEMV_WARPS - 1) / GEMV_WARPS : 0;
+    gemv_loop<FMT, NT, false, WR * 32>(acc[0], dyn_smem, un.w, un.sc, un.kch, un.ngroups, rg, cs0, GEMV_WARPS, n0, xa,
+                                       lane, nullptr, 0ull);
+    gemv_loop<FMT, NT, false, WR * 32, false>(acc[1], dyn_smem, un.w, un.sc, un.kch, un.ngroups, rg, cs1, GEMV_WARPS, n1,
+                                              xa, lane, nullptr, 0ull);
     __syncthreads();  // every warp is done with its ring before it becomes the reduction buffer
 
     float(*red)[E] = reinterpret_cast<float(*)[E]>(dyn_smem);
