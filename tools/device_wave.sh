@@ -514,24 +514,39 @@ PY
         Q27_GDN_FUSED=1 timeout 80 python3 tools/step_trace.py --ctx 2048 --top 800 --set GEMV_BRANCH=1 \
           --json "$OUT/n12_trace.json" > "$OUT/n12_trace.txt" 2>&1 || rc=1; head -1 "$OUT/n12_trace.txt"
         [ -n "$H200" ] && s10_prefill 150 8192 ;;
-    merge)  # (<= ~6 min; the thirteenth session's first call) issue 10: GEMV_MERGE (the GDN layer's bf16 gates in qkvz's
-            # grid, cuda/gemv_wg.cu gemv8w_q4_n8d_g / n16_g): its bitwise tests, the steps at 0 / 1 alternated, the gates
-            # with it on, the 1- and 8-lane timelines; on an H200 the 8K prefill A/B (issue 14) last
+    merge)  # (<= ~7 min) issue 10: GEMV_MERGE (the GDN layer's bf16 gates in qkvz's grid, cuda/gemv_wg.cu
+            # gemv8w_q4_n8d_g / n8_g / n16_g): its bitwise tests, the steps at modes 0 / 1 / 2 alternated, the gates with
+            # modes 1 and 2, the 1- and 8-lane timelines; on an H200 the 8K prefill A/B (issue 14) last
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1
         timeout 200 $PYTEST tests/gpu/test_gemv_merge.py tests/gpu/test_gemv_branch.py > "$OUT/m13_bits.txt" 2>&1 || rc=1
         tail -2 "$OUT/m13_bits.txt"
-        for b in 0 1 0 1; do
+        for b in 0 1 2 0 1 2; do
           timeout 60 python3 tools/gemv_prefetch_ab.py --mb 0 --set GEMV_MERGE=$b > "$OUT/m13_steps$b.txt" 2>&1 || rc=1
           echo "--- GEMV_MERGE=$b"; grep -E "^prefetch|of read" "$OUT/m13_steps$b.txt"
         done
-        timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.GEMV_MERGE = 1; \
-sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/m13_gates.txt" 2>&1 || rc=1
-        tail -4 "$OUT/m13_gates.txt"
-        for l in 1 8; do
-          timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes $l --top 0 --set GEMV_MERGE=1 \
-            --json "$OUT/m13_trace$l.json" > "$OUT/m13_trace$l.txt" 2>&1 || rc=1; head -1 "$OUT/m13_trace$l.txt"
+        for b in 1 2; do
+          timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.GEMV_MERGE = $b; \
+sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/m13_gates$b.txt" 2>&1 || rc=1
+          echo "--- gates, GEMV_MERGE=$b"; tail -4 "$OUT/m13_gates$b.txt"
         done
+        for t in 0:1 2:1 1:8 2:8; do  # GEMV_MERGE:lanes
+          timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes ${t#*:} --top 0 --set GEMV_MERGE=${t%:*} \
+            --json "$OUT/m13_trace${t%:*}_${t#*:}.json" > "$OUT/m13_trace${t%:*}_${t#*:}.txt" 2>&1 || rc=1
+          head -1 "$OUT/m13_trace${t%:*}_${t#*:}.txt"
+        done
+        python3 tools/step_trace.py --compare "$OUT/m13_trace0_1.json" "$OUT/m13_trace2_1.json" | head -20
         [ -n "$H200" ] && s10_prefill 150 8192 ;;
+    h200)  # (<= ~8 min; card-aware) on an H200: issue 14's 8K / 32K prefill A/B (the tf32 output pass), then the
+           # decode steps on the defaults and with GEMV_MERGE 2 (issue 10's H200 figures); on an H100: tf32suite's tests
+        if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+          s10_prefill 260 8192 32768
+          for b in 0 2; do
+            timeout 70 python3 tools/gemv_prefetch_ab.py --mb 0 --set GEMV_MERGE=$b > "$OUT/h200_steps$b.txt" 2>&1 || rc=1
+            echo "--- GEMV_MERGE=$b"; grep -E "^prefetch|of read" "$OUT/h200_steps$b.txt"
+          done
+        else
+          bash "$0" tf32suite || rc=1
+        fi ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \

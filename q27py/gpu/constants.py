@@ -198,7 +198,10 @@ GEMV_BRANCH = 0
 # GemvPlan.run at GEMV widths: a plan of a bf16 launch then a q4 one on gemv_wg (the GDN layer's decay / beta gates and
 # qkvz) as ONE grid (cuda/gemv_wg.cu gemv8w_q4_n8_g / n8d_g / n16_g: its first CTAs run the bf16 units on 4 warps,
 # gemv_v1.cuh gemv_body_w4, the rest the q4 units): the gates' launch leaves the chain and the grid keeps its PDL
-# wait, which the side branch above cannot. 0: off (built, not yet measured on a device); 1: on. Bitwise either way
+# wait, which the side branch above cannot. 0: off; 1: on, the gates' K splits sized so both fit one wave of the
+# deep-ring entry (GemvPlan._fit_merge: 4 splits, not 10; the gates' sums differ from mode 0's); 2: on where the
+# grid of both launches' units fits one wave of the entry it takes (at <= 8 lanes 276 units on the plain entry's 3 an
+# SM; the gates' splits and bits as mode 0's). Merged or launched apart, the same bits within a mode
 GEMV_MERGE = 0
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
 # value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).

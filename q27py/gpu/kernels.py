@@ -123,6 +123,16 @@ def tail_split(row_groups: int, kchunks: int, splits: int, sm_count: int,
     return [(0, row_groups - r, 1), (row_groups - r, r, s)]
 
 
+def merge_splits(bf16_units: int, splits: int, q4_units: int, slots: int) -> int:
+    """GEMV_MERGE's K splits for a plan's bf16 matrices (bf16_units row groups, now `splits` splits each) so
+    that they and the q4 launch's q4_units fit one wave of `slots` CTAs as one grid: the most that fit, at most
+    `splits`; unchanged where not even one split each fits."""
+    free = slots - q4_units
+    if free < bf16_units:
+        return splits
+    return max(1, min(splits, free // bf16_units))
+
+
 def choose_partition(row_groups: int, kchunks: int, sm_count: int, fmt: int) -> tuple[int, int]:
     """v2 (row groups per CTA, K splits) from the matrix shape only, so lane bits never depend on
     the launch width. A small cost model, best score wins:
@@ -424,6 +434,8 @@ class GemvPlan:
                                        split_ctas_per_sm(self.impl, m.shape.fmt))) for m in mats]
         self.rgb = [p[0] for p in parts]  # row groups per CTA
         self.splits = [p[1] for p in parts]
+        if C.GEMV_MERGE == 1 and partition is None:  # the bf16 launch sized to the slots qkvz leaves (merge_splits)
+            self._fit_merge(mats, rt)
         # whether blocks of 17-32 lanes may run this plan's q4 launches as one gemv8w_q4_n32 launch each (one
         # weight sweep; run): an a8 plan with q4 matrices, a card with that kernel, a mode other than "off".
         # Such a plan's activation buffers hold 32 lanes and its split partials 32-lane tiles.
@@ -515,6 +527,30 @@ class GemvPlan:
                 desc[:, C.D_QCNT] = cnt_base + desc[:, C.D_QCNT] * 4
             self.launches.append((fmt, rt.cp.asarray(desc), len(desc), units))
             self.clusters.append(cluster)
+
+    def _fit_merge(self, mats: list[GpuMatrix], rt) -> None:
+        """GEMV_MERGE: a plan of bf16 matrices and q4 ones, a8 on a gemv_wg card, whose merged
+        grid would overrun one wave (qkvz's 256 units + the gates' 20 on the 264 slots of 2 CTAs an SM: 12 CTAs ran
+        a second wave, the merged grid 22.7 us against 13.1 + 8.0 apart, docs/PERF.md thirteenth session): the bf16
+        matrices take the K splits that fill the slots left (merge_splits). A function of the shapes and the SM
+        count, never of the lane count; the gates' sums then add over fewer splits (their bits differ from
+        GEMV_MERGE = 0's; merged or launched apart, the same)."""
+        fmts = {m.shape.fmt for m in mats}
+        if self.impl != "a8" or fmts != {L.FMT_BF16, L.FMT_Q4} or self.wgmma == "off" or not gemv_wgmma_supported():
+            return
+        bf = [j for j, m in enumerate(mats) if m.shape.fmt == L.FMT_BF16]
+        q4_units = 0
+        for j, m in enumerate(mats):
+            if m.shape.fmt == L.FMT_Q4:
+                q4_units += sum(ng * s for _g0, ng, s in tail_split(
+                    m.row_groups, m.shape.kchunks, self.splits[j], rt.sm_count,
+                    split_ctas_per_sm(self.impl, m.shape.fmt, tail=True)))
+        chunks = min(m.shape.kchunks // self.splits[j] for j, m in enumerate(mats) if m.shape.fmt == L.FMT_Q4)
+        ctas = min(gemv_wg_ctas(nl, q4_units, chunks) for nl in (8, 16))
+        s = merge_splits(sum(mats[j].row_groups for j in bf), max(self.splits[j] for j in bf), q4_units,
+                         ctas * rt.sm_count)
+        for j in bf:
+            self.splits[j] = min(self.splits[j], s)
 
     def _cluster(self, splits: list[int], rt) -> int:
         """v1 / a8 on sm_90: a launch whose matrices share one split count s in 2..GEMV_CLUSTER_MAX
@@ -659,13 +695,18 @@ class GemvPlan:
         same bits (gemv_v1.cuh gemv_body_w4)."""
         if not C.GEMV_MERGE or use_gemm or len(self.launches) != 2 or self.impl == "v2" or n > GEMV_MAX_LANES:
             return None
-        (f0, _d0, _m0, _u0), (f1, _d1, _m1, u1) = self.launches
+        (f0, _d0, _m0, u0), (f1, _d1, _m1, u1) = self.launches
         pf = self.pf if final else None
         if f0 != L.FMT_BF16 or f1 != L.FMT_Q4 or self.clusters[0] != 1:
             return None
         if not self._on_wg(f1, u1, self.clusters[1], n, pf):
             return None
-        name = gemv_wg_kernel(gemv_wg_width(n), u1, self.unit_chunks[1])
+        # the entry a grid of both launches' units takes (GEMV_MERGE 2 at <= 8 lanes: 276 units overrun n8d's 264 slots,
+        # so the plain entry's 3 an SM); a second wave would cost more than the gates' own launch
+        nl, units = gemv_wg_width(n), u0 + u1
+        name = gemv_wg_kernel(nl, units, self.unit_chunks[1])
+        if units > _wg_entry(name)[0] * Runtime.get().sm_count:
+            return None
         return name + "_g" if name in ("gemv8w_q4_n8", "gemv8w_q4_n8d", "gemv8w_q4_n16") else None
 
     def _launch_merged(self, rt, kernel: str, x, ldx: int, n: int, l0: int) -> None:
@@ -673,7 +714,7 @@ class GemvPlan:
         its first CTAs the bf16 units (fp32 rows x), the rest the q4 units (the plan's a8 activations)."""
         (_f0, d0, m0, u0), (_f1, d1, m1, u1) = self.launches
         nl = gemv_wg_width(n)
-        smem = max(gemv_wg_launch_bytes(nl, u1, self.unit_chunks[1]),
+        smem = max(gemv_wg_launch_bytes(nl, u0 + u1, self.unit_chunks[1]),
                    gemv_shared_bytes(L.FMT_BF16, nl // 8, threads=128))
         rt.launch("gemv_wg", kernel, u0 + u1, 128,
                   (d1, i32(m1), i32(u1), self.xq, i32(self.xq.shape[1]), self.xs, np.uint32(0x80808080), i32(n),

@@ -144,3 +144,24 @@ def test_tail_split_on_gemv_wg_slots_halves_gate_ups_second_wave(monkeypatch):
     assert K.tail_split(544, 80, 1, 132, 3) == [(0, 396, 1), (396, 148, 2)]
     assert K.tail_split(3880, 80, 1, 132, 3) == [(0, 3880, 1)]
     assert K.tail_split(320, 80, 1, 132, 3) == [(0, 320, 1)]  # fits one wave
+
+
+@pytest.mark.parametrize("sms", [132, 114, 170, 28])
+def test_merge_splits_fit_the_gates_beside_qkvz_in_one_wave(sms):
+    """GEMV_MERGE's sizing (kernels.merge_splits): the 27B GDN layer's bf16 decay / beta gates (96 rows of 5,120: two
+    row groups, choose_splits' splits) beside qkvz's units fill at most the slots of 2 CTAs an SM, taking as many
+    splits as fit and never more than they had; where not even one split each fits, nothing changes."""
+    sh = L.matrix_shape(96, 5120, L.FMT_BF16)
+    splits = K.choose_splits(sh.row_tiles // C.GEMV_R, sh.kchunks, sms)
+    q4 = L.matrix_shape(16384, 5120, L.FMT_Q4)
+    qkvz = (q4.row_tiles // C.GEMV_R) * K.choose_splits(q4.row_tiles // C.GEMV_R, q4.kchunks, sms)
+    slots = 2 * sms
+    s = K.merge_splits(2, splits, qkvz, slots)
+    assert 1 <= s <= splits
+    if slots - qkvz >= 2:
+        assert qkvz + 2 * s <= slots and (s == splits or qkvz + 2 * (s + 1) > slots)
+    else:
+        assert s == splits
+    # the H100 / H200 case: 256 qkvz units on 264 slots leave 8, four splits a row group (was 10: a second wave)
+    assert K.merge_splits(2, 10, 256, 264) == 4
+    assert K.merge_splits(2, 10, 263, 264) == 10 and K.merge_splits(2, 3, 200, 264) == 3
