@@ -43,14 +43,15 @@ class Launch:
     busy: float = 0.0  # the next launch's release minus this one's (0 for the last)
 
 
-def group(records: np.ndarray, names: list[str] | None = None) -> list[Launch]:
+def group(records: np.ndarray, names: list[str] | None = None, t0: int | None = None) -> list[Launch]:
     """records [n, 4] uint64 (gridid, t_open ns, t_released ns, smid) -> launches in %gridid order, times in us from
-    the first record; names: the capture's launch sequence of traced kernels (labels when the counts agree)."""
+    the first record (or from t0 ns); names: the capture's launch sequence of traced kernels (labels when the counts
+    agree)."""
     rec = np.asarray(records, dtype=np.uint64).reshape(-1, 4)
     rec = rec[rec[:, 2] > 0]  # a record whose CTA never left its wait (a cap overflow race): dropped
     if rec.size == 0:
         return []
-    t0 = int(rec[:, 1].min())
+    t0 = int(rec[:, 1].min()) if t0 is None else t0
     out = []
     for gid in np.unique(rec[:, 0]):
         r = rec[rec[:, 0] == gid]
@@ -80,6 +81,33 @@ def align(launches: list[Launch], seq: list[tuple[str, int]]) -> bool:
         x.name = seq[j][0]
         j += 1
     return True
+
+
+def label_modules(parts: dict[str, np.ndarray], seq: list[tuple[str, int]]) -> tuple[list[Launch], bool]:
+    """Each module's records (its own q27_trace) grouped and labelled against that module's part of the capture's
+    sequence (align within a module: an unstamped launch of one module cannot shift another's labels), then all
+    launches in %gridid order with busy across modules. Returns (launches, whether every one was labelled)."""
+    live = [np.asarray(r, np.uint64).reshape(-1, 4) for r in parts.values()]
+    live = [r[r[:, 2] > 0] for r in live]
+    if not any(r.size for r in live):
+        return [], True
+    t0 = min(int(r[:, 1].min()) for r in live if r.size)
+    out, ok = [], True
+    for module, rec in parts.items():
+        ls = group(rec, t0=t0)
+        sub = [x for x in seq if x[0].partition(":")[0] == module]
+        if len(sub) == len(ls):
+            for x, (n, _c) in zip(ls, sub):
+                x.name = n
+        else:
+            ok = align(ls, sub) and ok
+        out += ls
+    out.sort(key=lambda x: x.gridid)
+    for a, b in zip(out, out[1:]):
+        a.busy = b.release - a.release
+    if out:
+        out[-1].busy = 0.0
+    return out, ok
 
 
 def family(name: str) -> str:
@@ -196,14 +224,15 @@ def main(argv=None) -> int:
     e1.record(s)
     e1.synchronize()
     ms = cp.cuda.get_elapsed_time(e0, e1)
-    parts = []
-    for mod in mods.values():
+    parts = {}
+    for name, mod in mods.items():
         n = int(cp.ndarray((1,), dtype=cp.uint32, memptr=mod.get_global("q27_trace_n")).get()[0])
+        if n > C.STEP_TRACE_CAP:  # the rest of the step is missing from this module's records
+            print(f"WARNING: module {name}: {n} records past STEP_TRACE_CAP = {C.STEP_TRACE_CAP}: raise it (--set)")
         n = min(n, C.STEP_TRACE_CAP)
         buf = cp.ndarray((C.STEP_TRACE_CAP * 4,), dtype=cp.uint64, memptr=mod.get_global("q27_trace"))
-        parts.append(buf[: 4 * n].get().reshape(-1, 4))
-    launches = group(np.concatenate(parts), [n for n, _ in seq])
-    labelled = len(seq) == len(launches) or align(launches, seq)
+        parts[name] = buf[: 4 * n].get().reshape(-1, 4)
+    launches, labelled = label_modules(parts, seq)
     print(f"{rt.name}: read probe {probe:.0f} GB/s; step of {w} lane(s) at {args.ctx}: {ms * 1e3:.0f} us a replay; "
           f"{len(launches)} traced launches ({len(seq)} in the capture{'' if labelled else ': NOT labelled'})")
     print(f"{'#':>4} {'launch':<40} {'ctas':>5} {'sms':>4} {'open':>9} {'release':>9} {'last':>9} {'busy':>7}")

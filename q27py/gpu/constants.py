@@ -61,8 +61,10 @@ GEMV_TAIL_CTAS = 3
 GEMV_PF_PER = 8
 GEMV_TRACE = 0  # tools/gemv_trace.py: per-CTA %globaltimer stamps of the unit kernels' phases
 # tools/step_trace.py: every PDL kernel's CTAs stamp %globaltimer around their wait (common.cuh pdl_wait_if), up to
-# STEP_TRACE_CAP records a module
-STEP_TRACE, STEP_TRACE_CAP = 0, 1 << 16
+# STEP_TRACE_CAP records a module (32 B each, only in a STEP_TRACE build). 1 << 16 overflowed: a 27B decode step's
+# gemv_wg CTAs number ~95K, so every timeline before 2026-12-07's thirteenth session lost its last ~20% of launches
+# (the "?" rows and "NOT labelled"; docs/PERF.md)
+STEP_TRACE, STEP_TRACE_CAP = 0, 1 << 18
 # a8 q4 GEMV on wgmma (cuda/gemv_wg.cu, sm_90a): CTAs of one warpgroup, one unit each. A ring stage holds
 # GWG_CPS consecutive 64-k chunks of the unit's 64 rows (2 KB of weights each); stages per CTA, and
 # resident CTAs per SM at 8 / 16 / 32 lanes (their launch bounds: 168 / 255 / 255 registers; ptxas

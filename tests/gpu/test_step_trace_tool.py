@@ -54,6 +54,32 @@ def test_align_labels_by_cta_count_past_unstamped_launches():
     assert not T.align([T.Launch(0, 5, 0.0, 0.0, 0.0, 1)], seq)
 
 
+def test_label_modules_keeps_each_modules_labels_to_itself():
+    """Records read per module: a module's unstamped launch (gemv's 20-CTA bf16 GEMV here, no records) shifts no
+    other module's labels, even where a CTA count repeats across modules (gemv_wg's 1-CTA launch beside norm's);
+    the launches merge in %gridid order with busy across modules, times from the earliest record of any module."""
+    ns = 1000
+    parts = {
+        "norm": np.array([_rec(1, 0, 1 * ns, 0), _rec(5, 20 * ns, 22 * ns, 0)], np.uint64),
+        "gemv_wg": np.array([_rec(3, 2 * ns, 4 * ns, 1), _rec(3, 2 * ns, 5 * ns, 2), _rec(6, 23 * ns, 30 * ns, 3)],
+                            np.uint64),
+        "gemv": np.array([_rec(4, 5 * ns, 12 * ns, 4)], np.uint64),
+    }
+    seq = [("norm:rmsnorm_rows_a8", 1), ("gemv:gemv_bf16_nt1", 20), ("gemv_wg:gemv8w_q4_n8d", 2),
+           ("gemv:quant_act8", 1), ("norm:rmsnorm_rows", 1), ("gemv_wg:lm_head", 1)]
+    ls, ok = T.label_modules(parts, seq)
+    assert ok
+    assert [(x.gridid, x.name) for x in ls] == [(1, "norm:rmsnorm_rows_a8"), (3, "gemv_wg:gemv8w_q4_n8d"),
+                                                (4, "gemv:quant_act8"), (5, "norm:rmsnorm_rows"),
+                                                (6, "gemv_wg:lm_head")]
+    assert [x.release for x in ls] == [1.0, 4.0, 12.0, 22.0, 30.0]
+    assert [x.busy for x in ls] == [3.0, 8.0, 10.0, 8.0, 0.0]
+    # a module whose records cannot be matched to its part of the sequence is reported
+    bad = dict(parts, gemv=np.array([_rec(4, 5 * ns, 12 * ns, 4), _rec(4, 5 * ns, 12 * ns, 5)], np.uint64))
+    assert T.label_modules(bad, seq)[1] is False
+    assert T.label_modules({"norm": np.zeros((0, 4), np.uint64)}, seq) == ([], True)
+
+
 def test_compare_lists_each_kernels_busy_side_by_side(tmp_path):
     """--compare: per kernel name, launches x mean busy = total in each run; a kernel missing from a run shows 0."""
     import json
