@@ -88,7 +88,23 @@ extern "C" __global__ void top2_partial(const float* __restrict__ logits, int ld
     const float* x = logits + (i64)row * ld;
     const long long pos = inv_temp > 0.f ? (long long)(*pos0_dev) + row : 0;
     u64 k1 = 0, k2 = 0;
-    for (int i = b * blockDim.x + threadIdx.x; i < V; i += nb * blockDim.x) {
+    // four loads in flight a thread before their pushes: one dependent load a push held the 27B's 248K-logit
+    // row at ~26 us on 16 blocks (tools/step_trace.py, docs/PERF.md thirteenth session). The keys carry their
+    // ids, so the top two are the same whatever order they are pushed in.
+    const int step = nb * blockDim.x;
+    int i = b * blockDim.x + threadIdx.x;
+    for (; i + 3 * step < V; i += 4 * step) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) v[j] = x[i + j * step];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int k = i + j * step;
+            const float w = inv_temp > 0.f ? v[j] * inv_temp + gumbel_noise(seed, pos, k) : v[j];
+            top2_push(k1, k2, make_key(w, k));
+        }
+    }
+    for (; i < V; i += step) {
         float v = x[i];
         if (inv_temp > 0.f) v = v * inv_temp + gumbel_noise(seed, pos, i);
         top2_push(k1, k2, make_key(v, i));

@@ -536,17 +536,25 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         done
         python3 tools/step_trace.py --compare "$OUT/m13_trace0_1.json" "$OUT/m13_trace2_1.json" | head -20
         [ -n "$H200" ] && s10_prefill 150 8192 ;;
-    h200)  # (<= ~8 min; card-aware) on an H200: issue 14's 8K / 32K prefill A/B (the tf32 output pass), then the
-           # decode steps on the defaults and with GEMV_MERGE 2 (issue 10's H200 figures); on an H100: tf32suite's tests
+    s13)  # (<= ~9 min, card-aware; the fourteenth session's first call) on an H200 first: issue 14's 8K prefill with and
+          # without the tf32 output pass (s10_prefill). Then issue 10: the staged attention combine and the top-2 pass
+          # (TOP2_BLOCKS 32, loads four ahead) -- their bitwise tests, the gates, the steps on the defaults (against
+          # the thirteenth session's H100 7.199-7.212 ms decode 2K), the 1- and 8-lane timelines, complete since
+          # STEP_TRACE_CAP 1 << 18 (the combine was 9.7 us a layer, top2_partial 25.9 us a step)
         if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-          s10_prefill 260 8192 32768
-          for b in 0 2; do
-            timeout 70 python3 tools/gemv_prefetch_ab.py --mb 0 --set GEMV_MERGE=$b > "$OUT/h200_steps$b.txt" 2>&1 || rc=1
-            echo "--- GEMV_MERGE=$b"; grep -E "^prefetch|of read" "$OUT/h200_steps$b.txt"
-          done
-        else
-          bash "$0" tf32suite || rc=1
-        fi ;;
+          s10_prefill 170 8192
+        fi
+        timeout 200 $PYTEST tests/gpu/test_attention_mma.py tests/gpu/test_kernels.py -k "combine or top2 or float64 or \
+width_invariant or gumbel" > "$OUT/s13_bits.txt" 2>&1 || rc=1
+        tail -2 "$OUT/s13_bits.txt"
+        timeout 150 python3 gates/run.py > "$OUT/s13_gates.txt" 2>&1 || rc=1; tail -4 "$OUT/s13_gates.txt"
+        timeout 70 python3 tools/gemv_prefetch_ab.py --mb 0 > "$OUT/s13_steps.txt" 2>&1 || rc=1
+        grep -E "^prefetch|of read" "$OUT/s13_steps.txt"
+        for l in 1 8; do
+          timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes $l --top 0 --json "$OUT/s13_trace$l.json" \
+            > "$OUT/s13_trace$l.txt" 2>&1 || rc=1; head -1 "$OUT/s13_trace$l.txt"; tail -10 "$OUT/s13_trace$l.txt"
+        done
+        (cd "$OUT" && tar czf s13_traces.tgz s13_trace*.json && rm -f s13_trace*.json) ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \

@@ -244,7 +244,9 @@ PDL_EARLY = 0
 # the engine refuses to load with it, the results are wrong): griddepcontrol.wait compiled out (common.cuh) in every
 # kernel (1), in every kernel but the GEMVs (2), in the GEMVs only (3). docs/PERF.md, 2026-12-07.
 PDL_NOWAIT = 0
-TOP2_BLOCKS = 16  # partial blocks per row of the argmax / sampling pass
+# partial blocks per row of the argmax / sampling pass (top2_final merges them in one warp: <= 32). 32 since the
+# thirteenth session (was 16: the 27B's 248K-logit row held the step ~26 us; the same ids, the keys carry them)
+TOP2_BLOCKS = 32
 # ---------------------------------------------------------------- decode_batch lane table (FastModel.decode_batch)
 # One weight sweep for up to LANES_MAX sequences: per lane one row of LT_NFIELDS int64 state base
 # addresses (layer 0 of each array; kernels add the layer's byte offset), then LANES_MAX int32

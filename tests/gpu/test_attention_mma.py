@@ -297,6 +297,38 @@ def test_combine_writes_the_out_plans_a8_activations(cp, hd, nq, nkv, fp8, kerne
         np.testing.assert_array_equal(yb.get(), ya.get())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd", [32, 256])
+def test_staged_combine_keeps_the_sequential_bits(cp, hd):
+    """attn_mma_combine merges the splits from shared memory with its acc loads 8 ahead (combine_body); the bits are
+    those of the one-split-at-a-time loop it replaced (attn_combine_seq_ref): random partials, 1 .. 128 splits a row
+    (ATTD_NSPLIT_MAX, past the 32-thread block at hd 32, and partial groups of 8), the gate at 0 (sigmoid 0.5)."""
+    from q27py.gpu import constants as C
+    from q27py.gpu.runtime import Runtime, i32
+
+    rt = Runtime.get()
+    nq, stride, ssz = 3, C.ATTD_NSPLIT_MAX, 64
+    rng = np.random.default_rng(hd)
+    for pos0 in (0, 63, 64, 8 * 64 + 5, 17 * 64, stride * ssz - 40):
+        nlanes = 16
+        n = min(pos0 + nlanes, stride * ssz) - pos0
+        part = rng.standard_normal((n, nq, stride, hd + 2)).astype(np.float32)
+        part[..., 0] *= 8.0  # m: spread maxima
+        part[..., 1] = np.abs(part[..., 1]) + 0.5  # l > 0
+        dpart = cp.asarray(part)
+        ref = cp.full((n, nq * hd), np.nan, cp.float32)
+        rt.launch("attention", "attn_combine_seq_ref", (n, nq), hd,
+                  (dpart, i32(nq), i32(hd), i32(pos0), i32(ssz), i32(stride), ref))
+        qg = cp.zeros((n, 2 * nq * hd), cp.float32)
+        out = cp.full((n, nq * hd), np.nan, cp.float32)
+        span = stride * ssz - pos0  # attention_mma_split_size(pos0, span, stride) == ssz: 64-position splits
+        assert K.attention_mma_split_size(pos0, span, stride) == ssz
+        rt.launch("attention", "attn_mma_combine", (n, nq), hd,
+                  (dpart, i32(nq), i32(hd), cp.asarray(np.array([pos0], np.int32)), i32(span), i32(stride), qg,
+                   i32(2 * nq * hd), out, i32(nq * hd), None, i32(0), None))
+        np.testing.assert_array_equal(out.get(), ref.get() * np.float32(0.5), err_msg=f"pos0 {pos0}")
+
+
 def boundary_pos0(nkv):
     """pos0 values just below / at / past a split boundary of this card (and the first positions)."""
     from q27py.gpu.runtime import Runtime

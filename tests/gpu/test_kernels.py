@@ -638,6 +638,33 @@ def test_gumbel_sampling_follows_softmax(cp, K):
     np.testing.assert_array_equal(ids.get(), ids2.get())  # keyed by (seed, position, index) only
 
 
+def test_top2_does_not_depend_on_its_blocks(cp, K, monkeypatch):
+    """The partial pass's blocks per row (TOP2_BLOCKS, 16 -> 32 in the thirteenth session) and its loads four ahead
+    change which thread pushes which key, never the result: keys carry their ids, so argmax, top-1, margin and the
+    Gumbel draws are the same bits for any partition (rows of the 27B's vocabulary, ties included)."""
+    rng = np.random.default_rng(21)
+    rows, v = 4, 248320
+    x = rng.standard_normal((rows, v)).astype(np.float32)
+    x[0, 5] = x[0, v - 1] = 7.5  # a tie across the row's ends
+    xd = cp.asarray(x)
+    pos = cp.asarray(np.array([77], np.int32))
+    got = []
+    for nb in (1, 7, 32):
+        monkeypatch.setattr(K, "TOP2_BLOCKS", nb)
+        for temp in (0.0, 0.7):
+            part = cp.zeros((rows, nb, 2), dtype=cp.uint64)
+            ids, top1, margin = cp.zeros(rows, cp.int32), poisoned(cp, rows), poisoned(cp, rows)
+            K.top2(xd, v, v, rows, part, ids, top1, margin, inv_temp=1.0 / temp if temp else 0.0, seed=9, pos0_dev=pos)
+            got.append((ids.get(), top1.get(), margin.get()))
+    for a, b in zip(got[:2], got[2:4]):
+        for u, w in zip(a, b):
+            np.testing.assert_array_equal(u, w)
+    for a, b in zip(got[:2], got[4:]):
+        for u, w in zip(a, b):
+            np.testing.assert_array_equal(u, w)
+    assert got[0][0][0] == 5
+
+
 @pytest.mark.parametrize("impl", ["v1", "a8"])
 @pytest.mark.parametrize("fmt", [L.FMT_Q4, L.FMT_Q8, L.FMT_BF16])
 def test_gemv_cluster_split_reduction_is_bitwise_the_ticket(cp, K, monkeypatch, impl, fmt):
