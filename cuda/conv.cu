@@ -9,14 +9,60 @@
 // one-sequence body at its own offsets (common.cuh group table), so a lane's bits are its solo verify's.
 #include "common.cuh"
 
+// The gates' in-conv form (constants GDN_GATES_IN_CONV; kernels.GatesInConv): b and a of v head h for one lane, the
+// dot products of rows h and HV + h of the bf16 decay / beta matrix with the lane's normed row x, computed by the
+// head's conv block instead of a GEMV launch before qkvz (7.9 us a GDN layer on the step's critical path for 1 MB,
+// tools/step_trace.py, docs/PERF.md thirteenth session). wab: the matrix's packed codes (layout.py pack_codes: 16-row
+// tiles x 64-k chunks of 2,048 B, the mma A-fragment order -- row r of a tile, k pair p of a chunk in word
+// s * 128 + (g * 4 + t) * 4 + r / 8 + 2 * ((p % 8) / 4) with g = r % 8, s = p / 8, t = p % 4), kch chunks. A thread
+// takes k pairs tid, tid + blockDim.x, ... as fmaf chains (the weights exact in fp32), then block_sum's fixed order:
+// fp32 sums of exact products, not the GEMV's bits (its x is split hi + lo into bf16 mma operands), so the switch is
+// its own bits (the gates re-recorded where it becomes the default).
+__device__ __forceinline__ float2 gates_dot2(const u32* __restrict__ wab, int kch, int HV, int h,
+                                             const float* __restrict__ x, float* red) {
+    const int rb = h, ra = HV + h;  // the b row, the a row
+    const u32* tb = wab + (i64)(rb >> 4) * kch * 512;  // 512 words a (tile, chunk) block
+    const u32* ta = wab + (i64)(ra >> 4) * kch * 512;
+    const int ob = (rb & 7) * 16 + ((rb & 15) >> 3), oa = (ra & 7) * 16 + ((ra & 15) >> 3);
+    float sb = 0.f, sa = 0.f;
+    const int np = kch * 32, step = blockDim.x;
+    // q: a k pair (chunk q / 32, pair p = q % 32); four pairs' loads in flight a thread before their products
+    for (int q0 = threadIdx.x; q0 < np; q0 += 4 * step) {
+        u32 vb[4], va[4];
+        float2 xv[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int q = q0 + i * step, c = q >> 5, p = q & 31;
+            const int w = c * 512 + (p >> 3) * 128 + (p & 3) * 4 + 2 * ((p & 7) >> 2);
+            const bool ok = q < np;
+            vb[i] = ok ? tb[w + ob] : 0u;
+            va[i] = ok ? ta[w + oa] : 0u;
+            xv[i] = ok ? *reinterpret_cast<const float2*>(x + 2 * q) : make_float2(0.f, 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (q0 + i * step >= np) break;
+            sb = fmaf(bf16x2_lo(vb[i]), xv[i].x, sb);
+            sb = fmaf(bf16x2_hi(vb[i]), xv[i].y, sb);
+            sa = fmaf(bf16x2_lo(va[i]), xv[i].x, sa);
+            sa = fmaf(bf16x2_hi(va[i]), xv[i].y, sa);
+        }
+    }
+    sb = block_sum(sb, red);
+    sa = block_sum(sa, red);
+    return make_float2(sb, sa);
+}
+
 // Conv + SiLU (+ l2 norm for q / k) of one lane's channel c of head slot `slot`. Taps: t + j in
 // [window (K-1 rows) ; raw rows 0..t]; the lane's outputs go to qkvn_row / gb_row, its b / a
-// gates come from ab_row.
+// gates come from ab_row -- or, with wab (gates_dot2), from the lane's normed row x_row.
 __device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int ldr, const float* __restrict__ window,
                                               const float* __restrict__ convw, const float* __restrict__ ab_row,
                                               const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
                                               int H, int HV, int dk, int dv, int KW, float q_scale, int t,
-                                              float* __restrict__ qkvn_row, float* __restrict__ gb_row) {
+                                              float* __restrict__ qkvn_row, float* __restrict__ gb_row,
+                                              const u32* __restrict__ wab = nullptr, int kch = 0,
+                                              const float* __restrict__ x_row = nullptr) {
     __shared__ float red[32];
     const int slot = blockIdx.y, c = threadIdx.x;
     const int C = 2 * H * dk + HV * dv;
@@ -39,11 +85,19 @@ __device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int
         if (slot < H) y *= q_scale;
     }
     if (c < d) qkvn_row[ch] = y;
-    if (!is_qk && c == 0) {
+    if (!is_qk) {  // block-uniform: the slot is the block's
         const int h = slot - 2 * H;
-        const float b = ab_row[h], a = ab_row[HV + h];
-        gb_row[h] = neg_a[h] * softplus_f(a + dt_bias[h]);
-        gb_row[HV + h] = sigmoid_f(b);
+        float b, a;
+        if (wab != nullptr) {
+            const float2 ba = gates_dot2(wab, kch, HV, h, x_row, red);
+            b = ba.x, a = ba.y;
+        } else {
+            b = ab_row[h], a = ab_row[HV + h];
+        }
+        if (c == 0) {
+            gb_row[h] = neg_a[h] * softplus_f(a + dt_bias[h]);
+            gb_row[HV + h] = sigmoid_f(b);
+        }
     }
 }
 
@@ -55,12 +109,13 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ raw, int ldr,  // 
                                     const float* __restrict__ ab, int ldab,  // lane t: b [HV] then a [HV]
                                     const float* __restrict__ neg_a, const float* __restrict__ dt_bias, int H, int HV,
                                     int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,  // [lane][C]
-                                    float* __restrict__ gb)                                              // [lane][2HV]
+                                    float* __restrict__ gb,                                              // [lane][2HV]
+                                    const u32* __restrict__ wab, int kch, const float* __restrict__ x, int ldx)
 {
     pdl_entry();
     const int t = blockIdx.x;
     gdn_conv_body(raw, ldr, window, convw, ab + (i64)t * ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, t,
-                  qkvn + (i64)t * (2 * H * dk + HV * dv), gb + (i64)t * 2 * HV);
+                  qkvn + (i64)t * (2 * H * dk + HV * dv), gb + (i64)t * 2 * HV, wab, kch, x + (i64)t * ldx);
 }
 
 // decode_batch (common.cuh lane table): lane b is its own sequence's next token -- taps [its state's
@@ -70,12 +125,13 @@ extern "C" __global__ void gdn_conv_lanes(const float* __restrict__ raw, int ldr
                                           i64 win_off, const float* __restrict__ convw, const float* __restrict__ ab,
                                           int ldab, const float* __restrict__ neg_a,
                                           const float* __restrict__ dt_bias, int H, int HV, int dk, int dv, int KW,
-                                          float q_scale, float* __restrict__ qkvn, float* __restrict__ gb) {
+                                          float q_scale, float* __restrict__ qkvn, float* __restrict__ gb,
+                                          const u32* __restrict__ wab, int kch, const float* __restrict__ x, int ldx) {
     pdl_entry();
     const int b = blockIdx.x;
     gdn_conv_body(raw + (i64)b * ldr, ldr, lane_ptr<const float>(lanes, b, LT_WIN, win_off), convw, ab + (i64)b * ldab,
                   neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, 0, qkvn + (i64)b * (2 * H * dk + HV * dv),
-                  gb + (i64)b * 2 * HV);
+                  gb + (i64)b * 2 * HV, wab, kch, x + (i64)b * ldx);
 }
 
 // verify_batch (common.cuh group table): lane b is lane t = b - r0 of its group's verify (r0: the group's first
@@ -87,12 +143,13 @@ extern "C" __global__ void gdn_conv_groups(const float* __restrict__ raw, int ld
                                            const float* __restrict__ convw, const float* __restrict__ ab, int ldab,
                                            const float* __restrict__ neg_a, const float* __restrict__ dt_bias, int H,
                                            int HV, int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,
-                                           float* __restrict__ gb) {
+                                           float* __restrict__ gb, const u32* __restrict__ wab, int kch,
+                                           const float* __restrict__ x, int ldx) {
     pdl_entry();
     const int b = blockIdx.x, r0 = group_first_of_lane(groups, b);
     gdn_conv_body(raw + (i64)r0 * ldr, ldr, lane_ptr<const float>(lanes, b, LT_WIN, win_off), convw, ab + (i64)b * ldab,
                   neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, b - r0, qkvn + (i64)b * (2 * H * dk + HV * dv),
-                  gb + (i64)b * 2 * HV);
+                  gb + (i64)b * 2 * HV, wab, kch, x + (i64)b * ldx);
 }
 
 // One channel's window slide by n raw rows: rows n.. of [window ; raw rows 0..n-1] become the window.

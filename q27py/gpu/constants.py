@@ -205,6 +205,14 @@ GEMV_BRANCH = 0
 # grid of both launches' units fits one wave of the entry it takes (at <= 8 lanes 276 units on the plain entry's 3 an
 # SM; the gates' splits and bits as mode 0's). Merged or launched apart, the same bits within a mode
 GEMV_MERGE = 0
+# decode / verify (<= VERIFY_SPAN lanes) of a GDN layer: gdn_conv's v-head blocks compute the decay / beta gates (b, a)
+# from the normed rows themselves (cuda/conv.cu gates_dot2, kernels.GatesInConv) and the layer's in plan skips its
+# bf16 launch (GemvPlan.run skip_bf16). Why: that launch held the 27B step's critical path 7.9 us a GDN layer for
+# 1 MB (48 layers: 379 us of 7,286, the complete tools/step_trace.py timeline, docs/PERF.md thirteenth session),
+# where the conv's blocks add two 5,120-long dot products. Not bitwise GEMV_MERGE / the GEMV's b / a (fp32 sums of
+# exact products, not the GEMV's hi + lo bf16 operands): its own bits, the gates re-recorded if it becomes the
+# default. Read when a FastModel is built. 0: off (built, CPU-checked, not yet run on a device); 1: on
+GDN_GATES_IN_CONV = 0
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
 # value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).
 # Cleared bits bring back those quant_act8 launches (tools/gemv_prefetch_ab.py --set A8_FOLD=N: the A/B). 3 since

@@ -635,6 +635,8 @@ class FastModel:
         # Its tickets (window per key head, norm per value head) are left zero by every launch.
         self.gdn_fused = K.gdn_fused_default() if gdn_fused is None else bool(gdn_fused)
         self.gdn_fused_warps = C.GDN_FD_WARPS
+        # constants GDN_GATES_IN_CONV: decode / verify convs compute the decay / beta gates themselves (_gates_in_conv)
+        self.gates_in_conv = bool(C.GDN_GATES_IN_CONV)
         self.gdn_tickets = cp.zeros(cfg.linear_num_key_heads + hv, dtype=cp.int32)
         # decode_batch: one weight sweep for up to max_batch sequences (one lane each, GEMV lanes).
         # The lane table (lane_table_words: per lane its state's base addresses, then positions,
@@ -1473,11 +1475,14 @@ class FastModel:
             raw, qkvn, gb = self.proj_big, self.qkvn_big, self.gb_big
         else:  # decode / verify: this layer's records
             raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
+        fused_step = self.gdn_fused and t <= VERIFY_SPAN and K.gdn_fused_supported(hk, hv, dk, dv, kw, t,
+                                                                                  self.gdn_fused_warps)
+        gates = None if fused_step or t > VERIFY_SPAN else self._gates_in_conv(g)
         if t > VERIFY_SPAN:
             plan["in_big"].run(self.x, self.hp, t, x_bf16=self._bf16_rows(plan["in_big"], t, self.xb))
         else:  # _input_norm wrote an a8 plan's int8 activations
-            plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t))
-        if self.gdn_fused and t <= VERIFY_SPAN and K.gdn_fused_supported(hk, hv, dk, dv, kw, t, self.gdn_fused_warps):
+            plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t), skip_bf16=gates is not None)
+        if fused_step:
             # one launch, bitwise the chain below (same records, o, normed rows, state and window), which also
             # writes the out plan's int8 activations where gated_rmsnorm would (no quant_act8 launch then)
             fuse = bool(C.A8_FOLD & 1) and K.gated_rmsnorm_fuses(plan["out"], t, hv, dv)
@@ -1487,9 +1492,12 @@ class FastModel:
                                warps=self.gdn_fused_warps, a8=plan["out"] if fuse else None)
             plan["out"].run(self.xo, self.ld_xo, t, prequantized=fuse)
             return
-        conv = K.gdn_conv_rows if t > VERIFY_SPAN else K.gdn_conv  # same bits; the rows form for prefill chunks
-        conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv,
-             kw, qkvn, gb, t)
+        if t > VERIFY_SPAN:  # same bits; the rows form for prefill chunks
+            K.gdn_conv_rows(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
+                            g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, t)
+        else:
+            K.gdn_conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias,
+                       hk, hv, dk, dv, kw, qkvn, gb, t, gates=gates)
         if commit:
             K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
         gated = None
@@ -1518,6 +1526,13 @@ class FastModel:
                         self.ld_xo, a8=plan["out"] if fuse else None)
         plan["out"].run(self.xo, self.ld_xo, t, prequantized=fuse)
 
+    def _gates_in_conv(self, g) -> "K.GatesInConv | None":
+        """The conv's own decay / beta gates (GDN_GATES_IN_CONV) for a decode / verify GDN chain: the layer's bf16 gates
+        matrix and the normed rows the in plan reads, or None (the in plan's bf16 GEMV writes ab)."""
+        if not self.gates_in_conv or g.ab.shape.fmt != L.FMT_BF16 or g.qkvz.shape.fmt == L.FMT_BF16:
+            return None  # the in plan skips its bf16 launch, which must be the gates' alone (not the bf16 tier's)
+        return K.GatesInConv(g.ab, self.x, self.hp)
+
     def _gdn_lanes(self, lw: LayerW, plan: dict, n: int, state_off: int, win_off: int) -> None:
         """_gdn for decode_batch lanes (each a committing one-token step of its own state, offsets:
         this layer's bytes into each state's S and window): the fused kernel where a one-token
@@ -1528,8 +1543,10 @@ class FastModel:
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, kw, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim
         raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
-        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
-        if self.gdn_fused and K.gdn_fused_supported(hk, hv, dk, dv, kw, 1, self.gdn_fused_warps):
+        fused_step = self.gdn_fused and K.gdn_fused_supported(hk, hv, dk, dv, kw, 1, self.gdn_fused_warps)
+        gates = None if fused_step else self._gates_in_conv(g)
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n), skip_bf16=gates is not None)
+        if fused_step:
             fuse = bool(C.A8_FOLD & 1) and K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
             K.gdn_decode_fused_lanes(raw, self.ld_proj, self.lane_table, win_off, state_off, g.conv_w, self.ab,
                                      self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, self.o_gdn,
@@ -1538,7 +1555,7 @@ class FastModel:
             plan["out"].run(self.xo, self.ld_xo, n, prequantized=fuse)
             return
         K.gdn_conv_lanes(raw, self.ld_proj, self.lane_table, win_off, g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
-                         g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n)
+                         g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n, gates=gates)
         K.gdn_conv_commit_lanes(self.lane_table, win_off, raw, self.ld_proj, c, kw, n)
         K.gdn_step_lanes(self.lane_table, state_off, qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, n)
         fuse = K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
@@ -1557,9 +1574,10 @@ class FastModel:
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, kw, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim
         raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]  # rows r0.. of each group: its records
-        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
+        gates = self._gates_in_conv(g)
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n), skip_bf16=gates is not None)
         K.gdn_conv_groups(raw, self.ld_proj, self.lane_table, self.group_table, win_off, g.conv_w, self.ab,
-                          self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n)
+                          self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n, gates=gates)
         K.gdn_step_groups(self.lane_table, self.group_table, C.GT_COUNT, state_off, 0, qkvn, 0, gb, 0, self.o_gdn,
                           hv * dv, hk, hv, dk, dv, ngroups, emit=True, write_state=False)
         fuse = K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)

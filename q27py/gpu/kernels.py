@@ -592,14 +592,16 @@ class GemvPlan:
         return len(self.mats) == 1 and self.mats[0].mode == MODE_SWIGLU and gemm_bf16_route(self.mats[0], nlanes)
 
     def run(self, x, ldx: int, nlanes: int, lane0: int = 0, allow_gemm: bool = True,
-            prequantized: bool = False, x_bf16=None, y_bf16=None) -> None:
+            prequantized: bool = False, x_bf16=None, y_bf16=None, skip_bf16: bool = False) -> None:
         """y[lane0 + t] for t < nlanes: the prefill GEMM for many tokens (q4/q8 matrices), else
         the GEMV in blocks of at most 16 lanes -- or, where the plan's q4 launches run on gemv_wg (self.wide),
         blocks of 17-32 lanes whose q4 launches stream the weights once (_run_wide). prequantized: x's producer already wrote this plan's
         a8 activations (kernels.rmsnorm(a8=plan)), so no quant_act8 launch. x_bf16: x's producer
         also (or only) wrote bf16 rows [lanes, kpad] of it (gemm_inputs says when); without them the
-        matrices on the bf16 route share one conversion. y_bf16 (swiglu_bf16): the output as bf16 rows."""
+        matrices on the bf16 route share one conversion. y_bf16 (swiglu_bf16): the output as bf16 rows.
+        skip_bf16: leave the plan's bf16 matrices out (GDN_GATES_IN_CONV: the conv computes the gates itself)."""
         assert not prequantized or (self.fuses_quant(nlanes) and lane0 == 0)
+        assert not skip_bf16 or sum(m.shape.fmt == L.FMT_BF16 for m in self.mats) == 1, "skip_bf16: one bf16 matrix"
         rt = Runtime.get()
         use_gemm = allow_gemm and nlanes >= GEMM_MIN_TOKENS
         assert (x_bf16 is None or (use_gemm and x_bf16.shape[1] == self.kpad)) and (
@@ -616,6 +618,8 @@ class GemvPlan:
             f32 = self._bf16_f32 and gemm_f32_route(nlanes)  # every bf16 matrix through cuBLAS (PREFILL_SMALL_GEMM)
             split = None  # the three-term route's planes of x, made once for every bf16 matrix of the plan
             for m, (y, ldy), bf in zip(self.mats, self.outputs, routes):
+                if skip_bf16 and m.shape.fmt == L.FMT_BF16:
+                    continue
                 if gemm_supported(m):
                     gemm(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy, x_bf16=x_bf16 if bf else None,
                          y_bf16=y_bf16)
@@ -627,7 +631,7 @@ class GemvPlan:
                     if split is None:  # the plan's bf16 rows of x (if it has them) are the hi term
                         split = blas.split3(xs, ldx, nlanes, self.kpad, x_bf16=x_bf16)
                     blas.prefill_gemm_split3(m, xs, ldx, nlanes, y[lane0:] if lane0 else y, ldy, split=split)
-            if f32 or not self._has_bf16:
+            if f32 or not self._has_bf16 or skip_bf16:
                 return  # nothing is left for the GEMV
         done = 0
         last = len(self.launches) - 1
@@ -637,7 +641,7 @@ class GemvPlan:
             # 17-32 lanes left whose q4 launches may run on gemv8w_q4_n32: one block (_run_wide)
             n = min(GWG_MAX_LANES, nlanes - done)
             if quant and n > GEMV_MAX_LANES and self._wide_block(n, done + n >= nlanes):
-                self._run_wide(rt, x, ldx, n, lane0 + done, done + n >= nlanes)
+                self._run_wide(rt, x, ldx, n, lane0 + done, done + n >= nlanes, skip_bf16)
                 done += n
                 continue
             n = min(GEMV_MAX_LANES, nlanes - done)
@@ -646,17 +650,18 @@ class GemvPlan:
                 rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
                            i32(self.xq.shape[1]), self.xs))
-            merged = self._merged_kernel(n, final, use_gemm)
+            merged = None if skip_bf16 else self._merged_kernel(n, final, use_gemm)
             if merged is not None:  # GEMV_MERGE: the bf16 launch's units in the q4 launch's grid
                 self._launch_merged(rt, merged, x, ldx, n, lane0 + done)
                 done += n
                 continue
-            branch = self.branches(nlanes, use_gemm)  # one block of lanes only: a later block's quant_act8 is on main
+            # one block of lanes only: a later block's quant_act8 is on main
+            branch = not skip_bf16 and self.branches(nlanes, use_gemm)
             # the branch forks before the first launch and joins after the last (the first on the side stream)
             with rt.side_branch() if branch else nullcontext() as on_side:
                 for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
-                    if use_gemm and fmt != L.FMT_BF16:
-                        continue  # done by the GEMM above
+                    if (use_gemm and fmt != L.FMT_BF16) or (skip_bf16 and fmt == L.FMT_BF16):
+                        continue  # done by the GEMM above / by the plan's consumer
                     pf = self.pf if (final and li == last and not use_gemm) else None
                     xq, xs = (self.xq, self.xs) if self.a8 else (None, None)
                     with on_side() if on_side is not None and li == 0 else nullcontext():
@@ -734,7 +739,7 @@ class GemvPlan:
         return any(self._on_wg(fmt, units, cluster, n, self.pf if (final and li == last) else None)
                    for li, ((fmt, _d, _m, units), cluster) in enumerate(zip(self.launches, self.clusters)))
 
-    def _run_wide(self, rt, x, ldx: int, n: int, l0: int, final: bool) -> None:
+    def _run_wide(self, rt, x, ldx: int, n: int, l0: int, final: bool, skip_bf16: bool = False) -> None:
         """Lanes l0 .. l0 + n - 1 (17 <= n <= 32) as one block: their a8 activations quantized into the 32-lane
         buffers as two 16-lane halves (quant_act8 writes gemv8's [chunk][GEMV_MAX_LANES] scales, so a launch
         per half, the second's scales into xs[1]), then each q4 launch that may run on gemv_wg as ONE
@@ -750,6 +755,8 @@ class GemvPlan:
                       (x[l0 + o:] if l0 + o else x, i32(ldx), i32(kch), xq, i32(ldq), xs))
         last = len(self.launches) - 1
         for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
+            if skip_bf16 and fmt == L.FMT_BF16:
+                continue
             pf = self.pf if (final and li == last) else None
             if self._on_wg(fmt, units, cluster, n, pf):
                 rt.launch("gemv_wg", gemv_wg_kernel(GWG_MAX_LANES, units), units, 128,
@@ -1118,12 +1125,31 @@ def gated_rmsnorm(o, ldo: int, z, ldz: int, w, eps: float, nlanes: int, hv: int,
 
 
 # ---------------------------------------------------------------- Gated DeltaNet
+@dataclass(frozen=True)
+class GatesInConv:
+    """constants GDN_GATES_IN_CONV: what gdn_conv's v-head blocks need to compute the decay / beta gates themselves
+    (cuda/conv.cu gates_dot2) instead of reading the bf16 GEMV's output ab: the gates matrix (a bf16 GpuMatrix of
+    2 x HV rows, b then a) and the lanes' normed rows x (row stride ldx; lane b's row b)."""
+    mat: "GpuMatrix"
+    x: object
+    ldx: int
+
+    def args(self) -> tuple:
+        assert self.mat.shape.fmt == L.FMT_BF16
+        return (self.mat.codes, i32(self.mat.shape.kchunks), self.x, i32(self.ldx))
+
+
+def _gates_args(gates: GatesInConv | None) -> tuple:
+    return (None, i32(0), None, i32(0)) if gates is None else gates.args()
+
+
 def gdn_conv(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int, dv: int, kw: int,
-             qkvn, gb, nlanes: int) -> None:
+             qkvn, gb, nlanes: int, gates: GatesInConv | None = None) -> None:
+    """gates: the v-head blocks compute b / a from the normed rows (GatesInConv); None: they read ab."""
     block = max(32, -(-max(dk, dv) // 32) * 32)
     Runtime.get().launch("conv", "gdn_conv", (nlanes, 2 * h + hv), block,
                          (raw, i32(ldr), window, convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv), i32(dk),
-                          i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb))
+                          i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb, *_gates_args(gates)))
 
 
 def gdn_conv_rows(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int, dv: int,
@@ -1173,12 +1199,13 @@ def gdn_step(state, state_stride: int, qkvn, qkvn_stride: int, gb, gb_stride: in
 # state of a model has the same shapes). Each entry runs the one-sequence kernel's body for t = 0,
 # so lane b's bits are those of a one-token forward of its sequence whatever the other lanes are.
 def gdn_conv_lanes(raw, ldr: int, lanes, win_off: int, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int,
-                   dv: int, kw: int, qkvn, gb, nlanes: int) -> None:
+                   dv: int, kw: int, qkvn, gb, nlanes: int, gates: GatesInConv | None = None) -> None:
     """gdn_conv for nlanes lanes, lane b tapping its own state's window (+ win_off bytes) and raw row b."""
     block = max(32, -(-max(dk, dv) // 32) * 32)
     Runtime.get().launch("conv", "gdn_conv_lanes", (nlanes, 2 * h + hv), block,
                          (raw, i32(ldr), lanes, i64(win_off), convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv),
-                          i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb))
+                          i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb,
+                          *_gates_args(gates)))
 
 
 def gdn_conv_commit_lanes(lanes, win_off: int, raw, ldr: int, channels: int, kw: int, nlanes: int) -> None:
@@ -1201,13 +1228,14 @@ def gdn_step_lanes(lanes, state_off: int, qkvn, gb, out, ldo: int, h: int, hv: i
 # count, per lane its group), beside the lane table. Each entry runs the one-sequence kernel's body on a
 # group as that sequence's solo verify (or commit) runs it, so every lane's bits are the solo call's.
 def gdn_conv_groups(raw, ldr: int, lanes, groups, win_off: int, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int,
-                    dk: int, dv: int, kw: int, qkvn, gb, nlanes: int) -> None:
+                    dk: int, dv: int, kw: int, qkvn, gb, nlanes: int, gates: GatesInConv | None = None) -> None:
     """gdn_conv for the nlanes lanes of a verify_batch: lane b is lane b - r0 of its group's verify (its
     state's window + win_off bytes, the group's raw rows from r0), outputs in rows b; no window commit."""
     block = max(32, -(-max(dk, dv) // 32) * 32)
     Runtime.get().launch("conv", "gdn_conv_groups", (nlanes, 2 * h + hv), block,
                          (raw, i32(ldr), lanes, groups, i64(win_off), convw, ab, i32(ldab), neg_a, dt_bias, i32(h),
-                          i32(hv), i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb))
+                          i32(hv), i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb,
+                          *_gates_args(gates)))
 
 
 def gdn_conv_commit_groups(lanes, groups, win_layer_bytes: int, raw, ldr: int, raw_stride: int, channels: int,
