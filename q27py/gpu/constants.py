@@ -203,7 +203,10 @@ GEMV_BRANCH = 0
 # wait, which the side branch above cannot. 0: off; 1: on, the gates' K splits sized so both fit one wave of the
 # deep-ring entry (GemvPlan._fit_merge: 4 splits, not 10; the gates' sums differ from mode 0's); 2: on where the
 # grid of both launches' units fits one wave of the entry it takes (at <= 8 lanes 276 units on the plain entry's 3 an
-# SM; the gates' splits and bits as mode 0's). Merged or launched apart, the same bits within a mode
+# SM; the gates' splits and bits as mode 0's). Merged or launched apart, the same bits within a mode. Measured on the
+# H100 (docs/PERF.md thirteenth session): the merged grid takes the gates off the chain (21.0 -> 15.7 us a GDN layer at
+# mode 2, 18.1 at mode 1; the 10-split merge without a fit ran a second wave, 22.7), but the step does not follow:
+# decode 2K -0.1% / -0.3%, verify W=8 +0.5% / 0%, W=16 0% / +0.5% (mode 2 / mode 1). Off
 GEMV_MERGE = 0
 # decode / verify (<= VERIFY_SPAN lanes) of a GDN layer: gdn_conv's v-head blocks compute the decay / beta gates (b, a)
 # from the normed rows themselves (cuda/conv.cu gates_dot2, kernels.GatesInConv) and the layer's in plan skips its
