@@ -296,9 +296,10 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part, int
     __syncthreads();
     float L = 0.f, A = 0.f;
     for (int s0 = 0; s0 < ns; s0 += 8) {
+        // unpredicated loads (past the last split: its slot again, unused), so all 8 issue before the first product
         float a[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++) a[i] = s0 + i < ns ? base[(i64)(s0 + i) * (hd + 2) + 2 + d] : 0.f;
+        for (int i = 0; i < 8; i++) a[i] = base[(i64)min(s0 + i, ns - 1) * (hd + 2) + 2 + d];
 #pragma unroll
         for (int i = 0; i < 8; i++)
             if (s0 + i < ns) {
