@@ -15,38 +15,67 @@
 // tools/step_trace.py, docs/PERF.md thirteenth session). wab: the matrix's packed codes (layout.py pack_codes: 16-row
 // tiles x 64-k chunks of 2,048 B, the mma A-fragment order -- row r of a tile, k pair p of a chunk in word
 // s * 128 + (g * 4 + t) * 4 + r / 8 + 2 * ((p % 8) / 4) with g = r % 8, s = p / 8, t = p % 4), kch chunks. A thread
-// takes k pairs tid, tid + blockDim.x, ... as fmaf chains (the weights exact in fp32), then block_sum's fixed order:
-// fp32 sums of exact products, not the GEMV's bits (its x is split hi + lo into bf16 mma operands), so the switch is
-// its own bits (the gates re-recorded where it becomes the default).
-__device__ __forceinline__ float2 gates_dot2(const u32* __restrict__ wab, int kch, int HV, int h,
+// takes k pairs q = tid, tid + blockDim.x, ... (chunk q / 32, pair q % 32) as fmaf chains (the weights exact in fp32),
+// then block_sum's fixed order: fp32 sums of exact products, not the GEMV's bits (its x is split hi + lo into bf16
+// mma operands), so the switch is its own bits (the gates re-recorded where it becomes the default).
+// The weights are constants: a thread's first GATES_PRE pairs of both rows are loaded before the kernel's PDL wait
+// (gates_preload), so they arrive while qkvz streams; after the wait only the lane's x row (from L2) is on the path.
+constexpr int GATES_PRE = 24;  // pairs a thread holds from before the wait (27B: 2,560 pairs on 128 threads = 20)
+struct GatesPre {
+    u32 vb[GATES_PRE], va[GATES_PRE];
+};
+
+__device__ __forceinline__ int gates_word(int q) {  // k pair q's word in its row's (tile, chunk) blocks
+    const int c = q >> 5, p = q & 31;
+    return c * 512 + (p >> 3) * 128 + (p & 3) * 4 + 2 * ((p & 7) >> 2);
+}
+
+__device__ __forceinline__ void gates_rows(const u32* __restrict__ wab, int kch, int HV, int h, const u32*& tb,
+                                           const u32*& ta) {
+    const int rb = h, ra = HV + h;  // the b row, the a row: their tiles' first words, plus the row's offset
+    tb = wab + (i64)(rb >> 4) * kch * 512 + (rb & 7) * 16 + ((rb & 15) >> 3);
+    ta = wab + (i64)(ra >> 4) * kch * 512 + (ra & 7) * 16 + ((ra & 15) >> 3);
+}
+
+// Before the wait: every load unpredicated (past the last pair: the last pair again, unused), so all issue at once.
+__device__ __forceinline__ void gates_preload(const u32* __restrict__ wab, int kch, int HV, int h, GatesPre& g) {
+    const u32 *tb, *ta;
+    gates_rows(wab, kch, HV, h, tb, ta);
+    const int np = kch * 32;
+#pragma unroll
+    for (int i = 0; i < GATES_PRE; i++) {
+        const int w = gates_word(min((int)threadIdx.x + i * (int)blockDim.x, np - 1));
+        g.vb[i] = tb[w];
+        g.va[i] = ta[w];
+    }
+}
+
+__device__ __forceinline__ float2 gates_dot2(const GatesPre& g, const u32* __restrict__ wab, int kch, int HV, int h,
                                              const float* __restrict__ x, float* red) {
-    const int rb = h, ra = HV + h;  // the b row, the a row
-    const u32* tb = wab + (i64)(rb >> 4) * kch * 512;  // 512 words a (tile, chunk) block
-    const u32* ta = wab + (i64)(ra >> 4) * kch * 512;
-    const int ob = (rb & 7) * 16 + ((rb & 15) >> 3), oa = (ra & 7) * 16 + ((ra & 15) >> 3);
+    const int np = kch * 32, step = blockDim.x, tid = threadIdx.x;
+    const float2* x2 = reinterpret_cast<const float2*>(x);
+    float2 xv[GATES_PRE];
+#pragma unroll
+    for (int i = 0; i < GATES_PRE; i++) xv[i] = x2[min(tid + i * step, np - 1)];
     float sb = 0.f, sa = 0.f;
-    const int np = kch * 32, step = blockDim.x;
-    // q: a k pair (chunk q / 32, pair p = q % 32); four pairs' loads in flight a thread before their products
-    for (int q0 = threadIdx.x; q0 < np; q0 += 4 * step) {
-        u32 vb[4], va[4];
-        float2 xv[4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int q = q0 + i * step, c = q >> 5, p = q & 31;
-            const int w = c * 512 + (p >> 3) * 128 + (p & 3) * 4 + 2 * ((p & 7) >> 2);
-            const bool ok = q < np;
-            vb[i] = ok ? tb[w + ob] : 0u;
-            va[i] = ok ? ta[w + oa] : 0u;
-            xv[i] = ok ? *reinterpret_cast<const float2*>(x + 2 * q) : make_float2(0.f, 0.f);
+    for (int i = 0; i < GATES_PRE; i++)
+        if (tid + i * step < np) {
+            sb = fmaf(bf16x2_lo(g.vb[i]), xv[i].x, sb);
+            sb = fmaf(bf16x2_hi(g.vb[i]), xv[i].y, sb);
+            sa = fmaf(bf16x2_lo(g.va[i]), xv[i].x, sa);
+            sa = fmaf(bf16x2_hi(g.va[i]), xv[i].y, sa);
         }
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            if (q0 + i * step >= np) break;
-            sb = fmaf(bf16x2_lo(vb[i]), xv[i].x, sb);
-            sb = fmaf(bf16x2_hi(vb[i]), xv[i].y, sb);
-            sa = fmaf(bf16x2_lo(va[i]), xv[i].x, sa);
-            sa = fmaf(bf16x2_hi(va[i]), xv[i].y, sa);
-        }
+    const u32 *tb, *ta;
+    gates_rows(wab, kch, HV, h, tb, ta);
+    for (int q = tid + GATES_PRE * step; q < np; q += step) {  // rows longer than the preload (not the 27B's)
+        const int w = gates_word(q);
+        const u32 vb = tb[w], va = ta[w];
+        const float2 v = x2[q];
+        sb = fmaf(bf16x2_lo(vb), v.x, sb);
+        sb = fmaf(bf16x2_hi(vb), v.y, sb);
+        sa = fmaf(bf16x2_lo(va), v.x, sa);
+        sa = fmaf(bf16x2_hi(va), v.y, sa);
     }
     sb = block_sum(sb, red);
     sa = block_sum(sa, red);
@@ -61,8 +90,8 @@ __device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int
                                               const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
                                               int H, int HV, int dk, int dv, int KW, float q_scale, int t,
                                               float* __restrict__ qkvn_row, float* __restrict__ gb_row,
-                                              const u32* __restrict__ wab = nullptr, int kch = 0,
-                                              const float* __restrict__ x_row = nullptr) {
+                                              const GatesPre* pre = nullptr, const u32* __restrict__ wab = nullptr,
+                                              int kch = 0, const float* __restrict__ x_row = nullptr) {
     __shared__ float red[32];
     const int slot = blockIdx.y, c = threadIdx.x;
     const int C = 2 * H * dk + HV * dv;
@@ -89,7 +118,7 @@ __device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int
         const int h = slot - 2 * H;
         float b, a;
         if (wab != nullptr) {
-            const float2 ba = gates_dot2(wab, kch, HV, h, x_row, red);
+            const float2 ba = gates_dot2(*pre, wab, kch, HV, h, x_row, red);
             b = ba.x, a = ba.y;
         } else {
             b = ab_row[h], a = ab_row[HV + h];
@@ -112,10 +141,12 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ raw, int ldr,  // 
                                     float* __restrict__ gb,                                              // [lane][2HV]
                                     const u32* __restrict__ wab, int kch, const float* __restrict__ x, int ldx)
 {
+    GatesPre pre;
+    if (wab != nullptr && (int)blockIdx.y >= 2 * H) gates_preload(wab, kch, HV, blockIdx.y - 2 * H, pre);
     pdl_entry();
     const int t = blockIdx.x;
     gdn_conv_body(raw, ldr, window, convw, ab + (i64)t * ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, t,
-                  qkvn + (i64)t * (2 * H * dk + HV * dv), gb + (i64)t * 2 * HV, wab, kch, x + (i64)t * ldx);
+                  qkvn + (i64)t * (2 * H * dk + HV * dv), gb + (i64)t * 2 * HV, &pre, wab, kch, x + (i64)t * ldx);
 }
 
 // decode_batch (common.cuh lane table): lane b is its own sequence's next token -- taps [its state's
@@ -127,11 +158,13 @@ extern "C" __global__ void gdn_conv_lanes(const float* __restrict__ raw, int ldr
                                           const float* __restrict__ dt_bias, int H, int HV, int dk, int dv, int KW,
                                           float q_scale, float* __restrict__ qkvn, float* __restrict__ gb,
                                           const u32* __restrict__ wab, int kch, const float* __restrict__ x, int ldx) {
+    GatesPre pre;
+    if (wab != nullptr && (int)blockIdx.y >= 2 * H) gates_preload(wab, kch, HV, blockIdx.y - 2 * H, pre);
     pdl_entry();
     const int b = blockIdx.x;
     gdn_conv_body(raw + (i64)b * ldr, ldr, lane_ptr<const float>(lanes, b, LT_WIN, win_off), convw, ab + (i64)b * ldab,
                   neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, 0, qkvn + (i64)b * (2 * H * dk + HV * dv),
-                  gb + (i64)b * 2 * HV, wab, kch, x + (i64)b * ldx);
+                  gb + (i64)b * 2 * HV, &pre, wab, kch, x + (i64)b * ldx);
 }
 
 // verify_batch (common.cuh group table): lane b is lane t = b - r0 of its group's verify (r0: the group's first
@@ -145,11 +178,13 @@ extern "C" __global__ void gdn_conv_groups(const float* __restrict__ raw, int ld
                                            int HV, int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,
                                            float* __restrict__ gb, const u32* __restrict__ wab, int kch,
                                            const float* __restrict__ x, int ldx) {
+    GatesPre pre;
+    if (wab != nullptr && (int)blockIdx.y >= 2 * H) gates_preload(wab, kch, HV, blockIdx.y - 2 * H, pre);
     pdl_entry();
     const int b = blockIdx.x, r0 = group_first_of_lane(groups, b);
     gdn_conv_body(raw + (i64)r0 * ldr, ldr, lane_ptr<const float>(lanes, b, LT_WIN, win_off), convw, ab + (i64)b * ldab,
                   neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, b - r0, qkvn + (i64)b * (2 * H * dk + HV * dv),
-                  gb + (i64)b * 2 * HV, wab, kch, x + (i64)b * ldx);
+                  gb + (i64)b * 2 * HV, &pre, wab, kch, x + (i64)b * ldx);
 }
 
 // One channel's window slide by n raw rows: rows n.. of [window ; raw rows 0..n-1] become the window.
