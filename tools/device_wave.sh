@@ -565,7 +565,11 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
           head -1 "$OUT/s13_trace${t%:*}_${t#*:}.txt"; tail -9 "$OUT/s13_trace${t%:*}_${t#*:}.txt"
         done
         python3 tools/step_trace.py --compare "$OUT/s13_trace0_1.json" "$OUT/s13_trace1_1.json" | head -24
-        (cd "$OUT" && tar czf s13_traces.tgz s13_trace*.json && rm -f s13_trace*.json) ;;
+        (cd "$OUT" && tar czf s13_traces.tgz s13_trace*.json && rm -f s13_trace*.json)
+        # gdn_out / attn_o stream at 47% of read (32-chunk units, 3 splits): fewer, longer units (1 split: 80 units of
+        # 96 chunks on the deep ring) against the shipped 3
+        timeout 90 python3 -m q27py.bench.gemv_probe --shapes gdn_out --impl a8w --lanes 1 8 16 --splits 1 2 3 4 \
+          > "$OUT/s13_splits.txt" 2>&1 || rc=1; grep -vE "^launch" "$OUT/s13_splits.txt" | tail -8 ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \
