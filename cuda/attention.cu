@@ -267,8 +267,6 @@ ATT_GROUPS_KERNEL(attn_split_groups_fp8_d8, u8, 8)
 // so the head owns whole 64-k chunks), the bytes quant_act8 makes from out's row -- one launch fewer before
 // each attention out projection of a decode / verify step (the block's values staged in shared memory, then a
 // warp a chunk, as gated_rmsnorm_a8 does).
-// the most splits a combine merges: the split kernel's NSPLIT, the tensor-core kernel's ATTD_NSPLIT_MAX
-constexpr int COMBINE_MAX_SPLITS = NSPLIT > ATTD_NSPLIT_MAX ? NSPLIT : ATTD_NSPLIT_MAX;
 __device__ __forceinline__ void combine_body(const float* __restrict__ part, int nq, int hd, int pos0, int t, int row,
                                              int ssz, int stride, const float* __restrict__ qg, int ldq,
                                              float* __restrict__ out, int ldo, u8* __restrict__ xq, int ldxq,
@@ -278,37 +276,7 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part, int
     const int ns = (len + ssz - 1) / ssz;
     const float* base = part + (i64)(row * nq + h) * stride * (hd + 2);
     const float gate = qg[(i64)row * ldq + h * 2 * hd + hd + d];
-    // The splits' (m, l) pairs land in shared memory in one parallel round trip, and each thread's acc loads go
-    // out 8 at a time ahead of their sums: the loop of one dependent L2 load (then three) a split held the
-    // combine at ~9.7 us at 2K context (32 splits; tools/step_trace.py, docs/PERF.md thirteenth session). Same
-    // bits: M is a max (exact in any order), e_s = expf(m_s - M) from the same operands, and L / A add in split
-    // order by the same fmaf chain.
-    __shared__ float sm_e[COMBINE_MAX_SPLITS], sm_l[COMBINE_MAX_SPLITS];
-    for (int s = d; s < ns; s += blockDim.x) {
-        sm_e[s] = base[(i64)s * (hd + 2)];
-        sm_l[s] = base[(i64)s * (hd + 2) + 1];
-    }
-    __syncthreads();
-    float M = -INFINITY;
-    for (int s = 0; s < ns; s++) M = fmaxf(M, sm_e[s]);
-    __syncthreads();  // every thread has its M before the m_s are overwritten by their weights
-    for (int s = d; s < ns; s += blockDim.x) sm_e[s] = expf(sm_e[s] - M);
-    __syncthreads();
-    float L = 0.f, A = 0.f;
-    for (int s0 = 0; s0 < ns; s0 += 8) {
-        // unpredicated loads (past the last split: its slot again, unused), so all 8 issue before the first product
-        float a[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) a[i] = base[(i64)min(s0 + i, ns - 1) * (hd + 2) + 2 + d];
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            if (s0 + i < ns) {
-                const float e = sm_e[s0 + i];
-                L = fmaf(sm_l[s0 + i], e, L);
-                A = fmaf(a[i], e, A);
-            }
-    }
-    const float r = (A / L) * sigmoid_f(gate);
+    const float r = split_merge(base, ns, hd, d) * sigmoid_f(gate);
     out[(i64)row * ldo + h * hd + d] = r;
     if (xq == nullptr) return;
     __shared__ __align__(16) float ys[ATT_A8_MAX_HD];
@@ -320,7 +288,7 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part, int
                            xq + (i64)row * ldxq, xs + row, lane);
 }
 
-// combine_body's merge as it was written before 2026-12-07 (thirteenth session): one split at a time, its loads in the
+// split_merge (common.cuh) as it was written before 2026-12-07 (thirteenth session): one split at a time, its loads in the
 // loop. Kept only as the bitwise reference tests/gpu/test_attention_mma.py holds the staged form to; grid (nlanes, nq),
 // block hd, attn_mma_combine's partials, no gate (out = A / L).
 extern "C" __global__ void attn_combine_seq_ref(const float* __restrict__ part, int nq, int hd, int pos0, int ssz,

@@ -136,6 +136,43 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return warp_sum(t);
 }
 
+// The attention combines' merge of one (lane, head)'s ns split partials {m, l, acc[hd]} (hd + 2 floats a split from
+// base), by a block of >= hd threads, thread d its column: (sum_s acc_s[d] e^(m_s - M)) / (sum_s l_s e^(m_s - M)),
+// M = max m_s, the sums in split order. The splits' (m, l) land in shared memory in one parallel round trip, and each
+// thread's acc loads go out 8 at a time ahead of their sums: the loop of one dependent L2 load (then three) a split
+// held the combine at ~9.7 us at 2K context (32 splits; tools/step_trace.py, docs/PERF.md thirteenth session). The
+// same bits as that loop (attention.cu attn_combine_seq_ref keeps it for the test): M is a max (exact in any order),
+// e_s = expf(m_s - M) from the same operands, and L / A add in split order by the same fmaf chains.
+constexpr int COMBINE_MAX_SPLITS = NSPLIT > ATTD_NSPLIT_MAX ? NSPLIT : ATTD_NSPLIT_MAX;  // both kernels' split counts
+__device__ __forceinline__ float split_merge(const float* __restrict__ base, int ns, int hd, int d) {
+    __shared__ float sm_e[COMBINE_MAX_SPLITS], sm_l[COMBINE_MAX_SPLITS];
+    for (int s = d; s < ns; s += blockDim.x) {
+        sm_e[s] = base[(i64)s * (hd + 2)];
+        sm_l[s] = base[(i64)s * (hd + 2) + 1];
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int s = 0; s < ns; s++) M = fmaxf(M, sm_e[s]);
+    __syncthreads();  // every thread has its M before the m_s are overwritten by their weights
+    for (int s = d; s < ns; s += blockDim.x) sm_e[s] = expf(sm_e[s] - M);
+    __syncthreads();
+    float L = 0.f, A = 0.f;
+    for (int s0 = 0; s0 < ns; s0 += 8) {
+        // unpredicated loads (past the last split: its slot again, unused), so all 8 issue before the first product
+        float a[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) a[i] = base[(i64)min(s0 + i, ns - 1) * (hd + 2) + 2 + d];
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (s0 + i < ns) {
+                const float e = sm_e[s0 + i];
+                L = fmaf(sm_l[s0 + i], e, L);
+                A = fmaf(a[i], e, A);
+            }
+    }
+    return A / L;
+}
+
 // block_sum of R values per thread at once, with one barrier for all of them: block_sums_post writes each
 // warp's warp_sum of x[r] to red[r][warp] and waits; block_total(red[r]) is then block_sum(x[r]) -- the
 // same warp_sum of the warp sums (lanes past the warps add 0), so the same bits as R block_sum calls.

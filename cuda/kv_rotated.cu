@@ -178,17 +178,7 @@ extern "C" __global__ void attn_combine_rotated(const float* __restrict__ part, 
     const int need = (pos0 + span + NSPLIT - 1) / NSPLIT;
     const int ssz = max(64, (need + 63) / 64 * 64);
     const int ns = (len + ssz - 1) / ssz;
-    const float* base = part + (i64)(t * nq + h) * NSPLIT * (hd + 2);
-    float M = -INFINITY;
-    for (int s = 0; s < ns; s++) M = fmaxf(M, base[(i64)s * (hd + 2)]);
-    float L = 0.f, A = 0.f;
-    for (int s = 0; s < ns; s++) {
-        const float* b = base + (i64)s * (hd + 2);
-        const float e = expf(b[0] - M);
-        L = fmaf(b[1], e, L);
-        A = fmaf(b[2 + d], e, A);
-    }
-    xs[d] = A / L;
+    xs[d] = split_merge(part + (i64)(t * nq + h) * NSPLIT * (hd + 2), ns, hd, d);
     block_fwht(xs, hd);
     const float y = xs[d] * inv_sqrt_d * rot_sign(d);
     const float gate = qg[(i64)t * ldq + h * 2 * hd + hd + d];
