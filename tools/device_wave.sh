@@ -544,6 +544,8 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         timeout 240 $PYTEST tests/gpu/test_attention_mma.py tests/gpu/test_kernels.py tests/gpu/test_gates_in_conv.py \
           -k "combine or top2 or float64 or width_invariant or gumbel or gates" > "$OUT/s13_bits.txt" 2>&1 || rc=1
         tail -2 "$OUT/s13_bits.txt"
+        timeout 120 $PYTEST tests/gpu/test_kv_rotated.py > "$OUT/s13_rot.txt" 2>&1 || rc=1  # attn_combine_rotated
+        tail -1 "$OUT/s13_rot.txt"
         timeout 150 python3 gates/run.py > "$OUT/s13_gates.txt" 2>&1 || rc=1; tail -4 "$OUT/s13_gates.txt"
         for b in 0 1 0 1; do
           timeout 70 python3 tools/gemv_prefetch_ab.py --mb 0 --set GDN_GATES_IN_CONV=$b > "$OUT/s13_steps$b.txt" 2>&1 || rc=1
