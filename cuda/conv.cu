@@ -85,13 +85,19 @@ __device__ __forceinline__ float2 gates_dot2(const GatesPre& g, const u32* __res
 // Conv + SiLU (+ l2 norm for q / k) of one lane's channel c of head slot `slot`. Taps: t + j in
 // [window (K-1 rows) ; raw rows 0..t]; the lane's outputs go to qkvn_row / gb_row, its b / a
 // gates come from ab_row -- or, with wab (gates_dot2), from the lane's normed row x_row.
-__device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int ldr, const float* __restrict__ window,
+// win_commit (constants CONV_COMMIT_FOLD; only for a lane t = 0 that commits alone, so its thread is the one reader
+// of its channel's window): after the lane's outputs, the window slides by its raw row here, tap i + 1 into row i
+// (gdn_conv_commit's n = 1: the same values), one launch fewer a decode step's GDN layer. The window is read and
+// written through these pointers, so neither is __restrict__: each row's store stays after its load. Apart from the
+// fp work, so the conv's arithmetic compiles as in the entries without it (test_verify_groups_layout's PTX check).
+__device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int ldr, const float* window,
                                               const float* __restrict__ convw, const float* __restrict__ ab_row,
                                               const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
                                               int H, int HV, int dk, int dv, int KW, float q_scale, int t,
                                               float* __restrict__ qkvn_row, float* __restrict__ gb_row,
                                               const GatesPre* pre = nullptr, const u32* __restrict__ wab = nullptr,
-                                              int kch = 0, const float* __restrict__ x_row = nullptr) {
+                                              int kch = 0, const float* __restrict__ x_row = nullptr,
+                                              float* win_commit = nullptr) {
     __shared__ float red[32];
     const int slot = blockIdx.y, c = threadIdx.x;
     const int C = 2 * H * dk + HV * dv;
@@ -114,6 +120,11 @@ __device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int
         if (slot < H) y *= q_scale;
     }
     if (c < d) qkvn_row[ch] = y;
+    if (win_commit != nullptr && c < d)
+        for (int i = 0; i < KW - 1; i++) {  // read row i + 1 (or the raw row), then write row i: in place, in order
+            const int idx = t + i + 1;
+            win_commit[(i64)i * C + ch] = idx < KW - 1 ? window[(i64)idx * C + ch] : raw[(i64)(idx - (KW - 1)) * ldr + ch];
+        }
     if (!is_qk) {  // block-uniform: the slot is the block's
         const int h = slot - 2 * H;
         float b, a;
@@ -133,20 +144,22 @@ __device__ __forceinline__ void gdn_conv_body(const float* __restrict__ raw, int
 // grid (nlanes, 2H + HV [, layers]), block >= max(dk, dv) rounded to 32.
 // slot < H: q head; slot < 2H: k head; else v head (also computes g and beta of that head).
 extern "C" __global__ void gdn_conv(const float* __restrict__ raw, int ldr,  // lane t raw row: raw + t*ldr, C channels
-                                    const float* __restrict__ window,       // [K-1, C], oldest first
+                                    const float* window,                    // [K-1, C], oldest first
                                     const float* __restrict__ convw,        // [C, K]
                                     const float* __restrict__ ab, int ldab,  // lane t: b [HV] then a [HV]
                                     const float* __restrict__ neg_a, const float* __restrict__ dt_bias, int H, int HV,
                                     int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,  // [lane][C]
                                     float* __restrict__ gb,                                              // [lane][2HV]
-                                    const u32* __restrict__ wab, int kch, const float* __restrict__ x, int ldx)
+                                    const u32* __restrict__ wab, int kch, const float* __restrict__ x, int ldx,
+                                    float* win_commit)  // CONV_COMMIT_FOLD: window again, for one committing lane
 {
     GatesPre pre;
     if (wab != nullptr && (int)blockIdx.y >= 2 * H) gates_preload(wab, kch, HV, blockIdx.y - 2 * H, pre);
     pdl_entry();
     const int t = blockIdx.x;
     gdn_conv_body(raw, ldr, window, convw, ab + (i64)t * ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, t,
-                  qkvn + (i64)t * (2 * H * dk + HV * dv), gb + (i64)t * 2 * HV, &pre, wab, kch, x + (i64)t * ldx);
+                  qkvn + (i64)t * (2 * H * dk + HV * dv), gb + (i64)t * 2 * HV, &pre, wab, kch, x + (i64)t * ldx,
+                  win_commit);
 }
 
 // decode_batch (common.cuh lane table): lane b is its own sequence's next token -- taps [its state's
@@ -157,14 +170,16 @@ extern "C" __global__ void gdn_conv_lanes(const float* __restrict__ raw, int ldr
                                           int ldab, const float* __restrict__ neg_a,
                                           const float* __restrict__ dt_bias, int H, int HV, int dk, int dv, int KW,
                                           float q_scale, float* __restrict__ qkvn, float* __restrict__ gb,
-                                          const u32* __restrict__ wab, int kch, const float* __restrict__ x, int ldx) {
+                                          const u32* __restrict__ wab, int kch, const float* __restrict__ x, int ldx,
+                                          int commit) {  // CONV_COMMIT_FOLD: each lane's window slides here
     GatesPre pre;
     if (wab != nullptr && (int)blockIdx.y >= 2 * H) gates_preload(wab, kch, HV, blockIdx.y - 2 * H, pre);
     pdl_entry();
     const int b = blockIdx.x;
-    gdn_conv_body(raw + (i64)b * ldr, ldr, lane_ptr<const float>(lanes, b, LT_WIN, win_off), convw, ab + (i64)b * ldab,
-                  neg_a, dt_bias, H, HV, dk, dv, KW, q_scale, 0, qkvn + (i64)b * (2 * H * dk + HV * dv),
-                  gb + (i64)b * 2 * HV, &pre, wab, kch, x + (i64)b * ldx);
+    float* win = lane_ptr<float>(lanes, b, LT_WIN, win_off);
+    gdn_conv_body(raw + (i64)b * ldr, ldr, win, convw, ab + (i64)b * ldab, neg_a, dt_bias, H, HV, dk, dv, KW, q_scale,
+                  0, qkvn + (i64)b * (2 * H * dk + HV * dv), gb + (i64)b * 2 * HV, &pre, wab, kch, x + (i64)b * ldx,
+                  commit ? win : nullptr);
 }
 
 // verify_batch (common.cuh group table): lane b is lane t = b - r0 of its group's verify (r0: the group's first
@@ -177,7 +192,9 @@ extern "C" __global__ void gdn_conv_groups(const float* __restrict__ raw, int ld
                                            const float* __restrict__ neg_a, const float* __restrict__ dt_bias, int H,
                                            int HV, int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,
                                            float* __restrict__ gb, const u32* __restrict__ wab, int kch,
-                                           const float* __restrict__ x, int ldx) {
+                                           const float* __restrict__ x, int ldx,
+                                           float* no_commit) {  // null: gdn_conv's arguments; commit_batch slides
+    (void)no_commit;
     GatesPre pre;
     if (wab != nullptr && (int)blockIdx.y >= 2 * H) gates_preload(wab, kch, HV, blockIdx.y - 2 * H, pre);
     pdl_entry();

@@ -536,42 +536,49 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         done
         python3 tools/step_trace.py --compare "$OUT/m13_trace0_1.json" "$OUT/m13_trace2_1.json" | head -20
         [ -n "$H200" ] && s10_prefill 150 8192 ;;
-    s13)  # (<= ~8 min; the fourteenth session's first call) issue 10's thirteenth-session builds: the staged attention
-          # combine and the top-2 pass (TOP2_BLOCKS 32, loads four ahead; both bitwise) and GDN_GATES_IN_CONV (the conv
-          # computes the GDN gates, the in plan's bf16 launch gone; its own bits) -- their tests, the gates on the
-          # defaults, the steps with the switch 0 / 1 alternated (decode 2K on the defaults against the thirteenth
-          # session's H100 7.199-7.212 ms), the gates with it on (md5s: which canonicals would move)
+    s13)  # (<= ~9 min; the fourteenth session's first call) issue 10's thirteenth-session builds, their bits: the staged
+          # attention combines (split_merge) and the top-2 pass (TOP2_BLOCKS 32), bitwise; GDN_GATES_IN_CONV (the conv
+          # computes the GDN gates; its own bits) and CONV_COMMIT_FOLD (the conv slides the window; bitwise) -- their
+          # tests, decode_batch's with the fold on, the gates on the defaults and with the fold on (the same md5s)
         timeout 240 $PYTEST tests/gpu/test_attention_mma.py tests/gpu/test_kernels.py tests/gpu/test_gates_in_conv.py \
-          -k "combine or top2 or float64 or width_invariant or gumbel or gates" > "$OUT/s13_bits.txt" 2>&1 || rc=1
+          tests/gpu/test_conv_commit_fold.py tests/gpu/test_kv_rotated.py \
+          -k "combine or top2 or float64 or width_invariant or gumbel or gates or fold or rotated" \
+          > "$OUT/s13_bits.txt" 2>&1 || rc=1
         tail -2 "$OUT/s13_bits.txt"
-        timeout 120 $PYTEST tests/gpu/test_kv_rotated.py > "$OUT/s13_rot.txt" 2>&1 || rc=1  # attn_combine_rotated
-        tail -1 "$OUT/s13_rot.txt"
+        timeout 150 python3 -c "import sys, pytest; import q27py.gpu.constants as C; C.CONV_COMMIT_FOLD = 1; \
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/gpu/test_decode_batch.py']))" > "$OUT/s13_batchfold.txt" 2>&1 || rc=1
+        echo "--- test_decode_batch.py, CONV_COMMIT_FOLD=1"; tail -1 "$OUT/s13_batchfold.txt"
         timeout 150 python3 gates/run.py > "$OUT/s13_gates.txt" 2>&1 || rc=1; tail -4 "$OUT/s13_gates.txt"
-        for b in 0 1 0 1; do
-          timeout 70 python3 tools/gemv_prefetch_ab.py --mb 0 --set GDN_GATES_IN_CONV=$b > "$OUT/s13_steps$b.txt" 2>&1 || rc=1
-          echo "--- GDN_GATES_IN_CONV=$b"; grep -E "^prefetch|of read" "$OUT/s13_steps$b.txt"
+        timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.CONV_COMMIT_FOLD = 1; \
+sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/s13_gatesfold.txt" 2>&1 || rc=1
+        echo "--- gates, CONV_COMMIT_FOLD=1"; tail -4 "$OUT/s13_gatesfold.txt" ;;
+    s13b)  # (<= ~8 min; right after s13) the steps: the defaults (against the thirteenth session's H100 7.199-7.212 ms
+           # decode 2K: the combine and top-2 changes), CONV_COMMIT_FOLD=1, GDN_GATES_IN_CONV=1, both, alternated; the
+           # gates with GDN_GATES_IN_CONV=1 (which canonicals move); gdn_out's split sweep (47% of read at 3 splits)
+        for cfg in "CONV_COMMIT_FOLD=0" "CONV_COMMIT_FOLD=1" "GDN_GATES_IN_CONV=1" "CONV_COMMIT_FOLD=1 GDN_GATES_IN_CONV=1" \
+                   "CONV_COMMIT_FOLD=0" "CONV_COMMIT_FOLD=1 GDN_GATES_IN_CONV=1"; do
+          timeout 70 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/s13_steps.txt" 2>&1 || rc=1
+          echo "--- $cfg"; grep -E "^prefetch|of read" "$OUT/s13_steps.txt"
         done
         timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.GDN_GATES_IN_CONV = 1; \
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/s13_gates1.txt" 2>&1 || rc=1
-        echo "--- gates, GDN_GATES_IN_CONV=1"; tail -4 "$OUT/s13_gates1.txt" ;;
-    s13b)  # (<= ~8 min, card-aware; right after s13 on the same machine) on an H200 first: issue 14's 8K prefill with
-           # and without the tf32 output pass; then the 1- and 8-lane timelines on the defaults and with
-           # GDN_GATES_IN_CONV=1, complete since STEP_TRACE_CAP 1 << 18 (the combine was 9.7 us a layer, top2_partial
-           # 25.9 us a step, the gates' GEMV 7.9 us a GDN layer), and their comparison
+        echo "--- gates, GDN_GATES_IN_CONV=1"; tail -4 "$OUT/s13_gates1.txt"
+        # fewer, longer gdn_out units (1 split: 80 units of 96 chunks on the deep ring) against the shipped 3
+        timeout 90 python3 -m q27py.bench.gemv_probe --shapes gdn_out --impl a8w --lanes 1 8 16 --splits 1 2 3 4 \
+          > "$OUT/s13_splits.txt" 2>&1 || rc=1; grep -vE "^launch" "$OUT/s13_splits.txt" | tail -8 ;;
+    s13c)  # (<= ~6 min, card-aware) on an H200 first: issue 14's 8K prefill with and without the tf32 output pass; then
+           # the 1- and 8-lane timelines on the defaults and with both switches on, complete since STEP_TRACE_CAP 1 << 18
         if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
           s10_prefill 170 8192
         fi
-        for t in 0:1 1:1 0:8 1:8; do  # GDN_GATES_IN_CONV:lanes
-          timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes ${t#*:} --top 0 --set GDN_GATES_IN_CONV=${t%:*} \
+        for t in 0:1 1:1 0:8 1:8; do  # switches (0: defaults, 1: CONV_COMMIT_FOLD and GDN_GATES_IN_CONV on):lanes
+          sw=""; [ "${t%:*}" = 1 ] && sw="--set CONV_COMMIT_FOLD=1 GDN_GATES_IN_CONV=1"
+          timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes ${t#*:} --top 0 $sw \
             --json "$OUT/s13_trace${t%:*}_${t#*:}.json" > "$OUT/s13_trace${t%:*}_${t#*:}.txt" 2>&1 || rc=1
           head -1 "$OUT/s13_trace${t%:*}_${t#*:}.txt"; tail -9 "$OUT/s13_trace${t%:*}_${t#*:}.txt"
         done
         python3 tools/step_trace.py --compare "$OUT/s13_trace0_1.json" "$OUT/s13_trace1_1.json" | head -24
-        (cd "$OUT" && tar czf s13_traces.tgz s13_trace*.json && rm -f s13_trace*.json)
-        # gdn_out / attn_o stream at 47% of read (32-chunk units, 3 splits): fewer, longer units (1 split: 80 units of
-        # 96 chunks on the deep ring) against the shipped 3
-        timeout 90 python3 -m q27py.bench.gemv_probe --shapes gdn_out --impl a8w --lanes 1 8 16 --splits 1 2 3 4 \
-          > "$OUT/s13_splits.txt" 2>&1 || rc=1; grep -vE "^launch" "$OUT/s13_splits.txt" | tail -8 ;;
+        (cd "$OUT" && tar czf s13_traces.tgz s13_trace*.json && rm -f s13_trace*.json) ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \

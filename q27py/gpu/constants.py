@@ -216,6 +216,12 @@ GEMV_MERGE = 0
 # exact products, not the GEMV's hi + lo bf16 operands): its own bits, the gates re-recorded if it becomes the
 # default. Read when a FastModel is built. 0: off (built, CPU-checked, not yet run on a device); 1: on
 GDN_GATES_IN_CONV = 0
+# a decode step's GDN layer (one committing lane; decode_batch: one a state): gdn_conv slides the conv window by the
+# lane's raw row as it reads the taps (cuda/conv.cu gdn_conv_body win_commit), so no gdn_conv_commit launch (1.34 us a
+# GDN layer on the step's critical path, 64 us a 2K step on the H100, docs/PERF.md thirteenth session). Bitwise: the
+# same values land in the window. Read at launch time (graphs capture what was set). 0: off (built, CPU-checked, not
+# yet run on a device); 1: on
+CONV_COMMIT_FOLD = 0
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
 # value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).
 # Cleared bits bring back those quant_act8 launches (tools/gemv_prefetch_ab.py --set A8_FOLD=N: the A/B). 3 since

@@ -1492,13 +1492,14 @@ class FastModel:
                                warps=self.gdn_fused_warps, a8=plan["out"] if fuse else None)
             plan["out"].run(self.xo, self.ld_xo, t, prequantized=fuse)
             return
+        fold = bool(C.CONV_COMMIT_FOLD) and commit and t == 1  # the decode step: the conv slides the window itself
         if t > VERIFY_SPAN:  # same bits; the rows form for prefill chunks
             K.gdn_conv_rows(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
                             g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, t)
         else:
             K.gdn_conv(raw, self.ld_proj, state.window[gi], g.conv_w, self.ab, self.ab.shape[1], g.neg_a, g.dt_bias,
-                       hk, hv, dk, dv, kw, qkvn, gb, t, gates=gates)
-        if commit:
+                       hk, hv, dk, dv, kw, qkvn, gb, t, gates=gates, commit=fold)
+        if commit and not fold:
             K.gdn_conv_commit(state.window[gi], 0, raw, self.ld_proj, 0, c, kw, 1, n=t)
         gated = None
         if t > VERIFY_SPAN:  # prefill chunk: the output norm's rows form, writing what the out plan reads
@@ -1554,9 +1555,11 @@ class FastModel:
                                      warps=self.gdn_fused_warps, a8=plan["out"] if fuse else None)
             plan["out"].run(self.xo, self.ld_xo, n, prequantized=fuse)
             return
+        fold = bool(C.CONV_COMMIT_FOLD)  # each lane's window slides in the conv (one committing lane a state)
         K.gdn_conv_lanes(raw, self.ld_proj, self.lane_table, win_off, g.conv_w, self.ab, self.ab.shape[1], g.neg_a,
-                         g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n, gates=gates)
-        K.gdn_conv_commit_lanes(self.lane_table, win_off, raw, self.ld_proj, c, kw, n)
+                         g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n, gates=gates, commit=fold)
+        if not fold:
+            K.gdn_conv_commit_lanes(self.lane_table, win_off, raw, self.ld_proj, c, kw, n)
         K.gdn_step_lanes(self.lane_table, state_off, qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, n)
         fuse = K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, n, hv, dv, self.xo,

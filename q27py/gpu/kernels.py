@@ -1144,12 +1144,15 @@ def _gates_args(gates: GatesInConv | None) -> tuple:
 
 
 def gdn_conv(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int, dv: int, kw: int,
-             qkvn, gb, nlanes: int, gates: GatesInConv | None = None) -> None:
-    """gates: the v-head blocks compute b / a from the normed rows (GatesInConv); None: they read ab."""
+             qkvn, gb, nlanes: int, gates: GatesInConv | None = None, commit: bool = False) -> None:
+    """gates: the v-head blocks compute b / a from the normed rows (GatesInConv); None: they read ab. commit (one lane
+    only, constants CONV_COMMIT_FOLD): the window also slides by the lane's raw row, as gdn_conv_commit(n=1) would."""
+    assert not commit or nlanes == 1, "the window slides in the conv for one committing lane only"
     block = max(32, -(-max(dk, dv) // 32) * 32)
     Runtime.get().launch("conv", "gdn_conv", (nlanes, 2 * h + hv), block,
                          (raw, i32(ldr), window, convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv), i32(dk),
-                          i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb, *_gates_args(gates)))
+                          i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb, *_gates_args(gates),
+                          window if commit else None))
 
 
 def gdn_conv_rows(raw, ldr: int, window, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int, dv: int,
@@ -1199,13 +1202,14 @@ def gdn_step(state, state_stride: int, qkvn, qkvn_stride: int, gb, gb_stride: in
 # state of a model has the same shapes). Each entry runs the one-sequence kernel's body for t = 0,
 # so lane b's bits are those of a one-token forward of its sequence whatever the other lanes are.
 def gdn_conv_lanes(raw, ldr: int, lanes, win_off: int, convw, ab, ldab: int, neg_a, dt_bias, h: int, hv: int, dk: int,
-                   dv: int, kw: int, qkvn, gb, nlanes: int, gates: GatesInConv | None = None) -> None:
-    """gdn_conv for nlanes lanes, lane b tapping its own state's window (+ win_off bytes) and raw row b."""
+                   dv: int, kw: int, qkvn, gb, nlanes: int, gates: GatesInConv | None = None, commit: bool = False) -> None:
+    """gdn_conv for nlanes lanes, lane b tapping its own state's window (+ win_off bytes) and raw row b. commit
+    (CONV_COMMIT_FOLD): each lane's window also slides by its raw row, as gdn_conv_commit_lanes would."""
     block = max(32, -(-max(dk, dv) // 32) * 32)
     Runtime.get().launch("conv", "gdn_conv_lanes", (nlanes, 2 * h + hv), block,
                          (raw, i32(ldr), lanes, i64(win_off), convw, ab, i32(ldab), neg_a, dt_bias, i32(h), i32(hv),
                           i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb,
-                          *_gates_args(gates)))
+                          *_gates_args(gates), i32(1 if commit else 0)))
 
 
 def gdn_conv_commit_lanes(lanes, win_off: int, raw, ldr: int, channels: int, kw: int, nlanes: int) -> None:
@@ -1235,7 +1239,7 @@ def gdn_conv_groups(raw, ldr: int, lanes, groups, win_off: int, convw, ab, ldab:
     Runtime.get().launch("conv", "gdn_conv_groups", (nlanes, 2 * h + hv), block,
                          (raw, i32(ldr), lanes, groups, i64(win_off), convw, ab, i32(ldab), neg_a, dt_bias, i32(h),
                           i32(hv), i32(dk), i32(dv), i32(kw), f32(np.float32(dk) ** np.float32(-0.5)), qkvn, gb,
-                          *_gates_args(gates)))
+                          *_gates_args(gates), None))
 
 
 def gdn_conv_commit_groups(lanes, groups, win_layer_bytes: int, raw, ldr: int, raw_stride: int, channels: int,
