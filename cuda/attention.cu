@@ -293,6 +293,7 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part, int
 // block hd, attn_mma_combine's partials, no gate (out = A / L).
 extern "C" __global__ void attn_combine_seq_ref(const float* __restrict__ part, int nq, int hd, int pos0, int ssz,
                                                 int stride, float* __restrict__ out) {
+    pdl_entry();
     const int h = blockIdx.y, d = threadIdx.x, row = blockIdx.x;
     const int ns = (pos0 + row + 1 + ssz - 1) / ssz;
     const float* base = part + (i64)(row * nq + h) * stride * (hd + 2);

@@ -171,7 +171,7 @@ extern "C" __global__ void gdn_conv_lanes(const float* __restrict__ raw, int ldr
                                           const float* __restrict__ dt_bias, int H, int HV, int dk, int dv, int KW,
                                           float q_scale, float* __restrict__ qkvn, float* __restrict__ gb,
                                           const u32* __restrict__ wab, int kch, const float* __restrict__ x, int ldx,
-                                          int commit) {  // CONV_COMMIT_FOLD: each lane's window slides here
+                                          int commit /* CONV_COMMIT_FOLD: each lane's window slides here */) {
     GatesPre pre;
     if (wab != nullptr && (int)blockIdx.y >= 2 * H) gates_preload(wab, kch, HV, blockIdx.y - 2 * H, pre);
     pdl_entry();
@@ -193,8 +193,7 @@ extern "C" __global__ void gdn_conv_groups(const float* __restrict__ raw, int ld
                                            int HV, int dk, int dv, int KW, float q_scale, float* __restrict__ qkvn,
                                            float* __restrict__ gb, const u32* __restrict__ wab, int kch,
                                            const float* __restrict__ x, int ldx,
-                                           float* no_commit) {  // null: gdn_conv's arguments; commit_batch slides
-    (void)no_commit;
+                                           float* no_commit /* null: gdn_conv's arguments; commit_batch slides */) {
     GatesPre pre;
     if (wab != nullptr && (int)blockIdx.y >= 2 * H) gates_preload(wab, kch, HV, blockIdx.y - 2 * H, pre);
     pdl_entry();

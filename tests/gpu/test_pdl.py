@@ -48,11 +48,12 @@ def test_every_pdl_kernel_waits_first():
             ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<")) or (
                 mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(")))  # wg_body / gemv_body_w4 wait inside
             if not ok and "pdl_entry();" in first:
-                # constants loaded before the wait (norm.cu: the norm weights): every statement before
-                # pdl_entry() is a register array declaration or a *_preload( call, nothing that could
-                # read the previous kernel's output
+                # constants loaded before the wait (norm.cu: the norm weights; conv.cu: the GDN gates' weights):
+                # every statement before pdl_entry() is a register array (or GatesPre) declaration or a
+                # *_preload( call, nothing that could read the previous kernel's output
                 pre = [p.strip() for p in first[: first.index("pdl_entry();")].split(";") if p.strip()]
-                ok = bool(pre) and all("_preload(" in p or re.fullmatch(r"float \w+\[\w+\]", p) for p in pre)
+                ok = bool(pre) and all("_preload(" in p or re.fullmatch(r"float \w+\[\w+\]|GatesPre \w+", p)
+                                       for p in pre)
             assert ok, f"{mod}.cu {name}: first statement is not pdl_entry(): {first[:60]!r}"
             seen += 1
     assert seen >= 25
