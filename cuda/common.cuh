@@ -136,6 +136,21 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return warp_sum(t);
 }
 
+// A warp's GEMV accumulators (GEMV_R 16-row tiles x NT 8-lane column tiles of mma.m16n8 fragments: thread (g, t)
+// holds rows g, g + 8 and columns 2t, 2t + 1 of each) into slot `slot` of a reduction tile, row-major with NT * 8
+// columns: the partial every GEMV unit (gemv.cu / gemv_wg.cu through gemv_v1.cuh, gemv2.cu) reduces in warp order.
+template <int NT>
+__device__ __forceinline__ void gemv_store_partial(float (*red)[GEMV_R * 16 * NT * 8], int slot,
+                                                   const float (&acc)[GEMV_R][NT][4], int g, int t) {
+    constexpr int COLS = NT * 8;
+#pragma unroll
+    for (int i = 0; i < GEMV_R; i++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) red[slot][(i * 16 + g + 8 * (q >> 1)) * COLS + nt * 8 + 2 * t + (q & 1)] = acc[i][nt][q];
+}
+
 // The attention combines' merge of one (lane, head)'s ns split partials {m, l, acc[hd]} (hd + 2 floats a split from
 // base), by a block of >= hd threads, thread d its column: (sum_s acc_s[d] e^(m_s - M)) / (sum_s l_s e^(m_s - M)),
 // M = max m_s, the sums in split order. The splits' (m, l) land in shared memory in one parallel round trip, and each

@@ -288,12 +288,7 @@ __device__ __forceinline__ void gemv2_body(const i64* __restrict__ desc, int nma
         const u32* st = FMT == FMT_BF16 ? sc : sc + (i64)rg * GEMV_R * sstride + g;
         g2_loop<FMT, NT, PIPE, XPF>(acc, wt, st, ts16, sstride, cs, kw, n, xr);
     }
-#pragma unroll
-    for (int i = 0; i < GEMV_R; i++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) red[warp][(i * 16 + g + 8 * (q >> 1)) * COLS + nt * 8 + 2 * t + (q & 1)] = acc[i][nt][q];
+    gemv_store_partial<NT>(red, warp, acc, g, t);
     __syncthreads();
     // epilogue parameters are read only now: nothing of them stays live through the stream loop
     const int ldy = (int)d[D_LDY], nout = (int)d[D_NOUT], mode = (int)d[D_MODE];

@@ -430,21 +430,10 @@ __device__ __forceinline__ void gemv_prefetch(const unsigned long long* s_pf, in
 // the CTA that arrives last for the row group (integer ticket) sums the partials in split
 // order and runs the epilogue.
 // The end of a unit in gemv_body's order: each warp's fp32 partial into its slot of the reduction tile (the ring's
-// memory, after a barrier), then -- after another -- the 8 partials of every valid element added in warp order into
-// red[0]. Each element e is summed and rewritten by one thread only, so red[0] can hold the result. Only the launch's
-// lanes are reduced, carried and written (1-lane decode: 64 of E elements): element i of the valid set is row i / nv,
-// lane i % nv. Returns nv.
-template <int NT>
-__device__ __forceinline__ void gemv_store_partial(float (*red)[GEMV_R * 16 * NT * 8], int slot,
-                                                   const float (&acc)[GEMV_R][NT][4], int g, int t) {
-    constexpr int COLS = NT * 8;
-#pragma unroll
-    for (int i = 0; i < GEMV_R; i++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) red[slot][(i * 16 + g + 8 * (q >> 1)) * COLS + nt * 8 + 2 * t + (q & 1)] = acc[i][nt][q];
-}
+// memory, after a barrier; common.cuh gemv_store_partial), then -- after another -- the 8 partials of every valid
+// element added in warp order into red[0]. Each element e is summed and rewritten by one thread only, so red[0] can
+// hold the result. Only the launch's lanes are reduced, carried and written (1-lane decode: 64 of E elements):
+// element i of the valid set is row i / nv, lane i % nv. Returns nv.
 template <int NT>
 __device__ __forceinline__ int gemv_reduce_warps(float (*red)[GEMV_R * 16 * NT * 8], int nlanes) {
     constexpr int COLS = NT * 8;
