@@ -43,6 +43,16 @@ class Launch:
     busy: float = 0.0  # the next launch's release minus this one's (0 for the last)
 
 
+def in_gridid_order(launches: list[Launch]) -> None:
+    """Sort launches by %gridid (launch order) and set each one's busy: the next launch's release minus its own (0
+    for the last)."""
+    launches.sort(key=lambda x: x.gridid)
+    for a, b in zip(launches, launches[1:]):
+        a.busy = b.release - a.release
+    if launches:
+        launches[-1].busy = 0.0
+
+
 def group(records: np.ndarray, names: list[str] | None = None, t0: int | None = None) -> list[Launch]:
     """records [n, 4] uint64 (gridid, t_open ns, t_released ns, smid) -> launches in %gridid order, times in us from
     the first record (or from t0 ns); names: the capture's launch sequence of traced kernels (labels when the counts
@@ -59,9 +69,7 @@ def group(records: np.ndarray, names: list[str] | None = None, t0: int | None = 
         rel = (r[:, 2].astype(np.int64) - t0) / 1e3
         out.append(Launch(int(gid), len(r), float(opn.min()), float(rel.min()), float(rel.max()),
                           len(np.unique(r[:, 3]))))
-    out.sort(key=lambda x: x.gridid)
-    for a, b in zip(out, out[1:]):
-        a.busy = b.release - a.release
+    in_gridid_order(out)
     if names is not None and len(names) == len(out):
         for x, n in zip(out, names):
             x.name = n
@@ -102,11 +110,7 @@ def label_modules(parts: dict[str, np.ndarray], seq: list[tuple[str, int]]) -> t
         else:
             ok = align(ls, sub) and ok
         out += ls
-    out.sort(key=lambda x: x.gridid)
-    for a, b in zip(out, out[1:]):
-        a.busy = b.release - a.release
-    if out:
-        out[-1].busy = 0.0
+    in_gridid_order(out)
     return out, ok
 
 
