@@ -206,7 +206,8 @@ GEMV_BRANCH = 0
 # SM; the gates' splits and bits as mode 0's). Merged or launched apart, the same bits within a mode. Measured on the
 # H100 (docs/PERF.md thirteenth session): the merged grid takes the gates off the chain (21.0 -> 15.7 us a GDN layer at
 # mode 2, 18.1 at mode 1; the 10-split merge without a fit ran a second wave, 22.7), but the step does not follow:
-# decode 2K -0.1% / -0.3%, verify W=8 +0.5% / 0%, W=16 0% / +0.5% (mode 2 / mode 1). Off
+# decode 2K -0.1% / -0.3%, verify W=8 +0.5% / 0%, W=16 0% / +0.5% (mode 2 / mode 1). Off; and with GDN_GATES_IN_CONV
+# on (the default) there is no bf16 gates launch left to merge
 GEMV_MERGE = 0
 # decode / verify (<= VERIFY_SPAN lanes) of a GDN layer: gdn_conv's v-head blocks compute the decay / beta gates (b, a)
 # from the normed rows themselves (cuda/conv.cu gates_dot2, kernels.GatesInConv) and the layer's in plan skips its
@@ -214,14 +215,17 @@ GEMV_MERGE = 0
 # 1 MB (48 layers: 379 us of 7,286, the complete tools/step_trace.py timeline, docs/PERF.md thirteenth session),
 # where the conv's blocks add two 5,120-long dot products. Not bitwise GEMV_MERGE / the GEMV's b / a (fp32 sums of
 # exact products, not the GEMV's hi + lo bf16 operands): its own bits, the gates re-recorded if it becomes the
-# default. Read when a FastModel is built. 0: off (built, CPU-checked, not yet run on a device); 1: on
-GDN_GATES_IN_CONV = 0
+# default. Read when a FastModel is built. 0: off; 1: on (the default since 2026-12-07, fourteenth session, H100:
+# decode 2K 7.08-7.10 -> 6.97 ms, -1.6%; verify W=8 -2.2%; the gates PASS with the same md5s -- the greedy ids do
+# not move, though the gates' fp32 bits differ from the GEMV's)
+GDN_GATES_IN_CONV = 1
 # a decode step's GDN layer (one committing lane; decode_batch: one a state): gdn_conv slides the conv window by the
 # lane's raw row as it reads the taps (cuda/conv.cu gdn_conv_body win_commit), so no gdn_conv_commit launch (1.34 us a
 # GDN layer on the step's critical path, 64 us a 2K step on the H100, docs/PERF.md thirteenth session). Bitwise: the
-# same values land in the window. Read at launch time (graphs capture what was set). 0: off (built, CPU-checked, not
-# yet run on a device); 1: on
-CONV_COMMIT_FOLD = 0
+# same values land in the window. Read at launch time (graphs capture what was set). 0: off; 1: on (the default since
+# 2026-12-07, fourteenth session, H100: decode 2K -0.2% alone, -0.7% on top of GDN_GATES_IN_CONV; tests and gates
+# bitwise)
+CONV_COMMIT_FOLD = 1
 # which producers hand the next GEMV its a8 activations in decode / verify steps (bits; each bitwise, none changes a
 # value): 1 the fused GDN step (gdn_out's), 2 the attention combines (attn_o's), 4 gate_up's SwiGLU epilogue (down's).
 # Cleared bits bring back those quant_act8 launches (tools/gemv_prefetch_ab.py --set A8_FOLD=N: the A/B). 3 since

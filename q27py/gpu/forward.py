@@ -635,8 +635,10 @@ class FastModel:
         # Its tickets (window per key head, norm per value head) are left zero by every launch.
         self.gdn_fused = K.gdn_fused_default() if gdn_fused is None else bool(gdn_fused)
         self.gdn_fused_warps = C.GDN_FD_WARPS
-        # constants GDN_GATES_IN_CONV: decode / verify convs compute the decay / beta gates themselves (_gates_in_conv)
-        self.gates_in_conv = bool(C.GDN_GATES_IN_CONV)
+        # constants GDN_GATES_IN_CONV: decode / verify convs compute the decay / beta gates themselves (_gates_in_conv).
+        # Not beside the fused step, which reads the GEMV's gates: its model's verify_batch runs the chain
+        # (_gdn_groups), which must keep the solo verify's bits (tests/gpu/test_verify_groups_gpu.py fused cases)
+        self.gates_in_conv = bool(C.GDN_GATES_IN_CONV) and not self.gdn_fused
         self.gdn_tickets = cp.zeros(cfg.linear_num_key_heads + hv, dtype=cp.int32)
         # decode_batch: one weight sweep for up to max_batch sequences (one lane each, GEMV lanes).
         # The lane table (lane_table_words: per lane its state's base addresses, then positions,

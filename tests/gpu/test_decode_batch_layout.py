@@ -373,7 +373,9 @@ def test_batched_forward_launches_the_one_token_decode(rec, kv, mma, fused):
         if a.module != "plan":
             assert len(a.args) == _params(a.module, a.kernel), a.kernel
     renamed = {a.kernel for a in lanes if "_lanes" in a.kernel}
-    want = {"gdn_decode_lanes_k4"} if fused else {"gdn_conv_lanes", "gdn_conv_commit_lanes", "gdn_step_lanes_k4"}
+    want = {"gdn_decode_lanes_k4"} if fused else {"gdn_conv_lanes", "gdn_step_lanes_k4"}
+    if not fused and not C.CONV_COMMIT_FOLD:  # the fold (default since 2026-12-07): the conv slides the window itself
+        want.add("gdn_conv_commit_lanes")
     want |= {"qk_norm_rope_store_fp8_lanes" if kv == "fp8" else "qk_norm_rope_store_lanes"}
     want |= ({f"attn_mma_lanes_{'fp8' if kv == 'fp8' else 'bf16'}_d256", "attn_mma_combine_lanes"} if mma
              else {f"attn_split_lanes_{kv}_d8", "attn_combine_lanes"})

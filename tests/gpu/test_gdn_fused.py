@@ -193,6 +193,18 @@ def test_fused_writes_the_out_plans_a8_activations(cp, K, shape, commit):
 
 
 # ---------------------------------------------------------------- the model with the switch on / off
+@pytest.fixture(autouse=True)
+def gemv_gates_chain(monkeypatch):
+    """The chain the fused step is bitwise: the in plan's bf16 GEMV writes the decay / beta gates and a decode step
+    commits the conv window in its own launch. Since 2026-12-07 the defaults (constants GDN_GATES_IN_CONV,
+    CONV_COMMIT_FOLD) move both into the chain's conv, whose gates have their own bits; a fused model keeps the
+    GEMV's gates whatever the switch (FastModel.gates_in_conv), so its launch counts are compared against this chain."""
+    from q27py.gpu import constants as C
+
+    monkeypatch.setattr(C, "GDN_GATES_IN_CONV", 0)
+    monkeypatch.setattr(C, "CONV_COMMIT_FOLD", 0)
+
+
 def build(gdn_fused: bool, graphs: bool = False, tier: str = "bf16"):
     """The bundled model; tier "q4s": a8 GEMV plans, so a GDN layer's out plan reads int8 activations."""
     from q27py.gpu.forward import FastModel

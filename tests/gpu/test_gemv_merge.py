@@ -19,6 +19,15 @@ from tests.gpu.plan_rounds import heads27b, rounds
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def gemv_gates(monkeypatch):
+    """GEMV_MERGE merges the in plan's bf16 gates launch into qkvz's grid; with GDN_GATES_IN_CONV (the default since
+    2026-12-07) the conv computes the gates and that launch is gone, so these tests would merge nothing (the bits
+    test passing vacuously, the launch count failing): they pin the GEMV's gates."""
+    from q27py.gpu import constants as C
+
+    monkeypatch.setattr(C, "GDN_GATES_IN_CONV", 0)
+
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("graphs", [False, True])
 def test_merge_keeps_the_bits(graphs, mode, monkeypatch):
