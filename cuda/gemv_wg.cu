@@ -247,15 +247,92 @@ __device__ __forceinline__ void wg_fold_second(const float (&acc)[RL][NT][4], fl
         }
 }
 
+// constants NORM_FOLD (kernels.GemvPlan.folds_norm): the RMSNorm in front of this GEMV, done by its own CTAs
+// instead of a norm launch before it (norm.cu rmsnorm_rows_a8, 1 CTA a lane, 3.6 us of the 27B decode step's
+// critical path 128 times: docs/PERF.md, fourteenth session's timeline). After its PDL wait each CTA reads the
+// residual rows h (what the norm launch would read), replays rmsnorm_row's sum of squares in its exact order, and
+// quantizes the chunks of its own unit (c0 .. c1 - 1) into shared memory, from where the ring's activation stages
+// are filled; CTA 0 also writes the normed fp32 rows y (the norm launch's other output: the GDN conv reads it for
+// the gates). The same bits as the norm launch + prequantized GEMV:
+// - the sum: rmsnorm_row runs nb threads (1024 at the 27B hidden, 256 below 2,048); thread i sums its elements
+//   i, i + nb, ... (fmaf, in order), warp_sum over each 32 threads, then warp_sum of the nb / 32 warp sums.
+//   Here thread t of 128 holds virtual threads t + 128 m (m < nb / 128): virtual warp (t >> 5) + 4 m, lane t & 31,
+//   so its real warp's shuffles are that virtual warp's, and the warp sums land in red as block_sum's do.
+// - the values: (x / den) * (w + add_one), then act8_quantize_pair per 64-k chunk (pads past H are 0, as the
+//   staged copy's are), the bytes and scales quant_act8 / rmsnorm_rows_a8 write.
+// Shared memory after the ring: codes [lanes][fnch chunks][64], scales [fnch][GEMV_MAX_LANES], red[32].
+struct NormFold {
+    const float* h;  // residual rows (lane l at h + l ldh)
+    const float* w;  // the norm's weights (+ add_one)
+    float* y;        // the normed fp32 rows (CTA 0 writes them)
+    int ldh, ldy, H, nb, fnch;
+    float add_one, eps;
+};
+
+__device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// fq / fs: the unit's codes and chunk scales (chunk c at c - c0), red: 32 floats of shared memory
+__device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int c0, int c1, u8* fq, float* fs,
+                                             float* red) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int vb = nf.nb >> 7, nwv = nf.nb >> 5;
+    // scales of the lanes past the launch's (their columns are computed and dropped): zero, not stale
+    for (int i = tid; i < nf.fnch * GEMV_MAX_LANES; i += 128)
+        if ((i & (GEMV_MAX_LANES - 1)) >= nlanes) fs[i] = 0.f;
+#pragma unroll 1
+    for (int ln = 0; ln < nlanes; ln++) {
+        const float* xr = nf.h + (i64)ln * nf.ldh;
+        // every load first (clamped addresses, no predicated loads: they issue together), then the sums
+        float v[8][NORM_PER_THREAD], s[8];
+#pragma unroll
+        for (int m = 0; m < 8; m++)
+#pragma unroll
+            for (int i = 0; i < NORM_PER_THREAD; i++) {
+                const int k = tid + 128 * m + i * nf.nb;
+                const float x = xr[min(k, nf.H - 1)];
+                v[m][i] = m < vb && k < nf.H ? x : 0.f;
+            }
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            float ss = 0.f;
+#pragma unroll
+            for (int i = 0; i < NORM_PER_THREAD; i++) ss = fmaf(v[m][i], v[m][i], ss);
+            s[m] = warp_sum(ss);  // m >= vb: 0, unused
+        }
+        __syncthreads();  // red: the previous lane's readers are done
+        if (lane == 0)
+#pragma unroll
+            for (int m = 0; m < 8; m++)
+                if (m < vb) red[warp + 4 * m] = s[m];
+        __syncthreads();
+        const float den = sqrtf(warp_sum(lane < nwv ? red[lane] : 0.f) / (float)nf.H + nf.eps);
+        for (int c = c0 + warp; c < c1; c += 4) {
+            const int k = c * 64 + 2 * lane;
+            float2 o;
+            o.x = k < nf.H ? (xr[k] / den) * (nf.w[k] + nf.add_one) : 0.f;
+            o.y = k + 1 < nf.H ? (xr[k + 1] / den) * (nf.w[k + 1] + nf.add_one) : 0.f;
+            act8_quantize_pair(o, c - c0, fq + (i64)ln * nf.fnch * 64, fs + ln, lane);
+        }
+        if (nf.y != nullptr && blockIdx.x == 0)
+            for (int k = tid; k < nf.H; k += 128) nf.y[(i64)ln * nf.ldy + k] = (xr[k] / den) * (nf.w[k] + nf.add_one);
+    }
+    __syncthreads();  // every warp's chunks are in fq / fs before the ring's stages copy them
+}
+
 // TWO: the 32-lane two-pass walk at 8 / 16 lanes too (gemv8w_q4_n16t: 4 partials live instead of 8, so
 // the 16-lane kernel fits GWG_CTAS_N16T = 3 CTAs per SM, 12 warps instead of 8; the same additions in the same
 // order, as the 32-lane kernel's are). SUB: a stage's chunks go to the tensor cores SUB at a time, each batch
 // committed, waited for and its epilogue run before the next batch's A fragments are unpacked (gemv8w_q4_n32s:
 // SUB = 2 keeps half the int32 results and A registers live, so the 32-lane kernel fits 3 CTAs per SM with a
 // ring of STAGES = GWG_STAGES_N32S); each chunk's terms still go to its own residue partial in chunk order.
-template <int NL, int TWO = 0, int SUB = GWG_CPS, int STAGES = GWG_STAGES, int CPS = GWG_CPS>
+// NF: constants NORM_FOLD's entries (*_nf: the norm replayed in front, wg_norm_fold; nf its arguments)
+template <int NL, int TWO = 0, int SUB = GWG_CPS, int STAGES = GWG_STAGES, int CPS = GWG_CPS, int NF = 0>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
-                                        const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, int ubase = 0) {
+                                        const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, int ubase = 0,
+                                        const NormFold* nf = nullptr) {
     typedef WgStage<NL, CPS> SG;
     static_assert(NL == 8 || NL == 16 || NL == 32, "wg_mma's shapes");
     static_assert(NL <= GWG_MAX_LANES && (NL <= GEMV_MAX_LANES || NL == 2 * GEMV_MAX_LANES), "xs: one or two halves");
@@ -273,6 +350,14 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     float* y = un.y;
     const int ldy = un.ldy, nout = un.nout, kch = un.kch, mode = un.mode, splits = un.splits, ngroups = un.ngroups;
     const int rg = un.rg, sp = un.sp, c0 = un.c0, c1 = un.c1;
+    // NF: the activations come from the fold's shared buffer (after the ring), chunk c at c - c0
+    const int xoff = NF ? c0 : 0;
+    if constexpr (NF) {
+        u8* fq = dyn_smem + S * SG::BYTES;
+        xq = fq;
+        ldq = nf->fnch * 64;
+        xs = reinterpret_cast<const float*>(fq + (i64)nlanes * ldq);
+    }
     // How the stages walk the unit's chunks (each stage CPS consecutive ones, residues R .. R + CPS - 1):
     // PASSES = 1 (8 / 16 lanes): in order, c0 + CPS k, so all 8 residue partials stay live throughout.
     // PASSES = 2 (32 lanes): 8 partials of NL / 2 floats are 128 registers, which beside the 64 wgmma
@@ -352,9 +437,17 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         const u32 base = ring + slot * SG::BYTES;
 #pragma unroll
         for (int e = 0; e < XP; e++)
-            if (FULL || c + xj[e] < c1) cp_async_ca16(base + xdst[e], xsrc[e] + c * 64);
+            if (FULL || c + xj[e] < c1) {
+                if constexpr (NF)  // shared to shared; stage()'s proxy fence and barrier publish it as cp.async's
+                    st_shared16(base + xdst[e], *reinterpret_cast<const uint4*>(xsrc[e] + (c - xoff) * 64));
+                else
+                    cp_async_ca16(base + xdst[e], xsrc[e] + c * 64);
+            }
         if (tid < CPS * NL / 4 && (FULL || c + aj < c1))
-            if constexpr (NL > GEMV_MAX_LANES)
+            if constexpr (NF)
+                st_shared16(base + SG::XS_OFF + (aj * NL + ap * 4) * 4,
+                            *reinterpret_cast<const uint4*>(xs + (c - xoff + aj) * GEMV_MAX_LANES + ap * 4));
+            else if constexpr (NL > GEMV_MAX_LANES)
                 cp_async_ca16(base + SG::XS_OFF + (aj * NL + ap * 4) * 4,
                               xs + (ap >> 2) * (ldq >> 2) + (c + aj) * GEMV_MAX_LANES + (ap & 3) * 4);
             else
@@ -379,6 +472,11 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         if (k < nst) issue(k, k, true, false);
     pdl_wait();
     pdl_trigger();
+    if constexpr (NF) {
+        u8* fq = dyn_smem + S * SG::BYTES;
+        float* fs = reinterpret_cast<float*>(fq + (i64)nlanes * ldq);
+        wg_norm_fold(*nf, nlanes, c0, c1, fq, fs, fs + nf->fnch * GEMV_MAX_LANES);
+    }
 #pragma unroll 1
     for (int k = 0; k < S - 1; k++) {
         if (k < nst) issue(k, k, false, true);
@@ -534,6 +632,27 @@ GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_C
 // entry's walk with a GWG_STAGES_N8D-stage ring, whose 87 KB hold such a launch to 2 CTAs an SM (spread evenly: docs/PERF.md,
 // 2026-12-06 seventh session, reads the gain as placement more than depth): bitwise the same
 GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
+
+// constants NORM_FOLD (kernels.GemvPlan.folds_norm): gemv8w_q4_n8 / n8d with the RMSNorm in front (wg_norm_fold):
+// h / ldh rows, w (+ add_one), eps, H, nb (rmsnorm's block, whose order is replayed), y / ldy (the normed rows, CTA 0;
+// may be null), fnch (the fold buffer's chunks a lane: the launch's longest unit). xq / xs are not read.
+#define GWG_KERNEL_NF(NAME, NL, CTAS, STAGES)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, const float* __restrict__ h,        \
+             int ldh, const float* __restrict__ w, float add_one, float eps, int H, int nb,                    \
+             float* __restrict__ y, int ldy, int fnch) {                                                       \
+        GWG_CALL_NF(NL, STAGES)                                                                                \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GWG_CALL_NF(NL, STAGES)                                                                                \
+    const NormFold nf{h, w, y, ldh, ldy, H, nb, fnch, add_one, eps};                                           \
+    wg_body<NL, 0, GWG_CPS, STAGES, GWG_CPS, 1>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0, 0, &nf);
+#else
+#define GWG_CALL_NF(NL, STAGES) __trap();
+#endif
+GWG_KERNEL_NF(gemv8w_q4_n8_nf, 8, GWG_CTAS_N8, GWG_STAGES)
+GWG_KERNEL_NF(gemv8w_q4_n8d_nf, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)
 
 // constants GEMV_MERGE (kernels.GemvPlan): a plan of a bf16 launch and a q4 one -- the GDN layer's decay / beta gates
 // and its qkvz -- as one grid: CTAs 0 .. gunits - 1 run the bf16 units (gemv.cu's gemv_bf16_nt* units on 4 warps,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -579,6 +579,28 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         done
         python3 tools/step_trace.py --compare "$OUT/s13_trace0_1.json" "$OUT/s13_trace1_1.json" | head -24
         (cd "$OUT" && tar czf s13_traces.tgz s13_trace*.json && rm -f s13_trace*.json) ;;
+    s14)  # (<= ~7 min; the fifteenth session's first call) issue 10's NORM_FOLD (the GEMV CTAs replay the RMSNorm in
+          # front; bitwise): its tests, then decode_batch's / verify_batch's / the fused step's with it on, the gates
+        timeout 200 $PYTEST tests/gpu/test_norm_fold.py > "$OUT/s14_bits.txt" 2>&1 || rc=1; tail -3 "$OUT/s14_bits.txt"
+        timeout 200 python3 -c "import sys, pytest; import q27py.gpu.constants as C; C.NORM_FOLD = 1; \
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/gpu/test_decode_batch.py', 'tests/gpu/test_verify_groups_gpu.py', \
+'tests/gpu/test_gdn_fused.py', 'tests/gpu/test_gates_in_conv.py']))" > "$OUT/s14_suites.txt" 2>&1 || rc=1
+        echo "--- decode_batch / verify_groups / gdn_fused / gates_in_conv, NORM_FOLD=1"; tail -3 "$OUT/s14_suites.txt"
+        timeout 120 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_FOLD = 1; \
+sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/s14_gates.txt" 2>&1 || rc=1
+        echo "--- gates, NORM_FOLD=1"; tail -4 "$OUT/s14_gates.txt" ;;
+    s14b)  # (<= ~6 min; right after s14) NORM_FOLD's steps against the defaults, alternated (lanes 2, then 8: verify
+           # W=8 folds too); the 1-lane timeline with it on against off
+        for cfg in "NORM_FOLD=0" "NORM_FOLD=1" "NORM_FOLD=1 NORM_FOLD_LANES=8" "NORM_FOLD=0" "NORM_FOLD=1"; do
+          timeout 70 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/s14_steps.txt" 2>&1 || rc=1
+          echo "--- $cfg"; grep -E "^prefetch|of read" "$OUT/s14_steps.txt"
+        done
+        for t in 0 1; do
+          timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes 1 --top 0 --set NORM_FOLD=$t \
+            --json "$OUT/s14_trace$t.json" > "$OUT/s14_trace$t.txt" 2>&1 || rc=1
+          head -1 "$OUT/s14_trace$t.txt"
+        done
+        python3 tools/step_trace.py --compare "$OUT/s14_trace0.json" "$OUT/s14_trace1.json" | head -24 ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \

@@ -639,6 +639,8 @@ class FastModel:
         # Not beside the fused step, which reads the GEMV's gates: its model's verify_batch runs the chain
         # (_gdn_groups), which must keep the solo verify's bits (tests/gpu/test_verify_groups_gpu.py fused cases)
         self.gates_in_conv = bool(C.GDN_GATES_IN_CONV) and not self.gdn_fused
+        # constants NORM_FOLD: the norm _norm left for its plan's run to replay (plan, K.NormIn), taken by _take_norm
+        self._norm_folded: tuple | None = None
         self.gdn_tickets = cp.zeros(cfg.linear_num_key_heads + hv, dtype=cp.int32)
         # decode_batch: one weight sweep for up to max_batch sequences (one lane each, GEMV lanes).
         # The lane table (lane_table_words: per lane its state's base addresses, then positions,
@@ -1308,6 +1310,7 @@ class FastModel:
         cfg = self.cfg
         h, hp = cfg.hidden_size, self.hp
         eps = cfg.rms_norm_eps
+        self._norm_folded = None  # a forward cut short (an exception) leaves none behind
         K.embed(self.ids, t, self.w.embed, h, self.h, hp)
         ai = 0
         for li, lw in enumerate(self.w.layers):
@@ -1337,6 +1340,7 @@ class FastModel:
         byte offsets, the MLP; the final norm and every lane's logits row."""
         cfg = self.cfg
         h, hp = cfg.hidden_size, self.hp
+        self._norm_folded = None  # a forward cut short (an exception) leaves none behind
         K.embed(self.lane_ids, n, self.w.embed, h, self.h, hp)
         ai = 0
         for li, lw in enumerate(self.w.layers):
@@ -1396,6 +1400,7 @@ class FastModel:
         m = self.w.mtp
         h, hp = cfg.hidden_size, self.hp
         eps = cfg.rms_norm_eps
+        self._norm_folded = None  # a forward cut short (an exception) leaves none behind
         K.embed(self.mtp_ids, t, self.w.embed, h, self.x, hp)
         norm = K.rmsnorm_rows if t > VERIFY_SPAN else K.rmsnorm  # same bits; the rows form for prefill chunks
         norm(self.x, hp, m.pre_e, eps, h, self.cat, self.ld_cat, t)
@@ -1455,6 +1460,7 @@ class FastModel:
         m = self.w.mtp
         h, hp = cfg.hidden_size, self.hp
         eps = cfg.rms_norm_eps
+        self._norm_folded = None  # a forward cut short (an exception) leaves none behind
         K.embed(ids, n, self.w.embed, h, self.x, hp)
         K.rmsnorm(self.x, hp, m.pre_e, eps, h, self.cat, self.ld_cat, n)
         K.rmsnorm(self.mtp_hidden_in, hp, m.pre_h, eps, h, self.cat[:, h:], self.ld_cat, n)
@@ -1483,7 +1489,8 @@ class FastModel:
         if t > VERIFY_SPAN:
             plan["in_big"].run(self.x, self.hp, t, x_bf16=self._bf16_rows(plan["in_big"], t, self.xb))
         else:  # _input_norm wrote an a8 plan's int8 activations
-            plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t), skip_bf16=gates is not None)
+            plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t), skip_bf16=gates is not None,
+                           norm=self._take_norm(plan["in"]))
         if fused_step:
             # one launch, bitwise the chain below (same records, o, normed rows, state and window), which also
             # writes the out plan's int8 activations where gated_rmsnorm would (no quant_act8 launch then)
@@ -1548,7 +1555,8 @@ class FastModel:
         raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]
         fused_step = self.gdn_fused and K.gdn_fused_supported(hk, hv, dk, dv, kw, 1, self.gdn_fused_warps)
         gates = None if fused_step else self._gates_in_conv(g)
-        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n), skip_bf16=gates is not None)
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n), skip_bf16=gates is not None,
+                       norm=self._take_norm(plan["in"]))
         if fused_step:
             fuse = bool(C.A8_FOLD & 1) and K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
             K.gdn_decode_fused_lanes(raw, self.ld_proj, self.lane_table, win_off, state_off, g.conv_w, self.ab,
@@ -1580,7 +1588,8 @@ class FastModel:
         dk, dv, kw, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim
         raw, qkvn, gb = self.proj[gi], self.qkvn[gi], self.gb[gi]  # rows r0.. of each group: its records
         gates = self._gates_in_conv(g)
-        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n), skip_bf16=gates is not None)
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n), skip_bf16=gates is not None,
+                       norm=self._take_norm(plan["in"]))
         K.gdn_conv_groups(raw, self.ld_proj, self.lane_table, self.group_table, win_off, g.conv_w, self.ab,
                           self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n, gates=gates)
         K.gdn_step_groups(self.lane_table, self.group_table, C.GT_COUNT, state_off, 0, qkvn, 0, gb, 0, self.o_gdn,
@@ -1619,7 +1628,7 @@ class FastModel:
         cfg = self.cfg
         a = lw.attn
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n))
+        plan["in"].run(self.x, self.hp, n, prequantized=plan["in"].fuses_quant(n), norm=self._take_norm(plan["in"]))
         if self.kv_name == "fp8":
             K.qk_norm_rope_store_fp8_lanes(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                            cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq,
@@ -1680,7 +1689,7 @@ class FastModel:
             self._attention_rotated(lw, plan, t, kc, vc, pos0_dev, span, kx, vx)
             return
         plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t),
-                       x_bf16=self._bf16_rows(plan["in"], t, self.xb))
+                       x_bf16=self._bf16_rows(plan["in"], t, self.xb), norm=self._take_norm(plan["in"]))
         if kx is not None:  # fp8 KV (codes + row exponents): quantize on store, dequantize in attention
             K.qk_norm_rope_store_fp8(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                      cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
@@ -1734,7 +1743,7 @@ class FastModel:
         kbits, vbits = self.kv_bits
         kt, vt = self.kv_tables[kbits], self.kv_tables[vbits]
         plan["in"].run(self.x, self.hp, t, prequantized=plan["in"].fuses_quant(t),
-                       x_bf16=self._bf16_rows(plan["in"], t, self.xb))
+                       x_bf16=self._bf16_rows(plan["in"], t, self.xb), norm=self._take_norm(plan["in"]))
         K.qk_norm_rope_store_rot(self.qg, self.ld_qg, self.kvp, self.kvp.shape[1], a.q_norm, a.k_norm,
                                  cfg.rms_norm_eps, nq, nkv, hd, cfg.rotary_dim, self.inv_freq, pos0_dev, self.qbuf,
                                  nq * hd, kc, vc, kn, vn, kbits, vbits, kt, vt, self.max_pos, t)
@@ -1752,11 +1761,20 @@ class FastModel:
         rule for both sides, so they always agree."""
         return buf if t > VERIFY_SPAN and buf is not None and plan.gemm_inputs(t)[0] else None
 
-    def _norm(self, w, plan: "K.GemvPlan", t: int) -> None:
+    def _norm(self, w, plan: "K.GemvPlan", t: int, skip_bf16: bool = False) -> None:
         """self.x = rmsnorm(self.h) * (1 + w), the input of `plan`: at GEMV widths with the plan's a8
         activations when it fuses them (the plan then runs prequantized); for a prefill chunk through
-        the rows kernel (the same bits), as the fp32 and / or bf16 rows the plan reads."""
+        the rows kernel (the same bits), as the fp32 and / or bf16 rows the plan reads. Where the plan folds
+        the norm (constants NORM_FOLD, GemvPlan.folds_norm; skip_bf16: the run will leave its bf16 launch
+        out) no launch here: the norm's arguments wait for that plan's run (_take_norm), whose CTAs compute
+        the same activations and self.x bitwise."""
         cfg = self.cfg
+        assert self._norm_folded is None, "a folded norm was not taken by its plan's run"
+        if t <= VERIFY_SPAN:
+            nin = K.NormIn(self.h, self.hp, w, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp)
+            if plan.folds_norm(t, skip_bf16, nin):
+                self._norm_folded = (plan, nin)
+                return
         if t > VERIFY_SPAN:
             xb = self._bf16_rows(plan, t, self.xb)
             K.rmsnorm_rows(self.h, self.hp, w, cfg.rms_norm_eps, cfg.hidden_size,
@@ -1768,8 +1786,17 @@ class FastModel:
 
     def _input_norm(self, plan: dict, lw: LayerW, t: int) -> None:
         """The layer's input norm into self.x (_norm), for the plan that reads it: a GDN layer's prefill
-        chunks run "in_big"."""
-        self._norm(lw.input_ln, plan["in_big"] if t > VERIFY_SPAN and "in_big" in plan else plan["in"], t)
+        chunks run "in_big"; its decode / verify in plan leaves the bf16 gates out when the conv computes them."""
+        skip = lw.kind != FULL and t <= VERIFY_SPAN and self._gates_in_conv(lw.gdn) is not None
+        self._norm(lw.input_ln, plan["in_big"] if t > VERIFY_SPAN and "in_big" in plan else plan["in"], t, skip)
+
+    def _take_norm(self, plan: "K.GemvPlan") -> "K.NormIn | None":
+        """The norm _norm left for `plan` to fold (its run(norm=...)), or None: a norm launch wrote x."""
+        f = self._norm_folded
+        if f is None or f[0] is not plan:
+            return None
+        self._norm_folded = None
+        return f[1]
 
     def _mlp(self, lw: LayerW, plan: dict, t: int) -> None:
         up, down = plan["up"], plan["down"]
@@ -1780,7 +1807,7 @@ class FastModel:
             up.run(self.x, self.hp, t, x_bf16=self._bf16_rows(up, t, self.xb), y_bf16=actb)
             down.run(self.act, self.ld_act, t, x_bf16=actb)
             return
-        up.run(self.x, self.hp, t, prequantized=up.fuses_quant(t))
+        up.run(self.x, self.hp, t, prequantized=up.fuses_quant(t), norm=self._take_norm(up))
         down.run(self.act, self.ld_act, t, prequantized=up.quantizes_for(down, t))
 
     def _logits_rows(self, src, rows: np.ndarray) -> None:

@@ -367,6 +367,31 @@ def gemv_wg_launch_bytes(nl: int, units: int | None = None, chunks: int | None =
     return need
 
 
+@dataclass(frozen=True)
+class NormIn:
+    """constants NORM_FOLD: the RMSNorm a GEMV plan's *_nf launch replays in front of itself (GemvPlan.folds_norm):
+    rows h (ldh) of the residual, the norm's weights w (+ add_one), eps, the row length `hidden`; y / ldy the normed
+    fp32 rows the norm launch would have written (CTA 0 writes them; None: nobody reads them)."""
+    h: object
+    ldh: int
+    w: object
+    eps: float
+    hidden: int
+    y: object = None
+    ldy: int = 0
+    add_one: bool = True
+
+    def block(self) -> int:
+        """rmsnorm's block for this row length (kernels.rmsnorm): the order the fold replays."""
+        return 1024 if self.hidden >= 2048 else 256
+
+
+def norm_fold_bytes(nlanes: int, fnch: int) -> int:
+    """Shared memory an *_nf launch adds after its ring (cuda/gemv_wg.cu wg_norm_fold): the unit's codes
+    [nlanes][fnch][64], chunk scales [fnch][GEMV_MAX_LANES] and the sum's 32 floats."""
+    return nlanes * fnch * L.CHUNK_K + fnch * GEMV_MAX_LANES * 4 + 32 * 4
+
+
 def gemv_wg_width(n: int) -> int:
     """The gemv_wg kernel (its NL) a launch of n lanes runs: gemv8w_q4_n8 / _n16 / _n32."""
     assert 1 <= n <= GWG_MAX_LANES, n
@@ -520,6 +545,8 @@ class GemvPlan:
         self.clusters = []  # per launch: CTAs per thread-block cluster (1: none)
         # per launch: the fewest chunks one of its units streams (gemv_wg_kernel's deep-ring rule)
         self.unit_chunks = [int(min(desc[:, C.D_KCH] // desc[:, C.D_SPLITS])) for _f, desc, _u, _c in rows]
+        # per launch: the most chunks one of its units streams (an *_nf launch's fold buffer, NORM_FOLD)
+        self.unit_chunks_max = [int(max(-(-desc[:, C.D_KCH] // desc[:, C.D_SPLITS]))) for _f, desc, _u, _c in rows]
         for fmt, desc, units, cluster in rows:
             desc[:, C.D_WS] = ws_base + desc[:, C.D_WS] * 4
             desc[:, C.D_CNT] = cnt_base + desc[:, C.D_CNT] * 4
@@ -574,6 +601,31 @@ class GemvPlan:
         """Whether x's producer may write this plan's int8 activations (then run(prequantized=True))."""
         return self.a8 and nlanes <= GEMV_MAX_LANES
 
+    def folds_norm(self, nlanes: int, skip_bf16: bool = False, norm: "NormIn | None" = None) -> bool:
+        """Whether run(nlanes, skip_bf16=..., norm=...) replays the RMSNorm of its input in its own CTAs (constants
+        NORM_FOLD; cuda/gemv_wg.cu's *_nf entries) instead of reading activations a norm launch wrote: a GEMV block of
+        lanes 0 .. nlanes - 1 <= NORM_FOLD_LANES whose one remaining launch is a q4 one on gemv8w_q4_n8 / n8d, the
+        norm's row within rmsnorm_row's registers (no tail loop to replay), and the fold buffer within the room that
+        keeps the entry's CTAs an SM."""
+        if not C.NORM_FOLD or not self.a8 or not 1 <= nlanes <= C.NORM_FOLD_LANES or nlanes >= GEMM_MIN_TOKENS:
+            return False
+        live = [li for li, (fmt, _d, _m, _u) in enumerate(self.launches) if not (skip_bf16 and fmt == L.FMT_BF16)]
+        if len(live) != 1:
+            return False
+        li = live[0]
+        fmt, _desc, _nmat, units = self.launches[li]
+        pf = self.pf if li == len(self.launches) - 1 else None
+        if not self._on_wg(fmt, units, self.clusters[li], nlanes, pf):
+            return False
+        name = gemv_wg_kernel(8, units, self.unit_chunks[li])
+        if name not in ("gemv8w_q4_n8", "gemv8w_q4_n8d"):
+            return False
+        if norm is not None and (norm.hidden > C.NORM_PER_THREAD * norm.block() or norm.hidden > self.kpad):
+            return False
+        ctas = _wg_entry(name)[0]
+        need = gemv_wg_launch_bytes(8, units, self.unit_chunks[li]) + norm_fold_bytes(nlanes, self.unit_chunks_max[li])
+        return ctas * (need + 1024) <= C.GWG_SM_SHARED
+
     def quantizes_for(self, nxt: "GemvPlan", nlanes: int) -> bool:
         """Whether run(nlanes) writes nxt's a8 activations (quant_into; then nxt.run(prequantized=True)): the
         GEMV's one block of lanes 0 .. nlanes - 1 (no prefill GEMM)."""
@@ -592,15 +644,24 @@ class GemvPlan:
         return len(self.mats) == 1 and self.mats[0].mode == MODE_SWIGLU and gemm_bf16_route(self.mats[0], nlanes)
 
     def run(self, x, ldx: int, nlanes: int, lane0: int = 0, allow_gemm: bool = True,
-            prequantized: bool = False, x_bf16=None, y_bf16=None, skip_bf16: bool = False) -> None:
+            prequantized: bool = False, x_bf16=None, y_bf16=None, skip_bf16: bool = False,
+            norm: "NormIn | None" = None) -> None:
         """y[lane0 + t] for t < nlanes: the prefill GEMM for many tokens (q4/q8 matrices), else
         the GEMV in blocks of at most 16 lanes -- or, where the plan's q4 launches run on gemv_wg (self.wide),
         blocks of 17-32 lanes whose q4 launches stream the weights once (_run_wide). prequantized: x's producer already wrote this plan's
         a8 activations (kernels.rmsnorm(a8=plan)), so no quant_act8 launch. x_bf16: x's producer
         also (or only) wrote bf16 rows [lanes, kpad] of it (gemm_inputs says when); without them the
         matrices on the bf16 route share one conversion. y_bf16 (swiglu_bf16): the output as bf16 rows.
-        skip_bf16: leave the plan's bf16 matrices out (GDN_GATES_IN_CONV: the conv computes the gates itself)."""
+        skip_bf16: leave the plan's bf16 matrices out (GDN_GATES_IN_CONV: the conv computes the gates itself).
+        norm (folds_norm): x is norm's output, which this launch computes itself (no norm launch before it)."""
         assert not prequantized or (self.fuses_quant(nlanes) and lane0 == 0)
+        assert norm is None or (lane0 == 0 and self.folds_norm(nlanes, skip_bf16, norm)), "norm: folds_norm's launch"
+        if norm is not None:
+            li = next(i for i, lw in enumerate(self.launches) if not (skip_bf16 and lw[0] == L.FMT_BF16))
+            fmt, desc, nmat, units = self.launches[li]
+            self._launch(Runtime.get(), fmt, desc, nmat, units, 1, x, ldx, nlanes, 0, None, self.xq, self.xs,
+                         self.unit_chunks[li], norm=norm, fnch=self.unit_chunks_max[li])
+            return
         assert not skip_bf16 or sum(m.shape.fmt == L.FMT_BF16 for m in self.mats) == 1, "skip_bf16: one bf16 matrix"
         rt = Runtime.get()
         use_gemm = allow_gemm and nlanes >= GEMM_MIN_TOKENS
@@ -670,10 +731,20 @@ class GemvPlan:
             done += n
 
     def _launch(self, rt, fmt: int, desc, nmat: int, units: int, cluster: int, x, ldx: int, n: int, l0: int, pf,
-                xq, xs, chunks: int | None = None) -> None:
+                xq, xs, chunks: int | None = None, norm: "NormIn | None" = None, fnch: int = 0) -> None:
         """One launch of the plan for n <= 16 lanes l0 .. l0 + n - 1, their a8 activations at xq / xs (rows 0 ..
-        n - 1; [chunk][GEMV_MAX_LANES] scales); chunks: the fewest chunks one of its units streams."""
+        n - 1; [chunk][GEMV_MAX_LANES] scales); chunks: the fewest chunks one of its units streams. norm / fnch
+        (folds_norm): the *_nf entry, which computes those activations from norm's rows (fnch: the most chunks a
+        unit streams, the fold buffer's)."""
         nt = 1 if n <= 8 else 2
+        if norm is not None:
+            rt.launch("gemv_wg", gemv_wg_kernel(8, units, chunks) + "_nf", units, 128,
+                      (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs, np.uint32(0x80808080), i32(n), i32(l0),
+                       norm.h, i32(norm.ldh), norm.w, f32(1.0 if norm.add_one else 0.0), f32(norm.eps),
+                       i32(norm.hidden), i32(norm.block()), norm.y, i32(norm.ldy),
+                       i32(fnch)),
+                      shared_mem=gemv_wg_launch_bytes(8, units, chunks) + norm_fold_bytes(n, fnch))
+            return
         if self._on_wg(fmt, units, cluster, n, pf):
             nl = 8 * nt
             rt.launch("gemv_wg", gemv_wg_kernel(nl, units, chunks), units, 128,

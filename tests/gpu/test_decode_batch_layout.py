@@ -300,9 +300,13 @@ class _Plan:
     def quantizes_for(self, nxt, nlanes):  # a layer's gate_up writes its down's activations (GemvPlan quant_into)
         return self.name.startswith("up") and nxt.name == "down" + self.name[2:] and nxt.fuses_quant(nlanes)
 
+    def folds_norm(self, nlanes, skip_bf16=False, norm=None):  # the shell's norms are launches (NORM_FOLD: GPU tests)
+        return False
+
     def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False, x_bf16=None, y_bf16=None,
-            skip_bf16=False):
+            skip_bf16=False, norm=None):
         assert x_bf16 is None and y_bf16 is None, "bf16 rows are for prefill chunks only"
+        assert norm is None, "folds_norm said no"
         assert not skip_bf16, "the shell's GDN gates stay on the in plan (gates_in_conv off)"
         self.rec.calls.append(types.SimpleNamespace(module="plan", kernel=self.name, grid=(nlanes, lane0),
                                                     block=prequantized, args=(), smem=0))
@@ -344,6 +348,7 @@ def _fake_model(rec, kv: str, mma: bool, fused: bool):
     m.vocab = cfg.vocab_size
     m.attn_mma, m.prefill_attention, m.gdn_fused, m.gdn_fused_warps = mma, True, fused, C.GDN_FD_WARPS
     m.gates_in_conv = False
+    m._norm_folded = None
     ctl = types.SimpleNamespace(data=types.SimpleNamespace(ptr=4096))
     fp8 = kv == "fp8"
     side = (z(1, 4, 8), z(1, 4, 8)) if fp8 else ()

@@ -201,8 +201,8 @@ def rec(monkeypatch):
 class _XPlan(_Plan):
     """_Plan that also records what the GEMV reads: x's address and leading dimension."""
 
-    def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False, x_bf16=None, y_bf16=None):
-        super().run(x, ldx, nlanes, lane0, allow_gemm, prequantized, x_bf16, y_bf16)
+    def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False, x_bf16=None, y_bf16=None, norm=None):
+        super().run(x, ldx, nlanes, lane0, allow_gemm, prequantized, x_bf16, y_bf16, norm=norm)
         self.rec.calls[-1].args = (("at", _addr(x)), ldx)
 
 

@@ -1,0 +1,128 @@
+"""constants NORM_FOLD (cuda/gemv_wg.cu wg_norm_fold, the *_nf entries; kernels.GemvPlan.folds_norm, FastModel._norm /
+_take_norm): a decode / verify GEMV of at most NORM_FOLD_LANES lanes replays the RMSNorm of its input in its own CTAs
+and the norm launch before it goes. Bitwise the norm launch + prequantized GEMV: logits, states and the normed rows
+(self.x, which the GDN conv reads for its gates) equal with the switch off and on, over decode steps, verify rounds
+and commits, eager and under graphs, at the 27B hidden (rmsnorm's 1,024-thread order) and below 2,048 (256 threads),
+with the fold's lanes at 2 and at 8; and the fold is not vacuous: its launches replace the norm launches.
+
+Device command: python3 -m pytest -q tests/gpu/test_norm_fold.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def wg():
+    from q27py.gpu import kernels as K
+
+    if not K.gemv_wgmma_supported():
+        pytest.skip("no sm_90a gemv_wg build on this card")
+
+
+def decode_counts(m):
+    """Launch counts of one decode step and of a 2-lane verify, after a short prefill."""
+    from q27py.gpu.runtime import Runtime
+
+    st = m.new_state()
+    m.forward(st, [1, 2, 3], logits_rows="last")
+    with Runtime.get().count_launches() as dec:
+        m.forward(st, [4])
+    with Runtime.get().count_launches() as ver:
+        m.forward(st, [5, 6], verify=True)
+    return dec, ver
+
+
+def normed_rows(m, ids):
+    """self.x after a decode step: the last layer's post-attention / MLP norm (folded: CTA 0's rows)."""
+    st = m.new_state()
+    m.forward(st, ids, logits_rows="last")
+    m.forward(st, [7])
+    return m.x.get()[:1, : m.cfg.hidden_size].copy()
+
+
+@pytest.mark.parametrize("lanes", [2, 8])
+@pytest.mark.parametrize("hidden", [None, 1024])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_fold_keeps_the_bits(graphs, hidden, lanes, wg, monkeypatch):
+    from q27py.gpu import constants as C
+    from tests.gpu.plan_rounds import heads27b, rounds
+
+    monkeypatch.setattr(C, "NORM_FOLD_LANES", lanes)
+    ids = [int(v) for v in np.random.default_rng(6).integers(0, 4096, 45)]
+    got, counts, rows = {}, {}, {}
+    for on in (0, 1):
+        monkeypatch.setattr(C, "NORM_FOLD", on)
+        m = heads27b(graphs, hidden=hidden, seed=13)
+        got[on] = rounds(m, ids, widths=(1, 2, 3, 8, 12))
+        counts[on] = decode_counts(m)
+        rows[on] = normed_rows(m, ids[:30])
+    for i, (a, b) in enumerate(zip(got[0], got[1])):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
+    np.testing.assert_array_equal(rows[0], rows[1])
+    # the 3 GDN layers' input norms and the 4 layers' post-attention norms fold (attention's in plan has its q8 kv
+    # launch beside q, so its norm stays a launch): 7 norm launches fewer a decode step and a 2-lane verify
+    for k in (0, 1):
+        off, on = counts[0][k], counts[1][k]
+        folded = sum(v for (mod, name), v in on.items() if mod == "gemv_wg" and name.endswith("_nf"))
+        assert folded == 7, on
+        assert off[("norm", "rmsnorm_rows_a8")] - on.get(("norm", "rmsnorm_rows_a8"), 0) == 7
+        assert sum(off.values()) - sum(on.values()) == 7
+
+
+def test_fold_stays_off_where_it_cannot_keep_the_bits(wg, monkeypatch):
+    """No fold past NORM_FOLD_LANES, with the GDN gates back on the in plan (two launches), or with the switch off."""
+    from q27py.gpu import constants as C
+    from q27py.gpu import kernels as K
+    from tests.gpu.plan_rounds import heads27b
+
+    monkeypatch.setattr(C, "NORM_FOLD", 1)
+    monkeypatch.setattr(C, "NORM_FOLD_LANES", 2)
+    m = heads27b(False, hidden=None, seed=13)
+    up, gin = m.layer_plans[0]["up"], m.layer_plans[0]["in"]
+    nin = K.NormIn(m.h, m.hp, m.w.layers[0].post_ln, 1e-6, m.cfg.hidden_size, m.x, m.hp)
+    assert up.folds_norm(1, False, nin) and up.folds_norm(2, False, nin) and not up.folds_norm(3, False, nin)
+    assert gin.folds_norm(1, True, nin) and not gin.folds_norm(1, False, nin)  # the bf16 gates' launch beside qkvz
+    assert not m.layer_plans[3]["in"].folds_norm(1, False, nin)  # attention: q (wg) + kv (q8 gemv8)
+    monkeypatch.setattr(C, "NORM_FOLD", 0)
+    assert not up.folds_norm(1, False, nin)
+    monkeypatch.setattr(C, "NORM_FOLD", 1)
+    monkeypatch.setattr(C, "GDN_GATES_IN_CONV", 0)
+    m2 = heads27b(False, hidden=None, seed=13)
+    dec, _ver = decode_counts(m2)
+    assert sum(v for (mod, name), v in dec.items() if name.endswith("_nf")) == 4  # the MLPs' only
+
+
+def test_tiny_model_greedy_with_the_fold(monkeypatch):
+    """The bundled model (q4s; hidden below 2,048: rmsnorm's 256-thread order) through the engine: the same greedy ids
+    with the fold as without."""
+    from q27py import DEFAULT_MODEL_DIR
+    from q27py.gpu import constants as C
+    from q27py.gpu import kernels as K
+    from q27py.gpu.forward import FastModel
+    from q27py.gpu.weights import from_checkpoint
+    from q27py.model.checkpoint import Checkpoint
+
+    if not K.gemv_wgmma_supported():
+        pytest.skip("no sm_90a gemv_wg build on this card")
+    w = from_checkpoint(Checkpoint.open(DEFAULT_MODEL_DIR), "q4s", progress=False)
+    ids = {}
+    for on in (0, 1):
+        monkeypatch.setattr(C, "NORM_FOLD", on)
+        m = FastModel(w, max_context=256, kv_dtype="bf16")
+        m.enable_graphs()
+        st = m.new_state()
+        out = m.forward(st, [9707, 11, 1879, 0, 872, 198], logits_rows="last")
+        seq, lg = [], [out.logits.copy()]
+        for _ in range(24):
+            t = int(np.argmax(lg[-1].reshape(-1)))
+            seq.append(t)
+            lg.append(m.forward(st, [t]).logits.copy())
+        ids[on] = (seq, lg)
+    assert ids[0][0] == ids[1][0]
+    for a, b in zip(ids[0][1], ids[1][1]):
+        np.testing.assert_array_equal(a, b)
