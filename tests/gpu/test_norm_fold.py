@@ -45,6 +45,39 @@ def normed_rows(m, ids):
     return m.x.get()[:1, : m.cfg.hidden_size].copy()
 
 
+@pytest.mark.parametrize("nlanes", [1, 2, 5, 8])
+@pytest.mark.parametrize("hidden", [None, 1024])
+def test_plan_fold_equals_norm_then_gemv(hidden, nlanes, wg, monkeypatch):
+    """One plan, no model around it (the first thing to read if the model test fails): the MLP's gate_up of the 27B's
+    heads, its input rows random; rmsnorm(a8=plan) + run(prequantized) against run(norm=...): the normed rows CTA 0
+    writes (the sum of squares' order), then the SwiGLU outputs (the codes and scales the ring copied)."""
+    import cupy as cp
+
+    from q27py.gpu import constants as C
+    from q27py.gpu import kernels as K
+    from tests.gpu.plan_rounds import heads27b
+
+    monkeypatch.setattr(C, "NORM_FOLD", 1)
+    monkeypatch.setattr(C, "NORM_FOLD_LANES", 8)
+    m = heads27b(False, hidden=hidden, seed=13)
+    up, H, w = m.layer_plans[0]["up"], m.cfg.hidden_size, m.w.layers[0].post_ln
+    rng = np.random.default_rng(100 + nlanes)
+    m.h[:nlanes, :H] = cp.asarray(rng.standard_normal((nlanes, H)).astype(np.float32) * 3)
+    nin = K.NormIn(m.h, m.hp, w, m.cfg.rms_norm_eps, H, m.x, m.hp)
+    if nlanes > 2 and not up.folds_norm(nlanes, False, nin):
+        pytest.skip("this launch's fold buffer at this width would cost the entry a resident CTA an SM")
+    assert up.folds_norm(nlanes, False, nin)
+    K.rmsnorm(m.h, m.hp, w, m.cfg.rms_norm_eps, H, m.x, m.hp, nlanes, a8=up)
+    up.run(m.x, m.hp, nlanes, prequantized=True)
+    nout = m.cfg.intermediate_size  # the SwiGLU outputs a lane
+    want_x, want_act = m.x[:nlanes, :H].get(), m.act[:nlanes, :nout].get()
+    m.x.fill(np.nan)
+    m.act.fill(np.nan)
+    up.run(m.x, m.hp, nlanes, norm=nin)
+    np.testing.assert_array_equal(m.x[:nlanes, :H].get(), want_x, err_msg="the normed rows (CTA 0)")
+    np.testing.assert_array_equal(m.act[:nlanes, :nout].get(), want_act, err_msg="the GEMV's outputs")
+
+
 @pytest.mark.parametrize("lanes", [2, 8])
 @pytest.mark.parametrize("hidden", [None, 1024])
 @pytest.mark.parametrize("graphs", [False, True])
