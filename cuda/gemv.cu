@@ -38,21 +38,6 @@
 // fragments of both k32 steps of a chunk, and the weight file format does not change.
 #include "common.cuh"
 
-// GEMV_TRACE (tools/gemv_trace.py): thread 0 of each CTA stamps %globaltimer at 8 phases of its life
-#if GEMV_TRACE
-__device__ unsigned long long gemv_trace[2 * 16384 * 8];  // [globaltimer ns | clock64] x CTA x phase
-__device__ __forceinline__ void gemv_stamp(int i) {
-    if (threadIdx.x == 0 && blockIdx.x < 16384) {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        gemv_trace[blockIdx.x * 8 + i] = t;
-        gemv_trace[16384 * 8 + blockIdx.x * 8 + i] = clock64();
-    }
-}
-#define GSTAMP(i) gemv_stamp(i)
-#else
-#define GSTAMP(i)
-#endif
 #include "gemv_common.cuh"
 #include "gemv_v1.cuh"
 

@@ -1,9 +1,26 @@
 // Pieces of the a8 weight-streaming GEMV shared by its two kernel families: cuda/gemv.cu (mma.sync,
 // every card) and cuda/gemv_wg.cu (wgmma, sm_90a). Both compute the same units (row group x K split)
 // in the same order, so they share the a8 unpacking and everything after a unit's reduction: the
-// split-K combine and the epilogue. The including file defines GSTAMP (gemv.cu's trace stamps).
+// split-K combine and the epilogue; and GSTAMP, the trace stamps of both.
 #pragma once
 #include "common.cuh"
+
+// GEMV_TRACE (tools/gemv_trace.py): thread 0 of each CTA stamps %globaltimer at 8 phases of its life, into the
+// including module's own gemv_trace (gemv.cu's units, gemv_wg.cu's wg_body)
+#if GEMV_TRACE
+__device__ unsigned long long gemv_trace[2 * 16384 * 8];  // [globaltimer ns | clock64] x CTA x phase
+__device__ __forceinline__ void gemv_stamp(int i) {
+    if (threadIdx.x == 0 && blockIdx.x < 16384) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        gemv_trace[blockIdx.x * 8 + i] = t;
+        gemv_trace[16384 * 8 + blockIdx.x * 8 + i] = clock64();
+    }
+}
+#define GSTAMP(i) gemv_stamp(i)
+#else
+#define GSTAMP(i)
+#endif
 
 // ---- a8 helpers
 // int4 nibbles of a word -> int8 x 16 (signed, exact): the low nibbles (even slots: row g) and

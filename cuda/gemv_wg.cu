@@ -30,7 +30,6 @@
 // A software-pipelined walk (one wgmma commit group a chunk, its epilogue beside the next chunk's wgmmas) was
 // tried and measured slower on the H200 (2026-12-06, docs/PERF.md).
 #include "common.cuh"
-#define GSTAMP(i)
 #include "gemv_common.cuh"
 #include "gemv_v1.cuh"
 
@@ -261,11 +260,16 @@ __device__ __forceinline__ void wg_fold_second(const float (&acc)[RL][NT][4], fl
 // - the values: (x / den) * (w + add_one), then act8_quantize_pair per 64-k chunk (pads past H are 0, as the
 //   staged copy's are), the bytes and scales quant_act8 / rmsnorm_rows_a8 write.
 // Shared memory after the ring: codes [lanes][fnch chunks][64], scales [fnch][GEMV_MAX_LANES], red[32].
+// gq / gs (may be null): the plan's global a8 activations, which its other launches read (attention's in plan: q
+// on this kernel, the q8 kv launch after it): the CTAs of the first matrix's row group 0 (one per K split, so every
+// chunk) also write their chunks there, the bytes rmsnorm_rows_a8 would.
 struct NormFold {
     const float* h;  // residual rows (lane l at h + l ldh)
     const float* w;  // the norm's weights (+ add_one)
     float* y;        // the normed fp32 rows (CTA 0 writes them)
-    int ldh, ldy, H, nb, fnch;
+    u8* gq;          // global codes (row l at gq + l ldgq) and chunk scales ([chunk][GEMV_MAX_LANES]), or null
+    float* gs;
+    int ldh, ldy, H, nb, fnch, ldgq;
     float add_one, eps;
 };
 
@@ -274,9 +278,10 @@ __device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
                  : "memory");
 }
 
-// fq / fs: the unit's codes and chunk scales (chunk c at c - c0), red: 32 floats of shared memory
+// fq / fs: the unit's codes and chunk scales (chunk c at c - c0), red: 32 floats of shared memory; writer: this CTA
+// also writes its chunks to nf.gq / nf.gs
 __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int c0, int c1, u8* fq, float* fs,
-                                             float* red) {
+                                             float* red, bool writer) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int vb = nf.nb >> 7, nwv = nf.nb >> 5;
     // scales of the lanes past the launch's (their columns are computed and dropped): zero, not stale
@@ -315,6 +320,7 @@ __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int
             o.x = k < nf.H ? (xr[k] / den) * (nf.w[k] + nf.add_one) : 0.f;
             o.y = k + 1 < nf.H ? (xr[k + 1] / den) * (nf.w[k + 1] + nf.add_one) : 0.f;
             act8_quantize_pair(o, c - c0, fq + (i64)ln * nf.fnch * 64, fs + ln, lane);
+            if (writer) act8_quantize_pair(o, c, nf.gq + (i64)ln * nf.ldgq, nf.gs + ln, lane);
         }
         if (nf.y != nullptr && blockIdx.x == 0)
             for (int k = tid; k < nf.H; k += 128) nf.y[(i64)ln * nf.ldy + k] = (xr[k] / den) * (nf.w[k] + nf.add_one);
@@ -343,6 +349,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     extern __shared__ __align__(128) u8 dyn_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
+    GSTAMP(0);
     const GemvUnit un = gemv_unit(desc, nmat, lane0, (int)blockIdx.x - ubase);  // ubase: gemv8w_*_g's v1 units
     const i64* d = un.d;
     const u8* w = un.w;
@@ -467,15 +474,18 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
 
     // The weights are constants: their first S - 1 stages go out before the wait on the kernel that wrote
     // the activations (PDL); group 0 = those weights + stage 0's activations, group k = stage k's
+    GSTAMP(1);  // the unit decoded, the weights' prologue next
 #pragma unroll 1
     for (int k = 0; k < S - 1; k++)
         if (k < nst) issue(k, k, true, false);
     pdl_wait();
     pdl_trigger();
+    GSTAMP(2);
     if constexpr (NF) {
         u8* fq = dyn_smem + S * SG::BYTES;
         float* fs = reinterpret_cast<float*>(fq + (i64)nlanes * ldq);
-        wg_norm_fold(*nf, nlanes, c0, c1, fq, fs, fs + nf->fnch * GEMV_MAX_LANES);
+        wg_norm_fold(*nf, nlanes, c0, c1, fq, fs, fs + nf->fnch * GEMV_MAX_LANES,
+                     nf->gq != nullptr && d == desc && rg == 0);  // the first matrix's row group 0: every chunk once
     }
 #pragma unroll 1
     for (int k = 0; k < S - 1; k++) {
@@ -500,6 +510,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         cp_async_wait<S - 2>();  // this thread's copies of stage k have landed
         wg_fence_proxy();        // ... and are visible to the async proxy (wgmma reads B through it)
         __syncthreads();         // every thread's have; every thread is done with stage k - 1's slot
+        if (k == 0) GSTAMP(3);   // the first stage landed (NORM_FOLD: after the fold)
         if (k + S - 1 < nst) issue(wr, k + S - 1, true, true);
         cp_async_commit();
         const u8* st = dyn_smem + rd * SG::BYTES;
@@ -570,6 +581,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         }
         cp_async_wait<0>();
         __syncthreads();  // the ring becomes the unit's tile
+        GSTAMP(4);  // streamed
 
         wg_fold<NL>(acc, red0, warp, g, t);  // gemv.cu's reduction: the residue (warp) partials added in order
     } else {
@@ -586,10 +598,13 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         if (k < nst) stage(k, WgPar<0>(), WgPar<0>());
         cp_async_wait<0>();
         __syncthreads();  // the ring becomes the unit's tile
+        GSTAMP(4);
         wg_fold_second<NL>(acc, v, red0, warp, g, t);
     }
     __syncthreads();
+    GSTAMP(5);  // the unit's tile reduced
     gemv_unit_finish<NL>(d, red0, rg, sp, splits, min(nlanes, NL), y, ldy, nout, mode, lane0);
+    GSTAMP(7);
 }
 
 #endif
@@ -635,18 +650,19 @@ GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
 
 // constants NORM_FOLD (kernels.GemvPlan.folds_norm): gemv8w_q4_n8 / n8d with the RMSNorm in front (wg_norm_fold):
 // h / ldh rows, w (+ add_one), eps, H, nb (rmsnorm's block, whose order is replayed), y / ldy (the normed rows, CTA 0;
-// may be null), fnch (the fold buffer's chunks a lane: the launch's longest unit). xq / xs are not read.
+// may be null), fnch (the fold buffer's chunks a lane: the launch's longest unit), gq / ldgq / gs (the plan's global
+// a8 activations for its other launches, or null). xq / xs are not read.
 #define GWG_KERNEL_NF(NAME, NL, CTAS, STAGES)                                                                  \
     extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, const float* __restrict__ h,        \
              int ldh, const float* __restrict__ w, float add_one, float eps, int H, int nb,                    \
-             float* __restrict__ y, int ldy, int fnch) {                                                       \
+             float* __restrict__ y, int ldy, int fnch, u8* __restrict__ gq, int ldgq, float* __restrict__ gs) {  \
         GWG_CALL_NF(NL, STAGES)                                                                                \
     }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GWG_CALL_NF(NL, STAGES)                                                                                \
-    const NormFold nf{h, w, y, ldh, ldy, H, nb, fnch, add_one, eps};                                           \
+    const NormFold nf{h, w, y, gq, gs, ldh, ldy, H, nb, fnch, ldgq, add_one, eps};                             \
     wg_body<NL, 0, GWG_CPS, STAGES, GWG_CPS, 1>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0, 0, &nf);
 #else
 #define GWG_CALL_NF(NL, STAGES) __trap();

@@ -589,8 +589,8 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/gpu/test_decode_bat
         timeout 120 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_FOLD = 1; \
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/s14_gates.txt" 2>&1 || rc=1
         echo "--- gates, NORM_FOLD=1"; tail -4 "$OUT/s14_gates.txt" ;;
-    s14b)  # (<= ~6 min; right after s14) NORM_FOLD's steps against the defaults, alternated (lanes 2, then 8: verify
-           # W=8 folds too); the 1-lane timeline with it on against off
+    s14b)  # (<= ~8 min; right after s14) NORM_FOLD's steps against the defaults, alternated (lanes 2, then 8: verify
+           # W=8 folds too); the 1-lane timeline with it on against off; gemv_trace of the wgmma kernel's phases
         for cfg in "NORM_FOLD=0" "NORM_FOLD=1" "NORM_FOLD=1 NORM_FOLD_LANES=8" "NORM_FOLD=0" "NORM_FOLD=1"; do
           timeout 70 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/s14_steps.txt" 2>&1 || rc=1
           echo "--- $cfg"; grep -E "^prefetch|of read" "$OUT/s14_steps.txt"
@@ -600,7 +600,10 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
             --json "$OUT/s14_trace$t.json" > "$OUT/s14_trace$t.txt" 2>&1 || rc=1
           head -1 "$OUT/s14_trace$t.txt"
         done
-        python3 tools/step_trace.py --compare "$OUT/s14_trace0.json" "$OUT/s14_trace1.json" | head -24 ;;
+        python3 tools/step_trace.py --compare "$OUT/s14_trace0.json" "$OUT/s14_trace1.json" | head -24
+        # where each GEMV's ~4-5 us past its bytes go (per-CTA phases of the wgmma kernel, GEMV_TRACE build)
+        timeout 120 python3 tools/gemv_trace.py --impl a8w --shapes gdn_out down gate_up qkvz --lanes 1 \
+          > "$OUT/s14_gemvtrace.txt" 2>&1 || rc=1; grep -vE "^\s*$" "$OUT/s14_gemvtrace.txt" | tail -13 ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \

@@ -1,10 +1,12 @@
-"""Where a GEMV launch's time goes, per CTA: the unit kernels (cuda/gemv.cu gemv_body) built with
-GEMV_TRACE=1 stamp %globaltimer and clock64 at eight phases of each CTA's life; this replays a graph
-of quant_act8 + GEMV launches over L2-defeating copies (as q27py.bench.gemv_probe does) and prints,
-for the last launch, when the CTAs start / stream / finish relative to the first CTA's start, and
-the per-CTA phase durations (clock64 at the SM clock).
+"""Where a GEMV launch's time goes, per CTA: the unit kernels (cuda/gemv.cu gemv_body; with --impl a8w
+cuda/gemv_wg.cu wg_body, the wgmma kernels the 27B decode runs) built with GEMV_TRACE=1 stamp %globaltimer
+and clock64 at eight phases of each CTA's life; this replays a graph of quant_act8 + GEMV launches over
+L2-defeating copies (as q27py.bench.gemv_probe does) and prints, for the last launch, when the CTAs start /
+stream / finish relative to the first CTA's start, and the per-CTA phase durations (clock64 at the SM clock).
+wg_body's phases: start, unit decoded, past the PDL wait, first stage landed, streamed, tile reduced,
+ticket, end (gemv_body's: start, desc, waited, data0, streamed, barrier, ticket, end).
 
-    PYTHONPATH=. python3 tools/gemv_trace.py --shapes gate_up down gdn_out lm_head --lanes 1
+    PYTHONPATH=. python3 tools/gemv_trace.py --shapes gate_up down gdn_out lm_head --lanes 1 [--impl a8w]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["gate_up", "down", "gdn_out", "qkvz", "lm_head"])
     ap.add_argument("--lanes", type=int, nargs="+", default=[1])
-    ap.add_argument("--impl", default="a8")
+    ap.add_argument("--impl", default="a8", help="a8 (cuda/gemv.cu), a8w (q4 launches on cuda/gemv_wg.cu), v1")
     args = ap.parse_args(argv)
     from q27py.gpu import constants as C
 
@@ -49,9 +51,11 @@ def main(argv=None) -> int:
         K.fill_uniform(x, 3, -1, 1)
         y = cp.zeros((16, rows), dtype=cp.float32)
         ws = K.Workspace()
-        plans = [K.GemvPlan([m], [(y, rows)], ws, impl=args.impl) for m in mats]
+        wg = args.impl == "a8w"
+        plans = [K.GemvPlan([m], [(y, rows)], ws, impl="a8" if wg else args.impl, wgmma="all" if wg else "off")
+                 for m in mats]
         grid = plans[0].launches[0][3]
-        buf = rt.module("gemv").get_global("gemv_trace")
+        buf = rt.module("gemv_wg" if wg and fmt == L.FMT_Q4 else "gemv").get_global("gemv_trace")
         tr = cp.ndarray((2, 16384, 8), dtype=cp.uint64, memptr=buf)
         stream = cp.cuda.Stream(non_blocking=True)
         for n in args.lanes:
@@ -76,6 +80,8 @@ def main(argv=None) -> int:
             print("  CTA start (us): p0 %.2f p50 %.2f p90 %.2f max %.2f;  end: p0 %.2f p50 %.2f max %.2f" % (
                 *np.percentile(rel[:, 0], [0, 50, 90, 100]), *np.percentile(rel[:, 7], [0, 50, 100])))
             cols_ = ["desc", "issue+wait", "first data", "stream", "barrier", "reduce+ticket", "epilogue"]
+            if wg and fmt == L.FMT_Q4:
+                cols_ = ["decode", "prologue+wait", "first stage", "stream", "tile", "reduce+ticket", "epilogue"]
             if split == 1:
                 cols_[5] = "-"
             print("  per-CTA phase us (p10 / p50 / p90): " + "; ".join(

@@ -226,14 +226,16 @@ GDN_GATES_IN_CONV = 1
 # 2026-12-07, fourteenth session, H100: decode 2K -0.2% alone, -0.7% on top of GDN_GATES_IN_CONV; tests and gates
 # bitwise)
 CONV_COMMIT_FOLD = 1
-# decode / verify GEMVs of at most NORM_FOLD_LANES lanes whose input is an RMSNorm of the residual rows (the MLP's
-# gate_up, a GDN layer's qkvz when GDN_GATES_IN_CONV leaves it the plan's only launch) run gemv_wg's *_nf entries:
-# each CTA replays the norm in front of its unit (cuda/gemv_wg.cu wg_norm_fold) and the norm launch goes
-# (kernels.GemvPlan.folds_norm, FastModel._norm). Why: rmsnorm_rows_a8 is one CTA a lane holding the 27B step's
-# critical path 3.6 us x 128 (~470 us of 7,025, docs/PERF.md fourteenth session), where each GEMV CTA can sum a
-# 5,120-long row from L2 while its first weight stages stream. Bitwise the norm launch + prequantized GEMV (the
-# sum of squares in rmsnorm_row's exact order). Each lane costs every CTA another row read, so only small widths.
-# Read at launch time. 0: off (built, CPU-checked, not yet run on a device); 1: on
+# decode / verify GEMV plans of at most NORM_FOLD_LANES lanes whose input is an RMSNorm of the residual rows (a
+# layer's in plan and gate_up: 128 norm launches of a 27B step) run their q4 launch on gemv_wg's *_nf entries: each
+# CTA replays the norm in front of its unit (cuda/gemv_wg.cu wg_norm_fold), CTA 0 writes the normed rows, and where
+# the plan has other launches (attention's q8 kv, the GDN gates' bf16 GEMV) the first matrix's row group 0 writes
+# their int8 activations too and they run after it; the norm launch goes (kernels.GemvPlan.folds_norm /
+# _fold_launch, FastModel._norm / _take_norm). Why: rmsnorm_rows_a8 is one CTA a lane holding the 27B step's critical
+# path 3.7 us x 128 (~470 us of 7,025, docs/PERF.md fourteenth session), where each GEMV CTA can sum a 5,120-long row
+# from L2 while its first weight stages stream. Bitwise the norm launch + prequantized GEMV (the sum of squares in
+# rmsnorm_row's exact order). Each lane costs every CTA another row read, so only small widths. Read at launch
+# time. 0: off (built, CPU-checked, not yet run on a device); 1: on
 NORM_FOLD = 0
 NORM_FOLD_LANES = 2
 # shared memory of an sm_90 SM (228 KB; each resident CTA also takes 1 KB): what an *_nf launch's fold buffer may not

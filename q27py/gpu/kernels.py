@@ -604,27 +604,34 @@ class GemvPlan:
     def folds_norm(self, nlanes: int, skip_bf16: bool = False, norm: "NormIn | None" = None) -> bool:
         """Whether run(nlanes, skip_bf16=..., norm=...) replays the RMSNorm of its input in its own CTAs (constants
         NORM_FOLD; cuda/gemv_wg.cu's *_nf entries) instead of reading activations a norm launch wrote: a GEMV block of
-        lanes 0 .. nlanes - 1 <= NORM_FOLD_LANES whose one remaining launch is a q4 one on gemv8w_q4_n8 / n8d, the
-        norm's row within rmsnorm_row's registers (no tail loop to replay), and the fold buffer within the room that
-        keeps the entry's CTAs an SM."""
-        if not C.NORM_FOLD or not self.a8 or not 1 <= nlanes <= C.NORM_FOLD_LANES or nlanes >= GEMM_MIN_TOKENS:
-            return False
-        live = [li for li, (fmt, _d, _m, _u) in enumerate(self.launches) if not (skip_bf16 and fmt == L.FMT_BF16)]
-        if len(live) != 1:
-            return False
-        li = live[0]
-        fmt, _desc, _nmat, units = self.launches[li]
-        pf = self.pf if li == len(self.launches) - 1 else None
-        if not self._on_wg(fmt, units, self.clusters[li], nlanes, pf):
-            return False
-        name = gemv_wg_kernel(8, units, self.unit_chunks[li])
-        if name not in ("gemv8w_q4_n8", "gemv8w_q4_n8d"):
-            return False
+        lanes 0 .. nlanes - 1 <= NORM_FOLD_LANES with a q4 launch on gemv8w_q4_n8 / n8d (_fold_launch), the norm's
+        row within rmsnorm_row's registers (no tail loop to replay)."""
         if norm is not None and (norm.hidden > C.NORM_PER_THREAD * norm.block() or norm.hidden > self.kpad):
             return False
-        ctas = _wg_entry(name)[0]
-        need = gemv_wg_launch_bytes(8, units, self.unit_chunks[li]) + norm_fold_bytes(nlanes, self.unit_chunks_max[li])
-        return ctas * (need + 1024) <= C.GWG_SM_SHARED
+        return self._fold_launch(nlanes, skip_bf16) is not None
+
+    def _fold_launch(self, nlanes: int, skip_bf16: bool) -> int | None:
+        """The launch an *_nf entry runs for folds_norm, or None: the first of the block's launches that is a q4 one on
+        gemv8w_q4_n8 / n8d whose fold buffer keeps the entry's CTAs an SM. It runs first (its CTA 0 writes x; with
+        other a8 launches in the plan, its first matrix's row group 0 writes their int8 activations too), then the
+        plan's other launches in their order (each writes its own outputs: the same bits in any order)."""
+        if not C.NORM_FOLD or not self.a8 or not 1 <= nlanes <= C.NORM_FOLD_LANES or nlanes >= GEMM_MIN_TOKENS:
+            return None
+        last = len(self.launches) - 1
+        for li, (fmt, _desc, _nmat, units) in enumerate(self.launches):
+            if skip_bf16 and fmt == L.FMT_BF16:
+                continue
+            pf = self.pf if li == last else None
+            if fmt != L.FMT_Q4 or not self._on_wg(fmt, units, self.clusters[li], nlanes, pf):
+                continue
+            name = gemv_wg_kernel(8, units, self.unit_chunks[li])
+            if name not in ("gemv8w_q4_n8", "gemv8w_q4_n8d"):
+                continue
+            need = gemv_wg_launch_bytes(8, units, self.unit_chunks[li]) + norm_fold_bytes(nlanes,
+                                                                                           self.unit_chunks_max[li])
+            if _wg_entry(name)[0] * (need + 1024) <= C.GWG_SM_SHARED:
+                return li
+        return None
 
     def quantizes_for(self, nxt: "GemvPlan", nlanes: int) -> bool:
         """Whether run(nlanes) writes nxt's a8 activations (quant_into; then nxt.run(prequantized=True)): the
@@ -656,11 +663,18 @@ class GemvPlan:
         norm (folds_norm): x is norm's output, which this launch computes itself (no norm launch before it)."""
         assert not prequantized or (self.fuses_quant(nlanes) and lane0 == 0)
         assert norm is None or (lane0 == 0 and self.folds_norm(nlanes, skip_bf16, norm)), "norm: folds_norm's launch"
-        if norm is not None:
-            li = next(i for i, lw in enumerate(self.launches) if not (skip_bf16 and lw[0] == L.FMT_BF16))
-            fmt, desc, nmat, units = self.launches[li]
-            self._launch(Runtime.get(), fmt, desc, nmat, units, 1, x, ldx, nlanes, 0, None, self.xq, self.xs,
-                         self.unit_chunks[li], norm=norm, fnch=self.unit_chunks_max[li])
+        if norm is not None:  # the *_nf launch first, then the others on what it wrote (_fold_launch)
+            rt = Runtime.get()
+            wl, last = self._fold_launch(nlanes, skip_bf16), len(self.launches) - 1
+            others = [li for li, lw in enumerate(self.launches) if li != wl and not (skip_bf16 and lw[0] == L.FMT_BF16)]
+            fmt, desc, nmat, units = self.launches[wl]
+            share = any(self.launches[li][0] != L.FMT_BF16 for li in others)  # a8 launches read xq / xs after it
+            self._launch(rt, fmt, desc, nmat, units, 1, x, ldx, nlanes, 0, None, self.xq, self.xs,
+                         self.unit_chunks[wl], norm=norm, fnch=self.unit_chunks_max[wl], share=share)
+            for li in others:
+                fmt, desc, nmat, units = self.launches[li]
+                self._launch(rt, fmt, desc, nmat, units, self.clusters[li], x, ldx, nlanes, 0,
+                             self.pf if li == last else None, self.xq, self.xs, self.unit_chunks[li])
             return
         assert not skip_bf16 or sum(m.shape.fmt == L.FMT_BF16 for m in self.mats) == 1, "skip_bf16: one bf16 matrix"
         rt = Runtime.get()
@@ -731,18 +745,19 @@ class GemvPlan:
             done += n
 
     def _launch(self, rt, fmt: int, desc, nmat: int, units: int, cluster: int, x, ldx: int, n: int, l0: int, pf,
-                xq, xs, chunks: int | None = None, norm: "NormIn | None" = None, fnch: int = 0) -> None:
+                xq, xs, chunks: int | None = None, norm: "NormIn | None" = None, fnch: int = 0,
+                share: bool = False) -> None:
         """One launch of the plan for n <= 16 lanes l0 .. l0 + n - 1, their a8 activations at xq / xs (rows 0 ..
         n - 1; [chunk][GEMV_MAX_LANES] scales); chunks: the fewest chunks one of its units streams. norm / fnch
         (folds_norm): the *_nf entry, which computes those activations from norm's rows (fnch: the most chunks a
-        unit streams, the fold buffer's)."""
+        unit streams, the fold buffer's; share: it also writes them to xq / xs for the plan's other launches)."""
         nt = 1 if n <= 8 else 2
         if norm is not None:
             rt.launch("gemv_wg", gemv_wg_kernel(8, units, chunks) + "_nf", units, 128,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs, np.uint32(0x80808080), i32(n), i32(l0),
                        norm.h, i32(norm.ldh), norm.w, f32(1.0 if norm.add_one else 0.0), f32(norm.eps),
-                       i32(norm.hidden), i32(norm.block()), norm.y, i32(norm.ldy),
-                       i32(fnch)),
+                       i32(norm.hidden), i32(norm.block()), norm.y, i32(norm.ldy), i32(fnch),
+                       xq if share else None, i32(xq.shape[1]), xs if share else None),
                       shared_mem=gemv_wg_launch_bytes(8, units, chunks) + norm_fold_bytes(n, fnch))
             return
         if self._on_wg(fmt, units, cluster, n, pf):

@@ -675,6 +675,26 @@ def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_trace_build_stamps_every_phase(tmp_path, monkeypatch):
+    """tools/gemv_trace.py --impl a8w: with GEMV_TRACE = 1 gemv_wg.cu builds for sm_90a with its own gemv_trace
+    buffer, wg_body stamping phases 0-5 and 7 in order (6, the ticket, in gemv_unit_finish); with it 0 the stamps
+    compile out (the SASS-identity of that build is what the other tests of this file see)."""
+    from q27py.gpu.runtime import CUDA_DIR
+
+    src = (CUDA_DIR / "gemv_wg.cu").read_text()
+    body = src[src.index("void wg_body("):]
+    body = body[: body.index("\n}\n")]
+    stamps = [int(v) for v in re.findall(r"GSTAMP\((\d)\)", body)]
+    assert stamps == [0, 1, 2, 3, 4, 4, 5, 7], stamps  # 4 once in each walk's branch
+    assert "GSTAMP(6)" in (CUDA_DIR / "gemv_common.cuh").read_text()
+    for on in (0, 1):
+        monkeypatch.setattr(C, "GEMV_TRACE", on)
+        r = nvcc_build.build_with(tmp_path, "gemv_wg", nvcc_build.SM90A)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert (b"gemv_trace" in (tmp_path / "gemv_wg.cubin").read_bytes()) == bool(on)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_plain_sm90_build_is_refused_when_sm90a_was_asked(tmp_path):
     nvcc_build.assert_refused_without_sm90a(tmp_path, "gemv_wg", "sm_86")
 

@@ -97,37 +97,51 @@ def test_fold_keeps_the_bits(graphs, hidden, lanes, wg, monkeypatch):
     for i, (a, b) in enumerate(zip(got[0], got[1])):
         np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
     np.testing.assert_array_equal(rows[0], rows[1])
-    # the 3 GDN layers' input norms and the 4 layers' post-attention norms fold (attention's in plan has its q8 kv
-    # launch beside q, so its norm stays a launch): 7 norm launches fewer a decode step and a 2-lane verify
+    assert_folds(counts, 8)
+
+
+def assert_folds(counts, n):
+    """Every layer's input and post-attention norms fold (4 layers: 8; the attention layer's in plan runs q's *_nf
+    launch first, which also writes the int8 activations its q8 kv launch reads): that many norm launches fewer a
+    decode step and a 2-lane verify, that many *_nf launches."""
     for k in (0, 1):
         off, on = counts[0][k], counts[1][k]
         folded = sum(v for (mod, name), v in on.items() if mod == "gemv_wg" and name.endswith("_nf"))
-        assert folded == 7, on
-        assert off[("norm", "rmsnorm_rows_a8")] - on.get(("norm", "rmsnorm_rows_a8"), 0) == 7
-        assert sum(off.values()) - sum(on.values()) == 7
+        assert folded == n, on
+        assert off[("norm", "rmsnorm_rows_a8")] - on.get(("norm", "rmsnorm_rows_a8"), 0) == n
+        assert sum(off.values()) - sum(on.values()) == n
 
 
-def test_fold_stays_off_where_it_cannot_keep_the_bits(wg, monkeypatch):
-    """No fold past NORM_FOLD_LANES, with the GDN gates back on the in plan (two launches), or with the switch off."""
+def test_fold_rules_and_the_gemv_gates(wg, monkeypatch):
+    """Which plans fold: past NORM_FOLD_LANES or with the switch off none; with the GDN gates back on the in plan
+    (GDN_GATES_IN_CONV 0) the qkvz launch still folds and runs first, the gates' bf16 GEMV after it on the normed
+    rows its CTA 0 wrote -- bitwise, as the model rounds show."""
     from q27py.gpu import constants as C
     from q27py.gpu import kernels as K
-    from tests.gpu.plan_rounds import heads27b
+    from tests.gpu.plan_rounds import heads27b, rounds
 
     monkeypatch.setattr(C, "NORM_FOLD", 1)
     monkeypatch.setattr(C, "NORM_FOLD_LANES", 2)
     m = heads27b(False, hidden=None, seed=13)
-    up, gin = m.layer_plans[0]["up"], m.layer_plans[0]["in"]
+    up, gin, ain = m.layer_plans[0]["up"], m.layer_plans[0]["in"], m.layer_plans[3]["in"]
     nin = K.NormIn(m.h, m.hp, m.w.layers[0].post_ln, 1e-6, m.cfg.hidden_size, m.x, m.hp)
     assert up.folds_norm(1, False, nin) and up.folds_norm(2, False, nin) and not up.folds_norm(3, False, nin)
-    assert gin.folds_norm(1, True, nin) and not gin.folds_norm(1, False, nin)  # the bf16 gates' launch beside qkvz
-    assert not m.layer_plans[3]["in"].folds_norm(1, False, nin)  # attention: q (wg) + kv (q8 gemv8)
+    assert gin.folds_norm(1, True, nin) and gin.folds_norm(1, False, nin)
+    assert ain.folds_norm(1, False, nin) and len(ain.launches) == 2  # q on gemv_wg, kv on gemv8 (q8)
     monkeypatch.setattr(C, "NORM_FOLD", 0)
     assert not up.folds_norm(1, False, nin)
-    monkeypatch.setattr(C, "NORM_FOLD", 1)
     monkeypatch.setattr(C, "GDN_GATES_IN_CONV", 0)
-    m2 = heads27b(False, hidden=None, seed=13)
-    dec, _ver = decode_counts(m2)
-    assert sum(v for (mod, name), v in dec.items() if name.endswith("_nf")) == 4  # the MLPs' only
+    ids = [int(v) for v in np.random.default_rng(8).integers(0, 4096, 33)]
+    got, counts = {}, {}
+    for on in (0, 1):
+        monkeypatch.setattr(C, "NORM_FOLD", on)
+        m2 = heads27b(True, hidden=None, seed=13)
+        assert not m2.gates_in_conv
+        got[on] = rounds(m2, ids, widths=(1, 2, 4))
+        counts[on] = decode_counts(m2)
+    for i, (a, b) in enumerate(zip(got[0], got[1])):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
+    assert_folds(counts, 8)
 
 
 def test_tiny_model_greedy_with_the_fold(monkeypatch):
