@@ -251,8 +251,9 @@ __device__ __forceinline__ void wg_fold_second(const float (&acc)[RL][NT][4], fl
 // critical path 128 times: docs/PERF.md, fourteenth session's timeline). After its PDL wait each CTA reads the
 // residual rows h (what the norm launch would read), replays rmsnorm_row's sum of squares in its exact order, and
 // quantizes the chunks of its own unit (c0 .. c1 - 1) into shared memory, from where the ring's activation stages
-// are filled; CTA 0 also writes the normed fp32 rows y (the norm launch's other output: the GDN conv reads it for
-// the gates). The same bits as the norm launch + prequantized GEMV:
+// are filled; the first matrix's row-group-0 CTAs (one a K split) also write the normed fp32 rows y of their chunks
+// (the norm launch's other output: the GDN conv reads it for the gates). The same bits as the norm launch +
+// prequantized GEMV:
 // - the sum: rmsnorm_row runs nb threads (1024 at the 27B hidden, 256 below 2,048); thread i sums its elements
 //   i, i + nb, ... (fmaf, in order), warp_sum over each 32 threads, then warp_sum of the nb / 32 warp sums.
 //   Here thread t of 128 holds virtual threads t + 128 m (m < nb / 128): virtual warp (t >> 5) + 4 m, lane t & 31,
@@ -266,7 +267,7 @@ __device__ __forceinline__ void wg_fold_second(const float (&acc)[RL][NT][4], fl
 struct NormFold {
     const float* h;  // residual rows (lane l at h + l ldh)
     const float* w;  // the norm's weights (+ add_one)
-    float* y;        // the normed fp32 rows (CTA 0 writes them)
+    float* y;        // the normed fp32 rows (the writers write them), or null
     u8* gq;          // global codes (row l at gq + l ldgq) and chunk scales ([chunk][GEMV_MAX_LANES]), or null
     float* gs;
     int ldh, ldy, H, nb, fnch, ldgq;
@@ -279,7 +280,8 @@ __device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
 }
 
 // fq / fs: the unit's codes and chunk scales (chunk c at c - c0), red: 32 floats of shared memory; writer: this CTA
-// also writes its chunks to nf.gq / nf.gs
+// (one of the first matrix's row group 0: one a K split, so every chunk once) also writes its chunks' normed rows to
+// nf.y and their codes to nf.gq / nf.gs where those are given
 __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int c0, int c1, u8* fq, float* fs,
                                              float* red, bool writer) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -314,16 +316,36 @@ __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int
                 if (m < vb) red[warp + 4 * m] = s[m];
         __syncthreads();
         const float den = sqrtf(warp_sum(lane < nwv ? red[lane] : 0.f) / (float)nf.H + nf.eps);
-        for (int c = c0 + warp; c < c1; c += 4) {
-            const int k = c * 64 + 2 * lane;
-            float2 o;
-            o.x = k < nf.H ? (xr[k] / den) * (nf.w[k] + nf.add_one) : 0.f;
-            o.y = k + 1 < nf.H ? (xr[k + 1] / den) * (nf.w[k + 1] + nf.add_one) : 0.f;
-            act8_quantize_pair(o, c - c0, fq + (i64)ln * nf.fnch * 64, fs + ln, lane);
-            if (writer) act8_quantize_pair(o, c, nf.gq + (i64)ln * nf.ldgq, nf.gs + ln, lane);
+        // the unit's chunks, warp w on chunks c0 + w + 4 j, FU of them a round: every round's loads first (clamped
+        // addresses), as the stores below may alias them for the compiler and would hold each load behind them
+        constexpr int FU = 4;
+        float* yr = nf.y != nullptr && writer ? nf.y + (i64)ln * nf.ldy : nullptr;
+#pragma unroll 1
+        for (int cb = c0 + warp; cb < c1; cb += 4 * FU) {
+            float xv[FU][2], wv[FU][2];
+#pragma unroll
+            for (int u = 0; u < FU; u++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int k = min((cb + 4 * u) * 64 + 2 * lane + e, nf.H - 1);
+                    xv[u][e] = xr[k];
+                    wv[u][e] = nf.w[k];
+                }
+#pragma unroll
+            for (int u = 0; u < FU; u++) {
+                const int c = cb + 4 * u, k = c * 64 + 2 * lane;
+                if (c >= c1) break;  // warp-uniform
+                float2 o;
+                o.x = k < nf.H ? (xv[u][0] / den) * (wv[u][0] + nf.add_one) : 0.f;
+                o.y = k + 1 < nf.H ? (xv[u][1] / den) * (wv[u][1] + nf.add_one) : 0.f;
+                act8_quantize_pair(o, c - c0, fq + (i64)ln * nf.fnch * 64, fs + ln, lane);
+                if (writer && nf.gq != nullptr) act8_quantize_pair(o, c, nf.gq + (i64)ln * nf.ldgq, nf.gs + ln, lane);
+                if (yr != nullptr) {  // the normed rows (rmsnorm_row writes k < H)
+                    if (k < nf.H) yr[k] = o.x;
+                    if (k + 1 < nf.H) yr[k + 1] = o.y;
+                }
+            }
         }
-        if (nf.y != nullptr && blockIdx.x == 0)
-            for (int k = tid; k < nf.H; k += 128) nf.y[(i64)ln * nf.ldy + k] = (xr[k] / den) * (nf.w[k] + nf.add_one);
     }
     __syncthreads();  // every warp's chunks are in fq / fs before the ring's stages copy them
 }
@@ -484,8 +506,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     if constexpr (NF) {
         u8* fq = dyn_smem + S * SG::BYTES;
         float* fs = reinterpret_cast<float*>(fq + (i64)nlanes * ldq);
-        wg_norm_fold(*nf, nlanes, c0, c1, fq, fs, fs + nf->fnch * GEMV_MAX_LANES,
-                     nf->gq != nullptr && d == desc && rg == 0);  // the first matrix's row group 0: every chunk once
+        wg_norm_fold(*nf, nlanes, c0, c1, fq, fs, fs + nf->fnch * GEMV_MAX_LANES, d == desc && rg == 0);
     }
 #pragma unroll 1
     for (int k = 0; k < S - 1; k++) {
@@ -649,8 +670,8 @@ GWG_KERNEL_C(gemv8w_q4_n16w, 16, GWG_CTAS_N16, 0, GWG_SUB_W, GWG_STAGES_W, GWG_C
 GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
 
 // constants NORM_FOLD (kernels.GemvPlan.folds_norm): gemv8w_q4_n8 / n8d with the RMSNorm in front (wg_norm_fold):
-// h / ldh rows, w (+ add_one), eps, H, nb (rmsnorm's block, whose order is replayed), y / ldy (the normed rows, CTA 0;
-// may be null), fnch (the fold buffer's chunks a lane: the launch's longest unit), gq / ldgq / gs (the plan's global
+// h / ldh rows, w (+ add_one), eps, H, nb (rmsnorm's block, whose order is replayed), y / ldy (the normed rows, the
+// first matrix's row group 0; may be null), fnch (the fold buffer's chunks a lane: the launch's longest unit), gq / ldgq / gs (the plan's global
 // a8 activations for its other launches, or null). xq / xs are not read.
 #define GWG_KERNEL_NF(NAME, NL, CTAS, STAGES)                                                                  \
     extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \

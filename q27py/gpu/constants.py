@@ -228,7 +228,7 @@ GDN_GATES_IN_CONV = 1
 CONV_COMMIT_FOLD = 1
 # decode / verify GEMV plans of at most NORM_FOLD_LANES lanes whose input is an RMSNorm of the residual rows (a
 # layer's in plan and gate_up: 128 norm launches of a 27B step) run their q4 launch on gemv_wg's *_nf entries: each
-# CTA replays the norm in front of its unit (cuda/gemv_wg.cu wg_norm_fold), CTA 0 writes the normed rows, and where
+# CTA replays the norm in front of its unit (cuda/gemv_wg.cu wg_norm_fold), row group 0 writes the normed rows, and where
 # the plan has other launches (attention's q8 kv, the GDN gates' bf16 GEMV) the first matrix's row group 0 writes
 # their int8 activations too and they run after it; the norm launch goes (kernels.GemvPlan.folds_norm /
 # _fold_launch, FastModel._norm / _take_norm). Why: rmsnorm_rows_a8 is one CTA a lane holding the 27B step's critical

@@ -371,7 +371,8 @@ def gemv_wg_launch_bytes(nl: int, units: int | None = None, chunks: int | None =
 class NormIn:
     """constants NORM_FOLD: the RMSNorm a GEMV plan's *_nf launch replays in front of itself (GemvPlan.folds_norm):
     rows h (ldh) of the residual, the norm's weights w (+ add_one), eps, the row length `hidden`; y / ldy the normed
-    fp32 rows the norm launch would have written (CTA 0 writes them; None: nobody reads them)."""
+    fp32 rows the norm launch would have written (the first matrix's row-group-0 CTAs write them; None: nobody
+    reads them)."""
     h: object
     ldh: int
     w: object
@@ -612,8 +613,8 @@ class GemvPlan:
 
     def _fold_launch(self, nlanes: int, skip_bf16: bool) -> int | None:
         """The launch an *_nf entry runs for folds_norm, or None: the first of the block's launches that is a q4 one on
-        gemv8w_q4_n8 / n8d whose fold buffer keeps the entry's CTAs an SM. It runs first (its CTA 0 writes x; with
-        other a8 launches in the plan, its first matrix's row group 0 writes their int8 activations too), then the
+        gemv8w_q4_n8 / n8d whose fold buffer keeps the entry's CTAs an SM. It runs first (its first matrix's row group 0 writes x,
+        and with other a8 launches in the plan their int8 activations too), then the
         plan's other launches in their order (each writes its own outputs: the same bits in any order)."""
         if not C.NORM_FOLD or not self.a8 or not 1 <= nlanes <= C.NORM_FOLD_LANES or nlanes >= GEMM_MIN_TOKENS:
             return None

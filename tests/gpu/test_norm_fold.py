@@ -38,7 +38,7 @@ def decode_counts(m):
 
 
 def normed_rows(m, ids):
-    """self.x after a decode step: the last layer's post-attention / MLP norm (folded: CTA 0's rows)."""
+    """self.x after a decode step: the last layer's post-attention / MLP norm (folded: the row-group-0 CTAs' rows)."""
     st = m.new_state()
     m.forward(st, ids, logits_rows="last")
     m.forward(st, [7])
@@ -49,7 +49,7 @@ def normed_rows(m, ids):
 @pytest.mark.parametrize("hidden", [None, 1024])
 def test_plan_fold_equals_norm_then_gemv(hidden, nlanes, wg, monkeypatch):
     """One plan, no model around it (the first thing to read if the model test fails): the MLP's gate_up of the 27B's
-    heads, its input rows random; rmsnorm(a8=plan) + run(prequantized) against run(norm=...): the normed rows CTA 0
+    heads, its input rows random; rmsnorm(a8=plan) + run(prequantized) against run(norm=...): the normed rows row group 0
     writes (the sum of squares' order), then the SwiGLU outputs (the codes and scales the ring copied)."""
     import cupy as cp
 
@@ -74,7 +74,7 @@ def test_plan_fold_equals_norm_then_gemv(hidden, nlanes, wg, monkeypatch):
     m.x.fill(np.nan)
     m.act.fill(np.nan)
     up.run(m.x, m.hp, nlanes, norm=nin)
-    np.testing.assert_array_equal(m.x[:nlanes, :H].get(), want_x, err_msg="the normed rows (CTA 0)")
+    np.testing.assert_array_equal(m.x[:nlanes, :H].get(), want_x, err_msg="the normed rows (row group 0)")
     np.testing.assert_array_equal(m.act[:nlanes, :nout].get(), want_act, err_msg="the GEMV's outputs")
 
 
@@ -115,7 +115,7 @@ def assert_folds(counts, n):
 def test_fold_rules_and_the_gemv_gates(wg, monkeypatch):
     """Which plans fold: past NORM_FOLD_LANES or with the switch off none; with the GDN gates back on the in plan
     (GDN_GATES_IN_CONV 0) the qkvz launch still folds and runs first, the gates' bf16 GEMV after it on the normed
-    rows its CTA 0 wrote -- bitwise, as the model rounds show."""
+    rows its row group 0 wrote -- bitwise, as the model rounds show."""
     from q27py.gpu import constants as C
     from q27py.gpu import kernels as K
     from tests.gpu.plan_rounds import heads27b, rounds
