@@ -350,17 +350,77 @@ __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int
     __syncthreads();  // every warp's chunks are in fq / fs before the ring's stages copy them
 }
 
+// constants GATED_FOLD (kernels.GemvPlan.folds_gated): the GDN output norm in front of gdn_out, done by its own CTAs
+// instead of norm.cu gated_rmsnorm_a8 (48 launches of a 27B decode step, 1.6 us of the chain each). Per lane, the
+// heads the unit's chunks cover: thread j (< dv) holds column j of each head, as gated_rmsnorm_a8's block of dv
+// threads does, so block_sums_post / block_total add in block_sum's order (the same bits), then
+// ((v / den) * w_j) * (z * sigmoid(z)) into a shared row, quantized per chunk with act8_quantize_pair. dv: 64 or 128.
+// Shared memory after the ring: codes [lanes][fnch][64], scales [fnch][GEMV_MAX_LANES], red[GF_HEADS][32], the
+// heads' normed rows [(fnch + 2) * 64].
+struct GatedFold {
+    const float* o;  // the GDN step's output rows (lane l at o + l ldo), heads of dv
+    const float* z;  // the gate rows (raw's z part)
+    const float* w;  // the norm's weights (dv)
+    int ldo, ldz, dv, fnch;
+    float eps;
+};
+
+__device__ __forceinline__ void wg_gated_fold(const GatedFold& gf, int nlanes, int c0, int c1, u8* fq, float* fs,
+                                              float (*red)[32], float* rows) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, dv = gf.dv;
+    const int h0 = (c0 * 64) / dv, h1 = (c1 * 64 + dv - 1) / dv;  // the heads the unit's chunks lie in
+    const float wj = tid < dv ? gf.w[tid] : 0.f;
+    for (int i = tid; i < gf.fnch * GEMV_MAX_LANES; i += 128)
+        if ((i & (GEMV_MAX_LANES - 1)) >= nlanes) fs[i] = 0.f;
+#pragma unroll 1
+    for (int ln = 0; ln < nlanes; ln++) {
+        const float* orow = gf.o + (i64)ln * gf.ldo;
+        const float* zrow = gf.z + (i64)ln * gf.ldz;
+#pragma unroll 1
+        for (int hb = h0; hb < h1; hb += GF_HEADS) {
+            float v[GF_HEADS], zz[GF_HEADS], sq[GF_HEADS];
+#pragma unroll
+            for (int r = 0; r < GF_HEADS; r++) {  // every load first (clamped to the batch's first head)
+                const int k = (hb + r < h1 ? hb + r : hb) * dv + (tid < dv ? tid : 0);
+                v[r] = orow[k];
+                zz[r] = zrow[k];
+            }
+#pragma unroll
+            for (int r = 0; r < GF_HEADS; r++) sq[r] = tid < dv ? v[r] * v[r] : 0.f;
+            __syncthreads();  // red: the previous batch's readers are done
+            block_sums_post<GF_HEADS>(sq, red);
+#pragma unroll
+            for (int r = 0; r < GF_HEADS; r++) {
+                // block_total(red[r]) sums lanes < blockDim / 32 warps: here the 128 threads' 4, of which the warps
+                // past dv / 32 posted 0, so the sum of gated_rmsnorm's dv / 32 warp sums plus zeros: the same bits
+                const float ss = warp_sum(lane < (dv >> 5) ? red[r][lane] : 0.f);
+                if (hb + r < h1 && tid < dv) {
+                    const float den = sqrtf(ss / (float)dv + gf.eps);
+                    rows[(hb + r - h0) * dv + tid] = (v[r] / den) * wj * (zz[r] * sigmoid_f(zz[r]));
+                }
+            }
+        }
+        __syncthreads();  // the heads' rows are complete
+        for (int c = c0 + warp; c < c1; c += 4) {
+            const float2 pv = *reinterpret_cast<const float2*>(rows + c * 64 - h0 * dv + 2 * lane);
+            act8_quantize_pair(pv, c - c0, fq + (i64)ln * gf.fnch * 64, fs + ln, lane);
+        }
+        __syncthreads();  // rows: the next lane overwrites them
+    }
+}
+
 // TWO: the 32-lane two-pass walk at 8 / 16 lanes too (gemv8w_q4_n16t: 4 partials live instead of 8, so
 // the 16-lane kernel fits GWG_CTAS_N16T = 3 CTAs per SM, 12 warps instead of 8; the same additions in the same
 // order, as the 32-lane kernel's are). SUB: a stage's chunks go to the tensor cores SUB at a time, each batch
 // committed, waited for and its epilogue run before the next batch's A fragments are unpacked (gemv8w_q4_n32s:
 // SUB = 2 keeps half the int32 results and A registers live, so the 32-lane kernel fits 3 CTAs per SM with a
 // ring of STAGES = GWG_STAGES_N32S); each chunk's terms still go to its own residue partial in chunk order.
-// NF: constants NORM_FOLD's entries (*_nf: the norm replayed in front, wg_norm_fold; nf its arguments)
+// NF: 1 constants NORM_FOLD's entries (*_nf: the norm replayed in front, wg_norm_fold; nf its arguments), 2
+// GATED_FOLD's (*_gf: the GDN output norm, wg_gated_fold; gf)
 template <int NL, int TWO = 0, int SUB = GWG_CPS, int STAGES = GWG_STAGES, int CPS = GWG_CPS, int NF = 0>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, int ubase = 0,
-                                        const NormFold* nf = nullptr) {
+                                        const NormFold* nf = nullptr, const GatedFold* gf = nullptr) {
     typedef WgStage<NL, CPS> SG;
     static_assert(NL == 8 || NL == 16 || NL == 32, "wg_mma's shapes");
     static_assert(NL <= GWG_MAX_LANES && (NL <= GEMV_MAX_LANES || NL == 2 * GEMV_MAX_LANES), "xs: one or two halves");
@@ -384,7 +444,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     if constexpr (NF) {
         u8* fq = dyn_smem + S * SG::BYTES;
         xq = fq;
-        ldq = nf->fnch * 64;
+        ldq = (NF == 1 ? nf->fnch : gf->fnch) * 64;
         xs = reinterpret_cast<const float*>(fq + (i64)nlanes * ldq);
     }
     // How the stages walk the unit's chunks (each stage CPS consecutive ones, residues R .. R + CPS - 1):
@@ -506,7 +566,12 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
     if constexpr (NF) {
         u8* fq = dyn_smem + S * SG::BYTES;
         float* fs = reinterpret_cast<float*>(fq + (i64)nlanes * ldq);
-        wg_norm_fold(*nf, nlanes, c0, c1, fq, fs, fs + nf->fnch * GEMV_MAX_LANES, d == desc && rg == 0);
+        if constexpr (NF == 1) {
+            wg_norm_fold(*nf, nlanes, c0, c1, fq, fs, fs + nf->fnch * GEMV_MAX_LANES, d == desc && rg == 0);
+        } else {
+            float(*red)[32] = reinterpret_cast<float(*)[32]>(fs + gf->fnch * GEMV_MAX_LANES);
+            wg_gated_fold(*gf, nlanes, c0, c1, fq, fs, red, &red[GF_HEADS][0]);
+        }
     }
 #pragma unroll 1
     for (int k = 0; k < S - 1; k++) {
@@ -690,6 +755,27 @@ GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
 #endif
 GWG_KERNEL_NF(gemv8w_q4_n8_nf, 8, GWG_CTAS_N8, GWG_STAGES)
 GWG_KERNEL_NF(gemv8w_q4_n8d_nf, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)
+
+// constants GATED_FOLD (kernels.GemvPlan.folds_gated): gemv8w_q4_n8 / n8d with the GDN output norm in front
+// (wg_gated_fold): o / ldo rows, z / ldz gate rows, w (dv weights), eps, dv, fnch (the fold buffer's chunks a lane).
+// xq / xs are not read.
+#define GWG_KERNEL_GF(NAME, NL, CTAS, STAGES)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, const float* __restrict__ o,        \
+             int ldo, const float* __restrict__ z, int ldz, const float* __restrict__ w, float eps, int dv,    \
+             int fnch) {                                                                                       \
+        GWG_CALL_GF(NL, STAGES)                                                                                \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GWG_CALL_GF(NL, STAGES)                                                                                \
+    const GatedFold gf{o, z, w, ldo, ldz, dv, fnch, eps};                                                      \
+    wg_body<NL, 0, GWG_CPS, STAGES, GWG_CPS, 2>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0, 0, nullptr, &gf);
+#else
+#define GWG_CALL_GF(NL, STAGES) __trap();
+#endif
+GWG_KERNEL_GF(gemv8w_q4_n8_gf, 8, GWG_CTAS_N8, GWG_STAGES)
+GWG_KERNEL_GF(gemv8w_q4_n8d_gf, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)
 
 // constants GEMV_MERGE (kernels.GemvPlan): a plan of a bf16 launch and a q4 one -- the GDN layer's decay / beta gates
 // and its qkvz -- as one grid: CTAs 0 .. gunits - 1 run the bf16 units (gemv.cu's gemv_bf16_nt* units on 4 warps,

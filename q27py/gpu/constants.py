@@ -238,6 +238,15 @@ CONV_COMMIT_FOLD = 1
 # time. 0: off (built, CPU-checked, not yet run on a device); 1: on
 NORM_FOLD = 0
 NORM_FOLD_LANES = 2
+# decode / verify gdn_out plans of at most NORM_FOLD_LANES lanes (the GDN layer's output projection, one q4 launch
+# on gemv8w_q4_n8 / n8d) run gemv_wg's *_gf entries: each CTA computes the GDN output norm (gated RMSNorm, per value
+# head) of the heads its unit's chunks lie in (cuda/gemv_wg.cu wg_gated_fold), and the gated_rmsnorm_a8 launch goes
+# (kernels.GemvPlan.folds_gated, FastModel._gdn_out). Why: that launch holds the 27B decode step's chain 1.6 us a GDN
+# layer (77 us a 2K step, docs/PERF.md fourteenth session), for 48 heads of 128 values. Bitwise (block_sum's order:
+# the CTA's 128 threads are the norm's block of dv). GF_HEADS: heads summed per barrier. Read at launch time. 0: off
+# (built, CPU-checked, not yet run on a device); 1: on
+GATED_FOLD = 0
+GF_HEADS = 4
 # shared memory of an sm_90 SM (228 KB; each resident CTA also takes 1 KB): what an *_nf launch's fold buffer may not
 # push its entry's resident CTAs past (GemvPlan.folds_norm)
 GWG_SM_SHARED = 233472

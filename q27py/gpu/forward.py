@@ -1531,10 +1531,23 @@ class FastModel:
                                      gated.ldy, gated.yb, gated.ldyb)
             plan["out"].run(self.xo, self.ld_xo, t, x_bf16=gated.yb)
             return
-        fuse = K.gated_rmsnorm_fuses(plan["out"], t, hv, dv)
+        self._gdn_out(g, plan["out"], raw, t)
+
+    def _gdn_out(self, g, out: "K.GemvPlan", raw, t: int) -> None:
+        """A decode / verify GDN layer's output norm (gated RMSNorm of self.o_gdn by raw's z rows) and its out
+        projection: gated_rmsnorm (writing the plan's int8 activations where it fuses them) then the GEMV, or, where
+        the plan folds the norm (constants GATED_FOLD, GemvPlan.folds_gated), the GEMV alone computing it (the same
+        bits)."""
+        cfg = self.cfg
+        hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.gdn_conv_dim
+        gin = K.GatedIn(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, dv)
+        if out.kpad == hv * dv and out.folds_gated(t, gin):
+            out.run(self.xo, self.ld_xo, t, gated=gin)
+            return
+        fuse = K.gated_rmsnorm_fuses(out, t, hv, dv)
         K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, t, hv, dv, self.xo,
-                        self.ld_xo, a8=plan["out"] if fuse else None)
-        plan["out"].run(self.xo, self.ld_xo, t, prequantized=fuse)
+                        self.ld_xo, a8=out if fuse else None)
+        out.run(self.xo, self.ld_xo, t, prequantized=fuse)
 
     def _gates_in_conv(self, g) -> "K.GatesInConv | None":
         """The conv's own decay / beta gates (GDN_GATES_IN_CONV) for a decode / verify GDN chain: the layer's bf16 gates
@@ -1571,10 +1584,7 @@ class FastModel:
         if not fold:
             K.gdn_conv_commit_lanes(self.lane_table, win_off, raw, self.ld_proj, c, kw, n)
         K.gdn_step_lanes(self.lane_table, state_off, qkvn, gb, self.o_gdn, hv * dv, hk, hv, dk, dv, n)
-        fuse = K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
-        K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, n, hv, dv, self.xo,
-                        self.ld_xo, a8=plan["out"] if fuse else None)
-        plan["out"].run(self.xo, self.ld_xo, n, prequantized=fuse)
+        self._gdn_out(g, plan["out"], raw, n)
 
     def _gdn_groups(self, lw: LayerW, plan: dict, n: int, ngroups: int, state_off: int, win_off: int) -> None:
         """_gdn for verify_batch lanes (each group a verify of its own state; offsets: this layer's bytes into
@@ -1594,10 +1604,7 @@ class FastModel:
                           self.ab.shape[1], g.neg_a, g.dt_bias, hk, hv, dk, dv, kw, qkvn, gb, n, gates=gates)
         K.gdn_step_groups(self.lane_table, self.group_table, C.GT_COUNT, state_off, 0, qkvn, 0, gb, 0, self.o_gdn,
                           hv * dv, hk, hv, dk, dv, ngroups, emit=True, write_state=False)
-        fuse = K.gated_rmsnorm_fuses(plan["out"], n, hv, dv)
-        K.gated_rmsnorm(self.o_gdn, hv * dv, raw[:, c:], self.ld_proj, g.norm_w, cfg.rms_norm_eps, n, hv, dv, self.xo,
-                        self.ld_xo, a8=plan["out"] if fuse else None)
-        plan["out"].run(self.xo, self.ld_xo, n, prequantized=fuse)
+        self._gdn_out(g, plan["out"], raw, n)
 
     def _attention_groups(self, lw: LayerW, plan: dict, n: int, ngroups: int, kv_off: int, x_off: int,
                           lanes=None, groups=None) -> None:

@@ -393,6 +393,27 @@ def norm_fold_bytes(nlanes: int, fnch: int) -> int:
     return nlanes * fnch * L.CHUNK_K + fnch * GEMV_MAX_LANES * 4 + 32 * 4
 
 
+@dataclass(frozen=True)
+class GatedIn:
+    """constants GATED_FOLD: the GDN output norm a gdn_out plan's *_gf launch computes in front of itself
+    (GemvPlan.folds_gated; norm.cu gated_rmsnorm_a8's arguments): the GDN step's output rows o (ldo), the gate rows z
+    (ldz), the norm's dv weights w, eps, the value head dim dv."""
+    o: object
+    ldo: int
+    z: object
+    ldz: int
+    w: object
+    eps: float
+    dv: int
+
+
+def gated_fold_bytes(nlanes: int, fnch: int) -> int:
+    """Shared memory a *_gf launch adds after its ring (cuda/gemv_wg.cu wg_gated_fold): the unit's codes and chunk
+    scales as norm_fold_bytes', GF_HEADS rows of 32 warp sums, and the normed rows of the heads its chunks lie in
+    (at most 2 chunks past them at dv <= 128)."""
+    return nlanes * fnch * L.CHUNK_K + fnch * GEMV_MAX_LANES * 4 + C.GF_HEADS * 32 * 4 + (fnch + 2) * L.CHUNK_K * 4
+
+
 def gemv_wg_width(n: int) -> int:
     """The gemv_wg kernel (its NL) a launch of n lanes runs: gemv8w_q4_n8 / _n16 / _n32."""
     assert 1 <= n <= GWG_MAX_LANES, n
@@ -607,17 +628,29 @@ class GemvPlan:
         NORM_FOLD; cuda/gemv_wg.cu's *_nf entries) instead of reading activations a norm launch wrote: a GEMV block of
         lanes 0 .. nlanes - 1 <= NORM_FOLD_LANES with a q4 launch on gemv8w_q4_n8 / n8d (_fold_launch), the norm's
         row within rmsnorm_row's registers (no tail loop to replay)."""
+        if not C.NORM_FOLD:
+            return False
         if norm is not None and (norm.hidden > C.NORM_PER_THREAD * norm.block() or norm.hidden > self.kpad):
             return False
         return self._fold_launch(nlanes, skip_bf16) is not None
 
-    def _fold_launch(self, nlanes: int, skip_bf16: bool) -> int | None:
+    def folds_gated(self, nlanes: int, gated: "GatedIn") -> bool:
+        """Whether run(nlanes, gated=...) computes the GDN output norm of its input in its own CTAs (constants
+        GATED_FOLD; cuda/gemv_wg.cu's *_gf entries) instead of reading the activations gated_rmsnorm_a8 wrote: the
+        plan's one launch on gemv8w_q4_n8 / n8d (_fold_launch), K exactly the value heads, dv 64 or 128 (a head's
+        norm is one block of dv <= 128 threads, the CTA's)."""
+        if not C.GATED_FOLD or len(self.launches) != 1 or gated.dv not in (64, 128) or self.kpad % gated.dv:
+            return False
+        return self._fold_launch(nlanes, False, gated_fold_bytes) is not None
+
+    def _fold_launch(self, nlanes: int, skip_bf16: bool, fold_bytes=None) -> int | None:
         """The launch an *_nf entry runs for folds_norm, or None: the first of the block's launches that is a q4 one on
         gemv8w_q4_n8 / n8d whose fold buffer keeps the entry's CTAs an SM. It runs first (its first matrix's row group 0 writes x,
         and with other a8 launches in the plan their int8 activations too), then the
         plan's other launches in their order (each writes its own outputs: the same bits in any order)."""
-        if not C.NORM_FOLD or not self.a8 or not 1 <= nlanes <= C.NORM_FOLD_LANES or nlanes >= GEMM_MIN_TOKENS:
+        if not self.a8 or not 1 <= nlanes <= C.NORM_FOLD_LANES or nlanes >= GEMM_MIN_TOKENS:
             return None
+        fold_bytes = fold_bytes or norm_fold_bytes
         last = len(self.launches) - 1
         for li, (fmt, _desc, _nmat, units) in enumerate(self.launches):
             if skip_bf16 and fmt == L.FMT_BF16:
@@ -628,8 +661,7 @@ class GemvPlan:
             name = gemv_wg_kernel(8, units, self.unit_chunks[li])
             if name not in ("gemv8w_q4_n8", "gemv8w_q4_n8d"):
                 continue
-            need = gemv_wg_launch_bytes(8, units, self.unit_chunks[li]) + norm_fold_bytes(nlanes,
-                                                                                           self.unit_chunks_max[li])
+            need = gemv_wg_launch_bytes(8, units, self.unit_chunks[li]) + fold_bytes(nlanes, self.unit_chunks_max[li])
             if _wg_entry(name)[0] * (need + 1024) <= C.GWG_SM_SHARED:
                 return li
         return None
@@ -653,7 +685,7 @@ class GemvPlan:
 
     def run(self, x, ldx: int, nlanes: int, lane0: int = 0, allow_gemm: bool = True,
             prequantized: bool = False, x_bf16=None, y_bf16=None, skip_bf16: bool = False,
-            norm: "NormIn | None" = None) -> None:
+            norm: "NormIn | None" = None, gated: "GatedIn | None" = None) -> None:
         """y[lane0 + t] for t < nlanes: the prefill GEMM for many tokens (q4/q8 matrices), else
         the GEMV in blocks of at most 16 lanes -- or, where the plan's q4 launches run on gemv_wg (self.wide),
         blocks of 17-32 lanes whose q4 launches stream the weights once (_run_wide). prequantized: x's producer already wrote this plan's
@@ -661,9 +693,16 @@ class GemvPlan:
         also (or only) wrote bf16 rows [lanes, kpad] of it (gemm_inputs says when); without them the
         matrices on the bf16 route share one conversion. y_bf16 (swiglu_bf16): the output as bf16 rows.
         skip_bf16: leave the plan's bf16 matrices out (GDN_GATES_IN_CONV: the conv computes the gates itself).
-        norm (folds_norm): x is norm's output, which this launch computes itself (no norm launch before it)."""
+        norm (folds_norm): x is norm's output, which this launch computes itself (no norm launch before it); gated
+        (folds_gated): the same for the GDN output norm (x is not read)."""
         assert not prequantized or (self.fuses_quant(nlanes) and lane0 == 0)
         assert norm is None or (lane0 == 0 and self.folds_norm(nlanes, skip_bf16, norm)), "norm: folds_norm's launch"
+        assert gated is None or (lane0 == 0 and self.folds_gated(nlanes, gated)), "gated: folds_gated's launch"
+        if gated is not None:
+            fmt, desc, nmat, units = self.launches[0]
+            self._launch(Runtime.get(), fmt, desc, nmat, units, 1, x, ldx, nlanes, 0, None, self.xq, self.xs,
+                         self.unit_chunks[0], gated=gated, fnch=self.unit_chunks_max[0])
+            return
         if norm is not None:  # the *_nf launch first, then the others on what it wrote (_fold_launch)
             rt = Runtime.get()
             wl, last = self._fold_launch(nlanes, skip_bf16), len(self.launches) - 1
@@ -747,12 +786,19 @@ class GemvPlan:
 
     def _launch(self, rt, fmt: int, desc, nmat: int, units: int, cluster: int, x, ldx: int, n: int, l0: int, pf,
                 xq, xs, chunks: int | None = None, norm: "NormIn | None" = None, fnch: int = 0,
-                share: bool = False) -> None:
+                share: bool = False, gated: "GatedIn | None" = None) -> None:
         """One launch of the plan for n <= 16 lanes l0 .. l0 + n - 1, their a8 activations at xq / xs (rows 0 ..
         n - 1; [chunk][GEMV_MAX_LANES] scales); chunks: the fewest chunks one of its units streams. norm / fnch
         (folds_norm): the *_nf entry, which computes those activations from norm's rows (fnch: the most chunks a
         unit streams, the fold buffer's; share: it also writes them to xq / xs for the plan's other launches)."""
         nt = 1 if n <= 8 else 2
+        if gated is not None:  # folds_gated: the *_gf entry
+            rt.launch("gemv_wg", gemv_wg_kernel(8, units, chunks) + "_gf", units, 128,
+                      (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs, np.uint32(0x80808080), i32(n), i32(l0),
+                       gated.o, i32(gated.ldo), gated.z, i32(gated.ldz), gated.w, f32(gated.eps), i32(gated.dv),
+                       i32(fnch)),
+                      shared_mem=gemv_wg_launch_bytes(8, units, chunks) + gated_fold_bytes(n, fnch))
+            return
         if norm is not None:
             rt.launch("gemv_wg", gemv_wg_kernel(8, units, chunks) + "_nf", units, 128,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs, np.uint32(0x80808080), i32(n), i32(l0),

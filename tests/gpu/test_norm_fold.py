@@ -1,6 +1,7 @@
 """constants NORM_FOLD (cuda/gemv_wg.cu wg_norm_fold, the *_nf entries; kernels.GemvPlan.folds_norm, FastModel._norm /
 _take_norm): a decode / verify GEMV of at most NORM_FOLD_LANES lanes replays the RMSNorm of its input in its own CTAs
-and the norm launch before it goes. Bitwise the norm launch + prequantized GEMV: logits, states and the normed rows
+and the norm launch before it goes; GATED_FOLD (wg_gated_fold, the *_gf entries; GemvPlan.folds_gated,
+FastModel._gdn_out) the same for the GDN output norm before gdn_out. Bitwise the norm launch + prequantized GEMV: logits, states and the normed rows
 (self.x, which the GDN conv reads for its gates) equal with the switch off and on, over decode steps, verify rounds
 and commits, eager and under graphs, at the 27B hidden (rmsnorm's 1,024-thread order) and below 2,048 (256 threads),
 with the fold's lanes at 2 and at 8; and the fold is not vacuous: its launches replace the norm launches.
@@ -78,6 +79,40 @@ def test_plan_fold_equals_norm_then_gemv(hidden, nlanes, wg, monkeypatch):
     np.testing.assert_array_equal(m.act[:nlanes, :nout].get(), want_act, err_msg="the GEMV's outputs")
 
 
+@pytest.mark.parametrize("nlanes", [1, 2, 8])
+def test_plan_gated_fold_equals_norm_then_gemv(nlanes, wg, monkeypatch):
+    """gdn_out of the 27B's heads alone: gated_rmsnorm(a8=plan) + run(prequantized) against run(gated=...), the
+    GDN step's rows and the gate rows random."""
+    import cupy as cp
+
+    from q27py.gpu import constants as C
+    from q27py.gpu import kernels as K
+    from tests.gpu.plan_rounds import heads27b
+
+    monkeypatch.setattr(C, "GATED_FOLD", 1)
+    monkeypatch.setattr(C, "NORM_FOLD_LANES", 8)
+    m = heads27b(False, hidden=None, seed=13)
+    cfg, g = m.cfg, m.w.layers[0].gdn
+    hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.gdn_conv_dim
+    out, raw = m.layer_plans[0]["out"], m.proj[0]
+    rng = np.random.default_rng(200 + nlanes)
+    m.o_gdn[:nlanes, : hv * dv] = cp.asarray(rng.standard_normal((nlanes, hv * dv)).astype(np.float32))
+    raw[:nlanes, c : c + hv * dv] = cp.asarray(rng.standard_normal((nlanes, hv * dv)).astype(np.float32) * 2)
+    gin = K.GatedIn(m.o_gdn, hv * dv, raw[:, c:], m.ld_proj, g.norm_w, cfg.rms_norm_eps, dv)
+    if nlanes > 2 and not out.folds_gated(nlanes, gin):
+        pytest.skip("this launch's fold buffer at this width would cost the entry a resident CTA an SM")
+    assert out.folds_gated(nlanes, gin)
+    K.gated_rmsnorm(m.o_gdn, hv * dv, raw[:, c:], m.ld_proj, g.norm_w, cfg.rms_norm_eps, nlanes, hv, dv, m.xo, m.ld_xo,
+                    a8=out)
+    y = out.outputs[0][0]  # the residual rows h, which gdn_out adds into: each run from the same h
+    h0 = y[:nlanes].copy()
+    out.run(m.xo, m.ld_xo, nlanes, prequantized=True)
+    want = y[:nlanes, : cfg.hidden_size].get()
+    y[:nlanes] = h0
+    out.run(m.xo, m.ld_xo, nlanes, gated=gin)
+    np.testing.assert_array_equal(y[:nlanes, : cfg.hidden_size].get(), want)
+
+
 @pytest.mark.parametrize("lanes", [2, 8])
 @pytest.mark.parametrize("hidden", [None, 1024])
 @pytest.mark.parametrize("graphs", [False, True])
@@ -90,6 +125,7 @@ def test_fold_keeps_the_bits(graphs, hidden, lanes, wg, monkeypatch):
     got, counts, rows = {}, {}, {}
     for on in (0, 1):
         monkeypatch.setattr(C, "NORM_FOLD", on)
+        monkeypatch.setattr(C, "GATED_FOLD", on)
         m = heads27b(graphs, hidden=hidden, seed=13)
         got[on] = rounds(m, ids, widths=(1, 2, 3, 8, 12))
         counts[on] = decode_counts(m)
@@ -97,19 +133,21 @@ def test_fold_keeps_the_bits(graphs, hidden, lanes, wg, monkeypatch):
     for i, (a, b) in enumerate(zip(got[0], got[1])):
         np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
     np.testing.assert_array_equal(rows[0], rows[1])
-    assert_folds(counts, 8)
+    assert_folds(counts, 8, gated=3)
 
 
-def assert_folds(counts, n):
+def assert_folds(counts, n, gated=0):
     """Every layer's input and post-attention norms fold (4 layers: 8; the attention layer's in plan runs q's *_nf
-    launch first, which also writes the int8 activations its q8 kv launch reads): that many norm launches fewer a
-    decode step and a 2-lane verify, that many *_nf launches."""
+    launch first, which also writes the int8 activations its q8 kv launch reads), and with GATED_FOLD the 3 GDN
+    layers' output norms: that many norm launches fewer a decode step and a 2-lane verify, that many *_nf / *_gf
+    launches."""
     for k in (0, 1):
         off, on = counts[0][k], counts[1][k]
-        folded = sum(v for (mod, name), v in on.items() if mod == "gemv_wg" and name.endswith("_nf"))
-        assert folded == n, on
-        assert off[("norm", "rmsnorm_rows_a8")] - on.get(("norm", "rmsnorm_rows_a8"), 0) == n
-        assert sum(off.values()) - sum(on.values()) == n
+        for suffix, kernel, want in (("_nf", "rmsnorm_rows_a8", n), ("_gf", "gated_rmsnorm_a8", gated)):
+            folded = sum(v for (mod, name), v in on.items() if mod == "gemv_wg" and name.endswith(suffix))
+            assert folded == want, on
+            assert off.get(("norm", kernel), 0) - on.get(("norm", kernel), 0) == want
+        assert sum(off.values()) - sum(on.values()) == n + gated
 
 
 def test_fold_rules_and_the_gemv_gates(wg, monkeypatch):

@@ -46,7 +46,7 @@ def test_every_pdl_kernel_waits_first():
         for name, body in _kernels(src):
             first = body.lstrip().lstrip("\\").lstrip()
             ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<")) or (
-                mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(", "GWG_CALL_NF(")))  # wg_body / gemv_body_w4 wait inside
+                mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(", "GWG_CALL_NF(", "GWG_CALL_GF(")))  # wg_body / gemv_body_w4 wait inside
             if not ok and "pdl_entry();" in first:
                 # constants loaded before the wait (norm.cu: the norm weights; conv.cu: the GDN gates' weights):
                 # every statement before pdl_entry() is a register array (or GatesPre) declaration or a
@@ -80,7 +80,10 @@ def test_every_pdl_kernel_waits_first():
     call = wg[wg.index("#define GWG_CALL_NF(NL, STAGES)"):]
     call = call[: call.index("#else")]
     assert "const NormFold nf{" in call and "wg_body<" in call and call.count(";") == 2
-    assert body.index("wg_norm_fold(") > wait
+    call = wg[wg.index("#define GWG_CALL_GF(NL, STAGES)"):]
+    call = call[: call.index("#else")]
+    assert "const GatedFold gf{" in call and "wg_body<" in call and call.count(";") == 2
+    assert body.index("wg_norm_fold(") > wait and body.index("wg_gated_fold(") > wait
 
 
 def test_pdl_entry_is_arch_guarded():
