@@ -393,3 +393,50 @@ def test_batched_forward_launches_the_one_token_decode(rec, kv, mma, fused):
         if a.module == "sampling" and a.kernel == "top2_final":
             lane_dim = 0
         assert a.grid[lane_dim] == 5, (a.kernel, a.grid)
+
+
+class _FoldPlan(_Plan):
+    """_Plan whose GEMVs fold the norms in front of them (constants NORM_FOLD / GATED_FOLD): run records what it was
+    handed to compute itself."""
+
+    def folds_norm(self, nlanes, skip_bf16=False, norm=None):
+        return True
+
+    def folds_gated(self, nlanes, gated):
+        return True
+
+    def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False, x_bf16=None, y_bf16=None,
+            skip_bf16=False, norm=None, gated=None):
+        self.rec.calls.append(types.SimpleNamespace(module="plan", kernel=self.name, grid=(nlanes, lane0),
+                                                    block=prequantized, args=(norm, gated), smem=0))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_folded_norms_leave_no_norm_launch(rec, fused):
+    """With every plan folding (the GPU tests check the folds' bits): a decode step and a decode_batch round launch no
+    layer norm and no GDN output norm; each layer's in / up plan gets its own norm's weights over the residual rows
+    h into x, each GDN layer's out plan (chain only: the fused step writes its own) the gated norm of o_gdn; nothing
+    is left pending."""
+    from q27py.model.config import FULL
+
+    m, st = _fake_model(rec, "bf16", True, fused)
+    hv, dv = m.cfg.linear_num_value_heads, m.cfg.linear_value_head_dim
+    for li, (lw, p) in enumerate(zip(m.w.layers, m.layer_plans)):
+        lw.input_ln, lw.post_ln = np.full(1, 2 * li, np.float32), np.full(1, 2 * li + 1, np.float32)
+        for k in ("in", "out", "up", "down"):
+            p[k] = _FoldPlan(rec, f"{k}{li}")
+            p[k].kpad = hv * dv if k == "out" else 64
+    for run in (lambda: m.enqueue_main(st, 1, False, np.array([0])), lambda: m.enqueue_batch(2, (4096, 64, 512, 256))):
+        rec.calls.clear()
+        run()
+        kernels = [c.kernel for c in rec.calls if c.module == "norm"]
+        assert kernels == ["rmsnorm_rows"], kernels  # the final norm only (before the lm_head)
+        plans = {c.kernel: c.args for c in rec.calls if c.module == "plan"}
+        for li, lw in enumerate(m.w.layers):
+            for k, w in (("in", lw.input_ln), ("up", lw.post_ln)):
+                norm, gated = plans[f"{k}{li}"]
+                assert norm is not None and norm.w is w and norm.h is m.h and norm.y is m.x and gated is None
+            norm, gated = plans[f"out{li}"]
+            assert norm is None
+            assert (gated is not None and gated.o is m.o_gdn and gated.dv == dv) == (lw.kind != FULL and not fused)
+        assert m._norm_folded is None
