@@ -279,6 +279,13 @@ __device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
                  : "memory");
 }
 
+// a fold buffer's chunk scales of the lanes past the launch's (their columns are computed and dropped): zero, not
+// stale shared memory
+__device__ __forceinline__ void fold_zero_scales(float* fs, int fnch, int nlanes) {
+    for (int i = threadIdx.x; i < fnch * GEMV_MAX_LANES; i += 128)  // gemv_wg's CTAs: one warpgroup
+        if ((i & (GEMV_MAX_LANES - 1)) >= nlanes) fs[i] = 0.f;
+}
+
 // fq / fs: the unit's codes and chunk scales (chunk c at c - c0), red: 32 floats of shared memory; writer: this CTA
 // (one of the first matrix's row group 0: one a K split, so every chunk once) also writes its chunks' normed rows to
 // nf.y and their codes to nf.gq / nf.gs where those are given
@@ -286,9 +293,7 @@ __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int
                                              float* red, bool writer) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int vb = nf.nb >> 7, nwv = nf.nb >> 5;
-    // scales of the lanes past the launch's (their columns are computed and dropped): zero, not stale
-    for (int i = tid; i < nf.fnch * GEMV_MAX_LANES; i += 128)
-        if ((i & (GEMV_MAX_LANES - 1)) >= nlanes) fs[i] = 0.f;
+    fold_zero_scales(fs, nf.fnch, nlanes);
 #pragma unroll 1
     for (int ln = 0; ln < nlanes; ln++) {
         const float* xr = nf.h + (i64)ln * nf.ldh;
@@ -370,8 +375,7 @@ __device__ __forceinline__ void wg_gated_fold(const GatedFold& gf, int nlanes, i
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, dv = gf.dv;
     const int h0 = (c0 * 64) / dv, h1 = (c1 * 64 + dv - 1) / dv;  // the heads the unit's chunks lie in
     const float wj = tid < dv ? gf.w[tid] : 0.f;
-    for (int i = tid; i < gf.fnch * GEMV_MAX_LANES; i += 128)
-        if ((i & (GEMV_MAX_LANES - 1)) >= nlanes) fs[i] = 0.f;
+    fold_zero_scales(fs, gf.fnch, nlanes);
 #pragma unroll 1
     for (int ln = 0; ln < nlanes; ln++) {
         const float* orow = gf.o + (i64)ln * gf.ldo;
