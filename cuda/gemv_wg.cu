@@ -260,6 +260,9 @@ __device__ __forceinline__ void wg_fold_second(const float (&acc)[RL][NT][4], fl
 //   so its real warp's shuffles are that virtual warp's, and the warp sums land in red as block_sum's do.
 // - the values: (x / den) * (w + add_one), then act8_quantize_pair per 64-k chunk (pads past H are 0, as the
 //   staged copy's are), the bytes and scales quant_act8 / rmsnorm_rows_a8 write.
+// - w null (constants QUANT_FOLD: down's SwiGLU rows): no norm, the rows' own values quantized per chunk, the bytes
+//   quant_act8 writes; each CTA reads only its unit's chunks (no sum to replay), so it costs the CTA ~its chunks'
+//   fp32 reads from L2 in place of a quant_act8 launch on the chain.
 // Shared memory after the ring: codes [lanes][fnch chunks][64], scales [fnch][GEMV_MAX_LANES], red[32].
 // gq / gs (may be null): the plan's global a8 activations, which its other launches read (attention's in plan: q
 // on this kernel, the q8 kv launch after it): the CTAs of the first matrix's row group 0 (one per K split, so every
@@ -293,34 +296,38 @@ __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int
                                              float* red, bool writer) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int vb = nf.nb >> 7, nwv = nf.nb >> 5;
+    const bool normed = nf.w != nullptr;  // else constants QUANT_FOLD: the rows quantized as they are
     fold_zero_scales(fs, nf.fnch, nlanes);
 #pragma unroll 1
     for (int ln = 0; ln < nlanes; ln++) {
         const float* xr = nf.h + (i64)ln * nf.ldh;
-        // every load first (clamped addresses, no predicated loads: they issue together), then the sums
-        float v[8][NORM_PER_THREAD], s[8];
-#pragma unroll
-        for (int m = 0; m < 8; m++)
-#pragma unroll
-            for (int i = 0; i < NORM_PER_THREAD; i++) {
-                const int k = tid + 128 * m + i * nf.nb;
-                const float x = xr[min(k, nf.H - 1)];
-                v[m][i] = m < vb && k < nf.H ? x : 0.f;
-            }
-#pragma unroll
-        for (int m = 0; m < 8; m++) {
-            float ss = 0.f;
-#pragma unroll
-            for (int i = 0; i < NORM_PER_THREAD; i++) ss = fmaf(v[m][i], v[m][i], ss);
-            s[m] = warp_sum(ss);  // m >= vb: 0, unused
-        }
-        __syncthreads();  // red: the previous lane's readers are done
-        if (lane == 0)
+        float den = 1.f;
+        if (normed) {
+            // every load first (clamped addresses, no predicated loads: they issue together), then the sums
+            float v[8][NORM_PER_THREAD], s[8];
 #pragma unroll
             for (int m = 0; m < 8; m++)
-                if (m < vb) red[warp + 4 * m] = s[m];
-        __syncthreads();
-        const float den = sqrtf(warp_sum(lane < nwv ? red[lane] : 0.f) / (float)nf.H + nf.eps);
+#pragma unroll
+                for (int i = 0; i < NORM_PER_THREAD; i++) {
+                    const int k = tid + 128 * m + i * nf.nb;
+                    const float x = xr[min(k, nf.H - 1)];
+                    v[m][i] = m < vb && k < nf.H ? x : 0.f;
+                }
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                float ss = 0.f;
+#pragma unroll
+                for (int i = 0; i < NORM_PER_THREAD; i++) ss = fmaf(v[m][i], v[m][i], ss);
+                s[m] = warp_sum(ss);  // m >= vb: 0, unused
+            }
+            __syncthreads();  // red: the previous lane's readers are done
+            if (lane == 0)
+#pragma unroll
+                for (int m = 0; m < 8; m++)
+                    if (m < vb) red[warp + 4 * m] = s[m];
+            __syncthreads();
+            den = sqrtf(warp_sum(lane < nwv ? red[lane] : 0.f) / (float)nf.H + nf.eps);
+        }
         // the unit's chunks, warp w on chunks c0 + w + 4 j, FU of them a round: every round's loads first (clamped
         // addresses), as the stores below may alias them for the compiler and would hold each load behind them
         constexpr int FU = 4;
@@ -334,15 +341,15 @@ __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int
                 for (int e = 0; e < 2; e++) {
                     const int k = min((cb + 4 * u) * 64 + 2 * lane + e, nf.H - 1);
                     xv[u][e] = xr[k];
-                    wv[u][e] = nf.w[k];
+                    wv[u][e] = normed ? nf.w[k] : 0.f;
                 }
 #pragma unroll
             for (int u = 0; u < FU; u++) {
                 const int c = cb + 4 * u, k = c * 64 + 2 * lane;
                 if (c >= c1) break;  // warp-uniform
                 float2 o;
-                o.x = k < nf.H ? (xv[u][0] / den) * (wv[u][0] + nf.add_one) : 0.f;
-                o.y = k + 1 < nf.H ? (xv[u][1] / den) * (wv[u][1] + nf.add_one) : 0.f;
+                o.x = k < nf.H ? (normed ? (xv[u][0] / den) * (wv[u][0] + nf.add_one) : xv[u][0]) : 0.f;
+                o.y = k + 1 < nf.H ? (normed ? (xv[u][1] / den) * (wv[u][1] + nf.add_one) : xv[u][1]) : 0.f;
                 act8_quantize_pair(o, c - c0, fq + (i64)ln * nf.fnch * 64, fs + ln, lane);
                 if (writer && nf.gq != nullptr) act8_quantize_pair(o, c, nf.gq + (i64)ln * nf.ldgq, nf.gs + ln, lane);
                 if (yr != nullptr) {  // the normed rows (rmsnorm_row writes k < H)

@@ -579,26 +579,26 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         done
         python3 tools/step_trace.py --compare "$OUT/s13_trace0_1.json" "$OUT/s13_trace1_1.json" | head -24
         (cd "$OUT" && tar czf s13_traces.tgz s13_trace*.json && rm -f s13_trace*.json) ;;
-    s14)  # (<= ~7 min; the fifteenth session's first call) issue 10's NORM_FOLD and GATED_FOLD (the GEMV CTAs compute
-          # the RMSNorm / the GDN output norm in front; bitwise): their tests, then decode_batch's / verify_batch's /
-          # the fused step's with both on, the gates
+    s14)  # (<= ~7 min; the fifteenth session's first call) issue 10's NORM_FOLD, GATED_FOLD, QUANT_FOLD (the GEMV CTAs compute
+          # the RMSNorm / the GDN output norm / the act quant in front; bitwise): their tests, then decode_batch's / verify_batch's /
+          # the fused step's with all three on, the gates
         timeout 200 $PYTEST tests/gpu/test_norm_fold.py > "$OUT/s14_bits.txt" 2>&1 || rc=1; tail -3 "$OUT/s14_bits.txt"
-        timeout 200 python3 -c "import sys, pytest; import q27py.gpu.constants as C; C.NORM_FOLD = 1; C.GATED_FOLD = 1; \
+        timeout 200 python3 -c "import sys, pytest; import q27py.gpu.constants as C; C.NORM_FOLD = 1; C.GATED_FOLD = 1; C.QUANT_FOLD = 1; \
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/gpu/test_decode_batch.py', 'tests/gpu/test_verify_groups_gpu.py', \
 'tests/gpu/test_gdn_fused.py', 'tests/gpu/test_gates_in_conv.py']))" > "$OUT/s14_suites.txt" 2>&1 || rc=1
-        echo "--- decode_batch / verify_groups / gdn_fused / gates_in_conv, both folds"; tail -3 "$OUT/s14_suites.txt"
-        timeout 120 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_FOLD = 1; C.GATED_FOLD = 1; \
+        echo "--- decode_batch / verify_groups / gdn_fused / gates_in_conv, the three folds"; tail -3 "$OUT/s14_suites.txt"
+        timeout 120 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_FOLD = 1; C.GATED_FOLD = 1; C.QUANT_FOLD = 1; \
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/s14_gates.txt" 2>&1 || rc=1
-        echo "--- gates, both folds"; tail -4 "$OUT/s14_gates.txt" ;;
-    s14b)  # (<= ~9 min; right after s14) the folds' steps against the defaults, alternated (each, both, both at lanes 8:
-           # verify W=8 folds too); the 1-lane timeline with both on against off; gemv_trace of the wgmma kernel's phases
-        for cfg in "NORM_FOLD=0" "NORM_FOLD=1" "GATED_FOLD=1" "NORM_FOLD=1 GATED_FOLD=1" \
-                   "NORM_FOLD=1 GATED_FOLD=1 NORM_FOLD_LANES=8" "NORM_FOLD=0" "NORM_FOLD=1 GATED_FOLD=1"; do
-          timeout 70 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/s14_steps.txt" 2>&1 || rc=1
-          echo "--- $cfg"; grep -E "^prefetch|of read" "$OUT/s14_steps.txt"
-        done
+        echo "--- gates, the three folds"; tail -4 "$OUT/s14_gates.txt" ;;
+    s14b)  # (<= ~6 min; right after s14) the folds' steps against the defaults, each and all three (and at lanes 8:
+           # verify W=8 folds too), one process alternating captured graphs (tools/switch_ab.py); the 1-lane timeline
+           # with all three against off; gemv_trace of the wgmma kernel's phases
+        timeout 200 python3 tools/switch_ab.py --rounds 3 --configs - NORM_FOLD=1 GATED_FOLD=1 QUANT_FOLD=1 \
+          "NORM_FOLD=1 GATED_FOLD=1 QUANT_FOLD=1" "NORM_FOLD=1 GATED_FOLD=1 QUANT_FOLD=1 NORM_FOLD_LANES=8" \
+          --json "$OUT/s14_switch.json" > "$OUT/s14_switch.txt" 2>&1 || rc=1
+        grep -E "^switch|read probe" "$OUT/s14_switch.txt" || tail -5 "$OUT/s14_switch.txt"
         for t in 0 1; do
-          timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes 1 --top 0 --set NORM_FOLD=$t GATED_FOLD=$t \
+          timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes 1 --top 0 --set NORM_FOLD=$t GATED_FOLD=$t QUANT_FOLD=$t \
             --json "$OUT/s14_trace$t.json" > "$OUT/s14_trace$t.txt" 2>&1 || rc=1
           head -1 "$OUT/s14_trace$t.txt"
         done

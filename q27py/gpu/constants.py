@@ -238,6 +238,15 @@ CONV_COMMIT_FOLD = 1
 # time. 0: off (built, CPU-checked, not yet run on a device); 1: on
 NORM_FOLD = 0
 NORM_FOLD_LANES = 2
+# decode / verify down plans of at most QUANT_FOLD_LANES lanes run their q4 launch on the *_nf entries' quant-only
+# mode (cuda/gemv_wg.cu wg_norm_fold with no weights): each CTA quantizes its own unit's chunks of the SwiGLU rows after
+# its PDL wait, and the quant_act8 launch before down goes (kernels.GemvPlan.folds_quant, FastModel._mlp). Why: that
+# launch holds the 27B step's chain ~1.5 us x 64 layers plus a hand-over; here a CTA reads only its ~chunks of fp32
+# rows (no sum to replay, unlike NORM_FOLD), so wider blocks pay too. Bitwise quant_act8 + prequantized down.
+# Read at launch time. 0: off (built, CPU-checked, not yet run on a device); 1: on. A8_FOLD's bit 4 (gate_up's
+# epilogue quantizes for down) wins where both are set.
+QUANT_FOLD = 0
+QUANT_FOLD_LANES = 8
 # decode / verify gdn_out plans of at most NORM_FOLD_LANES lanes (the GDN layer's output projection, one q4 launch
 # on gemv8w_q4_n8 / n8d) run gemv_wg's *_gf entries: each CTA computes the GDN output norm (gated RMSNorm, per value
 # head) of the heads its unit's chunks lie in (cuda/gemv_wg.cu wg_gated_fold), and the gated_rmsnorm_a8 launch goes

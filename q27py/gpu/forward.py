@@ -1815,7 +1815,12 @@ class FastModel:
             down.run(self.act, self.ld_act, t, x_bf16=actb)
             return
         up.run(self.x, self.hp, t, prequantized=up.fuses_quant(t), norm=self._take_norm(up))
-        down.run(self.act, self.ld_act, t, prequantized=up.quantizes_for(down, t))
+        if up.quantizes_for(down, t):
+            down.run(self.act, self.ld_act, t, prequantized=True)
+            return
+        # QUANT_FOLD: down's CTAs quantize the SwiGLU rows themselves (the pad columns too, as quant_act8 reads them)
+        rows = K.NormIn(self.act, self.ld_act, None, 0.0, down.kpad)
+        down.run(self.act, self.ld_act, t, norm=rows if down.folds_quant(t, rows) else None)
 
     def _logits_rows(self, src, rows: np.ndarray) -> None:
         """lm_head + argmax for the given lanes (contiguous runs become one GEMV each).

@@ -372,7 +372,8 @@ class NormIn:
     """constants NORM_FOLD: the RMSNorm a GEMV plan's *_nf launch replays in front of itself (GemvPlan.folds_norm):
     rows h (ldh) of the residual, the norm's weights w (+ add_one), eps, the row length `hidden`; y / ldy the normed
     fp32 rows the norm launch would have written (the first matrix's row-group-0 CTAs write them; None: nobody
-    reads them)."""
+    reads them). w None (constants QUANT_FOLD, GemvPlan.folds_quant): no norm, rows h quantized as they are (eps
+    unused)."""
     h: object
     ldh: int
     w: object
@@ -628,11 +629,22 @@ class GemvPlan:
         NORM_FOLD; cuda/gemv_wg.cu's *_nf entries) instead of reading activations a norm launch wrote: a GEMV block of
         lanes 0 .. nlanes - 1 <= NORM_FOLD_LANES with a q4 launch on gemv8w_q4_n8 / n8d (_fold_launch), the norm's
         row within rmsnorm_row's registers (no tail loop to replay)."""
+        if norm is not None and norm.w is None:
+            return self.folds_quant(nlanes, norm)
         if not C.NORM_FOLD:
             return False
         if norm is not None and (norm.hidden > C.NORM_PER_THREAD * norm.block() or norm.hidden > self.kpad):
             return False
         return self._fold_launch(nlanes, skip_bf16) is not None
+
+    def folds_quant(self, nlanes: int, rows: "NormIn") -> bool:
+        """Whether run(nlanes, norm=rows) with rows.w None quantizes its input rows in its own CTAs (constants
+        QUANT_FOLD: down's SwiGLU rows; the *_nf entries' quant-only mode, each CTA its own unit's chunks) instead of
+        a quant_act8 launch: a block of lanes 0 .. nlanes - 1 <= QUANT_FOLD_LANES whose q4 launch runs on
+        gemv8w_q4_n8 / n8d with room for the fold buffer (_fold_launch), the rows' length at most kpad."""
+        if not C.QUANT_FOLD or rows.w is not None or rows.hidden > self.kpad:
+            return False
+        return self._fold_launch(nlanes, False, max_lanes=C.QUANT_FOLD_LANES) is not None
 
     def folds_gated(self, nlanes: int, gated: "GatedIn") -> bool:
         """Whether run(nlanes, gated=...) computes the GDN output norm of its input in its own CTAs (constants
@@ -643,12 +655,13 @@ class GemvPlan:
             return False
         return self._fold_launch(nlanes, False, gated_fold_bytes) is not None
 
-    def _fold_launch(self, nlanes: int, skip_bf16: bool, fold_bytes=None) -> int | None:
+    def _fold_launch(self, nlanes: int, skip_bf16: bool, fold_bytes=None, max_lanes: int | None = None) -> int | None:
         """The launch an *_nf entry runs for folds_norm, or None: the first of the block's launches that is a q4 one on
         gemv8w_q4_n8 / n8d whose fold buffer keeps the entry's CTAs an SM. It runs first (its first matrix's row group 0 writes x,
         and with other a8 launches in the plan their int8 activations too), then the
         plan's other launches in their order (each writes its own outputs: the same bits in any order)."""
-        if not self.a8 or not 1 <= nlanes <= C.NORM_FOLD_LANES or nlanes >= GEMM_MIN_TOKENS:
+        max_lanes = C.NORM_FOLD_LANES if max_lanes is None else max_lanes
+        if not self.a8 or not 1 <= nlanes <= max_lanes or nlanes >= GEMM_MIN_TOKENS:
             return None
         fold_bytes = fold_bytes or norm_fold_bytes
         last = len(self.launches) - 1
@@ -705,7 +718,9 @@ class GemvPlan:
             return
         if norm is not None:  # the *_nf launch first, then the others on what it wrote (_fold_launch)
             rt = Runtime.get()
-            wl, last = self._fold_launch(nlanes, skip_bf16), len(self.launches) - 1
+            quant = norm.w is None  # folds_quant: any width it allows
+            wl = self._fold_launch(nlanes, skip_bf16, max_lanes=C.QUANT_FOLD_LANES if quant else None)
+            last = len(self.launches) - 1
             others = [li for li, lw in enumerate(self.launches) if li != wl and not (skip_bf16 and lw[0] == L.FMT_BF16)]
             fmt, desc, nmat, units = self.launches[wl]
             share = any(self.launches[li][0] != L.FMT_BF16 for li in others)  # a8 launches read xq / xs after it

@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 
 
-def heads27b(graphs: bool, hidden: int | None = None, seed: int = 5):
-    """hidden None: the 27B's own (5,120); the MLP is small either way."""
+def heads27b(graphs: bool, hidden: int | None = None, seed: int = 5, intermediate: int = 1024):
+    """hidden None: the 27B's own (5,120); the MLP small unless intermediate says (the 27B's: 17,408)."""
     from q27py.gpu.forward import FastModel
     from q27py.gpu.weights import random_weights
     from q27py.model.config import FULL, LINEAR, qwen36_27b_config
 
     base = qwen36_27b_config()
-    cfg = dataclasses.replace(base, vocab_size=4096, hidden_size=hidden or base.hidden_size, intermediate_size=1024,
+    cfg = dataclasses.replace(base, vocab_size=4096, hidden_size=hidden or base.hidden_size, intermediate_size=intermediate,
                               num_hidden_layers=4, layer_types=(LINEAR, LINEAR, LINEAR, FULL), mtp_num_hidden_layers=0,
                               max_position_embeddings=4096)
     m = FastModel(random_weights(cfg, "q4s", seed=seed, with_mtp=False), max_context=2048, kv_dtype="bf16", chunk=64)

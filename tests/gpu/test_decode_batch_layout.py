@@ -303,6 +303,9 @@ class _Plan:
     def folds_norm(self, nlanes, skip_bf16=False, norm=None):  # the shell's norms are launches (NORM_FOLD: GPU tests)
         return False
 
+    def folds_quant(self, nlanes, rows):  # QUANT_FOLD: GPU tests
+        return False
+
     def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False, x_bf16=None, y_bf16=None,
             skip_bf16=False, norm=None):
         assert x_bf16 is None and y_bf16 is None, "bf16 rows are for prefill chunks only"
@@ -405,6 +408,9 @@ class _FoldPlan(_Plan):
     def folds_gated(self, nlanes, gated):
         return True
 
+    def folds_quant(self, nlanes, rows):
+        return True
+
     def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False, x_bf16=None, y_bf16=None,
             skip_bf16=False, norm=None, gated=None):
         self.rec.calls.append(types.SimpleNamespace(module="plan", kernel=self.name, grid=(nlanes, lane0),
@@ -440,3 +446,32 @@ def test_folded_norms_leave_no_norm_launch(rec, fused):
             assert norm is None
             assert (gated is not None and gated.o is m.o_gdn and gated.dv == dv) == (lw.kind != FULL and not fused)
         assert m._norm_folded is None
+
+
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_down_folds_its_quant_unless_gate_up_quantized(rec, epilogue):
+    """QUANT_FOLD (the GPU tests check the bits): where gate_up's epilogue does not write down's activations, a
+    decode step and a decode_batch round hand each layer's down plan its SwiGLU rows to quantize itself (no norm
+    weights: rows as they are, m.act at ld_act, the whole padded row); where the epilogue does (A8_FOLD bit 4),
+    down runs prequantized and folds nothing."""
+    m, st = _fake_model(rec, "bf16", True, False)
+    for li, p in enumerate(m.layer_plans):
+        for k in ("in", "out", "up", "down"):
+            p[k] = _FoldPlan(rec, f"{k}{li}")
+            p[k].kpad = 64 * (li + 2)  # per plan, so the row length is down's own
+            if not epilogue:
+                p[k].quantizes_for = lambda nxt, nlanes: False
+    for run in (lambda: m.enqueue_main(st, 1, False, np.array([0])), lambda: m.enqueue_batch(2, (4096, 64, 512, 256))):
+        rec.calls.clear()
+        run()
+        downs = {c.kernel: c for c in rec.calls if c.module == "plan" and c.kernel.startswith("down")}
+        assert len(downs) == len(m.layer_plans)
+        for li in range(len(m.layer_plans)):
+            c = downs[f"down{li}"]
+            rows, gated = c.args
+            assert gated is None and c.block == epilogue  # prequantized exactly when gate_up wrote them
+            if epilogue:
+                assert rows is None
+            else:
+                assert rows is not None and rows.w is None and rows.h is m.act and rows.ldh == m.ld_act
+                assert rows.hidden == 64 * (li + 2)

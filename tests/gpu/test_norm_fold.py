@@ -4,7 +4,9 @@ and the norm launch before it goes; GATED_FOLD (wg_gated_fold, the *_gf entries;
 FastModel._gdn_out) the same for the GDN output norm before gdn_out. Bitwise the norm launch + prequantized GEMV: logits, states and the normed rows
 (self.x, which the GDN conv reads for its gates) equal with the switch off and on, over decode steps, verify rounds
 and commits, eager and under graphs, at the 27B hidden (rmsnorm's 1,024-thread order) and below 2,048 (256 threads),
-with the fold's lanes at 2 and at 8; and the fold is not vacuous: its launches replace the norm launches.
+with the fold's lanes at 2 and at 8; and the fold is not vacuous: its launches replace the norm launches. QUANT_FOLD
+(the *_nf entries with no norm weights; GemvPlan.folds_quant, FastModel._mlp): down quantizes the SwiGLU rows in its
+own CTAs instead of a quant_act8 launch, bitwise the same.
 
 Device command: python3 -m pytest -q tests/gpu/test_norm_fold.py
 """
@@ -211,3 +213,57 @@ def test_tiny_model_greedy_with_the_fold(monkeypatch):
     assert ids[0][0] == ids[1][0]
     for a, b in zip(ids[0][1], ids[1][1]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("nlanes", [1, 2, 5, 8])
+@pytest.mark.parametrize("inter", [1024, 17408])
+def test_plan_quant_fold_equals_quant_then_gemv(inter, nlanes, wg, monkeypatch):
+    """down alone (the 27B's hidden; its intermediate small, or the 27B's own 17,408: 272 chunks over the K splits):
+    run() with its quant_act8 launch against run(norm=rows without weights), the SwiGLU rows random."""
+    import cupy as cp
+
+    from q27py.gpu import constants as C
+    from q27py.gpu import kernels as K
+    from tests.gpu.plan_rounds import heads27b
+
+    monkeypatch.setattr(C, "QUANT_FOLD", 1)
+    m = heads27b(False, hidden=None, seed=13, intermediate=inter)
+    down = m.layer_plans[0]["down"]
+    rng = np.random.default_rng(300 + nlanes)
+    m.act[:nlanes, :inter] = cp.asarray(rng.standard_normal((nlanes, inter)).astype(np.float32) * 2)
+    rows = K.NormIn(m.act, m.ld_act, None, 0.0, down.kpad)
+    if not down.folds_quant(nlanes, rows):
+        assert nlanes > 2, "down folds at 1-2 lanes"
+        pytest.skip("this launch's fold buffer at this width would cost the entry a resident CTA an SM")
+    y = down.outputs[0][0]  # the residual rows down adds into: each run from the same h
+    h0 = y[:nlanes].copy()
+    down.run(m.act, m.ld_act, nlanes)
+    want = y[:nlanes, : m.cfg.hidden_size].get()
+    y[:nlanes] = h0
+    down.xq.fill(0x55)  # stale codes: the fold must not read the plan's global activations
+    down.run(m.act, m.ld_act, nlanes, norm=rows)
+    np.testing.assert_array_equal(y[:nlanes, : m.cfg.hidden_size].get(), want)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_quant_fold_keeps_the_bits(graphs, wg, monkeypatch):
+    """Model rounds with QUANT_FOLD off and on (decode, verify widths up to 12, commits): the same logits and states;
+    each layer's down folds (4 quant_act8 launches fewer a decode step and a 2-lane verify, 4 *_nf launches more)."""
+    from q27py.gpu import constants as C
+    from tests.gpu.plan_rounds import heads27b, rounds
+
+    ids = [int(v) for v in np.random.default_rng(9).integers(0, 4096, 41)]
+    got, counts = {}, {}
+    for on in (0, 1):
+        monkeypatch.setattr(C, "QUANT_FOLD", on)
+        m = heads27b(graphs, hidden=None, seed=13)
+        got[on] = rounds(m, ids, widths=(1, 2, 3, 8, 12))
+        counts[on] = decode_counts(m)
+    for i, (a, b) in enumerate(zip(got[0], got[1])):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
+    for k in (0, 1):
+        off, on = counts[0][k], counts[1][k]
+        folded = sum(v for (mod, name), v in on.items() if mod == "gemv_wg" and name.endswith("_nf"))
+        assert folded == 4, on
+        assert off.get(("gemv", "quant_act8"), 0) - on.get(("gemv", "quant_act8"), 0) == 4
+        assert sum(off.values()) - sum(on.values()) == 4
