@@ -242,11 +242,13 @@ def test_model_decode_and_verify_fused_equals_chain(graphs, tier):
         assert fused.graphs.replays > 0
 
 
-def test_fused_removes_launches_per_gdn_layer():
+def test_fused_removes_launches_per_gdn_layer(monkeypatch):
     """Kernel count of one decode step and one verify forward: the fused step replaces conv +
-    commit + step + norm (4 launches) when committing and conv + step + norm (3) in a verify."""
+    commit + step + norm (4 launches) when committing and conv + step + norm (3) in a verify. The chain's folds
+    (constants NORM_FOLD, GATED_FOLD, QUANT_FOLD) pinned off: GATED_FOLD takes the chain's output norm into gdn_out."""
     from q27py.gpu.runtime import Runtime
 
+    unfold(monkeypatch)
     rt = Runtime.get()
     counts = {}
     for fused in (False, True):
@@ -274,6 +276,7 @@ def test_fused_quantizes_for_the_a8_out_plan(fold, monkeypatch):
     from q27py.gpu.runtime import Runtime
 
     monkeypatch.setattr(C, "A8_FOLD", fold)
+    unfold(monkeypatch)  # the counts below are the launches' (QUANT_FOLD takes down's quant_act8 into it)
     rt = Runtime.get()
     counts = {}
     for fused in (False, True):
@@ -294,6 +297,14 @@ def test_fused_quantizes_for_the_a8_out_plan(fold, monkeypatch):
     # what is left to quantize in a decode step: the final norm's row before lm_head (the norms, the GDN steps,
     # the attention combines and gate_up's epilogue write the others)
     assert counts[True][("gemv", "quant_act8")] == 1
+
+
+def unfold(monkeypatch) -> None:
+    """The GEMVs' folds off (constants NORM_FOLD, GATED_FOLD, QUANT_FOLD): launch counts of the norms and quant_act8."""
+    from q27py.gpu import constants as C
+
+    for k in ("NORM_FOLD", "GATED_FOLD", "QUANT_FOLD"):
+        monkeypatch.setattr(C, k, 0)
 
 
 def K_fuses(m) -> bool:

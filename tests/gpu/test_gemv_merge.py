@@ -23,10 +23,12 @@ pytestmark = pytest.mark.gpu
 def gemv_gates(monkeypatch):
     """GEMV_MERGE merges the in plan's bf16 gates launch into qkvz's grid; with GDN_GATES_IN_CONV (the default since
     2026-12-07) the conv computes the gates and that launch is gone, so these tests would merge nothing (the bits
-    test passing vacuously, the launch count failing): they pin the GEMV's gates."""
+    test passing vacuously, the launch count failing): they pin the GEMV's gates. NORM_FOLD takes a block of at most
+    NORM_FOLD_LANES lanes of the in plan to its *_nf launch (the gates after it, unmerged): pinned off too."""
     from q27py.gpu import constants as C
 
     monkeypatch.setattr(C, "GDN_GATES_IN_CONV", 0)
+    monkeypatch.setattr(C, "NORM_FOLD", 0)
 
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("graphs", [False, True])
