@@ -579,7 +579,7 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         done
         python3 tools/step_trace.py --compare "$OUT/s13_trace0_1.json" "$OUT/s13_trace1_1.json" | head -24
         (cd "$OUT" && tar czf s13_traces.tgz s13_trace*.json && rm -f s13_trace*.json) ;;
-    s14)  # (<= ~7 min; the fifteenth session's first call) issue 10's NORM_FOLD, GATED_FOLD, QUANT_FOLD (the GEMV CTAs compute
+    s14)  # (<= ~7 min) issue 10's NORM_FOLD, GATED_FOLD, QUANT_FOLD (the GEMV CTAs compute
           # the RMSNorm / the GDN output norm / the act quant in front; bitwise): their tests, then decode_batch's / verify_batch's /
           # the fused step's with all three on, the gates
         timeout 200 $PYTEST tests/gpu/test_norm_fold.py > "$OUT/s14_bits.txt" 2>&1 || rc=1; tail -3 "$OUT/s14_bits.txt"

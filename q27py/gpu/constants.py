@@ -235,7 +235,9 @@ CONV_COMMIT_FOLD = 1
 # path 3.7 us x 128 (~470 us of 7,025, docs/PERF.md fourteenth session), where each GEMV CTA can sum a 5,120-long row
 # from L2 while its first weight stages stream. Bitwise the norm launch + prequantized GEMV (the sum of squares in
 # rmsnorm_row's exact order). Each lane costs every CTA another row read, so only small widths. Read at launch
-# time. 0: off (built, CPU-checked, not yet run on a device); 1: on
+# time. 0: off; 1: on -- measured 2026-12-07 (H100, docs/PERF.md fifteenth session): bitwise, but decode 2K 6.911 ->
+# 9.417 ms: the fold is O(K) work in every CTA after its wait (gate_up's 692 CTAs, two waves, each normalizing all
+# 80 chunks: 39 -> 62 us a launch), far more than the 3.7 us the norm launch held the chain. Kept as the experiment.
 NORM_FOLD = 0
 NORM_FOLD_LANES = 2
 # decode / verify down plans of at most QUANT_FOLD_LANES lanes run their q4 launch on the *_nf entries' quant-only
@@ -243,7 +245,8 @@ NORM_FOLD_LANES = 2
 # its PDL wait, and the quant_act8 launch before down goes (kernels.GemvPlan.folds_quant, FastModel._mlp). Why: that
 # launch holds the 27B step's chain ~1.5 us x 64 layers plus a hand-over; here a CTA reads only its ~chunks of fp32
 # rows (no sum to replay, unlike NORM_FOLD), so wider blocks pay too. Bitwise quant_act8 + prequantized down.
-# Read at launch time. 0: off (built, CPU-checked, not yet run on a device); 1: on. A8_FOLD's bit 4 (gate_up's
+# Read at launch time. 0: off; 1: on -- measured 2026-12-07 (H100, fifteenth session): bitwise, decode 2K 6.911 ->
+# 7.457 ms (+8.5 us a down: the quantizing sits after the wait, before the first stage). A8_FOLD's bit 4 (gate_up's
 # epilogue quantizes for down) wins where both are set.
 QUANT_FOLD = 0
 QUANT_FOLD_LANES = 8
@@ -252,8 +255,8 @@ QUANT_FOLD_LANES = 8
 # head) of the heads its unit's chunks lie in (cuda/gemv_wg.cu wg_gated_fold), and the gated_rmsnorm_a8 launch goes
 # (kernels.GemvPlan.folds_gated, FastModel._gdn_out). Why: that launch holds the 27B decode step's chain 1.6 us a GDN
 # layer (77 us a 2K step, docs/PERF.md fourteenth session), for 48 heads of 128 values. Bitwise (block_sum's order:
-# the CTA's 128 threads are the norm's block of dv). GF_HEADS: heads summed per barrier. Read at launch time. 0: off
-# (built, CPU-checked, not yet run on a device); 1: on
+# the CTA's 128 threads are the norm's block of dv). GF_HEADS: heads summed per barrier. Read at launch time. 0: off;
+# 1: on -- measured 2026-12-07 (H100, fifteenth session): bitwise, decode 2K 6.911 -> 7.228 ms (+6.6 us a GDN layer)
 GATED_FOLD = 0
 GF_HEADS = 4
 # shared memory of an sm_90 SM (228 KB; each resident CTA also takes 1 KB): what an *_nf launch's fold buffer may not
