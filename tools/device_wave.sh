@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -616,6 +616,10 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         timeout 120 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_FOLD = 1; C.GATED_FOLD = 1; C.QUANT_FOLD = 1; \
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/s15_gates.txt" 2>&1 || rc=1
         echo "--- gates, the three folds"; tail -4 "$OUT/s15_gates.txt" ;;
+    bnd)  # (<= ~3 min) issue 10: what a kernel boundary costs -- a small producer -> wide consumer chain with the
+          # consumer on griddepcontrol.wait / on a released ready word / on nothing (tools/boundary_probe.py)
+        timeout 170 python3 tools/boundary_probe.py --pairs 64 --mb 5 15 40 --rounds 3 --json "$OUT/bnd.json" \
+          > "$OUT/bnd.txt" 2>&1 || rc=1; grep -vE "^\s*$" "$OUT/bnd.txt" | tail -16 ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \
