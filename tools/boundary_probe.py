@@ -12,8 +12,6 @@ consumers read that were not their producer's (0 expected under modes 0 and 1).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
+    from q27py.bench import save_json
     from q27py.bench.random_weights import _time_graph, copy_bandwidth
     from q27py.gpu.graphs import capture
     from q27py.gpu.runtime import Runtime, i32
@@ -100,9 +99,7 @@ def main() -> int:
         for k in [k for k in graphs if k[0] == mb]:
             del graphs[k]
     out = {"device": rt.describe(), "probe": probe, "results": results, "args": vars(args)}
-    path = args.json or (os.path.join(os.environ["OUT"], "boundary_probe.json") if os.environ.get("OUT") else None)
-    if path:
-        Path(path).write_text(json.dumps(out, indent=1))
+    save_json(out, args.json, "boundary_probe.json")
     return 0
 
 

@@ -10,8 +10,6 @@ interleaved order so drift shows. Beside it the streaming-read probe of the same
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
+    from q27py.bench import save_json
     from q27py.bench.random_weights import Bench, _time_graph, captured, copy_bandwidth, time_eager
 
     ap = argparse.ArgumentParser()
@@ -104,9 +103,7 @@ def main() -> int:
               f"W8/W1 {r['verify8'] / r['decode2k']:.3f} (vs decode), W16/W8 {r['verify16'] / r['verify8']:.3f}; "
               f"B={args.batch} {args.batch * 1e3 / r[f'batch{args.batch}']:.0f} t/s")
     out = {"set": args.set, "probe": probe, "rows": rows, "device": b.rt.describe(), "decode2k_bytes": step}
-    path = args.json or (os.path.join(os.environ["OUT"], "prefetch_ab.json") if os.environ.get("OUT") else None)
-    if path:
-        Path(path).write_text(json.dumps(out, indent=1))
+    save_json(out, args.json, "prefetch_ab.json")
     return 0
 
 

@@ -13,8 +13,6 @@ time may differ between configurations (plans and buffers are built once, under 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -34,6 +32,7 @@ def parse(cfg: str) -> dict[str, int | float]:
 
 
 def main() -> int:
+    from q27py.bench import save_json
     from q27py.bench.random_weights import Bench, _time_graph, captured, copy_bandwidth
     from q27py.gpu import constants as C
 
@@ -109,9 +108,7 @@ def main() -> int:
                 extra += f", W16/W1 {med['verify16'] / med['decode2k']:.3f}"
         print(f"switch [{c or '-'}]: {cells}{extra}", flush=True)
     out = {"configs": args.configs, "probe": probe, "rows": rows, "device": b.rt.describe(), "decode2k_bytes": step}
-    path = args.json or (os.path.join(os.environ["OUT"], "switch_ab.json") if os.environ.get("OUT") else None)
-    if path:
-        Path(path).write_text(json.dumps(out, indent=1))
+    save_json(out, args.json, "switch_ab.json")
     return 0
 
 
