@@ -635,7 +635,7 @@ class GemvPlan:
             return False
         if norm is not None and (norm.hidden > C.NORM_PER_THREAD * norm.block() or norm.hidden > self.kpad):
             return False
-        return self._fold_launch(nlanes, skip_bf16) is not None
+        return self._norm_launch(nlanes, skip_bf16, norm) is not None
 
     def folds_quant(self, nlanes: int, rows: "NormIn") -> bool:
         """Whether run(nlanes, norm=rows) with rows.w None quantizes its input rows in its own CTAs (constants
@@ -644,7 +644,13 @@ class GemvPlan:
         gemv8w_q4_n8 / n8d with room for the fold buffer (_fold_launch), the rows' length at most kpad."""
         if not C.QUANT_FOLD or rows.w is not None or rows.hidden > self.kpad:
             return False
-        return self._fold_launch(nlanes, False, max_lanes=C.QUANT_FOLD_LANES) is not None
+        return self._norm_launch(nlanes, False, rows) is not None
+
+    def _norm_launch(self, nlanes: int, skip_bf16: bool, norm: "NormIn | None") -> int | None:
+        """The *_nf launch of run(norm=...) (_fold_launch), at its widths: QUANT_FOLD_LANES for the quant-only mode
+        (norm.w None), NORM_FOLD_LANES for a norm."""
+        quant = norm is not None and norm.w is None
+        return self._fold_launch(nlanes, skip_bf16, max_lanes=C.QUANT_FOLD_LANES if quant else None)
 
     def folds_gated(self, nlanes: int, gated: "GatedIn") -> bool:
         """Whether run(nlanes, gated=...) computes the GDN output norm of its input in its own CTAs (constants
@@ -718,8 +724,7 @@ class GemvPlan:
             return
         if norm is not None:  # the *_nf launch first, then the others on what it wrote (_fold_launch)
             rt = Runtime.get()
-            quant = norm.w is None  # folds_quant: any width it allows
-            wl = self._fold_launch(nlanes, skip_bf16, max_lanes=C.QUANT_FOLD_LANES if quant else None)
+            wl = self._norm_launch(nlanes, skip_bf16, norm)
             last = len(self.launches) - 1
             others = [li for li, lw in enumerate(self.launches) if li != wl and not (skip_bf16 and lw[0] == L.FMT_BF16)]
             fmt, desc, nmat, units = self.launches[wl]
