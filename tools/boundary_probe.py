@@ -1,10 +1,12 @@
 """What a kernel boundary costs, and what a ready word would save (issue 10; cuda/probe.cu bnd_produce / bnd_consume,
-a probe only): chains of P (small producer -> wide consumer) pairs captured as graphs with programmatic dependent launch, the consumer waiting
-on the producer grid (mode 0, the engine's griddepcontrol.wait), on a ready word the producer releases after its
-writes (mode 1), or not at all (mode 2, the bound; its reads are wrong); beside them the consumers alone (the
-streaming bound). Each consumer is a GEMV's shape: CTAS CTAs streaming their own slice of MB megabytes (distinct per
-pair, so the L2 holds none of it). Prints microseconds a pair per mode, alternated over rounds, and the words the
-consumers read that were not their producer's (0 expected under modes 0 and 1).
+a probe only): chains of P (small producer -> wide consumer) pairs captured as graphs with programmatic dependent
+launch. Each side waits on its predecessor grid (griddepcontrol.wait, what the engine's kernels do) or on a ready word
+its predecessor releases after its writes (a one-CTA producer at once; a consumer's last CTA through a ticket), or
+not at all (the bound; its reads are wrong); beside them the consumers alone (the streaming bound). Rows are named
+"producer's wait / consumer's wait". Each consumer is a GEMV's shape: CTAS CTAs streaming their own slice of MB
+megabytes (distinct per pair, so the L2 holds none of it). Prints microseconds a pair per row, alternated over
+rounds, and the words the consumers read that were not their producer's (0 expected under every wait).
+Measured (docs/PERF.md, 2026-12-07 sixteenth session, H100): every ready word is 0.9-1.9 us slower than the grid wait.
 
     PYTHONPATH=. python3 tools/boundary_probe.py [--pairs 64] [--mb 5 40] [--ctas 256] [--rounds 3]
 """
@@ -45,33 +47,44 @@ def main() -> int:
     P, n, ctas = args.pairs, args.words, args.ctas
     data = cp.zeros((P, n), dtype=cp.uint32)
     flags = cp.zeros(P, dtype=cp.uint32)
+    done = cp.zeros(P, dtype=cp.uint32)
+    tickets = cp.zeros(P, dtype=cp.uint32)
     bad = cp.zeros(1, dtype=cp.uint32)
     fp, fc = rt.fn("probe", "bnd_produce"), rt.fn("probe", "bnd_consume")
     launcher = rt._pdl()
     results, graphs = {}, {}
+    # name: (producer mode, consumer mode, producers launched); cuda/probe.cu's mode bits -- producer: 1 releases
+    # its word, 2 spins on the previous consumer's word, 4 no wait; consumer: 1 spins on the producer's word, 2
+    # releases its word by ticket, 4 no wait
+    modes = {"grid / grid (engine)": (0, 0, True),
+             "grid / word": (1, 1, True),      # the consumer (GEMV) spins on the producer's word
+             "word / grid": (2, 2, True),      # the producer (norm) spins on the consumer's ticket release
+             "word / word": (3, 3, True),
+             "no wait (bound)": (4, 4, True),
+             "consumers alone": (4, 4, False)}
     for mb in args.mb:
         per = max(64, int(mb * 1e6 / 16 / ctas))
         w = cp.empty(P * ctas * per * 4, dtype=cp.uint32)  # its values do not matter (the probe reads, XORs, drops)
         wp = w.data.ptr
 
-        def chain(mode, producers=True, mb_per=per):
+        def chain(pm, cm, producers=True, mb_per=per):
             def f():
-                flags.fill(0)  # a replay's tags are its pairs' indices: each replay starts from cleared words
-                data.fill(0)
+                for a in (flags, done, tickets, data):  # a replay's tags are its pairs' indices + 1: each
+                    a.fill(0)                           # replay starts from cleared words
                 for i in range(P):
                     tag = np.uint32(i + 1)
                     if producers:
                         launcher.launch(fp.kernel.ptr, (1,), (256,),
-                                        (data[i], i32(n), flags[i:], tag, i32(mode)), 0, s.ptr, pdl=True)
-                    wi = np.array(wp + i * ctas * mb_per * 16, dtype=np.uint64)
+                                        (data[i], i32(n), flags[i:], tag, i32(pm), done[max(i - 1, 0):],
+                                         np.uint32(i)), 0, s.ptr, pdl=True)
+                    wi = np.uint64(wp + i * ctas * mb_per * 16)
                     launcher.launch(fc.kernel.ptr, (ctas,), (256,),
-                                    (data[i], i32(n), flags[i:], tag, i32(mode), wi, np.int64(mb_per), bad),
-                                    0, s.ptr, pdl=True)
+                                    (data[i], i32(n), flags[i:], tag, i32(cm), wi, np.int64(mb_per), bad,
+                                     tickets[i:], done[i:]), 0, s.ptr, pdl=True)
             return f
 
-        for name, mode, prod in (("grid wait (engine)", 0, True), ("ready word", 1, True), ("no wait (bound)", 2, True),
-                                 ("consumers alone", 2, False)):
-            graphs[(mb, name)] = (capture(chain(mode, prod), s, pdl=True), mode, prod)
+        for name, (pm, cm, prod) in modes.items():
+            graphs[(mb, name)] = (capture(chain(pm, cm, prod), s, pdl=True), pm, prod)
         s.synchronize()
         times = {name: [] for (m, name) in graphs if m == mb}
         for r in range(args.rounds):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 dp tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -620,6 +620,28 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
           # consumer on griddepcontrol.wait / on a released ready word / on nothing (tools/boundary_probe.py)
         timeout 170 python3 tools/boundary_probe.py --pairs 64 --mb 5 15 40 --rounds 3 --json "$OUT/bnd.json" \
           > "$OUT/bnd.txt" 2>&1 || rc=1; grep -vE "^\s*$" "$OUT/bnd.txt" | tail -16 ;;
+    s16)  # (<= ~8 min; the sixteenth session's first call) the boundary probe; then on an H200 only, issue 14's 8K
+          # prefill and the decode / verify steps on the defaults (the H200 bars; no H200 came in nine sessions)
+        timeout 170 python3 tools/boundary_probe.py --pairs 64 --mb 5 15 40 --rounds 3 --json "$OUT/bnd.json" \
+          > "$OUT/bnd.txt" 2>&1 || rc=1; grep -vE "^\s*$" "$OUT/bnd.txt" | tail -16
+        if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+          s10_prefill 170 8192
+          timeout 120 python3 tools/switch_ab.py --rounds 3 --configs - --json "$OUT/s16_switch.json" \
+            > "$OUT/s16_switch.txt" 2>&1 || rc=1
+          grep -E "^switch|read probe" "$OUT/s16_switch.txt" || tail -5 "$OUT/s16_switch.txt"
+        fi ;;
+    dp)  # (<= ~8 min) issue 10: GEMV_DP4A, the 1-lane q4 GEMV on dp4a -- the probe off / on at both ring depths, the
+         # decode steps alternated in one process, then its bitwise tests
+        for t in 0 16 8; do
+          sw="GEMV_DP4A=0"; [ $t != 0 ] && sw="GEMV_DP4A=1 GEMV_DP_DEPTH=$t"
+          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 --set $sw \
+            > "$OUT/dp_probe$t.txt" 2>&1 || rc=1
+          echo "--- probe $sw"; grep -vE "^(NVIDIA|launch)" "$OUT/dp_probe$t.txt" | tail -9
+        done
+        timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k --configs - GEMV_DP4A=1 \
+          "GEMV_DP4A=1 GEMV_DP_DEPTH=8" --json "$OUT/dp_switch.json" > "$OUT/dp_switch.txt" 2>&1 || rc=1
+        grep -E "^switch|read probe" "$OUT/dp_switch.txt" || tail -5 "$OUT/dp_switch.txt"
+        timeout 200 $PYTEST tests/gpu/test_gemv_dp.py > "$OUT/dp_bits.txt" 2>&1 || rc=1; tail -6 "$OUT/dp_bits.txt" ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \

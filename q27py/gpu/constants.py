@@ -128,6 +128,16 @@ GWG_CTAS_N8D, GWG_STAGES_N8D, GWG_DEEP_MIN_CHUNKS = 2, 8, 64
 # (n8d's rule leaves them on the plain entry). Same kernel, same bits.
 GWG_PLACE2 = 0
 GWG_PLACE2_BYTES = 78976
+# The 1-lane a8 q4 GEMV on the CUDA cores (cuda/gemv_dp.cu gemv8p_q4_d<D>; Python-side switch GEMV_DP4A, read at
+# launch time: 0 off, 1 every 1-lane q4 launch of an a8 plan that the tensor-core kernels would run, bar the
+# next-launch prefetch and clusters): each thread streams its 16-byte fragments through a register ring GEMV_DP_DEPTH
+# chunks deep (8 or 16) and sums them with dp4a, no shared-memory ring, no block barrier in the loop. Why: a gemv_wg
+# CTA streams ~8-10 GB/s, a latency-bound loop (docs/PERF.md), and 1-lane launches pay an N = 8 tensor-core
+# instruction for one column. Bitwise the tensor-core kernels (same units, exact int32 sums, same fp32 order).
+# Resident CTAs an SM each ring depth is built for (launch bounds: 128 threads; 102 / 128 registers).
+GEMV_DP4A = 0
+GEMV_DP_DEPTH = 16
+GEMV_DP_CTAS_D8, GEMV_DP_CTAS_D16 = 5, 4
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

@@ -326,6 +326,18 @@ def gemv_wg_kernel(nl: int, units: int | None = None, chunks: int | None = None)
     return f"gemv8w_q4_n{nl}"
 
 
+def gemv_dp_kernel() -> str:
+    """The cuda/gemv_dp.cu entry of GEMV_DP_DEPTH (read at call time: benchmarks override the table)."""
+    assert C.GEMV_DP_DEPTH in (8, 16), C.GEMV_DP_DEPTH
+    return f"gemv8p_q4_d{C.GEMV_DP_DEPTH}"
+
+
+def gemv_dp_bytes(kch: int) -> int:
+    """Dynamic shared memory of a gemv_dp CTA whose unit streams at most kch chunks: its lane's activations (64
+    bytes a chunk) and chunk scales (4)."""
+    return kch * (L.CHUNK_K + 4)
+
+
 def _wg_entry(name: str) -> tuple[int, int, int]:
     """(resident CTAs per SM, chunks a ring stage, ring stages) of a cuda/gemv_wg.cu entry: its GWG_KERNEL line's
     constants, read at call time (benchmarks override the table before anything compiles)."""
@@ -827,7 +839,11 @@ class GemvPlan:
                        xq if share else None, i32(xq.shape[1]), xs if share else None),
                       shared_mem=gemv_wg_launch_bytes(8, units, chunks) + norm_fold_bytes(n, fnch))
             return
-        if self._on_wg(fmt, units, cluster, n, pf):
+        if self._on_dp(fmt, cluster, n, pf):
+            rt.launch("gemv_dp", gemv_dp_kernel(), units, 128,
+                      (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs, np.uint32(0x80808080), i32(n), i32(l0)),
+                      shared_mem=gemv_dp_bytes(self.kpad // L.CHUNK_K))
+        elif self._on_wg(fmt, units, cluster, n, pf):
             nl = 8 * nt
             rt.launch("gemv_wg", gemv_wg_kernel(nl, units, chunks), units, 128,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs,
@@ -878,6 +894,11 @@ class GemvPlan:
                   (d1, i32(m1), i32(u1), self.xq, i32(self.xq.shape[1]), self.xs, np.uint32(0x80808080), i32(n),
                    i32(l0), d0, i32(m0), i32(u0), x, i32(ldx)),
                   shared_mem=smem)
+
+    def _on_dp(self, fmt: int, cluster: int, n: int, pf) -> bool:
+        """Whether this plan's launch runs cuda/gemv_dp.cu (constants GEMV_DP4A, read at launch time): a 1-lane a8 q4
+        launch with neither the next-launch prefetch nor clusters (gemv.cu's only). Bitwise the tensor-core kernels."""
+        return bool(C.GEMV_DP4A) and self.a8 and fmt == L.FMT_Q4 and n == 1 and pf is None and cluster == 1
 
     def _on_wg(self, fmt: int, units: int, cluster: int, n: int, pf) -> bool:
         """Whether this plan's launch (format fmt, `units` CTAs, n lanes) runs cuda/gemv_wg.cu: a8 q4 launches

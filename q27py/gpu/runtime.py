@@ -38,7 +38,7 @@ def _find_cuda_dir() -> Path:
 
 CUDA_DIR = _find_cuda_dir()
 MIN_CC = (8, 0)
-KERNEL_FILES = ("gemv", "gemv2", "gemv_wg", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_decode", "gdn_chunk", "gdn_chunk2", "rope", "attention",
+KERNEL_FILES = ("gemv", "gemv2", "gemv_wg", "gemv_dp", "gemm", "dequant", "chain", "quant", "embed", "norm", "conv", "gdn", "gdn_decode", "gdn_chunk", "gdn_chunk2", "rope", "attention",
                 "attention_prefill", "attention_prefill2", "attention_prefill3", "sampling", "probe", "kv_rotated")
 # Modules with an architecture-specific build on some cards: there they compile for the "a" target
 # (sm_90a: wgmma, setmaxnreg), whose instructions the plain sm_90 target rejects; the source's entry
@@ -119,7 +119,7 @@ PDL_MODES = ("off", "on", "early")
 # Modules every kernel of which starts with pdl_entry() (or, the GEMVs, waits in gemv_loop after
 # its weight prefetch): only these may be launched with the attribute (tests/gpu/test_pdl.py
 # checks the sources). The rest (prefill-only kernels, packing) launch plainly.
-PDL_MODULES = frozenset({"attention", "chain", "conv", "embed", "gdn", "gdn_decode", "gemv", "gemv2", "gemv_wg", "kv_rotated",
+PDL_MODULES = frozenset({"attention", "chain", "conv", "embed", "gdn", "gdn_decode", "gemv", "gemv2", "gemv_wg", "gemv_dp", "kv_rotated",
                          "norm", "rope", "sampling"})
 _PDL_MODE: str | None = None
 

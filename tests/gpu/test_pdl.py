@@ -46,7 +46,8 @@ def test_every_pdl_kernel_waits_first():
         for name, body in _kernels(src):
             first = body.lstrip().lstrip("\\").lstrip()
             ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<")) or (
-                mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(", "GWG_CALL_NF(", "GWG_CALL_GF(")))  # wg_body / gemv_body_w4 wait inside
+                mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(", "GWG_CALL_NF(", "GWG_CALL_GF("))) or (
+                mod == "gemv_dp" and first.startswith("dp_body<"))  # wg_body / gemv_body_w4 / dp_body wait inside
             if not ok and "pdl_entry();" in first:
                 # constants loaded before the wait (norm.cu: the norm weights; conv.cu: the GDN gates' weights):
                 # every statement before pdl_entry() is a register array (or GatesPre) declaration or a
@@ -71,6 +72,13 @@ def test_every_pdl_kernel_waits_first():
     wait = body.index("pdl_wait();")
     assert body.index("issue(k, k, true, false);") < wait < body.index("issue(k, k, false, true);")
     assert body.index("pdl_trigger();") > wait
+    # gemv_dp.cu: its weight ring and their scales before the wait, the activations (xq, xs) only after it
+    dp = (R.CUDA_DIR / "gemv_dp.cu").read_text()
+    dpb = dp[dp.index("void dp_body("):]
+    dpb = dpb[: dpb.index("\n}\n")]
+    dwait = dpb.index("pdl_wait();")
+    assert dpb.index("wr[i] = dp_ld_stream(") < dwait < dpb.index("xsrc[i]") and "xq" not in dpb[dpb.index("{"):dwait]
+    assert "xs[" not in dpb[:dwait] and dpb.index("pdl_trigger();") > dwait
     # the merged entries (GEMV_MERGE) run nothing of their own: one of the two bodies above, whole
     call = wg[wg.index("#define GWG_CALL_G(NL, TWO, SUB, STAGES, CPS)"):]
     call = call[: call.index("#else")]
