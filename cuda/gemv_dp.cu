@@ -40,9 +40,11 @@ __device__ __forceinline__ int dp4a_s8(u32 a, u32 b, int c) {
 
 // One unit (64 rows, chunks c0 .. c1 - 1) of a 1-lane launch: 4 warps, warp w on tile rg * GEMV_R + w.
 // D: the register ring's depth (chunks in flight a thread; a multiple of 8, so a chunk's residue is its ring slot mod 8).
+// l2pf: chunks past the ring the warp asks L2 for before the wait (prefetch.global.L2, a 128-byte line a lane), so
+// more of the unit's bytes move during the launch boundary than the ring holds (constants GEMV_DP_L2PF).
 template <int D>
 __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq,
-                                        const float* __restrict__ xs, u32 sgn, int lane0) {
+                                        const float* __restrict__ xs, u32 sgn, int lane0, int l2pf) {
     static_assert(D % 8 == 0, "ring slots and residues");
     extern __shared__ __align__(16) u8 dyn_smem[];
     __shared__ float red0[GEMV_R * 16];
@@ -65,6 +67,11 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
             wr[i] = dp_ld_stream(wsrc + i * CW);
             sr[i] = __ldg(ssrc + ((c0 + i) / GSC_Q4) * 8);
         }
+    const u8* tbase = reinterpret_cast<const u8*>(wsrc - lane);  // the tile's chunk c0
+    for (int i = lane; i < l2pf * (CB_Q4 / 128); i += 32) {
+        const int kk = D + i / (CB_Q4 / 128);
+        if (kk < nch) asm volatile("prefetch.global.L2 [%0];" ::"l"(tbase + (i64)kk * CB_Q4 + (i % (CB_Q4 / 128)) * 128));
+    }
     GSTAMP(1);
     pdl_wait();
     pdl_trigger();
@@ -129,13 +136,13 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
     GSTAMP(7);
 }
 
-// Arguments as gemv_wg.cu's entries (units: the grid; nlanes must be 1). Dynamic shared memory: kernels.gemv_dp_bytes
-// (64 + 4 bytes a chunk of the launch's longest unit).
+// Arguments as gemv_wg.cu's entries (units: the grid; nlanes must be 1), then l2pf (dp_body). Dynamic shared memory:
+// kernels.gemv_dp_bytes (64 + 4 bytes a chunk of the launch's longest unit).
 #define GEMV_DP_KERNEL(NAME, D, MINB)                                                                          \
     extern "C" __global__ void __launch_bounds__(128, MINB)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
-             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {                                   \
-        dp_body<D>(desc, nmat, xq, xs, sgn, lane0);                                                            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, int l2pf) {                         \
+        dp_body<D>(desc, nmat, xq, xs, sgn, lane0, l2pf);                                                      \
     }
 GEMV_DP_KERNEL(gemv8p_q4_d8, 8, GEMV_DP_CTAS_D8)
 GEMV_DP_KERNEL(gemv8p_q4_d16, 16, GEMV_DP_CTAS_D16)

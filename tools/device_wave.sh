@@ -638,8 +638,9 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
             > "$OUT/dp_probe$t.txt" 2>&1 || rc=1
           echo "--- probe $sw"; grep -vE "^(NVIDIA|launch)" "$OUT/dp_probe$t.txt" | tail -9
         done
-        timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k --configs - GEMV_DP4A=1 \
-          "GEMV_DP4A=1 GEMV_DP_DEPTH=8" --json "$OUT/dp_switch.json" > "$OUT/dp_switch.txt" 2>&1 || rc=1
+        timeout 200 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k --configs - GEMV_DP4A=1 \
+          "GEMV_DP4A=1 GEMV_DP_DEPTH=8" "GEMV_DP4A=1 GEMV_DP_L2PF=32" "GEMV_DP4A=1 GEMV_DP_L2PF=64" \
+          --json "$OUT/dp_switch.json" > "$OUT/dp_switch.txt" 2>&1 || rc=1
         grep -E "^switch|read probe" "$OUT/dp_switch.txt" || tail -5 "$OUT/dp_switch.txt"
         timeout 200 $PYTEST tests/gpu/test_gemv_dp.py > "$OUT/dp_bits.txt" 2>&1 || rc=1; tail -6 "$OUT/dp_bits.txt" ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,

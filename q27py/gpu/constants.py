@@ -135,8 +135,11 @@ GWG_PLACE2_BYTES = 78976
 # CTA streams ~8-10 GB/s, a latency-bound loop (docs/PERF.md), and 1-lane launches pay an N = 8 tensor-core
 # instruction for one column. Bitwise the tensor-core kernels (same units, exact int32 sums, same fp32 order).
 # Resident CTAs an SM each ring depth is built for (launch bounds: 128 threads; 102 / 128 registers).
+# GEMV_DP_L2PF (read at launch): chunks past the ring each warp asks L2 for before its PDL wait (0: none), so more
+# bytes move during the launch boundary than the ring holds.
 GEMV_DP4A = 0
 GEMV_DP_DEPTH = 16
+GEMV_DP_L2PF = 0
 GEMV_DP_CTAS_D8, GEMV_DP_CTAS_D16 = 5, 4
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)

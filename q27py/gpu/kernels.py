@@ -841,8 +841,8 @@ class GemvPlan:
             return
         if self._on_dp(fmt, cluster, n, pf):
             rt.launch("gemv_dp", gemv_dp_kernel(), units, 128,
-                      (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs, np.uint32(0x80808080), i32(n), i32(l0)),
-                      shared_mem=gemv_dp_bytes(self.kpad // L.CHUNK_K))
+                      (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs, np.uint32(0x80808080), i32(n), i32(l0),
+                       i32(C.GEMV_DP_L2PF)), shared_mem=gemv_dp_bytes(self.kpad // L.CHUNK_K))
         elif self._on_wg(fmt, units, cluster, n, pf):
             nl = 8 * nt
             rt.launch("gemv_wg", gemv_wg_kernel(nl, units, chunks), units, 128,

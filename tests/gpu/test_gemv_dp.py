@@ -35,9 +35,10 @@ def _state(plan):
     return bufs
 
 
-@pytest.mark.parametrize("depth", [8, 16])
-def test_plans_at_one_lane_are_bitwise_the_tensor_cores(depth, monkeypatch):
-    """Each plan alone, its input row random: run(1) with the switch off, then (the written buffers restored) on."""
+@pytest.mark.parametrize("depth, l2pf", [(8, 0), (16, 0), (16, 48)])
+def test_plans_at_one_lane_are_bitwise_the_tensor_cores(depth, l2pf, monkeypatch):
+    """Each plan alone, its input row random: run(1) with the switch off, then (the written buffers restored) on
+    (GEMV_DP_L2PF: the pre-wait L2 prefetch changes nothing but timing)."""
     import cupy as cp
 
     from q27py.gpu import constants as C
@@ -45,6 +46,7 @@ def test_plans_at_one_lane_are_bitwise_the_tensor_cores(depth, monkeypatch):
     from tests.gpu.plan_rounds import heads27b
 
     monkeypatch.setattr(C, "GEMV_DP_DEPTH", depth)
+    monkeypatch.setattr(C, "GEMV_DP_L2PF", l2pf)
     m = heads27b(False, hidden=None, seed=21, intermediate=17408)
     rng = np.random.default_rng(7)
     ran = 0
