@@ -38,16 +38,48 @@ __device__ __forceinline__ int dp4a_s8(u32 a, u32 b, int c) {
     return d;
 }
 
-// One unit (64 rows, chunks c0 .. c1 - 1) of a 1-lane launch: 4 warps, warp w on tile rg * GEMV_R + w.
-// D: the register ring's depth (chunks in flight a thread; a multiple of 8, so a chunk's residue is its ring slot mod 8).
-// l2pf: chunks past the ring the warp asks L2 for before the wait (prefetch.global.L2, a 128-byte line a lane), so
-// more of the unit's bytes move during the launch boundary than the ring holds (constants GEMV_DP_L2PF).
-template <int D>
-__device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq,
-                                        const float* __restrict__ xs, u32 sgn, int lane0, int l2pf) {
+// The quad's partial sums v[NL] of one row (each thread's 16 k of the chunk) to the full sums of the lanes this thread
+// owns, o[DP_OWN(NL)]: NL = 1 lane 0 (every thread); 2 lane t & 1; 4 lane t; 8 lanes t and t + 4. A butterfly that
+// keeps half of what is left each step (integers: exact in any order).
+#define DP_OWN(NL) ((NL) < 4 ? 1 : (NL) / 4)
+template <int NL>
+__device__ __forceinline__ void dp_quad_sums(const int (&v)[NL], int (&o)[DP_OWN(NL)], int t) {
+    if constexpr (NL == 1) {
+        int a = v[0] + __shfl_xor_sync(FULL_MASK, v[0], 1);
+        o[0] = a + __shfl_xor_sync(FULL_MASK, a, 2);
+    } else if constexpr (NL == 2) {
+        const bool b0 = t & 1;  // keeps lane b0
+        int a = (b0 ? v[1] : v[0]) + __shfl_xor_sync(FULL_MASK, b0 ? v[0] : v[1], 1);
+        o[0] = a + __shfl_xor_sync(FULL_MASK, a, 2);
+    } else {
+        const bool b0 = t & 1, b1 = t & 2;  // keeps lanes b0, b0 + 2 of each group of 4, then b0 + 2 b1
+#pragma unroll
+        for (int q = 0; q < NL / 4; q++) {
+            const int* u = v + 4 * q;
+            const int a0 = (b0 ? u[1] : u[0]) + __shfl_xor_sync(FULL_MASK, b0 ? u[0] : u[1], 1);
+            const int a1 = (b0 ? u[3] : u[2]) + __shfl_xor_sync(FULL_MASK, b0 ? u[2] : u[3], 1);
+            o[q] = (b1 ? a1 : a0) + __shfl_xor_sync(FULL_MASK, b1 ? a0 : a1, 2);
+        }
+    }
+}
+// the j-th lane thread t owns after dp_quad_sums
+template <int NL>
+__device__ __forceinline__ int dp_own_lane(int t, int j) {
+    return NL == 1 ? 0 : NL == 2 ? (t & 1) : t + 4 * j;
+}
+
+// One unit (64 rows, chunks c0 .. c1 - 1) of a launch of nlanes <= NL lanes (NL = 1, 2, 4, 8): 4 warps, warp w on tile
+// rg * GEMV_R + w. D: the register ring's depth (chunks in flight a thread; a multiple of 8, so a chunk's residue is
+// its ring slot mod 8). l2pf: chunks past the ring the warp asks L2 for before the wait (prefetch.global.L2, a
+// 128-byte line a lane), so more of the unit's bytes move during the launch boundary than the ring holds (constants
+// GEMV_DP_L2PF). Per chunk the weights unpack once and each lane adds 8 dp4a against its own 16 activation bytes.
+template <int D, int NL>
+__device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
+                                        const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, int l2pf) {
     static_assert(D % 8 == 0, "ring slots and residues");
+    constexpr int OWN = DP_OWN(NL);
     extern __shared__ __align__(16) u8 dyn_smem[];
-    __shared__ float red0[GEMV_R * 16];
+    __shared__ float red0[GEMV_R * 16 * NL];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
     GSTAMP(0);
@@ -76,19 +108,27 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
     pdl_wait();
     pdl_trigger();
     GSTAMP(2);
-    // the unit's activations (lane 0: 64 bytes a chunk) and chunk scales (x 1/16: the codes' factor 16, as gemv8's
-    // x2) into shared memory, once for the CTA's four tiles
+    // the unit's activations (64 bytes a lane and chunk; lanes past the launch's repeat its last) and chunk scales (x
+    // 1/16: the codes' factor 16, as gemv8's x2) into shared memory, once for the CTA's four tiles: lane n's chunk kk
+    // at sx[(n nch + kk) 4 ..], its scale at sxs[n nch + kk]
     uint4* sx = reinterpret_cast<uint4*>(dyn_smem);
-    float* sxs = reinterpret_cast<float*>(dyn_smem + (i64)nch * 64);
-    const uint4* xsrc = reinterpret_cast<const uint4*>(xq + (i64)c0 * 64);
-    for (int i = tid; i < nch * 4; i += blockDim.x) sx[i] = xsrc[i];
-    for (int i = tid; i < nch; i += blockDim.x) sxs[i] = xs[(i64)(c0 + i) * GEMV_MAX_LANES] * 0.0625f;
+    float* sxs = reinterpret_cast<float*>(dyn_smem + (i64)NL * nch * 64);
+    for (int i = tid; i < NL * nch * 4; i += blockDim.x) {
+        const int n = i / (nch * 4), e = i - n * nch * 4;
+        sx[i] = reinterpret_cast<const uint4*>(xq + (i64)min(n, nlanes - 1) * ldq + (i64)c0 * 64)[e];
+    }
+    for (int i = tid; i < NL * nch; i += blockDim.x) {
+        const int n = i / nch, kk = i - n * nch;
+        sxs[i] = xs[(i64)(c0 + kk) * GEMV_MAX_LANES + min(n, nlanes - 1)] * 0.0625f;
+    }
     __syncthreads();
     GSTAMP(3);
 
-    float plo[8], phi[8];  // the residue partials of rows g and g + 8
+    float plo[OWN][8], phi[OWN][8];  // the residue partials of rows g and g + 8, each owned lane
 #pragma unroll
-    for (int r = 0; r < 8; r++) plo[r] = phi[r] = 0.f;
+    for (int j = 0; j < OWN; j++)
+#pragma unroll
+        for (int r = 0; r < 8; r++) plo[j][r] = phi[j][r] = 0.f;
 #pragma unroll 1
     for (int k = 0; k < nch; k += D) {
 #pragma unroll
@@ -101,48 +141,62 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
                     wr[r] = dp_ld_stream(wsrc + (i64)(kk + D) * CW);
                     sr[r] = __ldg(ssrc + ((c0 + kk + D) / GSC_Q4) * 8);
                 }
-                const uint4 x = sx[kk * 4 + t];
-                int lo = dp4a_s8(q4_lo8(w.x, sgn), x.x, 0), hi = dp4a_s8(q4_hi8(w.x, sgn), x.x, 0);
-                lo = dp4a_s8(q4_lo8(w.y, sgn), x.y, lo), hi = dp4a_s8(q4_hi8(w.y, sgn), x.y, hi);
-                lo = dp4a_s8(q4_lo8(w.z, sgn), x.z, lo), hi = dp4a_s8(q4_hi8(w.z, sgn), x.z, hi);
-                lo = dp4a_s8(q4_lo8(w.w, sgn), x.w, lo), hi = dp4a_s8(q4_hi8(w.w, sgn), x.w, hi);
-                lo += __shfl_xor_sync(FULL_MASK, lo, 1);
-                hi += __shfl_xor_sync(FULL_MASK, hi, 1);
-                lo += __shfl_xor_sync(FULL_MASK, lo, 2);
-                hi += __shfl_xor_sync(FULL_MASK, hi, 2);
-                // gemv.cu compute_stage8 / gemv_wg.cu wg_terms, term for term (lane 0's column)
-                const float x2 = sxs[kk];
+                const u32 l0 = q4_lo8(w.x, sgn), l1 = q4_lo8(w.y, sgn), l2 = q4_lo8(w.z, sgn), l3 = q4_lo8(w.w, sgn);
+                const u32 h0 = q4_hi8(w.x, sgn), h1 = q4_hi8(w.y, sgn), h2 = q4_hi8(w.z, sgn), h3 = q4_hi8(w.w, sgn);
+                int vlo[NL], vhi[NL];
+#pragma unroll
+                for (int n = 0; n < NL; n++) {
+                    const uint4 x = sx[(n * nch + kk) * 4 + t];
+                    vlo[n] = dp4a_s8(l3, x.w, dp4a_s8(l2, x.z, dp4a_s8(l1, x.y, dp4a_s8(l0, x.x, 0))));
+                    vhi[n] = dp4a_s8(h3, x.w, dp4a_s8(h2, x.z, dp4a_s8(h1, x.y, dp4a_s8(h0, x.x, 0))));
+                }
+                int olo[OWN], ohi[OWN];
+                dp_quad_sums<NL>(vlo, olo, t);
+                dp_quad_sums<NL>(vhi, ohi, t);
+                // gemv.cu compute_stage8 / gemv_wg.cu wg_terms, term for term (the owned lanes' columns)
                 const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
-                plo[r % 8] = fmaf(s_lo * x2, (float)lo, plo[r % 8]);
-                phi[r % 8] = fmaf(s_hi * x2, (float)hi, phi[r % 8]);
+#pragma unroll
+                for (int j = 0; j < OWN; j++) {
+                    const float x2 = sxs[dp_own_lane<NL>(t, j) * nch + kk];
+                    plo[j][r % 8] = fmaf(s_lo * x2, (float)olo[j], plo[j][r % 8]);
+                    phi[j][r % 8] = fmaf(s_hi * x2, (float)ohi[j], phi[j][r % 8]);
+                }
             }
         }
     }
     GSTAMP(4);
-    // gemv.cu's reduction: v = P0, v += P1, ..., v += P7, into the unit's tile (64 rows x 1 lane)
-    if (t == 0) {
-        float vl = plo[0], vh = phi[0];
+    // gemv.cu's reduction: v = P0, v += P1, ..., v += P7, into the unit's tile (64 rows x NL lanes)
+    if (NL >= 4 || t < NL) {  // NL = 1: thread 0 of the quad; 2: threads 0, 1 (lanes 0, 1); 4, 8: every thread
 #pragma unroll
-        for (int r = 1; r < 8; r++) {
-            vl += plo[r];
-            vh += phi[r];
+        for (int j = 0; j < OWN; j++) {
+            float vl = plo[j][0], vh = phi[j][0];
+#pragma unroll
+            for (int r = 1; r < 8; r++) {
+                vl += plo[j][r];
+                vh += phi[j][r];
+            }
+            const int n = dp_own_lane<NL>(t, j);
+            red0[(warp * 16 + g) * NL + n] = vl;
+            red0[(warp * 16 + g + 8) * NL + n] = vh;
         }
-        red0[warp * 16 + g] = vl;
-        red0[warp * 16 + g + 8] = vh;
     }
     __syncthreads();
     GSTAMP(5);
-    gemv_unit_finish<1>(un.d, red0, rg, un.sp, un.splits, 1, un.y, un.ldy, un.nout, un.mode, lane0);
+    gemv_unit_finish<NL>(un.d, red0, rg, un.sp, un.splits, min(nlanes, NL), un.y, un.ldy, un.nout, un.mode, lane0);
     GSTAMP(7);
 }
 
-// Arguments as gemv_wg.cu's entries (units: the grid; nlanes must be 1), then l2pf (dp_body). Dynamic shared memory:
-// kernels.gemv_dp_bytes (64 + 4 bytes a chunk of the launch's longest unit).
-#define GEMV_DP_KERNEL(NAME, D, MINB)                                                                          \
+// Arguments as gemv_wg.cu's entries (units: the grid; nlanes <= NL), then l2pf (dp_body). Dynamic shared memory:
+// kernels.gemv_dp_bytes (NL x (64 + 4) bytes a chunk of the launch's longest unit).
+#define GEMV_DP_KERNEL(NAME, D, NL, MINB)                                                                      \
     extern "C" __global__ void __launch_bounds__(128, MINB)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, int l2pf) {                         \
-        dp_body<D>(desc, nmat, xq, xs, sgn, lane0, l2pf);                                                      \
+        dp_body<D, NL>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0, l2pf);                                     \
     }
-GEMV_DP_KERNEL(gemv8p_q4_d8, 8, GEMV_DP_CTAS_D8)
-GEMV_DP_KERNEL(gemv8p_q4_d16, 16, GEMV_DP_CTAS_D16)
+GEMV_DP_KERNEL(gemv8p_q4_d8, 8, 1, GEMV_DP_CTAS_D8)
+GEMV_DP_KERNEL(gemv8p_q4_d16, 16, 1, GEMV_DP_CTAS_D16)
+// 2-8 lanes (GEMV_DP_LANES): the 8-deep ring
+GEMV_DP_KERNEL(gemv8p_q4_d8_n2, 8, 2, GEMV_DP_CTAS_D8)
+GEMV_DP_KERNEL(gemv8p_q4_d8_n4, 8, 4, GEMV_DP_CTAS_D16)
+GEMV_DP_KERNEL(gemv8p_q4_d8_n8, 8, 8, GEMV_DP_CTAS_D16)

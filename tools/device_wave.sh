@@ -630,19 +630,18 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
             > "$OUT/s16_switch.txt" 2>&1 || rc=1
           grep -E "^switch|read probe" "$OUT/s16_switch.txt" || tail -5 "$OUT/s16_switch.txt"
         fi ;;
-    dp)  # (<= ~8 min) issue 10: GEMV_DP4A, the 1-lane q4 GEMV on dp4a -- the probe off / on at both ring depths, the
-         # decode steps alternated in one process, then its bitwise tests
-        for t in 0 16 8; do
-          sw="GEMV_DP4A=0"; [ $t != 0 ] && sw="GEMV_DP4A=1 GEMV_DP_DEPTH=$t"
-          timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 --set $sw \
-            > "$OUT/dp_probe$t.txt" 2>&1 || rc=1
-          echo "--- probe $sw"; grep -vE "^(NVIDIA|launch)" "$OUT/dp_probe$t.txt" | tail -9
+    dp)  # (<= ~9 min) issue 10: GEMV_DP4A, the a8 q4 GEMV on dp4a -- the probe off / on (1, 4, 8 lanes), the steps
+         # alternated in one process (ring depth, the pre-wait L2 prefetch, 2-8 lanes), then its bitwise tests
+        for t in 0 1; do
+          timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 4 8 \
+            --set GEMV_DP4A=$t GEMV_DP_LANES=8 > "$OUT/dp_probe$t.txt" 2>&1 || rc=1
+          echo "--- probe GEMV_DP4A=$t"; grep -vE "^(NVIDIA|launch)" "$OUT/dp_probe$t.txt" | tail -12
         done
-        timeout 200 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k --configs - GEMV_DP4A=1 \
-          "GEMV_DP4A=1 GEMV_DP_DEPTH=8" "GEMV_DP4A=1 GEMV_DP_L2PF=32" "GEMV_DP4A=1 GEMV_DP_L2PF=64" \
+        timeout 200 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify8 --configs - GEMV_DP4A=1 \
+          "GEMV_DP4A=1 GEMV_DP_DEPTH=8" "GEMV_DP4A=1 GEMV_DP_L2PF=32" "GEMV_DP4A=1 GEMV_DP_LANES=8" \
           --json "$OUT/dp_switch.json" > "$OUT/dp_switch.txt" 2>&1 || rc=1
         grep -E "^switch|read probe" "$OUT/dp_switch.txt" || tail -5 "$OUT/dp_switch.txt"
-        timeout 200 $PYTEST tests/gpu/test_gemv_dp.py > "$OUT/dp_bits.txt" 2>&1 || rc=1; tail -6 "$OUT/dp_bits.txt" ;;
+        timeout 220 $PYTEST tests/gpu/test_gemv_dp.py > "$OUT/dp_bits.txt" 2>&1 || rc=1; tail -6 "$OUT/dp_bits.txt" ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \

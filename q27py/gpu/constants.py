@@ -134,12 +134,16 @@ GWG_PLACE2_BYTES = 78976
 # chunks deep (8 or 16) and sums them with dp4a, no shared-memory ring, no block barrier in the loop. Why: a gemv_wg
 # CTA streams ~8-10 GB/s, a latency-bound loop (docs/PERF.md), and 1-lane launches pay an N = 8 tensor-core
 # instruction for one column. Bitwise the tensor-core kernels (same units, exact int32 sums, same fp32 order).
-# Resident CTAs an SM each ring depth is built for (launch bounds: 128 threads; 102 / 128 registers).
+# Resident CTAs an SM each ring depth is built for (launch bounds: 128 threads; 102 / 128 registers; the 4- and
+# 8-lane entries the 16-deep ring's).
 # GEMV_DP_L2PF (read at launch): chunks past the ring each warp asks L2 for before its PDL wait (0: none), so more
-# bytes move during the launch boundary than the ring holds.
+# bytes move during the launch boundary than the ring holds. GEMV_DP_LANES (read at launch, at most 8): the widest
+# launch gemv_dp takes (2-8 lanes: entries of 2 / 4 / 8 lanes on the 8-deep ring; the weights unpack once a chunk, each
+# lane adds 8 dp4a, and a butterfly over the quad leaves each thread the full sums of the lanes it finishes).
 GEMV_DP4A = 0
 GEMV_DP_DEPTH = 16
 GEMV_DP_L2PF = 0
+GEMV_DP_LANES = 1
 GEMV_DP_CTAS_D8, GEMV_DP_CTAS_D16 = 5, 4
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)

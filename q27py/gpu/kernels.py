@@ -326,16 +326,24 @@ def gemv_wg_kernel(nl: int, units: int | None = None, chunks: int | None = None)
     return f"gemv8w_q4_n{nl}"
 
 
-def gemv_dp_kernel() -> str:
-    """The cuda/gemv_dp.cu entry of GEMV_DP_DEPTH (read at call time: benchmarks override the table)."""
+def _dp_width(n: int) -> int:
+    """The gemv_dp entry's lane count (1, 2, 4, 8) for a launch of n lanes."""
+    assert 1 <= n <= 8, n
+    return 1 if n == 1 else 2 if n == 2 else 4 if n <= 4 else 8
+
+
+def gemv_dp_kernel(n: int = 1) -> str:
+    """The cuda/gemv_dp.cu entry of a launch of n <= 8 lanes: at 1 lane the ring GEMV_DP_DEPTH deep (read at call time:
+    benchmarks override the table), at 2-8 lanes the 8-deep entry of 2, 4 or 8 lanes."""
     assert C.GEMV_DP_DEPTH in (8, 16), C.GEMV_DP_DEPTH
-    return f"gemv8p_q4_d{C.GEMV_DP_DEPTH}"
+    nl = _dp_width(n)
+    return f"gemv8p_q4_d{C.GEMV_DP_DEPTH}" if nl == 1 else f"gemv8p_q4_d8_n{nl}"
 
 
-def gemv_dp_bytes(kch: int) -> int:
-    """Dynamic shared memory of a gemv_dp CTA whose unit streams at most kch chunks: its lane's activations (64
-    bytes a chunk) and chunk scales (4)."""
-    return kch * (L.CHUNK_K + 4)
+def gemv_dp_bytes(kch: int, n: int = 1) -> int:
+    """Dynamic shared memory of a gemv_dp CTA of n lanes whose unit streams at most kch chunks: each of its entry's
+    lanes' activations (64 bytes a chunk) and chunk scales (4)."""
+    return _dp_width(n) * kch * (L.CHUNK_K + 4)
 
 
 def _wg_entry(name: str) -> tuple[int, int, int]:
@@ -840,9 +848,9 @@ class GemvPlan:
                       shared_mem=gemv_wg_launch_bytes(8, units, chunks) + norm_fold_bytes(n, fnch))
             return
         if self._on_dp(fmt, cluster, n, pf):
-            rt.launch("gemv_dp", gemv_dp_kernel(), units, 128,
+            rt.launch("gemv_dp", gemv_dp_kernel(n), units, 128,
                       (desc, i32(nmat), i32(units), xq, i32(xq.shape[1]), xs, np.uint32(0x80808080), i32(n), i32(l0),
-                       i32(C.GEMV_DP_L2PF)), shared_mem=gemv_dp_bytes(self.kpad // L.CHUNK_K))
+                       i32(C.GEMV_DP_L2PF)), shared_mem=gemv_dp_bytes(self._chunks_max(desc), n))
         elif self._on_wg(fmt, units, cluster, n, pf):
             nl = 8 * nt
             rt.launch("gemv_wg", gemv_wg_kernel(nl, units, chunks), units, 128,
@@ -895,10 +903,16 @@ class GemvPlan:
                    i32(l0), d0, i32(m0), i32(u0), x, i32(ldx)),
                   shared_mem=smem)
 
+    def _chunks_max(self, desc) -> int:
+        """The most chunks a unit of the launch whose descriptors are `desc` streams."""
+        return next(self.unit_chunks_max[li] for li, lw in enumerate(self.launches) if lw[1] is desc)
+
     def _on_dp(self, fmt: int, cluster: int, n: int, pf) -> bool:
-        """Whether this plan's launch runs cuda/gemv_dp.cu (constants GEMV_DP4A, read at launch time): a 1-lane a8 q4
-        launch with neither the next-launch prefetch nor clusters (gemv.cu's only). Bitwise the tensor-core kernels."""
-        return bool(C.GEMV_DP4A) and self.a8 and fmt == L.FMT_Q4 and n == 1 and pf is None and cluster == 1
+        """Whether this plan's launch runs cuda/gemv_dp.cu (constants GEMV_DP4A / GEMV_DP_LANES, read at launch time):
+        an a8 q4 launch of at most GEMV_DP_LANES lanes with neither the next-launch prefetch nor clusters (gemv.cu's
+        only). Bitwise the tensor-core kernels."""
+        return (bool(C.GEMV_DP4A) and self.a8 and fmt == L.FMT_Q4 and 1 <= n <= min(8, C.GEMV_DP_LANES)
+                and pf is None and cluster == 1)
 
     def _on_wg(self, fmt: int, units: int, cluster: int, n: int, pf) -> bool:
         """Whether this plan's launch (format fmt, `units` CTAs, n lanes) runs cuda/gemv_wg.cu: a8 q4 launches

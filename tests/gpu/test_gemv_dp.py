@@ -1,8 +1,8 @@
-"""constants GEMV_DP4A (cuda/gemv_dp.cu gemv8p_q4_d8 / d16; kernels.GemvPlan._on_dp): 1-lane a8 q4 launches on the CUDA
-cores, each thread streaming its fragments through a register ring and summing them with dp4a. Bitwise the tensor-core
-kernels: every plan of a 27B-shaped layer at 1 lane (its outputs, the residual adds and the SwiGLU a8 hand-over
-included), then logits and states over decode steps, verify rounds and commits, eager and under graphs, at both ring
-depths; and the switch is not vacuous (the decode step's q4 launches move to gemv_dp).
+"""constants GEMV_DP4A (cuda/gemv_dp.cu gemv8p_q4_*; kernels.GemvPlan._on_dp): 1-lane a8 q4 launches on the CUDA
+cores, each thread streaming its fragments through a register ring and summing them with dp4a (GEMV_DP_LANES: 2-8
+lanes too). Bitwise the tensor-core kernels: every plan of a 27B-shaped layer at 1-8 lanes (its outputs, the residual
+adds and the SwiGLU a8 hand-over included), then logits and states over decode steps, verify rounds and commits, eager
+and under graphs, at both ring depths; and the switch is not vacuous (the decode step's q4 launches move to gemv_dp).
 
 Device command: python3 -m pytest -q tests/gpu/test_gemv_dp.py
 """
@@ -35,10 +35,11 @@ def _state(plan):
     return bufs
 
 
-@pytest.mark.parametrize("depth, l2pf", [(8, 0), (16, 0), (16, 48)])
-def test_plans_at_one_lane_are_bitwise_the_tensor_cores(depth, l2pf, monkeypatch):
-    """Each plan alone, its input row random: run(1) with the switch off, then (the written buffers restored) on
-    (GEMV_DP_L2PF: the pre-wait L2 prefetch changes nothing but timing)."""
+@pytest.mark.parametrize("depth, l2pf, nlanes", [(8, 0, 1), (16, 0, 1), (16, 48, 1), (16, 0, 2), (16, 0, 3), (16, 0, 4),
+                                                 (16, 0, 5), (16, 16, 8)])
+def test_plans_are_bitwise_the_tensor_cores(depth, l2pf, nlanes, monkeypatch):
+    """Each plan alone, its input rows random: run(nlanes) with the switch off, then (the written buffers restored) on
+    (GEMV_DP_L2PF: the pre-wait L2 prefetch changes nothing but timing; 3 and 5 lanes: entries wider than the launch)."""
     import cupy as cp
 
     from q27py.gpu import constants as C
@@ -47,13 +48,14 @@ def test_plans_at_one_lane_are_bitwise_the_tensor_cores(depth, l2pf, monkeypatch
 
     monkeypatch.setattr(C, "GEMV_DP_DEPTH", depth)
     monkeypatch.setattr(C, "GEMV_DP_L2PF", l2pf)
+    monkeypatch.setattr(C, "GEMV_DP_LANES", 8)
     m = heads27b(False, hidden=None, seed=21, intermediate=17408)
     rng = np.random.default_rng(7)
     ran = 0
     for name, plan in _plans(m):
         if not plan.a8:
             continue
-        x = cp.asarray(rng.standard_normal((1, plan.kpad)).astype(np.float32) * 2)
+        x = cp.asarray(rng.standard_normal((nlanes, plan.kpad)).astype(np.float32) * 2)
         before = [b.copy() for b in _state(plan)]
         got = []
         for on in (0, 1):
@@ -61,7 +63,7 @@ def test_plans_at_one_lane_are_bitwise_the_tensor_cores(depth, l2pf, monkeypatch
             for b, v in zip(_state(plan), before):
                 b[...] = v
             with Runtime.get().count_launches() as n:
-                plan.run(x, plan.kpad, 1)
+                plan.run(x, plan.kpad, nlanes)
             cp.cuda.Device().synchronize()
             got.append([b.get() for b in _state(plan)])
             dp = sum(c for (mod, _k), c in n.items() if mod == "gemv_dp")
@@ -75,14 +77,16 @@ def test_plans_at_one_lane_are_bitwise_the_tensor_cores(depth, l2pf, monkeypatch
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("depth", [8, 16])
-def test_rounds_keep_the_bits(depth, graphs, monkeypatch):
-    """Logits and final states of a prefill, decode steps, verify rounds and commits, switch off against on."""
+@pytest.mark.parametrize("depth, lanes", [(8, 1), (16, 8)])
+def test_rounds_keep_the_bits(depth, lanes, graphs, monkeypatch):
+    """Logits and final states of a prefill, decode steps, verify rounds (2-8 lanes) and commits, switch off against
+    on (GEMV_DP_LANES 8: the verify rounds too)."""
     from q27py.gpu import constants as C
     from q27py.gpu.runtime import Runtime
     from tests.gpu.plan_rounds import heads27b, rounds
 
     monkeypatch.setattr(C, "GEMV_DP_DEPTH", depth)
+    monkeypatch.setattr(C, "GEMV_DP_LANES", lanes)
     ids = list(range(3, 40))
     res = []
     for on in (0, 1):

@@ -77,7 +77,7 @@ def test_every_pdl_kernel_waits_first():
     dpb = dp[dp.index("void dp_body("):]
     dpb = dpb[: dpb.index("\n}\n")]
     dwait = dpb.index("pdl_wait();")
-    assert dpb.index("wr[i] = dp_ld_stream(") < dwait < dpb.index("xsrc[i]") and "xq" not in dpb[dpb.index("{"):dwait]
+    assert dpb.index("wr[i] = dp_ld_stream(") < dwait < dpb.index("(xq + ") and "xq" not in dpb[dpb.index("{"):dwait]
     assert "xs[" not in dpb[:dwait] and dpb.index("pdl_trigger();") > dwait
     # the merged entries (GEMV_MERGE) run nothing of their own: one of the two bodies above, whole
     call = wg[wg.index("#define GWG_CALL_G(NL, TWO, SUB, STAGES, CPS)"):]
