@@ -134,6 +134,8 @@ GWG_PLACE2_BYTES = 78976
 # chunks deep (8 or 16) and sums them with dp4a, no shared-memory ring, no block barrier in the loop. Why: a gemv_wg
 # CTA streams ~8-10 GB/s, a latency-bound loop (docs/PERF.md), and 1-lane launches pay an N = 8 tensor-core
 # instruction for one column. Bitwise the tensor-core kernels (same units, exact int32 sums, same fp32 order).
+# Measured slower (docs/PERF.md, 2026-12-07 sixteenth session, H100: GEMV family 2,216 -> 1,288 GB/s at 1 lane, decode
+# 2K 6.99 -> 11.2-11.8 ms; long-scoreboard stalls at 17 warps an SM), bitwise: off, kept as the experiment.
 # Resident CTAs an SM each ring depth is built for (launch bounds: 128 threads; 102 / 128 registers; the 4- and
 # 8-lane entries the 16-deep ring's).
 # GEMV_DP_L2PF (read at launch): chunks past the ring each warp asks L2 for before its PDL wait (0: none), so more
