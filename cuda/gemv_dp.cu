@@ -137,10 +137,6 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
             if (kk < nch) {
                 const uint4 w = wr[r];
                 const u32 sv = sr[r];
-                if (kk + D < nch) {  // the slot's next chunk
-                    wr[r] = dp_ld_stream(wsrc + (i64)(kk + D) * CW);
-                    sr[r] = __ldg(ssrc + ((c0 + kk + D) / GSC_Q4) * 8);
-                }
                 const u32 l0 = q4_lo8(w.x, sgn), l1 = q4_lo8(w.y, sgn), l2 = q4_lo8(w.z, sgn), l3 = q4_lo8(w.w, sgn);
                 const u32 h0 = q4_hi8(w.x, sgn), h1 = q4_hi8(w.y, sgn), h2 = q4_hi8(w.z, sgn), h3 = q4_hi8(w.w, sgn);
                 int vlo[NL], vhi[NL];
@@ -160,6 +156,13 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
                     const float x2 = sxs[dp_own_lane<NL>(t, j) * nch + kk];
                     plo[j][r % 8] = fmaf(s_lo * x2, (float)olo[j], plo[j][r % 8]);
                     phi[j][r % 8] = fmaf(s_hi * x2, (float)ohi[j], phi[j][r % 8]);
+                }
+                // the slot's next chunk, once this one's words and scale are used: loaded straight into the ring's
+                // registers (refilled before the scale's last use, the compiler loaded into a temporary and copied it
+                // into the slot at once -- a wait on a fresh global load every chunk: measured, docs/PERF.md)
+                if (kk + D < nch) {
+                    wr[r] = dp_ld_stream(wsrc + (i64)(kk + D) * CW);
+                    sr[r] = __ldg(ssrc + ((c0 + kk + D) / GSC_Q4) * 8);
                 }
             }
         }

@@ -282,3 +282,47 @@ __device__ void ring_show() {
     assert (ring[0] > plain) == (cc == (9, 0)), "the activations ride in the ring on sm_90 only (of these two)"
     if cc == (9, 0):  # two CTAs of each a8 q4 kernel still fit one SM's 228 KB (1 KB reserved per CTA)
         assert all(2 * (b + 1024) <= 228 * 1024 for b in want[:2]), want
+
+
+def _cuobjdump():
+    """cuobjdump: on PATH, or from the nvidia-cuda-cuobjdump wheel (.ci/run installs it as a test tool), else None."""
+    import glob
+    import shutil
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for root in sys.path:
+        hits = sorted(glob.glob(f"{root}/nvidia/cu*/bin/cuobjdump"))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def test_gemv_dp_ring_loads_land_in_their_slots(tmp_path):
+    """nvcc + cuobjdump: in every cuda/gemv_dp.cu entry's hot loop no register a global load writes is then copied
+    into another one. The first build refilled a ring slot before its scale's last use, so ptxas loaded the new scale
+    into a temporary and moved it into the slot right away: each chunk waited on a fresh global load (16 such copies
+    a 16-chunk loop), which the device measured as long-scoreboard stalls and 42% of the read probe (docs/PERF.md,
+    2026-12-07 sixteenth session)."""
+    nb = nvcc_build
+    tool = _cuobjdump()
+    if nb.NVCC is None or tool is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    r = nb.build_with(tmp_path, "gemv_dp", ["-arch=sm_90"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    entries = re.findall(r"GEMV_DP_KERNEL\((gemv8p_\w+),", (CUDA_DIR / "gemv_dp.cu").read_text())
+    assert len(entries) >= 5
+    for fn in entries:
+        sass = subprocess.run([tool, "-sass", "-fun", fn, str(tmp_path / "gemv_dp.cubin")], capture_output=True,
+                              text=True, check=True).stdout
+        insns = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
+        back = [(int(m.group(1), 16), a) for a, t in insns if (m := re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", t))
+                and int(m.group(1), 16) < a]
+        start, end = max(back, key=lambda b: b[1] - b[0])  # the unrolled chunk loop: the longest backward branch
+        body = [t for a, t in insns if start <= a <= end]
+        assert sum("IDP.4A" in t for t in body) >= 64, fn
+        loaded = {m.group(1) for t in body if (m := re.search(r"\bLDG\S*\s+(R\d+)", t))}
+        copies = [t for t in body if (m := re.search(r"\b(?:MOV|IMAD\.MOV\.U32)\s+R\d+,\s*(?:RZ,\s*RZ,\s*)?(R\d+)$", t))
+                  and m.group(1) in loaded]
+        assert not copies, f"{fn}: loads copied out of their registers in the hot loop: {copies[:4]}"

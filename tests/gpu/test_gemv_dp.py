@@ -101,3 +101,4 @@ def test_rounds_keep_the_bits(depth, lanes, graphs, monkeypatch):
         assert (dp > 0) == bool(on), f"gemv_dp launches in a decode step: {dp}"
     for i, (a, b) in enumerate(zip(*res)):
         np.testing.assert_array_equal(b, a, err_msg=f"output {i}")
+
