@@ -633,15 +633,18 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
     dp)  # (<= ~9 min) issue 10: GEMV_DP4A, the a8 q4 GEMV on dp4a -- the probe off / on (1, 4, 8 lanes), the steps
          # alternated in one process (ring depth, the pre-wait L2 prefetch, 2-8 lanes), then its bitwise tests
         for t in 0 1; do
-          timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 4 8 \
+          timeout 70 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 2 4 8 \
             --set GEMV_DP4A=$t GEMV_DP_LANES=8 > "$OUT/dp_probe$t.txt" 2>&1 || rc=1
           echo "--- probe GEMV_DP4A=$t"; grep -vE "^(NVIDIA|launch)" "$OUT/dp_probe$t.txt" | tail -12
         done
         timeout 200 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify8 --configs - GEMV_DP4A=1 \
-          "GEMV_DP4A=1 GEMV_DP_DEPTH=8" "GEMV_DP4A=1 GEMV_DP_L2PF=32" "GEMV_DP4A=1 GEMV_DP_LANES=8" \
-          --json "$OUT/dp_switch.json" > "$OUT/dp_switch.txt" 2>&1 || rc=1
+          "GEMV_DP4A=1 GEMV_DP_DEPTH=8" "GEMV_DP4A=1 GEMV_DP_L2PF=32" "GEMV_DP4A=1 GEMV_DP_LANES=4" \
+          "GEMV_DP4A=1 GEMV_DP_LANES=8" --json "$OUT/dp_switch.json" > "$OUT/dp_switch.txt" 2>&1 || rc=1
         grep -E "^switch|read probe" "$OUT/dp_switch.txt" || tail -5 "$OUT/dp_switch.txt"
-        timeout 220 $PYTEST tests/gpu/test_gemv_dp.py > "$OUT/dp_bits.txt" 2>&1 || rc=1; tail -6 "$OUT/dp_bits.txt" ;;
+        timeout 220 $PYTEST tests/gpu/test_gemv_dp.py > "$OUT/dp_bits.txt" 2>&1 || rc=1; tail -6 "$OUT/dp_bits.txt"
+        timeout 120 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.GEMV_DP4A = 1; \
+sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/dp_gates.txt" 2>&1 || rc=1
+        echo "--- gates, GEMV_DP4A=1"; tail -4 "$OUT/dp_gates.txt" ;;
     tf32suite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_out_tf32 needs -- forward, prefix,
                 # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on
         Q27_PREFILL_GDN_OUT_TF32=1 timeout 400 $PYTEST tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py \
