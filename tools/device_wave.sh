@@ -637,7 +637,7 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
             --set GEMV_DP4A=$t GEMV_DP_LANES=8 > "$OUT/dp_probe$t.txt" 2>&1 || rc=1
           echo "--- probe GEMV_DP4A=$t"; grep -vE "^(NVIDIA|launch)" "$OUT/dp_probe$t.txt" | tail -12
         done
-        timeout 200 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify8 --configs - GEMV_DP4A=1 \
+        timeout 200 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify4 verify8 --configs - GEMV_DP4A=1 \
           "GEMV_DP4A=1 GEMV_DP_DEPTH=8" "GEMV_DP4A=1 GEMV_DP_L2PF=32" "GEMV_DP4A=1 GEMV_DP_LANES=4" \
           "GEMV_DP4A=1 GEMV_DP_LANES=8" --json "$OUT/dp_switch.json" > "$OUT/dp_switch.txt" 2>&1 || rc=1
         grep -E "^switch|read probe" "$OUT/dp_switch.txt" || tail -5 "$OUT/dp_switch.txt"

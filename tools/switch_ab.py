@@ -52,8 +52,8 @@ def main() -> int:
     probe = copy_bandwidth(1 << 30)
     b = Bench(tier=args.tier, max_context=32768 + 64, log=lambda *a: print(*a, flush=True))
     m, st, s = b.model, b.state, b.stream
-    ctx = {"decode2k": 2048, "decode32k": 32768, "verify8": 2048, "verify16": 2048}
-    width = {"decode2k": 1, "decode32k": 1, "verify8": 8, "verify16": 16}
+    ctx = {"decode2k": 2048, "decode32k": 32768, "verify4": 2048, "verify8": 2048, "verify16": 2048}
+    width = {"decode2k": 1, "decode32k": 1, "verify4": 4, "verify8": 8, "verify16": 16}
 
     def reset(name):
         w = width[name]
