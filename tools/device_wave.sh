@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 dp tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h dp tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -629,6 +629,15 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
           timeout 120 python3 tools/switch_ab.py --rounds 3 --configs - --json "$OUT/s16_switch.json" \
             > "$OUT/s16_switch.txt" 2>&1 || rc=1
           grep -E "^switch|read probe" "$OUT/s16_switch.txt" || tail -5 "$OUT/s16_switch.txt"
+        fi ;;
+    s16h)  # (<= ~5 min; an H200 only, else nothing) issue 14's 8K prefill, then the decode / verify steps on the defaults
+        if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+          s10_prefill 170 8192
+          timeout 120 python3 tools/switch_ab.py --rounds 3 --configs - --json "$OUT/s16_switch.json" \
+            > "$OUT/s16_switch.txt" 2>&1 || rc=1
+          grep -E "^switch|read probe" "$OUT/s16_switch.txt" || tail -5 "$OUT/s16_switch.txt"
+        else
+          echo "not an H200: nothing run"
         fi ;;
     dp)  # (<= ~9 min) issue 10: GEMV_DP4A, the a8 q4 GEMV on dp4a -- the probe off / on (1, 4, 8 lanes), the steps
          # alternated in one process (ring depth, the pre-wait L2 prefetch, 2-8 lanes), then its bitwise tests
