@@ -68,6 +68,80 @@ __device__ __forceinline__ int dp_own_lane(int t, int j) {
     return NL == 1 ? 0 : NL == 2 ? (t & 1) : t + 4 * j;
 }
 
+// One chunk kk of the unit (residue R of the 8 partials): its weight words w and scale word sv, the lanes' activations
+// sx / sxs in shared memory: the exact int32 sums, then gemv8's fp32 terms into the owned lanes' partials
+// (R: a constant once the caller's loop is unrolled, so the partials stay in registers)
+template <int NL>
+__device__ __forceinline__ void dp_chunk(uint4 w, u32 sv, u32 sgn, const uint4* sx, const float* sxs, int nch, int kk,
+                                         int t, float (&plo)[DP_OWN(NL)][8], float (&phi)[DP_OWN(NL)][8], int R) {
+    constexpr int OWN = DP_OWN(NL);
+    const u32 l0 = q4_lo8(w.x, sgn), l1 = q4_lo8(w.y, sgn), l2 = q4_lo8(w.z, sgn), l3 = q4_lo8(w.w, sgn);
+    const u32 h0 = q4_hi8(w.x, sgn), h1 = q4_hi8(w.y, sgn), h2 = q4_hi8(w.z, sgn), h3 = q4_hi8(w.w, sgn);
+    int vlo[NL], vhi[NL];
+#pragma unroll
+    for (int n = 0; n < NL; n++) {
+        const uint4 x = sx[(n * nch + kk) * 4 + t];
+        vlo[n] = dp4a_s8(l3, x.w, dp4a_s8(l2, x.z, dp4a_s8(l1, x.y, dp4a_s8(l0, x.x, 0))));
+        vhi[n] = dp4a_s8(h3, x.w, dp4a_s8(h2, x.z, dp4a_s8(h1, x.y, dp4a_s8(h0, x.x, 0))));
+    }
+    int olo[OWN], ohi[OWN];
+    dp_quad_sums<NL>(vlo, olo, t);
+    dp_quad_sums<NL>(vhi, ohi, t);
+    // gemv.cu compute_stage8 / gemv_wg.cu wg_terms, term for term (the owned lanes' columns)
+    const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
+#pragma unroll
+    for (int j = 0; j < OWN; j++) {
+        const float x2 = sxs[dp_own_lane<NL>(t, j) * nch + kk];
+        plo[j][R] = fmaf(s_lo * x2, (float)olo[j], plo[j][R]);
+        phi[j][R] = fmaf(s_hi * x2, (float)ohi[j], phi[j][R]);
+    }
+}
+
+// The unit's activations (64 bytes a lane and chunk; lanes past the launch's repeat its last) and chunk scales (x 1/16:
+// the codes' factor 16, as gemv8's x2) into shared memory at act, once for the CTA's four tiles: lane n's chunk kk at
+// sx[(n nch + kk) 4 ..], its scale at sxs[n nch + kk]. After the PDL wait (the previous kernel wrote them).
+template <int NL>
+__device__ __forceinline__ void dp_stage_acts(u8* act, const u8* __restrict__ xq, int ldq, const float* __restrict__ xs,
+                                              int nlanes, int c0, int nch) {
+    uint4* sx = reinterpret_cast<uint4*>(act);
+    float* sxs = reinterpret_cast<float*>(act + (i64)NL * nch * 64);
+    for (int i = threadIdx.x; i < NL * nch * 4; i += blockDim.x) {
+        const int n = i / (nch * 4), e = i - n * nch * 4;
+        sx[i] = reinterpret_cast<const uint4*>(xq + (i64)min(n, nlanes - 1) * ldq + (i64)c0 * 64)[e];
+    }
+    for (int i = threadIdx.x; i < NL * nch; i += blockDim.x) {
+        const int n = i / nch, kk = i - n * nch;
+        sxs[i] = xs[(i64)(c0 + kk) * GEMV_MAX_LANES + min(n, nlanes - 1)] * 0.0625f;
+    }
+    __syncthreads();
+}
+
+// gemv.cu's reduction (v = P0, v += P1, ..., v += P7) of the owned lanes into the unit's tile red0 (64 rows x NL
+// lanes), then gemv_unit_finish
+template <int NL>
+__device__ __forceinline__ void dp_finish(const GemvUnit& un, float (&plo)[DP_OWN(NL)][8], float (&phi)[DP_OWN(NL)][8],
+                                          float* red0, int nlanes, int lane0) {
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    if (NL >= 4 || t < NL) {  // NL = 1: thread 0 of the quad; 2: threads 0, 1 (lanes 0, 1); 4, 8: every thread
+#pragma unroll
+        for (int j = 0; j < DP_OWN(NL); j++) {
+            float vl = plo[j][0], vh = phi[j][0];
+#pragma unroll
+            for (int r = 1; r < 8; r++) {
+                vl += plo[j][r];
+                vh += phi[j][r];
+            }
+            const int n = dp_own_lane<NL>(t, j);
+            red0[(warp * 16 + g) * NL + n] = vl;
+            red0[(warp * 16 + g + 8) * NL + n] = vh;
+        }
+    }
+    __syncthreads();
+    GSTAMP(5);
+    gemv_unit_finish<NL>(un.d, red0, un.rg, un.sp, un.splits, min(nlanes, NL), un.y, un.ldy, un.nout, un.mode, lane0);
+    GSTAMP(7);
+}
+
 // One unit (64 rows, chunks c0 .. c1 - 1) of a launch of nlanes <= NL lanes (NL = 1, 2, 4, 8): 4 warps, warp w on tile
 // rg * GEMV_R + w. D: the register ring's depth (chunks in flight a thread; a multiple of 8, so a chunk's residue is
 // its ring slot mod 8). l2pf: chunks past the ring the warp asks L2 for before the wait (prefetch.global.L2, a
@@ -84,8 +158,8 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
 
     GSTAMP(0);
     const GemvUnit un = gemv_unit(desc, nmat, lane0, (int)blockIdx.x);
-    const int rg = un.rg, c0 = un.c0, nch = un.c1 - un.c0;
-    const i64 tile = (i64)rg * GEMV_R + warp;
+    const int c0 = un.c0, nch = un.c1 - un.c0;
+    const i64 tile = (i64)un.rg * GEMV_R + warp;
     constexpr int CW = CB_Q4 / 16;  // a tile chunk's 16-byte words
     const uint4* wsrc = reinterpret_cast<const uint4*>(un.w + tile * un.kch * CB_Q4) + (i64)c0 * CW + lane;
     const u32* ssrc = un.sc + tile * un.ngroups * 8 + g;  // chunk c's word: rows (g, g + 8) as two halves
@@ -108,20 +182,9 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
     pdl_wait();
     pdl_trigger();
     GSTAMP(2);
-    // the unit's activations (64 bytes a lane and chunk; lanes past the launch's repeat its last) and chunk scales (x
-    // 1/16: the codes' factor 16, as gemv8's x2) into shared memory, once for the CTA's four tiles: lane n's chunk kk
-    // at sx[(n nch + kk) 4 ..], its scale at sxs[n nch + kk]
-    uint4* sx = reinterpret_cast<uint4*>(dyn_smem);
-    float* sxs = reinterpret_cast<float*>(dyn_smem + (i64)NL * nch * 64);
-    for (int i = tid; i < NL * nch * 4; i += blockDim.x) {
-        const int n = i / (nch * 4), e = i - n * nch * 4;
-        sx[i] = reinterpret_cast<const uint4*>(xq + (i64)min(n, nlanes - 1) * ldq + (i64)c0 * 64)[e];
-    }
-    for (int i = tid; i < NL * nch; i += blockDim.x) {
-        const int n = i / nch, kk = i - n * nch;
-        sxs[i] = xs[(i64)(c0 + kk) * GEMV_MAX_LANES + min(n, nlanes - 1)] * 0.0625f;
-    }
-    __syncthreads();
+    dp_stage_acts<NL>(dyn_smem, xq, ldq, xs, nlanes, c0, nch);
+    const uint4* sx = reinterpret_cast<const uint4*>(dyn_smem);
+    const float* sxs = reinterpret_cast<const float*>(dyn_smem + (i64)NL * nch * 64);
     GSTAMP(3);
 
     float plo[OWN][8], phi[OWN][8];  // the residue partials of rows g and g + 8, each owned lane
@@ -135,31 +198,10 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
         for (int r = 0; r < D; r++) {
             const int kk = k + r;
             if (kk < nch) {
-                const uint4 w = wr[r];
-                const u32 sv = sr[r];
-                const u32 l0 = q4_lo8(w.x, sgn), l1 = q4_lo8(w.y, sgn), l2 = q4_lo8(w.z, sgn), l3 = q4_lo8(w.w, sgn);
-                const u32 h0 = q4_hi8(w.x, sgn), h1 = q4_hi8(w.y, sgn), h2 = q4_hi8(w.z, sgn), h3 = q4_hi8(w.w, sgn);
-                int vlo[NL], vhi[NL];
-#pragma unroll
-                for (int n = 0; n < NL; n++) {
-                    const uint4 x = sx[(n * nch + kk) * 4 + t];
-                    vlo[n] = dp4a_s8(l3, x.w, dp4a_s8(l2, x.z, dp4a_s8(l1, x.y, dp4a_s8(l0, x.x, 0))));
-                    vhi[n] = dp4a_s8(h3, x.w, dp4a_s8(h2, x.z, dp4a_s8(h1, x.y, dp4a_s8(h0, x.x, 0))));
-                }
-                int olo[OWN], ohi[OWN];
-                dp_quad_sums<NL>(vlo, olo, t);
-                dp_quad_sums<NL>(vhi, ohi, t);
-                // gemv.cu compute_stage8 / gemv_wg.cu wg_terms, term for term (the owned lanes' columns)
-                const float s_lo = half_to_float((u16)(sv & 0xffffu)), s_hi = half_to_float((u16)(sv >> 16));
-#pragma unroll
-                for (int j = 0; j < OWN; j++) {
-                    const float x2 = sxs[dp_own_lane<NL>(t, j) * nch + kk];
-                    plo[j][r % 8] = fmaf(s_lo * x2, (float)olo[j], plo[j][r % 8]);
-                    phi[j][r % 8] = fmaf(s_hi * x2, (float)ohi[j], phi[j][r % 8]);
-                }
+                dp_chunk<NL>(wr[r], sr[r], sgn, sx, sxs, nch, kk, t, plo, phi, r % 8);
                 // the slot's next chunk, once this one's words and scale are used: loaded straight into the ring's
                 // registers (refilled before the scale's last use, the compiler loaded into a temporary and copied it
-                // into the slot at once -- a wait on a fresh global load every chunk: measured, docs/PERF.md)
+                // into the slot at once: tests/gpu/test_compile.py checks the SASS)
                 if (kk + D < nch) {
                     wr[r] = dp_ld_stream(wsrc + (i64)(kk + D) * CW);
                     sr[r] = __ldg(ssrc + ((c0 + kk + D) / GSC_Q4) * 8);
@@ -168,25 +210,81 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
         }
     }
     GSTAMP(4);
-    // gemv.cu's reduction: v = P0, v += P1, ..., v += P7, into the unit's tile (64 rows x NL lanes)
-    if (NL >= 4 || t < NL) {  // NL = 1: thread 0 of the quad; 2: threads 0, 1 (lanes 0, 1); 4, 8: every thread
+    dp_finish<NL>(un, plo, phi, red0, nlanes, lane0);
+}
+
+// The same unit with a deeper ring in shared memory (constants GEMV_DP_ASYNC): each thread cp.async-copies its own
+// 16-byte fragment and scale word of chunk kk + S - 1 into its own slots and reads chunk kk's after its own
+// cp.async.wait_group -- no thread reads another's copies, so still no barrier in the loop, but S - 1 chunks in flight
+// a thread without the registers (the register ring's device reading: too few bytes in flight a CTA, docs/PERF.md).
+// Slot j of thread tid: weights at ring + (j * 128 + tid) * 16, scale at ring + S * 2048 + (j * 128 + tid) * 4.
+template <int S, int NL>
+__device__ __forceinline__ void dpa_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
+                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0) {
+    constexpr int OWN = DP_OWN(NL);
+    extern __shared__ __align__(16) u8 dyn_smem[];
+    __shared__ float red0[GEMV_R * 16 * NL];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+    GSTAMP(0);
+    const GemvUnit un = gemv_unit(desc, nmat, lane0, (int)blockIdx.x);
+    const int c0 = un.c0, nch = un.c1 - un.c0;
+    const i64 tile = (i64)un.rg * GEMV_R + warp;
+    constexpr int CW = CB_Q4 / 16;
+    const uint4* wsrc = reinterpret_cast<const uint4*>(un.w + tile * un.kch * CB_Q4) + (i64)c0 * CW + lane;
+    const u32* ssrc = un.sc + tile * un.ngroups * 8 + g;
+    const u32 wring = smem_addr(dyn_smem) + tid * 16, sring = smem_addr(dyn_smem) + S * 2048 + tid * 4;
+    auto issue = [&](int kk) {  // chunk kk into its slot (one commit group a chunk, empty past the unit)
+        if (kk < nch) {
+            const int j = kk % S;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(wring + j * 2048), "l"(wsrc + (i64)kk * CW)
+                         : "memory");
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sring + j * 512),
+                         "l"(ssrc + ((c0 + kk) / GSC_Q4) * 8)
+                         : "memory");
+        }
+        cp_async_commit_mem();
+    };
+#pragma unroll 1
+    for (int kk = 0; kk < S - 1; kk++) issue(kk);  // constants: before the wait
+    GSTAMP(1);
+    pdl_wait();
+    pdl_trigger();
+    GSTAMP(2);
+    u8* act = dyn_smem + S * (2048 + 512);
+    dp_stage_acts<NL>(act, xq, ldq, xs, nlanes, c0, nch);
+    const uint4* sx = reinterpret_cast<const uint4*>(act);
+    const float* sxs = reinterpret_cast<const float*>(act + (i64)NL * nch * 64);
+    GSTAMP(3);
+
+    float plo[OWN][8], phi[OWN][8];
 #pragma unroll
-        for (int j = 0; j < OWN; j++) {
-            float vl = plo[j][0], vh = phi[j][0];
+    for (int j = 0; j < OWN; j++)
 #pragma unroll
-            for (int r = 1; r < 8; r++) {
-                vl += plo[j][r];
-                vh += phi[j][r];
+        for (int r = 0; r < 8; r++) plo[j][r] = phi[j][r] = 0.f;
+#pragma unroll 1
+    for (int k = 0; k < nch; k += 8) {
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const int kk = k + r;
+            if (kk < nch) {
+                cp_async_wait_mem<S - 2>();  // this thread's copies of chunk kk have landed (S - 1 + kk groups issued)
+                const int j = kk % S;
+                uint4 w;
+                u32 sv;
+                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                             : "r"(wring + j * 2048)
+                             : "memory");
+                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sv) : "r"(sring + j * 512) : "memory");
+                issue(kk + S - 1);  // into chunk kk - 1's slot, which this thread read last iteration
+                dp_chunk<NL>(w, sv, sgn, sx, sxs, nch, kk, t, plo, phi, r);
             }
-            const int n = dp_own_lane<NL>(t, j);
-            red0[(warp * 16 + g) * NL + n] = vl;
-            red0[(warp * 16 + g + 8) * NL + n] = vh;
         }
     }
-    __syncthreads();
-    GSTAMP(5);
-    gemv_unit_finish<NL>(un.d, red0, rg, un.sp, un.splits, min(nlanes, NL), un.y, un.ldy, un.nout, un.mode, lane0);
-    GSTAMP(7);
+    cp_async_wait_all_mem();
+    GSTAMP(4);
+    dp_finish<NL>(un, plo, phi, red0, nlanes, lane0);
 }
 
 // Arguments as gemv_wg.cu's entries (units: the grid; nlanes <= NL), then l2pf (dp_body). Dynamic shared memory:
@@ -199,6 +297,16 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
     }
 GEMV_DP_KERNEL(gemv8p_q4_d8, 8, 1, GEMV_DP_CTAS_D8)
 GEMV_DP_KERNEL(gemv8p_q4_d16, 16, 1, GEMV_DP_CTAS_D16)
+// GEMV_DP_ASYNC: the cp.async ring of GEMV_DP_STAGES stages (1 lane)
+#define GEMV_DPA_KERNEL(NAME, S, NL, MINB)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128, MINB)                                                    \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, int l2pf) {                         \
+        dpa_body<S, NL>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);                                          \
+    }
+GEMV_DPA_KERNEL(gemv8p_q4_a, GEMV_DP_STAGES, 1, GEMV_DP_CTAS_A)
+GEMV_DPA_KERNEL(gemv8p_q4_a_n2, GEMV_DP_STAGES, 2, GEMV_DP_CTAS_A)
+GEMV_DPA_KERNEL(gemv8p_q4_a_n4, GEMV_DP_STAGES, 4, GEMV_DP_CTAS_A)
 // 2-8 lanes (GEMV_DP_LANES): the 8-deep ring
 GEMV_DP_KERNEL(gemv8p_q4_d8_n2, 8, 2, GEMV_DP_CTAS_D8)
 GEMV_DP_KERNEL(gemv8p_q4_d8_n4, 8, 4, GEMV_DP_CTAS_D16)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h dp tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h dp dpa tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -639,6 +639,16 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         else
           echo "not an H200: nothing run"
         fi ;;
+    dpa)  # (<= ~5 min) issue 10: GEMV_DP_ASYNC, gemv_dp's shared-memory ring -- the probe, the steps, its bitwise tests
+        timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 2 4 \
+          --set GEMV_DP4A=1 GEMV_DP_ASYNC=1 GEMV_DP_LANES=4 > "$OUT/dpa_probe.txt" 2>&1 || rc=1
+        grep -vE "^(NVIDIA|launch)" "$OUT/dpa_probe.txt" | tail -10
+        timeout 120 python3 tools/switch_ab.py --rounds 3 --shapes decode2k verify4 --configs - \
+          "GEMV_DP4A=1 GEMV_DP_ASYNC=1" "GEMV_DP4A=1 GEMV_DP_ASYNC=1 GEMV_DP_LANES=4" \
+          --json "$OUT/dpa_switch.json" > "$OUT/dpa_switch.txt" 2>&1 || rc=1
+        grep -E "^switch|read probe" "$OUT/dpa_switch.txt" || tail -5 "$OUT/dpa_switch.txt"
+        timeout 150 $PYTEST tests/gpu/test_gemv_dp.py -k "1-1 or 2-1 or 3-1 or 4-1" > "$OUT/dpa_bits.txt" 2>&1 || rc=1
+        tail -4 "$OUT/dpa_bits.txt" ;;
     dp)  # (<= ~9 min) issue 10: GEMV_DP4A, the a8 q4 GEMV on dp4a -- the probe off / on (1, 4, 8 lanes), the steps
          # alternated in one process (ring depth, the pre-wait L2 prefetch, 2-8 lanes), then its bitwise tests
         for t in 0 1; do

@@ -146,6 +146,10 @@ GEMV_DP4A = 0
 GEMV_DP_DEPTH = 16
 GEMV_DP_L2PF = 0
 GEMV_DP_LANES = 1
+# GEMV_DP_ASYNC (read at launch; 1-4 lanes): the entries whose ring is in shared memory, GEMV_DP_STAGES chunks a thread
+# (cp.async, each thread reading only its own copies: no barrier), GEMV_DP_CTAS_A resident an SM
+GEMV_DP_ASYNC = 0
+GEMV_DP_STAGES, GEMV_DP_CTAS_A = 24, 3
 GEMV_DP_CTAS_D8, GEMV_DP_CTAS_D16 = 5, 4
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)

@@ -337,13 +337,22 @@ def gemv_dp_kernel(n: int = 1) -> str:
     benchmarks override the table), at 2-8 lanes the 8-deep entry of 2, 4 or 8 lanes."""
     assert C.GEMV_DP_DEPTH in (8, 16), C.GEMV_DP_DEPTH
     nl = _dp_width(n)
+    if _dp_async(n):
+        return "gemv8p_q4_a" if nl == 1 else f"gemv8p_q4_a_n{nl}"
     return f"gemv8p_q4_d{C.GEMV_DP_DEPTH}" if nl == 1 else f"gemv8p_q4_d8_n{nl}"
+
+
+def _dp_async(n: int) -> bool:
+    """Whether a gemv_dp launch of n lanes takes the shared-memory ring entries (GEMV_DP_ASYNC; 1-4 lanes)."""
+    return bool(C.GEMV_DP_ASYNC) and n <= 4
 
 
 def gemv_dp_bytes(kch: int, n: int = 1) -> int:
     """Dynamic shared memory of a gemv_dp CTA of n lanes whose unit streams at most kch chunks: each of its entry's
-    lanes' activations (64 bytes a chunk) and chunk scales (4)."""
-    return _dp_width(n) * kch * (L.CHUNK_K + 4)
+    lanes' activations (64 bytes a chunk) and chunk scales (4); the async entries' ring before them (GEMV_DP_STAGES x
+    128 threads x (16 + 4) bytes)."""
+    ring = C.GEMV_DP_STAGES * 128 * 20 if _dp_async(n) else 0
+    return ring + _dp_width(n) * kch * (L.CHUNK_K + 4)
 
 
 def _wg_entry(name: str) -> tuple[int, int, int]:

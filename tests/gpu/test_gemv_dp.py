@@ -35,9 +35,10 @@ def _state(plan):
     return bufs
 
 
-@pytest.mark.parametrize("depth, l2pf, nlanes", [(8, 0, 1), (16, 0, 1), (16, 48, 1), (16, 0, 2), (16, 0, 3), (16, 0, 4),
-                                                 (16, 0, 5), (16, 16, 8)])
-def test_plans_are_bitwise_the_tensor_cores(depth, l2pf, nlanes, monkeypatch):
+@pytest.mark.parametrize("depth, l2pf, nlanes, asyn", [(8, 0, 1, 0), (16, 0, 1, 0), (16, 48, 1, 0), (16, 0, 2, 0),
+                                                       (16, 0, 3, 0), (16, 0, 4, 0), (16, 0, 5, 0), (16, 16, 8, 0),
+                                                       (16, 0, 1, 1), (16, 0, 2, 1), (16, 0, 3, 1), (16, 0, 4, 1)])
+def test_plans_are_bitwise_the_tensor_cores(depth, l2pf, nlanes, asyn, monkeypatch):
     """Each plan alone, its input rows random: run(nlanes) with the switch off, then (the written buffers restored) on
     (GEMV_DP_L2PF: the pre-wait L2 prefetch changes nothing but timing; 3 and 5 lanes: entries wider than the launch)."""
     import cupy as cp
@@ -49,6 +50,7 @@ def test_plans_are_bitwise_the_tensor_cores(depth, l2pf, nlanes, monkeypatch):
     monkeypatch.setattr(C, "GEMV_DP_DEPTH", depth)
     monkeypatch.setattr(C, "GEMV_DP_L2PF", l2pf)
     monkeypatch.setattr(C, "GEMV_DP_LANES", 8)
+    monkeypatch.setattr(C, "GEMV_DP_ASYNC", asyn)
     m = heads27b(False, hidden=None, seed=21, intermediate=17408)
     rng = np.random.default_rng(7)
     ran = 0
@@ -77,8 +79,8 @@ def test_plans_are_bitwise_the_tensor_cores(depth, l2pf, nlanes, monkeypatch):
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("depth, lanes", [(8, 1), (16, 8)])
-def test_rounds_keep_the_bits(depth, lanes, graphs, monkeypatch):
+@pytest.mark.parametrize("depth, lanes, asyn", [(8, 1, 0), (16, 8, 0), (16, 4, 1)])
+def test_rounds_keep_the_bits(depth, lanes, asyn, graphs, monkeypatch):
     """Logits and final states of a prefill, decode steps, verify rounds (2-8 lanes) and commits, switch off against
     on (GEMV_DP_LANES 8: the verify rounds too)."""
     from q27py.gpu import constants as C
@@ -87,6 +89,7 @@ def test_rounds_keep_the_bits(depth, lanes, graphs, monkeypatch):
 
     monkeypatch.setattr(C, "GEMV_DP_DEPTH", depth)
     monkeypatch.setattr(C, "GEMV_DP_LANES", lanes)
+    monkeypatch.setattr(C, "GEMV_DP_ASYNC", asyn)
     ids = list(range(3, 40))
     res = []
     for on in (0, 1):
