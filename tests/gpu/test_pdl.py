@@ -47,7 +47,7 @@ def test_every_pdl_kernel_waits_first():
             first = body.lstrip().lstrip("\\").lstrip()
             ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<")) or (
                 mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(", "GWG_CALL_NF(", "GWG_CALL_GF("))) or (
-                mod == "gemv_dp" and first.startswith("dp_body<"))  # wg_body / gemv_body_w4 / dp_body wait inside
+                mod == "gemv_dp" and first.startswith(("dp_body<", "dpa_body<")))  # wg_body / gemv_body_w4 / dp*_body wait inside
             if not ok and "pdl_entry();" in first:
                 # constants loaded before the wait (norm.cu: the norm weights; conv.cu: the GDN gates' weights):
                 # every statement before pdl_entry() is a register array (or GatesPre) declaration or a
@@ -72,13 +72,14 @@ def test_every_pdl_kernel_waits_first():
     wait = body.index("pdl_wait();")
     assert body.index("issue(k, k, true, false);") < wait < body.index("issue(k, k, false, true);")
     assert body.index("pdl_trigger();") > wait
-    # gemv_dp.cu: its weight ring and their scales before the wait, the activations (xq, xs) only after it
+    # gemv_dp.cu: its weight rings and their scales before the wait, the activations (xq, xs) only after it
     dp = (R.CUDA_DIR / "gemv_dp.cu").read_text()
-    dpb = dp[dp.index("void dp_body("):]
-    dpb = dpb[: dpb.index("\n}\n")]
-    dwait = dpb.index("pdl_wait();")
-    assert dpb.index("wr[i] = dp_ld_stream(") < dwait < dpb.index("(xq + ") and "xq" not in dpb[dpb.index("{"):dwait]
-    assert "xs[" not in dpb[:dwait] and dpb.index("pdl_trigger();") > dwait
+    for fn, ring in (("dp_body", "wr[i] = dp_ld_stream("), ("dpa_body", "kk < S - 1; kk++) issue(kk);")):
+        dpb = dp[dp.index(f"void {fn}("):]
+        dpb = dpb[: dpb.index("\n}\n")]
+        dwait = dpb.index("pdl_wait();")
+        assert dpb.index(ring) < dwait < dpb.index("dp_stage_acts<NL>(") and "xq" not in dpb[dpb.index("{"):dwait], fn
+        assert "xs[" not in dpb[:dwait] and dpb.index("pdl_trigger();") > dwait, fn
     # the merged entries (GEMV_MERGE) run nothing of their own: one of the two bodies above, whole
     call = wg[wg.index("#define GWG_CALL_G(NL, TWO, SUB, STAGES, CPS)"):]
     call = call[: call.index("#else")]
