@@ -285,7 +285,8 @@ __device__ void ring_show() {
 
 
 def _cuobjdump():
-    """cuobjdump: on PATH, or from the nvidia-cuda-cuobjdump wheel (.ci/run installs it as a test tool), else None."""
+    """cuobjdump: on PATH, or from the nvidia-cuda-cuobjdump wheel (.ci/run installs it and nvdisasm's as test tools), else
+    None."""
     import glob
     import shutil
 
@@ -305,17 +306,24 @@ def test_gemv_dp_ring_loads_land_in_their_slots(tmp_path):
     into a temporary and moved it into the slot right away: each chunk waited on a fresh global load (16 such copies
     a 16-chunk loop), which the device measured as long-scoreboard stalls and 42% of the read probe (docs/PERF.md,
     2026-12-07 sixteenth session)."""
+    import os
+    import shutil
+
     nb = nvcc_build
     tool = _cuobjdump()
     if nb.NVCC is None or tool is None:
         pytest.skip("needs nvcc and cuobjdump")
+    bindir = os.path.dirname(tool)  # cuobjdump -sass runs nvdisasm: from PATH or the same wheel's bin
+    env = dict(os.environ, PATH=os.environ.get("PATH", "") + os.pathsep + bindir)
+    if shutil.which("nvdisasm", path=env["PATH"]) is None:
+        pytest.skip("needs nvdisasm beside cuobjdump")
     r = nb.build_with(tmp_path, "gemv_dp", ["-arch=sm_90"])
     assert r.returncode == 0, r.stderr[-2000:]
     entries = re.findall(r"GEMV_DP_KERNEL\((gemv8p_\w+),", (CUDA_DIR / "gemv_dp.cu").read_text())
     assert len(entries) >= 5
     for fn in entries:
         sass = subprocess.run([tool, "-sass", "-fun", fn, str(tmp_path / "gemv_dp.cubin")], capture_output=True,
-                              text=True, check=True).stdout
+                              text=True, check=True, env=env).stdout
         insns = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
         back = [(int(m.group(1), 16), a) for a, t in insns if (m := re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", t))
                 and int(m.group(1), 16) < a]
