@@ -323,6 +323,15 @@ __device__ __forceinline__ u32 hash_u32(unsigned long long x) {
 // still in flight, wait_all once none is. The plain forms carry no "memory" clobber (the compiler
 // may move ordinary loads and stores across them); the _mem forms add one (attention.cu's decode
 // ring, gdn.cu's staging). Each kernel keeps the forms it was built and measured with.
+// Streaming 16-byte load, not kept in L1 (each weight byte is used once: gemv2, gemv_dp)
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));

@@ -37,15 +37,6 @@ __device__ __forceinline__ u32 g2_q8_pair(u32 v) {
     return fma_bf16x2(c, 0xBF80BF80u, x);
 }
 
-// Streaming 16-byte load, not kept in L1 (each weight byte is used once).
-__device__ __forceinline__ uint4 ld_stream16(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 template <int FMT>
 struct G2Fmt;
 // CB: chunk bytes; WPC: 16-byte words (slices) per thread and chunk; SPS: k16 steps per slice

@@ -23,15 +23,6 @@
 #include "common.cuh"
 #include "gemv_common.cuh"
 
-// streamed once: not kept in L1
-__device__ __forceinline__ uint4 dp_ld_stream(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ int dp4a_s8(u32 a, u32 b, int c) {
     int d;
     asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -142,6 +133,27 @@ __device__ __forceinline__ void dp_finish(const GemvUnit& un, float (&plo)[DP_OW
     GSTAMP(7);
 }
 
+// A unit's place for this thread (4 warps, warp w on tile rg * GEMV_R + w): the unit, its chunk range, the thread's
+// 16-byte fragment of chunk c0 (chunk c0 + k at wsrc + k * DP_CW) and its scale word of chunk c (ssrc + (c / GSC_Q4) * 8:
+// rows g and g + 8 as two halves)
+constexpr int DP_CW = CB_Q4 / 16;  // a tile chunk's 16-byte words
+struct DpUnit {
+    GemvUnit un;
+    int c0, nch;
+    const uint4* wsrc;
+    const u32* ssrc;
+};
+__device__ __forceinline__ DpUnit dp_unit(const i64* __restrict__ desc, int nmat, int lane0) {
+    DpUnit u;
+    u.un = gemv_unit(desc, nmat, lane0, (int)blockIdx.x);
+    const int lane = threadIdx.x & 31;
+    const i64 tile = (i64)u.un.rg * GEMV_R + (threadIdx.x >> 5);
+    u.c0 = u.un.c0, u.nch = u.un.c1 - u.un.c0;
+    u.wsrc = reinterpret_cast<const uint4*>(u.un.w + tile * u.un.kch * CB_Q4) + (i64)u.c0 * DP_CW + lane;
+    u.ssrc = u.un.sc + tile * u.un.ngroups * 8 + (lane >> 2);
+    return u;
+}
+
 // One unit (64 rows, chunks c0 .. c1 - 1) of a launch of nlanes <= NL lanes (NL = 1, 2, 4, 8): 4 warps, warp w on tile
 // rg * GEMV_R + w. D: the register ring's depth (chunks in flight a thread; a multiple of 8, so a chunk's residue is
 // its ring slot mod 8). l2pf: chunks past the ring the warp asks L2 for before the wait (prefetch.global.L2, a
@@ -154,15 +166,15 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
     constexpr int OWN = DP_OWN(NL);
     extern __shared__ __align__(16) u8 dyn_smem[];
     __shared__ float red0[GEMV_R * 16 * NL];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, t = lane & 3;
 
     GSTAMP(0);
-    const GemvUnit un = gemv_unit(desc, nmat, lane0, (int)blockIdx.x);
-    const int c0 = un.c0, nch = un.c1 - un.c0;
-    const i64 tile = (i64)un.rg * GEMV_R + warp;
-    constexpr int CW = CB_Q4 / 16;  // a tile chunk's 16-byte words
-    const uint4* wsrc = reinterpret_cast<const uint4*>(un.w + tile * un.kch * CB_Q4) + (i64)c0 * CW + lane;
-    const u32* ssrc = un.sc + tile * un.ngroups * 8 + g;  // chunk c's word: rows (g, g + 8) as two halves
+    const DpUnit du = dp_unit(desc, nmat, lane0);
+    const GemvUnit& un = du.un;
+    const int c0 = du.c0, nch = du.nch;
+    const uint4* wsrc = du.wsrc;
+    const u32* ssrc = du.ssrc;
+    constexpr int CW = DP_CW;
 
     // The weights and their scales are constants: the ring fills before the wait on the activations' producer (PDL)
     uint4 wr[D];
@@ -170,7 +182,7 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
 #pragma unroll
     for (int i = 0; i < D; i++)
         if (i < nch) {
-            wr[i] = dp_ld_stream(wsrc + i * CW);
+            wr[i] = ld_stream16(wsrc + i * CW);
             sr[i] = __ldg(ssrc + ((c0 + i) / GSC_Q4) * 8);
         }
     const u8* tbase = reinterpret_cast<const u8*>(wsrc - lane);  // the tile's chunk c0
@@ -203,7 +215,7 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
                 // registers (refilled before the scale's last use, the compiler loaded into a temporary and copied it
                 // into the slot at once: tests/gpu/test_compile.py checks the SASS)
                 if (kk + D < nch) {
-                    wr[r] = dp_ld_stream(wsrc + (i64)(kk + D) * CW);
+                    wr[r] = ld_stream16(wsrc + (i64)(kk + D) * CW);
                     sr[r] = __ldg(ssrc + ((c0 + kk + D) / GSC_Q4) * 8);
                 }
             }
@@ -224,15 +236,15 @@ __device__ __forceinline__ void dpa_body(const i64* __restrict__ desc, int nmat,
     constexpr int OWN = DP_OWN(NL);
     extern __shared__ __align__(16) u8 dyn_smem[];
     __shared__ float red0[GEMV_R * 16 * NL];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, t = tid & 3;
 
     GSTAMP(0);
-    const GemvUnit un = gemv_unit(desc, nmat, lane0, (int)blockIdx.x);
-    const int c0 = un.c0, nch = un.c1 - un.c0;
-    const i64 tile = (i64)un.rg * GEMV_R + warp;
-    constexpr int CW = CB_Q4 / 16;
-    const uint4* wsrc = reinterpret_cast<const uint4*>(un.w + tile * un.kch * CB_Q4) + (i64)c0 * CW + lane;
-    const u32* ssrc = un.sc + tile * un.ngroups * 8 + g;
+    const DpUnit du = dp_unit(desc, nmat, lane0);
+    const GemvUnit& un = du.un;
+    const int c0 = du.c0, nch = du.nch;
+    const uint4* wsrc = du.wsrc;
+    const u32* ssrc = du.ssrc;
+    constexpr int CW = DP_CW;
     const u32 wring = smem_addr(dyn_smem) + tid * 16, sring = smem_addr(dyn_smem) + S * 2048 + tid * 4;
     auto issue = [&](int kk) {  // chunk kk into its slot (one commit group a chunk, empty past the unit)
         if (kk < nch) {
@@ -310,4 +322,4 @@ GEMV_DPA_KERNEL(gemv8p_q4_a_n4, GEMV_DP_STAGES, 4, GEMV_DP_CTAS_A)
 // 2-8 lanes (GEMV_DP_LANES): the 8-deep ring
 GEMV_DP_KERNEL(gemv8p_q4_d8_n2, 8, 2, GEMV_DP_CTAS_D8)
 GEMV_DP_KERNEL(gemv8p_q4_d8_n4, 8, 4, GEMV_DP_CTAS_D16)
-GEMV_DP_KERNEL(gemv8p_q4_d8_n8, 8, 8, GEMV_DP_CTAS_D16)
+GEMV_DP_KERNEL(gemv8p_q4_d8_n8, 8, 8, GEMV_DP_CTAS_N8)

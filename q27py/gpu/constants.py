@@ -152,7 +152,7 @@ GEMV_DP_LANES = 1
 # ms: off.
 GEMV_DP_ASYNC = 0
 GEMV_DP_STAGES, GEMV_DP_CTAS_A = 24, 3
-GEMV_DP_CTAS_D8, GEMV_DP_CTAS_D16 = 5, 4
+GEMV_DP_CTAS_D8, GEMV_DP_CTAS_D16, GEMV_DP_CTAS_N8 = 5, 4, 3  # the 8-lane entry: 3 (at 4 it spilled 8 bytes)
 # lanes of one gemv_wg launch (gemv8w_q4_n32: one weight sweep for 17-32 lanes, kernels.GemvPlan.run;
 # GEMV_MAX_LANES stays the 16 of every other a8 / v1 / v2 launch and of the activation layout's halves)
 GWG_MAX_LANES = 32

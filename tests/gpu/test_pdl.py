@@ -74,7 +74,7 @@ def test_every_pdl_kernel_waits_first():
     assert body.index("pdl_trigger();") > wait
     # gemv_dp.cu: its weight rings and their scales before the wait, the activations (xq, xs) only after it
     dp = (R.CUDA_DIR / "gemv_dp.cu").read_text()
-    for fn, ring in (("dp_body", "wr[i] = dp_ld_stream("), ("dpa_body", "kk < S - 1; kk++) issue(kk);")):
+    for fn, ring in (("dp_body", "wr[i] = ld_stream16("), ("dpa_body", "kk < S - 1; kk++) issue(kk);")):
         dpb = dp[dp.index(f"void {fn}("):]
         dpb = dpb[: dpb.index("\n}\n")]
         dwait = dpb.index("pdl_wait();")
