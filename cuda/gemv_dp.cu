@@ -169,12 +169,7 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
     const int lane = threadIdx.x & 31, t = lane & 3;
 
     GSTAMP(0);
-    const DpUnit du = dp_unit(desc, nmat, lane0);
-    const GemvUnit& un = du.un;
-    const int c0 = du.c0, nch = du.nch;
-    const uint4* wsrc = du.wsrc;
-    const u32* ssrc = du.ssrc;
-    constexpr int CW = DP_CW;
+    const auto [un, c0, nch, wsrc, ssrc] = dp_unit(desc, nmat, lane0);
 
     // The weights and their scales are constants: the ring fills before the wait on the activations' producer (PDL)
     uint4 wr[D];
@@ -182,7 +177,7 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
 #pragma unroll
     for (int i = 0; i < D; i++)
         if (i < nch) {
-            wr[i] = ld_stream16(wsrc + i * CW);
+            wr[i] = ld_stream16(wsrc + i * DP_CW);
             sr[i] = __ldg(ssrc + ((c0 + i) / GSC_Q4) * 8);
         }
     const u8* tbase = reinterpret_cast<const u8*>(wsrc - lane);  // the tile's chunk c0
@@ -215,7 +210,7 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
                 // registers (refilled before the scale's last use, the compiler loaded into a temporary and copied it
                 // into the slot at once: tests/gpu/test_compile.py checks the SASS)
                 if (kk + D < nch) {
-                    wr[r] = ld_stream16(wsrc + (i64)(kk + D) * CW);
+                    wr[r] = ld_stream16(wsrc + (i64)(kk + D) * DP_CW);
                     sr[r] = __ldg(ssrc + ((c0 + kk + D) / GSC_Q4) * 8);
                 }
             }
@@ -239,17 +234,12 @@ __device__ __forceinline__ void dpa_body(const i64* __restrict__ desc, int nmat,
     const int tid = threadIdx.x, t = tid & 3;
 
     GSTAMP(0);
-    const DpUnit du = dp_unit(desc, nmat, lane0);
-    const GemvUnit& un = du.un;
-    const int c0 = du.c0, nch = du.nch;
-    const uint4* wsrc = du.wsrc;
-    const u32* ssrc = du.ssrc;
-    constexpr int CW = DP_CW;
+    const auto [un, c0, nch, wsrc, ssrc] = dp_unit(desc, nmat, lane0);
     const u32 wring = smem_addr(dyn_smem) + tid * 16, sring = smem_addr(dyn_smem) + S * 2048 + tid * 4;
     auto issue = [&](int kk) {  // chunk kk into its slot (one commit group a chunk, empty past the unit)
         if (kk < nch) {
             const int j = kk % S;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(wring + j * 2048), "l"(wsrc + (i64)kk * CW)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(wring + j * 2048), "l"(wsrc + (i64)kk * DP_CW)
                          : "memory");
             asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sring + j * 512),
                          "l"(ssrc + ((c0 + kk) / GSC_Q4) * 8)

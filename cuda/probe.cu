@@ -111,12 +111,7 @@ extern "C" __global__ void bnd_consume(const u32* __restrict__ data, int n, cons
     for (; i + 3 * blockDim.x < per; i += 4 * blockDim.x) {
         uint4 v[4];
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const uint4* p = src + i + j * blockDim.x;
-            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w)
-                         : "l"(p));
-        }
+        for (int j = 0; j < 4; j++) v[j] = ld_stream16(src + i + j * blockDim.x);
 #pragma unroll
         for (int j = 0; j < 4; j++) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
     }

@@ -136,8 +136,8 @@ GWG_PLACE2_BYTES = 78976
 # instruction for one column. Bitwise the tensor-core kernels (same units, exact int32 sums, same fp32 order).
 # Measured slower (docs/PERF.md, 2026-12-07 sixteenth session, H100: GEMV family 2,216 -> 1,288 GB/s at 1 lane, decode
 # 2K 6.99 -> 11.2-11.8 ms; long-scoreboard stalls at 17 warps an SM), bitwise: off, kept as the experiment.
-# Resident CTAs an SM each ring depth is built for (launch bounds: 128 threads; 102 / 128 registers; the 4- and
-# 8-lane entries the 16-deep ring's).
+# Resident CTAs an SM the entries are built for (launch bounds of 128 threads: the 1-lane 8- / 16-deep rings and the
+# 2-lane entry GEMV_DP_CTAS_D8 / _D16 / _D8, the 4-lane GEMV_DP_CTAS_D16, the 8-lane GEMV_DP_CTAS_N8).
 # GEMV_DP_L2PF (read at launch): chunks past the ring each warp asks L2 for before its PDL wait (0: none), so more
 # bytes move during the launch boundary than the ring holds. GEMV_DP_LANES (read at launch, at most 8): the widest
 # launch gemv_dp takes (2-8 lanes: entries of 2 / 4 / 8 lanes on the 8-deep ring; the weights unpack once a chunk, each
