@@ -630,12 +630,16 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
             > "$OUT/s16_switch.txt" 2>&1 || rc=1
           grep -E "^switch|read probe" "$OUT/s16_switch.txt" || tail -5 "$OUT/s16_switch.txt"
         fi ;;
-    s16h)  # (<= ~5 min; an H200 only, else nothing) issue 14's 8K prefill, then the decode / verify steps on the defaults
+    s16h)  # (<= ~9 min; an H200 only, else nothing) issue 14's 8K prefill, the decode / verify steps on the defaults, then
+           # issue 15's load bench at C = 1, 2, 16
         if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
           s10_prefill 170 8192
           timeout 120 python3 tools/switch_ab.py --rounds 3 --configs - --json "$OUT/s16_switch.json" \
             > "$OUT/s16_switch.txt" 2>&1 || rc=1
           grep -E "^switch|read probe" "$OUT/s16_switch.txt" || tail -5 "$OUT/s16_switch.txt"
+          timeout ${LOAD_S:-220} python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 2 16 --no-mixed \
+            --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
+            > "$OUT/s16_load.txt" 2>&1 || rc=1; tail -10 "$OUT/s16_load.txt"
         else
           echo "not an H200: nothing run"
         fi ;;
