@@ -155,6 +155,13 @@ __device__ __noinline__ void swiglu_act8(const i64* __restrict__ d, int rg, int 
     for (int ln = warp; ln < nv; ln += blockDim.x >> 5)
         act8_quantize_pair(__ldcg(reinterpret_cast<const float2*>(row + (i64)ln * ldy + c * 64 + 2 * lane)), c,
                            xq + (i64)ln * ldq, xs + ln, lane);
+    // MLP_WALK (gemv_wg.cu's *_walk entries): the chunk's codes are in, published to the down units that wait on
+    // its ready flag in the same grid (every thread's writes before thread 0's release by the barrier, as above)
+    int* rdy = reinterpret_cast<int*>(d[D_QRDY]);
+    if (rdy != nullptr) {
+        __syncthreads();
+        if (threadIdx.x == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(rdy + c), "r"(1) : "memory");
+    }
 }
 
 template <int COLS>

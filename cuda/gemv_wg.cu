@@ -420,6 +420,27 @@ __device__ __forceinline__ void wg_gated_fold(const GatedFold& gf, int nlanes, i
     }
 }
 
+// constants MLP_WALK: a down unit of a *_walk grid waits for the a8 codes of its chunks c0 .. c1 - 1, which the
+// gate_up units of the same grid quantize as their SwiGLU rows land (gemv_common.cuh swiglu_act8, one ready flag a
+// chunk). Warp 0 polls the flags (acquire: the codes the flag publishes are visible to the CTA after the barrier),
+// with a short sleep between rounds so that hundreds of waiting CTAs do not crowd the L2 the gate_up units stream
+// through. Sets no flag back: the grid's last CTA clears them (gemv8w_walk).
+__device__ __forceinline__ void wg_wait_ready(const int* __restrict__ rdy, int c0, int c1) {
+    if (threadIdx.x < 32) {
+        for (;;) {
+            bool all = true;
+            for (int c = c0 + (int)threadIdx.x; c < c1; c += 32) {
+                int v;
+                asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(rdy + c) : "memory");
+                all = all && v != 0;
+            }
+            if (__all_sync(0xffffffffu, all)) break;
+            __nanosleep(MLP_WALK_SLEEP);
+        }
+    }
+    __syncthreads();
+}
+
 // TWO: the 32-lane two-pass walk at 8 / 16 lanes too (gemv8w_q4_n16t: 4 partials live instead of 8, so
 // the 16-lane kernel fits GWG_CTAS_N16T = 3 CTAs per SM, 12 warps instead of 8; the same additions in the same
 // order, as the 32-lane kernel's are). SUB: a stage's chunks go to the tensor cores SUB at a time, each batch
@@ -431,7 +452,8 @@ __device__ __forceinline__ void wg_gated_fold(const GatedFold& gf, int nlanes, i
 template <int NL, int TWO = 0, int SUB = GWG_CPS, int STAGES = GWG_STAGES, int CPS = GWG_CPS, int NF = 0>
 __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, const u8* __restrict__ xq, int ldq,
                                         const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, int ubase = 0,
-                                        const NormFold* nf = nullptr, const GatedFold* gf = nullptr) {
+                                        const NormFold* nf = nullptr, const GatedFold* gf = nullptr,
+                                        const int* rdy = nullptr) {
     typedef WgStage<NL, CPS> SG;
     static_assert(NL == 8 || NL == 16 || NL == 32, "wg_mma's shapes");
     static_assert(NL <= GWG_MAX_LANES && (NL <= GEMV_MAX_LANES || NL == 2 * GEMV_MAX_LANES), "xs: one or two halves");
@@ -573,6 +595,7 @@ __device__ __forceinline__ void wg_body(const i64* __restrict__ desc, int nmat, 
         if (k < nst) issue(k, k, true, false);
     pdl_wait();
     pdl_trigger();
+    if (rdy != nullptr) wg_wait_ready(rdy, c0, c1);  // MLP_WALK's down units: their chunks' codes, from this grid
     GSTAMP(2);
     if constexpr (NF) {
         u8* fq = dyn_smem + S * SG::BYTES;
@@ -813,3 +836,49 @@ GWG_KERNEL_GF(gemv8w_q4_n8d_gf, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)
 GWG_KERNEL_G(gemv8w_q4_n8_g, 8, GWG_CTAS_N8, 0, GWG_CPS, GWG_STAGES)
 GWG_KERNEL_G(gemv8w_q4_n8d_g, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
 GWG_KERNEL_G(gemv8w_q4_n16_g, 16, GWG_CTAS_N16, 0, GWG_CPS, GWG_STAGES)
+
+// constants MLP_WALK (kernels.GemvPlan.walks_into): a layer's MLP -- gate_up (SwiGLU epilogue) then down -- as ONE grid
+// of both plans' units, so no launch boundary sits between them. Why: every boundary costs the step ~4 us past its
+// bytes (the predecessor grid's completion and flush before griddepcontrol.wait returns: docs/PERF.md, fifteenth and
+// sixteenth sessions), and this one is the only GEMV -> GEMV edge of a layer with no reduction over the whole row
+// between them: a down unit needs only its own K range of the SwiGLU output, which gate_up's epilogue quantizes a
+// 64-k chunk at a time (swiglu_act8) and now also flags. Each CTA claims the next unit from a ticket (ctl[0]), gate_up's
+// first, so a down unit only ever waits on units that CTAs already running hold: no deadlock whatever the CTA order.
+// Its first weight stages stream before it waits (wg_body's prologue), inside gate_up's tail. The same units and the
+// same sums: bitwise the two launches. ctl: [ticket, CTAs done, ready flags of the nq chunks, (arrival counters)];
+// the last CTA out clears the ticket, the count and the flags, so a captured graph replays cleanly.
+// desc / nmat / units / xq / ldq / xs: gate_up's (as GWG_KERNEL); desc2 / nmat2 / units2 / xq2 / ldq2 / xs2: down's.
+#define GWG_KERNEL_WALK(NAME, NL, CTAS, STAGES)                                                                \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, const i64* __restrict__ desc2,      \
+             int nmat2, int units2, const u8* __restrict__ xq2, int ldq2, const float* __restrict__ xs2,       \
+             int* __restrict__ ctl, int nq) {                                                                  \
+        GWG_CALL_WALK(NL, STAGES)                                                                              \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GWG_CALL_WALK(NL, STAGES)                                                                              \
+    __shared__ int s_claim;                                                                                    \
+    if (threadIdx.x == 0) s_claim = atomicAdd(ctl, 1);                                                         \
+    __syncthreads();                                                                                           \
+    const int u = s_claim, up = u < units;                                                                     \
+    wg_body<NL, 0, GWG_CPS, STAGES, GWG_CPS>(up ? desc : desc2, up ? nmat : nmat2, up ? xq : xq2, up ? ldq : ldq2, \
+                                             up ? xs : xs2, sgn, nlanes, lane0,                                \
+                                             (int)blockIdx.x - (up ? u : u - units), nullptr, nullptr,         \
+                                             up ? nullptr : ctl + 2);                                          \
+    gemv_walk_exit(ctl, units + units2, nq);
+#else
+#define GWG_CALL_WALK(NL, STAGES) __trap();
+#endif
+// the last of the grid's n CTAs to get here clears ctl (every other CTA is past its last read of the flags)
+__device__ __forceinline__ void gemv_walk_exit(int* __restrict__ ctl, int n, int nq) {
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(ctl + 1, 1) == n - 1;
+    __syncthreads();
+    if (!s_last) return;
+    for (int i = threadIdx.x; i < nq; i += blockDim.x) ctl[2 + i] = 0;
+    if (threadIdx.x == 0) ctl[0] = ctl[1] = 0;
+}
+GWG_KERNEL_WALK(gemv8w_q4_n8_walk, 8, GWG_CTAS_N8, GWG_STAGES)
+GWG_KERNEL_WALK(gemv8w_q4_n8d_walk, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h dp dpa tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h walk dp dpa tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -642,6 +642,20 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
             > "$OUT/s16_load.txt" 2>&1 || rc=1; tail -10 "$OUT/s16_load.txt"
         else
           echo "not an H200: nothing run"
+        fi ;;
+    walk)  # (<= ~9 min) issue 10: MLP_WALK, a layer's gate_up and down as one grid -- a smoke pair first (a deadlock
+           # stops here), the decode / verify steps off / n8 / n8d alternated in one process, the bitwise tests, the
+           # gates with it on
+        timeout 90 $PYTEST tests/gpu/test_mlp_walk.py -k "walk_equals and shape1" > "$OUT/walk_smoke.txt" 2>&1 || rc=1
+        tail -2 "$OUT/walk_smoke.txt"
+        if grep -q " passed" "$OUT/walk_smoke.txt" && ! grep -q "failed" "$OUT/walk_smoke.txt"; then
+          timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify4 verify8 --configs - \
+            MLP_WALK=1 MLP_WALK=2 --json "$OUT/walk_switch.json" > "$OUT/walk_switch.txt" 2>&1 || rc=1
+          grep -E "^switch|read probe" "$OUT/walk_switch.txt" || tail -5 "$OUT/walk_switch.txt"
+          timeout 200 $PYTEST tests/gpu/test_mlp_walk.py > "$OUT/walk_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/walk_tests.txt"
+          timeout 100 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.MLP_WALK = 1; \
+sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/walk_gates.txt" 2>&1 || rc=1
+          echo "--- gates, MLP_WALK=1"; tail -4 "$OUT/walk_gates.txt"
         fi ;;
     dpa)  # (<= ~5 min) issue 10: GEMV_DP_ASYNC, gemv_dp's shared-memory ring -- the probe, the steps, its bitwise tests
         timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 2 4 \

@@ -34,7 +34,7 @@ from q27py.model.config import qwen36_27b_config
 BF16_DENSE_PEAK_TFLOPS = 790.0
 # kernel families of one forward, for the decode time breakdown
 FAMILIES = {
-    "gemv": {"GemvPlan.run"},
+    "gemv": {"GemvPlan.run", "GemvPlan.run_walk"},
     "norms": {"rmsnorm", "embed"},
     "gdn": {"gdn_conv", "gdn_conv_commit", "gdn_step", "gdn_prefill", "gated_rmsnorm", "gdn_decode_fused",
             "gdn_conv_lanes", "gdn_conv_commit_lanes", "gdn_step_lanes", "gdn_decode_fused_lanes"},
@@ -148,7 +148,7 @@ def only_family(keep: set):
         if names is keep:
             continue
         for name in names:
-            obj, attr = (K.GemvPlan, "run") if name == "GemvPlan.run" else (K, name)
+            obj, attr = (K.GemvPlan, name.split(".")[1]) if name.startswith("GemvPlan.") else (K, name)
             saved[(obj, attr)] = getattr(obj, attr)
             setattr(obj, attr, lambda *a, **k: None)
     try:

@@ -171,7 +171,10 @@ D_RGB = 16  # v2: row groups per CTA (its warps split as D_RGB x G2_WARPS / D_RG
 # a SwiGLU matrix whose epilogue also writes the next plan's a8 activations (kernels.GemvPlan quant_into; 0: none):
 # that plan's codes / scales / code row stride, the chunk arrival counters, and the piece's first output in the matrix
 D_XQ, D_XS, D_LDQ, D_QCNT, D_O0 = 17, 18, 19, 20, 21
-D_NFIELDS = 22
+# ... and where that epilogue publishes each chunk it quantized (an int flag a chunk; 0: none): the MLP walk's down units
+# wait on them in the same grid (constants MLP_WALK, cuda/gemv_wg.cu's *_walk entries)
+D_QRDY = 22
+D_NFIELDS = 23
 
 # ---------------------------------------------------------------- prefill GEMM (cuda/gemm.cu)
 GM_WARPS = 8
@@ -293,6 +296,14 @@ GWG_SM_SHARED = 233472
 # 2026-12-07 (H100, docs/PERF.md eleventh session): 1 | 2 neutral to slightly ahead; 4 cost the decode step +0.6%
 # (the chunk arrival on every gate_up unit's exit path outweighs the quant_act8 launch it removes)
 A8_FOLD = 3
+# a decode / verify layer's MLP of 1-8 lanes -- gate_up (SwiGLU epilogue) then down -- as one grid of both plans'
+# units (cuda/gemv_wg.cu *_walk entries, kernels.GemvPlan.walks_into, FastModel._mlp): gate_up's epilogue quantizes
+# down's input a chunk at a time and flags it, and down's units (claimed after every gate_up unit) wait on their own
+# chunks' flags, not on a grid: the gate_up -> down boundary (and A8_FOLD 4's quant_act8 launch) goes. Bitwise the
+# two launches. Read at launch time. 0: off; 1: both plans on gemv8w_q4_n8's entry (3 CTAs an SM); 2: on n8d's (2 an
+# SM, the deep ring). MLP_WALK_SLEEP: ns a waiting down unit sleeps between polls of its flags.
+MLP_WALK = 0
+MLP_WALK_SLEEP = 128
 ATT_A8_MAX_HD = 1024  # the attention combines' a8 output (attention_a8_fuses): head dims they stage (a block of hd)
 GATED_ROWS = 16  # gated_rmsnorm_rows (prefill chunks): tokens of one value head per block
 CONV_ROWS = 32  # gdn_conv_rows_k4 (prefill chunks): consecutive tokens of one head slot per block

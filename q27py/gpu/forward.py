@@ -803,7 +803,8 @@ class FastModel:
         # down reads its a8 activations from buffers of its own, which gate_up's epilogue writes while gate_up
         # still reads its input from the shared ones (GemvPlan quant_into: no quant_act8 launch between them)
         down = K.GemvPlan([lw.down], [(self.h, self.hp)], ws, act8_slot=1)
-        p = {"up": K.GemvPlan([lw.gate_up], [(self.act, self.ld_act)], ws, quant_into=down if C.A8_FOLD & 4 else None),
+        p = {"up": K.GemvPlan([lw.gate_up], [(self.act, self.ld_act)], ws, quant_into=down if C.A8_FOLD & 4 else None,
+                              walk_into=down),
              "down": down}
         if lw.kind == FULL:
             a = lw.attn
@@ -1813,6 +1814,9 @@ class FastModel:
             actb = self._bf16_rows(down, t, self.actb) if up.swiglu_bf16(t) and not down.gemm_inputs(t)[1] else None
             up.run(self.x, self.hp, t, x_bf16=self._bf16_rows(up, t, self.xb), y_bf16=actb)
             down.run(self.act, self.ld_act, t, x_bf16=actb)
+            return
+        if self._norm_folded is None and up.walks_into(down, t):  # MLP_WALK: one grid, no boundary between them
+            up.run_walk(down, self.x, self.hp, t, prequantized=up.fuses_quant(t))
             return
         up.run(self.x, self.hp, t, prequantized=up.fuses_quant(t), norm=self._take_norm(up))
         if up.quantizes_for(down, t):

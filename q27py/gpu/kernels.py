@@ -377,12 +377,18 @@ def gemv_wg_ctas(nl: int, units: int | None = None, chunks: int | None = None) -
     return _wg_entry(gemv_wg_kernel(nl, units, chunks))[0]
 
 
+def wg_entry_bytes(name: str, nl: int) -> int:
+    """Dynamic shared memory of one CTA of the cuda/gemv_wg.cu entry `name` at width nl (its ring; the unit's
+    reduced tile reuses it)."""
+    _ctas, cps, stages = _wg_entry(name)
+    return max(stages * cps * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4), GEMV_ROWS_PER_CTA * nl * 4)
+
+
 def gemv_wg_shared_bytes(nl: int, units: int | None = None, chunks: int | None = None) -> int:
     """Dynamic shared memory of one gemv_wg_kernel(nl, units, chunks) CTA, nl = 8 / 16 / 32 lanes (WgStage<NL, CPS>::BYTES x
     its stages, _wg_entry; the unit's reduced tile reuses it): per stage CPS chunks of 4 tiles' fragments, their
     scale words, NL lanes' activations and chunk scales. 54,400 / 65,280 / 87,040 bytes (n32s: 69,632; n8d: 87,040)."""
-    _ctas, cps, stages = _wg_entry(gemv_wg_kernel(nl, units, chunks))
-    return max(stages * cps * (GEMV_R * 512 + GEMV_R * 32 + nl * 64 + nl * 4), GEMV_ROWS_PER_CTA * nl * 4)
+    return wg_entry_bytes(gemv_wg_kernel(nl, units, chunks), nl)
 
 
 def gemv_wg_launch_bytes(nl: int, units: int | None = None, chunks: int | None = None) -> int:
@@ -477,12 +483,14 @@ class GemvPlan:
 
     def __init__(self, mats: list[GpuMatrix], outputs: list[tuple[object, int]], workspace: Workspace,
                  impl: str | None = None, partition: tuple[int, int] | None = None, wgmma: str | None = None,
-                 act8_slot: int = 0, quant_into: "GemvPlan | None" = None):
+                 act8_slot: int = 0, quant_into: "GemvPlan | None" = None, walk_into: "GemvPlan | None" = None):
         """act8_slot: which of the workspace's a8 activation buffers this plan reads (1: a buffer no plan of slot 0
         reads, so a producer may write it while such a plan runs). quant_into: for a plan of one SwiGLU matrix, the
         next plan (a8, its own slot, K covering this plan's outputs): this plan's GEMV launches of lanes 0 ..
         n - 1, n <= 16, also write that plan's a8 activations of the rows they output (cuda/gemv_common.cuh
-        swiglu_act8), so it runs prequantized (quantizes_for)."""
+        swiglu_act8), so it runs prequantized (quantizes_for). walk_into: for such a plan, the next plan a
+        constants-MLP_WALK grid runs together with it (walks_into / run_walk): this plan's launch then also writes
+        and flags that plan's a8 activations, from descriptors of its own (self.walk), whatever quant_into says."""
         assert 1 <= len(mats) <= 4 and len(mats) == len(outputs)
         rt = Runtime.get()
         self.impl = gemv_impl() if impl is None else impl
@@ -587,6 +595,11 @@ class GemvPlan:
                 desc[:, C.D_LDQ], desc[:, C.D_QCNT] = quant_into.xq.shape[1], cnt_need
             cnt_need += nq
             workspace.reserve(ws_need, cnt_need)
+        # this plan's split-K room (floats, counters), from 0 in the shared workspace like every plan's
+        self.ws_need, self.cnt_need = ws_need, cnt_need
+        walk = walk_into is not None and self.a8 and walk_into.a8 and len(rows) == 1 and rows[0][0] == L.FMT_Q4
+        if walk:  # a walk grid runs both plans' units at once: the next plan's split-K room goes after this one's
+            workspace.reserve(ws_need + walk_into.ws_need, cnt_need + walk_into.cnt_need)
         ws_base, cnt_base = int(ptr(workspace.ws)), int(ptr(workspace.cnt))
         # host copies of the descriptors (link_prefetch reads the next plan's tiles from them)
         self.desc_host = [(fmt, desc.copy(), units) for fmt, desc, units, _ in rows]
@@ -606,6 +619,28 @@ class GemvPlan:
                 desc[:, C.D_QCNT] = cnt_base + desc[:, C.D_QCNT] * 4
             self.launches.append((fmt, rt.cp.asarray(desc), len(desc), units))
             self.clusters.append(cluster)
+        self.walk = None  # MLP_WALK: (descriptors, rows, units, ctl, nq) of this plan's launch in a walk grid
+        self._walk_into = None
+        if walk:
+            m, ldy = mats[0], outputs[0][1]
+            assert len(mats) == 1 and m.mode == MODE_SWIGLU, "walk_into: one SwiGLU matrix"
+            assert walk_into.act8_slot != act8_slot, "walk_into: the next plan's own activation buffers"
+            assert m.nout <= walk_into.kpad <= ldy and ldy % 2 == 0, "walk_into: K covers the outputs' rows"
+            nq = walk_into.kpad // L.CHUNK_K
+            # [ticket, CTAs done, nq ready flags, nq arrival counters]: the plan's own, so no other launch's
+            # counters share them while a walk grid overlaps its neighbours (PDL)
+            ctl = rt.cp.zeros(2 + 2 * nq, dtype=rt.cp.int32)
+            wd = rows[0][1].copy()
+            wd[:, C.D_XQ], wd[:, C.D_XS] = int(ptr(walk_into.xq)), int(ptr(walk_into.xs))
+            wd[:, C.D_LDQ] = walk_into.xq.shape[1]
+            wd[:, C.D_QRDY] = int(ptr(ctl)) + 2 * 4
+            wd[:, C.D_QCNT] = int(ptr(ctl)) + (2 + nq) * 4
+            # the next plan's descriptors as the walk runs them: its split-K partials and tickets past this plan's
+            dd = walk_into.desc_host[0][1].copy()
+            dd[:, C.D_WS] = ws_base + (dd[:, C.D_WS] + ws_need) * 4
+            dd[:, C.D_CNT] = cnt_base + (dd[:, C.D_CNT] + cnt_need) * 4
+            self.walk = (rt.cp.asarray(wd), len(wd), rows[0][2], ctl, nq, rt.cp.asarray(dd), len(dd))
+            self._walk_into = walk_into
 
     def _fit_merge(self, mats: list[GpuMatrix], rt) -> None:
         """GEMV_MERGE: a plan of bf16 matrices and q4 ones, a8 on a gemv_wg card, whose merged
@@ -713,6 +748,33 @@ class GemvPlan:
             if _wg_entry(name)[0] * (need + 1024) <= C.GWG_SM_SHARED:
                 return li
         return None
+
+    def walks_into(self, nxt: "GemvPlan", nlanes: int) -> bool:
+        """Whether run_walk(nxt, ...) runs this plan and nxt as one grid (constants MLP_WALK, read here at launch time):
+        a plan built with walk_into=nxt, a block of lanes 0 .. nlanes - 1 <= 8, both plans one q4 launch that
+        would run on gemv_wg (no cluster, no next-launch prefetch)."""
+        if not C.MLP_WALK or self._walk_into is not nxt or not 1 <= nlanes <= 8 or len(nxt.launches) != 1:
+            return False
+        (f1, u1), (f2, u2) = self.launches[0][::3], nxt.launches[0][::3]
+        return (f2 == L.FMT_Q4 and self.clusters[0] == 1 and nxt.clusters[0] == 1
+                and self._on_wg(f1, u1, 1, nlanes, None) and nxt._on_wg(f2, u2, 1, nlanes, nxt.pf))
+
+    def run_walk(self, nxt: "GemvPlan", x, ldx: int, nlanes: int, prequantized: bool = False) -> None:
+        """This plan (gate_up, SwiGLU) and nxt (down) for lanes 0 .. nlanes - 1 as one grid (walks_into): this plan's
+        units first, then nxt's, which wait on the chunks this plan's epilogue quantizes into nxt's a8 buffers.
+        The same units, so the same bits as run(x) then nxt.run(prequantized=True)."""
+        assert self.walks_into(nxt, nlanes)
+        rt = Runtime.get()
+        if not prequantized:
+            rt.launch("gemv", "quant_act8", (-(-(self.kpad // L.CHUNK_K) // 8), nlanes), 256,
+                      (x, i32(ldx), i32(self.kpad // L.CHUNK_K), self.xq, i32(self.xq.shape[1]), self.xs))
+        wd, wm, wu, ctl, nq, d2, m2 = self.walk
+        u2 = nxt.launches[0][3]
+        name = "gemv8w_q4_n8d" if C.MLP_WALK == 2 else "gemv8w_q4_n8"
+        rt.launch("gemv_wg", name + "_walk", wu + u2, 128,
+                  (wd, i32(wm), i32(wu), self.xq, i32(self.xq.shape[1]), self.xs, np.uint32(0x80808080),
+                   i32(nlanes), i32(0), d2, i32(m2), i32(u2), nxt.xq, i32(nxt.xq.shape[1]), nxt.xs, ctl, i32(nq)),
+                  shared_mem=wg_entry_bytes(name, 8))
 
     def quantizes_for(self, nxt: "GemvPlan", nlanes: int) -> bool:
         """Whether run(nlanes) writes nxt's a8 activations (quant_into; then nxt.run(prequantized=True)): the

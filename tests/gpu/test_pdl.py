@@ -46,7 +46,8 @@ def test_every_pdl_kernel_waits_first():
         for name, body in _kernels(src):
             first = body.lstrip().lstrip("\\").lstrip()
             ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<")) or (
-                mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(", "GWG_CALL_NF(", "GWG_CALL_GF("))) or (
+                mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(", "GWG_CALL_NF(", "GWG_CALL_GF(",
+                                                       "GWG_CALL_WALK("))) or (
                 mod == "gemv_dp" and first.startswith(("dp_body<", "dpa_body<")))  # wg_body / gemv_body_w4 / dp*_body wait inside
             if not ok and "pdl_entry();" in first:
                 # constants loaded before the wait (norm.cu: the norm weights; conv.cu: the GDN gates' weights):
@@ -72,6 +73,13 @@ def test_every_pdl_kernel_waits_first():
     wait = body.index("pdl_wait();")
     assert body.index("issue(k, k, true, false);") < wait < body.index("issue(k, k, false, true);")
     assert body.index("pdl_trigger();") > wait
+    # the MLP walk's entries claim their unit (an atomic on the plan's own ticket, which no predecessor writes: the
+    # previous walk of the plan is a step back) before wg_body, and nothing else before its wait
+    walk = wg[wg.index("#define GWG_CALL_WALK(NL, STAGES)"):]
+    walk = walk[: walk.index("wg_body<")]
+    assert re.sub(r"\s+", " ", walk.split("\\\n", 1)[1].replace("\\", "")).strip() == (
+        "__shared__ int s_claim; if (threadIdx.x == 0) s_claim = atomicAdd(ctl, 1); __syncthreads(); "
+        "const int u = s_claim, up = u < units;")
     # gemv_dp.cu: its weight rings and their scales before the wait, the activations (xq, xs) only after it
     dp = (R.CUDA_DIR / "gemv_dp.cu").read_text()
     for fn, ring in (("dp_body", "wr[i] = ld_stream16("), ("dpa_body", "kk < S - 1; kk++) issue(kk);")):
