@@ -848,27 +848,27 @@ GWG_KERNEL_G(gemv8w_q4_n16_g, 16, GWG_CTAS_N16, 0, GWG_CPS, GWG_STAGES)
 // same sums: bitwise the two launches. ctl: [ticket, CTAs done, ready flags of the nq chunks, (arrival counters)];
 // the last CTA out clears the ticket, the count and the flags, so a captured graph replays cleanly.
 // desc / nmat / units / xq / ldq / xs: gate_up's (as GWG_KERNEL); desc2 / nmat2 / units2 / xq2 / ldq2 / xs2: down's.
-#define GWG_KERNEL_WALK(NAME, NL, CTAS, STAGES)                                                                \
+#define GWG_KERNEL_WALK(NAME, NL, CTAS, TWO, STAGES)                                                           \
     extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
         NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
              const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, const i64* __restrict__ desc2,      \
              int nmat2, int units2, const u8* __restrict__ xq2, int ldq2, const float* __restrict__ xs2,       \
              int* __restrict__ ctl, int nq) {                                                                  \
-        GWG_CALL_WALK(NL, STAGES)                                                                              \
+        GWG_CALL_WALK(NL, TWO, STAGES)                                                                         \
     }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GWG_CALL_WALK(NL, STAGES)                                                                              \
+#define GWG_CALL_WALK(NL, TWO, STAGES)                                                                         \
     __shared__ int s_claim;                                                                                    \
     if (threadIdx.x == 0) s_claim = atomicAdd(ctl, 1);                                                         \
     __syncthreads();                                                                                           \
     const int u = s_claim, up = u < units;                                                                     \
-    wg_body<NL, 0, GWG_CPS, STAGES, GWG_CPS>(up ? desc : desc2, up ? nmat : nmat2, up ? xq : xq2, up ? ldq : ldq2, \
-                                             up ? xs : xs2, sgn, nlanes, lane0,                                \
-                                             (int)blockIdx.x - (up ? u : u - units), nullptr, nullptr,         \
-                                             up ? nullptr : ctl + 2);                                          \
+    wg_body<NL, TWO, GWG_CPS, STAGES, GWG_CPS>(up ? desc : desc2, up ? nmat : nmat2, up ? xq : xq2,            \
+                                               up ? ldq : ldq2, up ? xs : xs2, sgn, nlanes, lane0,             \
+                                               (int)blockIdx.x - (up ? u : u - units), nullptr, nullptr,       \
+                                               up ? nullptr : ctl + 2);                                        \
     gemv_walk_exit(ctl, units + units2, nq);
 #else
-#define GWG_CALL_WALK(NL, STAGES) __trap();
+#define GWG_CALL_WALK(NL, TWO, STAGES) __trap();
 #endif
 // the last of the grid's n CTAs to get here clears ctl (every other CTA is past its last read of the flags)
 __device__ __forceinline__ void gemv_walk_exit(int* __restrict__ ctl, int n, int nq) {
@@ -880,5 +880,7 @@ __device__ __forceinline__ void gemv_walk_exit(int* __restrict__ ctl, int n, int
     for (int i = threadIdx.x; i < nq; i += blockDim.x) ctl[2 + i] = 0;
     if (threadIdx.x == 0) ctl[0] = ctl[1] = 0;
 }
-GWG_KERNEL_WALK(gemv8w_q4_n8_walk, 8, GWG_CTAS_N8, GWG_STAGES)
-GWG_KERNEL_WALK(gemv8w_q4_n8d_walk, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)
+GWG_KERNEL_WALK(gemv8w_q4_n8_walk, 8, GWG_CTAS_N8, 0, GWG_STAGES)
+GWG_KERNEL_WALK(gemv8w_q4_n8d_walk, 8, GWG_CTAS_N8D, 0, GWG_STAGES_N8D)
+// 9-16 lanes (MLP_WALK_LANES = 16): on the two-pass 16-lane entry's walk (gemv8w_q4_n16t, 3 CTAs an SM)
+GWG_KERNEL_WALK(gemv8w_q4_n16t_walk, 16, GWG_CTAS_N16T, 1, GWG_STAGES)

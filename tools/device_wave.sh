@@ -649,8 +649,9 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         timeout 90 $PYTEST tests/gpu/test_mlp_walk.py -k "walk_equals and shape1" > "$OUT/walk_smoke.txt" 2>&1 || rc=1
         tail -2 "$OUT/walk_smoke.txt"
         if grep -q " passed" "$OUT/walk_smoke.txt" && ! grep -q "failed" "$OUT/walk_smoke.txt"; then
-          timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify4 verify8 --configs - \
-            MLP_WALK=1 MLP_WALK=2 --json "$OUT/walk_switch.json" > "$OUT/walk_switch.txt" 2>&1 || rc=1
+          timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify4 verify8 verify16 \
+            --configs - MLP_WALK=1 MLP_WALK=2 "MLP_WALK=1 MLP_WALK_LANES=16" --json "$OUT/walk_switch.json" \
+            > "$OUT/walk_switch.txt" 2>&1 || rc=1
           grep -E "^switch|read probe" "$OUT/walk_switch.txt" || tail -5 "$OUT/walk_switch.txt"
           timeout 200 $PYTEST tests/gpu/test_mlp_walk.py > "$OUT/walk_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/walk_tests.txt"
           timeout 100 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.MLP_WALK = 1; \

@@ -301,8 +301,10 @@ A8_FOLD = 3
 # down's input a chunk at a time and flags it, and down's units (claimed after every gate_up unit) wait on their own
 # chunks' flags, not on a grid: the gate_up -> down boundary (and A8_FOLD 4's quant_act8 launch) goes. Bitwise the
 # two launches. Read at launch time. 0: off; 1: both plans on gemv8w_q4_n8's entry (3 CTAs an SM); 2: on n8d's (2 an
-# SM, the deep ring). MLP_WALK_SLEEP: ns a waiting down unit sleeps between polls of its flags.
+# SM, the deep ring). MLP_WALK_LANES: the widest block it takes (8; 16: 9-16 lanes too, on gemv8w_q4_n16t's walk).
+# MLP_WALK_SLEEP: ns a waiting down unit sleeps between polls of its flags.
 MLP_WALK = 0
+MLP_WALK_LANES = 8
 MLP_WALK_SLEEP = 128
 ATT_A8_MAX_HD = 1024  # the attention combines' a8 output (attention_a8_fuses): head dims they stage (a block of hd)
 GATED_ROWS = 16  # gated_rmsnorm_rows (prefill chunks): tokens of one value head per block

@@ -751,9 +751,10 @@ class GemvPlan:
 
     def walks_into(self, nxt: "GemvPlan", nlanes: int) -> bool:
         """Whether run_walk(nxt, ...) runs this plan and nxt as one grid (constants MLP_WALK, read here at launch time):
-        a plan built with walk_into=nxt, a block of lanes 0 .. nlanes - 1 <= 8, both plans one q4 launch that
-        would run on gemv_wg (no cluster, no next-launch prefetch)."""
-        if not C.MLP_WALK or self._walk_into is not nxt or not 1 <= nlanes <= 8 or len(nxt.launches) != 1:
+        a plan built with walk_into=nxt, a block of lanes 0 .. nlanes - 1 <= MLP_WALK_LANES (8 or 16), both plans one
+        q4 launch that would run on gemv_wg (no cluster, no next-launch prefetch)."""
+        if (not C.MLP_WALK or self._walk_into is not nxt or not 1 <= nlanes <= min(C.MLP_WALK_LANES, GEMV_MAX_LANES)
+                or len(nxt.launches) != 1):
             return False
         (f1, u1), (f2, u2) = self.launches[0][::3], nxt.launches[0][::3]
         return (f2 == L.FMT_Q4 and self.clusters[0] == 1 and nxt.clusters[0] == 1
@@ -770,11 +771,13 @@ class GemvPlan:
                       (x, i32(ldx), i32(self.kpad // L.CHUNK_K), self.xq, i32(self.xq.shape[1]), self.xs))
         wd, wm, wu, ctl, nq, d2, m2 = self.walk
         u2 = nxt.launches[0][3]
-        name = "gemv8w_q4_n8d" if C.MLP_WALK == 2 else "gemv8w_q4_n8"
+        # the entry both plans' units run on: 1-8 lanes gemv8w_q4_n8's (MLP_WALK 1) or n8d's (2), 9-16 n16t's
+        nl = gemv_wg_width(nlanes)
+        name = "gemv8w_q4_n16t" if nl == 16 else "gemv8w_q4_n8d" if C.MLP_WALK == 2 else "gemv8w_q4_n8"
         rt.launch("gemv_wg", name + "_walk", wu + u2, 128,
                   (wd, i32(wm), i32(wu), self.xq, i32(self.xq.shape[1]), self.xs, np.uint32(0x80808080),
                    i32(nlanes), i32(0), d2, i32(m2), i32(u2), nxt.xq, i32(nxt.xq.shape[1]), nxt.xs, ctl, i32(nq)),
-                  shared_mem=wg_entry_bytes(name, 8))
+                  shared_mem=wg_entry_bytes(name, nl))
 
     def quantizes_for(self, nxt: "GemvPlan", nlanes: int) -> bool:
         """Whether run(nlanes) writes nxt's a8 activations (quant_into; then nxt.run(prequantized=True)): the

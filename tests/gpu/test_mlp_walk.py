@@ -46,8 +46,8 @@ def _pair(K, rng, cols, inter, rows, up_splits, down_splits, walk):
     md = K.upload_packed(L.pack_matrix(rng.standard_normal((rows, inter)).astype(np.float32) * 0.05, L.FMT_Q4))
     kpad = L.round_up(inter, L.CHUNK_K)
     ws = K.Workspace()
-    act = cp.zeros((8, kpad), cp.float32)
-    y = cp.zeros((8, rows), cp.float32)
+    act = cp.zeros((16, kpad), cp.float32)
+    y = cp.zeros((16, rows), cp.float32)
     down = K.GemvPlan([md], [(y, rows)], ws, impl="a8", act8_slot=1,
                       partition=None if down_splits is None else (1, down_splits))
     upp = K.GemvPlan([mu], [(act, kpad)], ws, impl="a8", walk_into=down if walk else None,
@@ -67,11 +67,12 @@ def test_walk_equals_the_two_launches(K, wg, shape, mode, monkeypatch):
 
     cols, inter, rows, us, ds = shape
     monkeypatch.setattr(C, "MLP_WALK", mode)
+    monkeypatch.setattr(C, "MLP_WALK_LANES", 16)
     rng = np.random.default_rng(inter + rows)
     ws0, up0, down0, act0, y0, kpad = _pair(K, rng, cols, inter, rows, us, ds, walk=False)
     rng = np.random.default_rng(inter + rows)
     ws1, up1, down1, act1, y1, _ = _pair(K, rng, cols, inter, rows, us, ds, walk=True)
-    for n in (1, 3, 8):
+    for n in (1, 3, 8, 12, 16):
         x = cp.asarray(rng.standard_normal((n, cols)).astype(np.float32))
         h = rng.standard_normal((n, rows)).astype(np.float32)
         y0[:n], y1[:n] = cp.asarray(h), cp.asarray(h)
@@ -101,9 +102,11 @@ def test_walk_rules(K, wg, monkeypatch):
     assert C.MLP_WALK == 0 and not upp.walks_into(down, 1)
     monkeypatch.setattr(C, "MLP_WALK", 1)
     assert [upp.walks_into(down, n) for n in (1, 8, 9, 16)] == [True, True, False, False]
+    monkeypatch.setattr(C, "MLP_WALK_LANES", 16)
+    assert [upp.walks_into(down, n) for n in (1, 9, 16, 17)] == [True, True, True, False]
     assert not upp.walks_into(down2, 1) and not up2.walks_into(down2, 1)
     with pytest.raises(AssertionError):
-        upp.run_walk(down, cp.zeros((9, 256), cp.float32), 256, 9)
+        upp.run_walk(down, cp.zeros((17, 256), cp.float32), 256, 17)
 
 
 def test_replays_keep_the_bits(K, wg, monkeypatch):
@@ -140,12 +143,12 @@ def decode_counts(m):
     return dec, ver
 
 
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode, lanes", [(1, 8), (2, 8), (1, 16)])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("inter", [1024, 17408])
-def test_model_rounds_keep_the_bits(inter, graphs, mode, wg, monkeypatch):
-    """Model rounds with MLP_WALK off and on (decode, verify widths up to 12 -- past 8 lanes the two launches run --
-    and commits), eager and under graphs, at a small MLP and at the 27B's (17,408: gate_up two waves, down 3 K
+def test_model_rounds_keep_the_bits(inter, graphs, mode, lanes, wg, monkeypatch):
+    """Model rounds with MLP_WALK off and on (decode, verify widths up to 12 -- past MLP_WALK_LANES the two launches
+    run -- and commits), eager and under graphs, at a small MLP and at the 27B's (17,408: gate_up two waves, down 3 K
     splits): the same logits and states. Each of the 4 layers' MLP is one walk launch
     in a decode step and a 2-lane verify: 4 walk launches, 4 launches fewer (gate_up's + down's become one; the
     quant_act8 launch A8_FOLD leaves between them goes too)."""
@@ -154,6 +157,7 @@ def test_model_rounds_keep_the_bits(inter, graphs, mode, wg, monkeypatch):
 
     ids = [int(v) for v in np.random.default_rng(11).integers(0, 4096, 41)]
     got, counts = {}, {}
+    monkeypatch.setattr(C, "MLP_WALK_LANES", lanes)
     for on in (0, mode):
         monkeypatch.setattr(C, "MLP_WALK", on)
         m = heads27b(graphs, hidden=None, seed=13, intermediate=inter)

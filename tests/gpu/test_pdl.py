@@ -75,7 +75,7 @@ def test_every_pdl_kernel_waits_first():
     assert body.index("pdl_trigger();") > wait
     # the MLP walk's entries claim their unit (an atomic on the plan's own ticket, which no predecessor writes: the
     # previous walk of the plan is a step back) before wg_body, and nothing else before its wait
-    walk = wg[wg.index("#define GWG_CALL_WALK(NL, STAGES)"):]
+    walk = wg[wg.index("#define GWG_CALL_WALK(NL, TWO, STAGES)"):]
     walk = walk[: walk.index("wg_body<")]
     assert re.sub(r"\s+", " ", walk.split("\\\n", 1)[1].replace("\\", "")).strip() == (
         "__shared__ int s_claim; if (threadIdx.x == 0) s_claim = atomicAdd(ctl, 1); __syncthreads(); "
