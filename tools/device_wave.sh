@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h walk dp dpa tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk dp dpa tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -68,6 +68,24 @@ s10_nowait() {
 s10_tf32() {
   timeout $1 $PYTEST -s tests/gpu/test_gdn_out_tf32.py > "$OUT/s10_tf32.txt" 2>&1 || rc=1
   grep -E "rel L2|kl_mean|passed|failed" "$OUT/s10_tf32.txt" | tail -14
+}
+# MLP_WALK: a smoke pair (a deadlock stops here; false if it did not pass), then the steps off / n8 / n8d / 16 lanes
+# alternated in one process
+walk_ab() {
+  timeout 90 $PYTEST tests/gpu/test_mlp_walk.py -k "walk_equals and shape1" > "$OUT/walk_smoke.txt" 2>&1 || rc=1
+  tail -2 "$OUT/walk_smoke.txt"
+  grep -q " passed" "$OUT/walk_smoke.txt" && ! grep -q "failed" "$OUT/walk_smoke.txt" || return 1
+  timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify4 verify8 verify16 \
+    --configs - MLP_WALK=1 MLP_WALK=2 "MLP_WALK=1 MLP_WALK_LANES=16" --json "$OUT/walk_switch.json" \
+    > "$OUT/walk_switch.txt" 2>&1 || rc=1
+  grep -E "^switch|read probe" "$OUT/walk_switch.txt" || tail -5 "$OUT/walk_switch.txt"
+}
+# ... its gates (the recorded md5s expected), then every bitwise test of it
+walk_bits() {
+  timeout 100 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.MLP_WALK = 1; C.MLP_WALK_LANES = 16; \
+sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/walk_gates.txt" 2>&1 || rc=1
+  echo "--- gates, MLP_WALK=1 MLP_WALK_LANES=16"; tail -4 "$OUT/walk_gates.txt"
+  timeout 200 $PYTEST tests/gpu/test_mlp_walk.py > "$OUT/walk_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/walk_tests.txt"
 }
 rc=0
 for stage in "$@"; do
@@ -643,21 +661,21 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         else
           echo "not an H200: nothing run"
         fi ;;
+    s17h)  # (<= ~10 min; an H200 only, else the walk stage) issue 14's 8K prefill, the walk's smoke pair and its steps
+           # A/B (the defaults' row: issue 10's H200 bars), then issue 15's load bench at C = 1, 2, 16
+        if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+          s10_prefill 170 8192
+          walk_ab
+          timeout ${LOAD_S:-150} python3 -m q27py bench load --random-weights 27b --tier q4s --streams 1 2 16 --no-mixed \
+            --traces q27py/bench/data/spec_traces.json q27py/bench/data/spec_traces_code.json \
+            > "$OUT/s17_load.txt" 2>&1 || rc=1; tail -10 "$OUT/s17_load.txt"
+        else
+          walk_ab && walk_bits
+        fi ;;
     walk)  # (<= ~9 min) issue 10: MLP_WALK, a layer's gate_up and down as one grid -- a smoke pair first (a deadlock
            # stops here), the decode / verify steps off / n8 / n8d alternated in one process, the bitwise tests, the
            # gates with it on
-        timeout 90 $PYTEST tests/gpu/test_mlp_walk.py -k "walk_equals and shape1" > "$OUT/walk_smoke.txt" 2>&1 || rc=1
-        tail -2 "$OUT/walk_smoke.txt"
-        if grep -q " passed" "$OUT/walk_smoke.txt" && ! grep -q "failed" "$OUT/walk_smoke.txt"; then
-          timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify4 verify8 verify16 \
-            --configs - MLP_WALK=1 MLP_WALK=2 "MLP_WALK=1 MLP_WALK_LANES=16" --json "$OUT/walk_switch.json" \
-            > "$OUT/walk_switch.txt" 2>&1 || rc=1
-          grep -E "^switch|read probe" "$OUT/walk_switch.txt" || tail -5 "$OUT/walk_switch.txt"
-          timeout 200 $PYTEST tests/gpu/test_mlp_walk.py > "$OUT/walk_tests.txt" 2>&1 || rc=1; tail -4 "$OUT/walk_tests.txt"
-          timeout 100 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.MLP_WALK = 1; \
-sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/walk_gates.txt" 2>&1 || rc=1
-          echo "--- gates, MLP_WALK=1"; tail -4 "$OUT/walk_gates.txt"
-        fi ;;
+        walk_ab && walk_bits ;;
     dpa)  # (<= ~5 min) issue 10: GEMV_DP_ASYNC, gemv_dp's shared-memory ring -- the probe, the steps, its bitwise tests
         timeout 60 python3 -m q27py.bench.gemv_probe --shapes 27b --impl a8w --lanes 1 2 4 \
           --set GEMV_DP4A=1 GEMV_DP_ASYNC=1 GEMV_DP_LANES=4 > "$OUT/dpa_probe.txt" 2>&1 || rc=1
