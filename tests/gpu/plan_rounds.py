@@ -1,6 +1,6 @@
-"""What the GemvPlan launch-shape tests (test_gemv_branch.py, test_gemv_merge.py) run: a 4-layer model of the 27B's heads
+"""What the GemvPlan launch-shape tests (test_gemv_branch.py, test_gemv_merge.py, the folds and the MLP walk) run: a 4-layer model of the 27B's heads
 (3 GDN layers, 1 attention layer; q4s, the gates bf16 as the tier keeps them) and a sequence of its rounds -- a
-prefill, then decode steps, verify rounds and commits -- whose logits and final state a switch must not change."""
+prefill, then decode steps, verify rounds and commits -- whose logits and final state a switch must not change; and the launch counts of a decode step and a 2-lane verify."""
 
 from __future__ import annotations
 
@@ -36,3 +36,16 @@ def rounds(m, ids, widths=(2, 4, 6, 8)):
         m.commit(st, v.trace, 1 + step % len(drafts))
     out += [st.gdn.get(), st.window.get()]
     return out
+
+
+def decode_counts(m):
+    """Launch counts of one decode step and of a 2-lane verify, after a short prefill."""
+    from q27py.gpu.runtime import Runtime
+
+    st = m.new_state()
+    m.forward(st, [1, 2, 3], logits_rows="last")
+    with Runtime.get().count_launches() as dec:
+        m.forward(st, [4])
+    with Runtime.get().count_launches() as ver:
+        m.forward(st, [5, 6], verify=True)
+    return dec, ver

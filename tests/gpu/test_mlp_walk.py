@@ -130,19 +130,6 @@ def test_replays_keep_the_bits(K, wg, monkeypatch):
     assert not upp.walk[3].get().any()
 
 
-def decode_counts(m):
-    """Launch counts of one decode step and of a 2-lane verify, after a short prefill."""
-    from q27py.gpu.runtime import Runtime
-
-    st = m.new_state()
-    m.forward(st, [1, 2, 3], logits_rows="last")
-    with Runtime.get().count_launches() as dec:
-        m.forward(st, [4])
-    with Runtime.get().count_launches() as ver:
-        m.forward(st, [5, 6], verify=True)
-    return dec, ver
-
-
 @pytest.mark.parametrize("mode, lanes", [(1, 8), (2, 8), (1, 16)])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("inter", [1024, 17408])
@@ -153,7 +140,7 @@ def test_model_rounds_keep_the_bits(inter, graphs, mode, lanes, wg, monkeypatch)
     in a decode step and a 2-lane verify: 4 walk launches, 4 launches fewer (gate_up's + down's become one; the
     quant_act8 launch A8_FOLD leaves between them goes too)."""
     from q27py.gpu import constants as C
-    from tests.gpu.plan_rounds import heads27b, rounds
+    from tests.gpu.plan_rounds import decode_counts, heads27b, rounds
 
     ids = [int(v) for v in np.random.default_rng(11).integers(0, 4096, 41)]
     got, counts = {}, {}

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.gpu.plan_rounds import decode_counts
+
 pytestmark = pytest.mark.gpu
 
 
@@ -25,19 +27,6 @@ def wg():
 
     if not K.gemv_wgmma_supported():
         pytest.skip("no sm_90a gemv_wg build on this card")
-
-
-def decode_counts(m):
-    """Launch counts of one decode step and of a 2-lane verify, after a short prefill."""
-    from q27py.gpu.runtime import Runtime
-
-    st = m.new_state()
-    m.forward(st, [1, 2, 3], logits_rows="last")
-    with Runtime.get().count_launches() as dec:
-        m.forward(st, [4])
-    with Runtime.get().count_launches() as ver:
-        m.forward(st, [5, 6], verify=True)
-    return dec, ver
 
 
 def normed_rows(m, ids):
