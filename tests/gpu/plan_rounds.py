@@ -1,6 +1,7 @@
-"""What the GemvPlan launch-shape tests (test_gemv_branch.py, test_gemv_merge.py, the folds and the MLP walk) run: a 4-layer model of the 27B's heads
-(3 GDN layers, 1 attention layer; q4s, the gates bf16 as the tier keeps them) and a sequence of its rounds -- a
-prefill, then decode steps, verify rounds and commits -- whose logits and final state a switch must not change; and the launch counts of a decode step and a 2-lane verify."""
+"""What the GemvPlan launch-shape tests (test_gemv_branch.py, test_gemv_merge.py, the folds, the MLP walk) run: a
+4-layer model of the 27B's heads (3 GDN layers, 1 attention layer; q4s, the gates bf16 as the tier keeps them), a
+sequence of its rounds -- a prefill, then decode steps, verify rounds and commits -- whose logits and final state a
+switch must not change, and the launch counts of a decode step and a 2-lane verify."""
 
 from __future__ import annotations
 
