@@ -169,7 +169,12 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
     const int lane = threadIdx.x & 31, t = lane & 3;
 
     GSTAMP(0);
-    const auto [un, c0, nch, wsrc, ssrc] = dp_unit(desc, nmat, lane0);
+    // the unit's fields bound one by one: NVRTC rejects a lambda capturing a structured binding (C++17)
+    const DpUnit du = dp_unit(desc, nmat, lane0);
+    const GemvUnit& un = du.un;
+    const int c0 = du.c0, nch = du.nch;
+    const uint4* wsrc = du.wsrc;
+    const u32* ssrc = du.ssrc;
 
     // The weights and their scales are constants: the ring fills before the wait on the activations' producer (PDL)
     uint4 wr[D];
@@ -234,7 +239,12 @@ __device__ __forceinline__ void dpa_body(const i64* __restrict__ desc, int nmat,
     const int tid = threadIdx.x, t = tid & 3;
 
     GSTAMP(0);
-    const auto [un, c0, nch, wsrc, ssrc] = dp_unit(desc, nmat, lane0);
+    // the unit's fields bound one by one: NVRTC rejects a lambda capturing a structured binding (C++17)
+    const DpUnit du = dp_unit(desc, nmat, lane0);
+    const GemvUnit& un = du.un;
+    const int c0 = du.c0, nch = du.nch;
+    const uint4* wsrc = du.wsrc;
+    const u32* ssrc = du.ssrc;
     const u32 wring = smem_addr(dyn_smem) + tid * 16, sring = smem_addr(dyn_smem) + S * 2048 + tid * 4;
     auto issue = [&](int kk) {  // chunk kk into its slot (one commit group a chunk, empty past the unit)
         if (kk < nch) {

@@ -334,3 +334,17 @@ def test_gemv_dp_ring_loads_land_in_their_slots(tmp_path):
         copies = [t for t in body if (m := re.search(r"\b(?:MOV|IMAD\.MOV\.U32)\s+R\d+,\s*(?:RZ,\s*RZ,\s*)?(R\d+)$", t))
                   and m.group(1) in loaded]
         assert not copies, f"{fn}: loads copied out of their registers in the hot loop: {copies[:4]}"
+
+
+def test_no_structured_bindings_in_kernel_sources():
+    """The runtime compiles cuda/ with NVRTC, which rejects a lambda capturing a structured binding (a C++17 rule that
+    nvcc's host-side front end lets through): gemv_dp.cu's `const auto [un, c0, ...] = dp_unit(...)` built with nvcc
+    in CI and failed every NVRTC build of the module on the device (2026-12-07), so warm_all() failed. Bind fields
+    one by one instead."""
+    import re
+
+    from q27py.gpu.runtime import CUDA_DIR
+
+    for f in sorted(CUDA_DIR.glob("*.cu*")):
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            assert not re.search(r"\bauto\s*&{0,2}\s*\[", line), f"{f.name}:{i}: structured binding: {line.strip()}"
