@@ -18,6 +18,7 @@ from q27py.gpu.runtime import CUDA_DIR, KERNEL_FILES, compile_options, source_te
 
 sys.path.insert(0, str(Path(__file__).parent))  # the build helper beside this file (tests/ is no package)
 import nvcc_build  # noqa: E402
+import nvrtc_build  # noqa: E402
 from nvcc_build import NVCC  # noqa: E402
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # the portable path builds everywhere; sm_90 is the H200
 
@@ -348,3 +349,22 @@ def test_no_structured_bindings_in_kernel_sources():
     for f in sorted(CUDA_DIR.glob("*.cu*")):
         for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
             assert not re.search(r"\bauto\s*&{0,2}\s*\[", line), f"{f.name}:{i}: structured binding: {line.strip()}"
+
+
+@pytest.mark.skipif(nvrtc_build.find_libnvrtc() is None, reason="libnvrtc not installed (the nvidia-cuda-nvrtc wheel)")
+def test_every_module_compiles_with_nvrtc():
+    """Every kernel module builds with NVRTC -- the runtime's compiler on the device -- for sm_90 (sm_90a where the
+    module has that build, as Runtime._arch_module asks) and for sm_86, with the runtime's options. nvcc's checks above
+    do not cover it: a structured binding captured by a lambda built with nvcc and failed NVRTC, so every device start
+    (warm_all) failed from e8c803a until b4991dc."""
+    from q27py.gpu.runtime import ARCH_SPECIFIC
+
+    lib = nvrtc_build.load()
+    jobs = []
+    for name in KERNEL_FILES:
+        a = ARCH_SPECIFIC.get(name, {}).get((9, 0))
+        jobs += [(name, "sm_86", ()), (name, a, ("-DQ27_ARCH_SPECIFIC",)) if a else (name, "sm_90", ())]
+    with ThreadPoolExecutor(max_workers=2) as ex:  # ctypes lets go of the GIL inside NVRTC
+        done = list(ex.map(lambda j: (j, nvrtc_build.compile_module(lib, *j)), jobs))
+    failed = [f"{name} ({arch}): {log[-600:]}" for (name, arch, _x), (ok, log) in done if not ok]
+    assert not failed, "\n".join(failed)
