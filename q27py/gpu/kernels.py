@@ -619,7 +619,9 @@ class GemvPlan:
                 desc[:, C.D_QCNT] = cnt_base + desc[:, C.D_QCNT] * 4
             self.launches.append((fmt, rt.cp.asarray(desc), len(desc), units))
             self.clusters.append(cluster)
-        self.walk = None  # MLP_WALK: (descriptors, rows, units, ctl, nq) of this plan's launch in a walk grid
+        # MLP_WALK: (this plan's descriptors, rows, units; ctl; nq; the next plan's descriptors, rows) as a walk grid
+        # runs them
+        self.walk = None
         self._walk_into = None
         if walk:
             m, ldy = mats[0], outputs[0][1]
