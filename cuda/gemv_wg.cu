@@ -289,7 +289,8 @@ __device__ __forceinline__ void fold_zero_scales(float* fs, int fnch, int nlanes
         if ((i & (GEMV_MAX_LANES - 1)) >= nlanes) fs[i] = 0.f;
 }
 
-// fq / fs: the unit's codes and chunk scales (chunk c at c - c0), red: 32 floats of shared memory; writer: this CTA
+// fq / fs: the unit's codes and chunk scales (chunk c at c - c0; null: none, NORM_TAIL's global-only pass), red: 32
+// floats of shared memory; writer: this CTA
 // (one of the first matrix's row group 0: one a K split, so every chunk once) also writes its chunks' normed rows to
 // nf.y and their codes to nf.gq / nf.gs where those are given
 __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int c0, int c1, u8* fq, float* fs,
@@ -297,7 +298,7 @@ __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int vb = nf.nb >> 7, nwv = nf.nb >> 5;
     const bool normed = nf.w != nullptr;  // else constants QUANT_FOLD: the rows quantized as they are
-    fold_zero_scales(fs, nf.fnch, nlanes);
+    if (fq != nullptr) fold_zero_scales(fs, nf.fnch, nlanes);
 #pragma unroll 1
     for (int ln = 0; ln < nlanes; ln++) {
         const float* xr = nf.h + (i64)ln * nf.ldh;
@@ -350,7 +351,7 @@ __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int
                 float2 o;
                 o.x = k < nf.H ? (normed ? (xv[u][0] / den) * (wv[u][0] + nf.add_one) : xv[u][0]) : 0.f;
                 o.y = k + 1 < nf.H ? (normed ? (xv[u][1] / den) * (wv[u][1] + nf.add_one) : xv[u][1]) : 0.f;
-                act8_quantize_pair(o, c - c0, fq + (i64)ln * nf.fnch * 64, fs + ln, lane);
+                if (fq != nullptr) act8_quantize_pair(o, c - c0, fq + (i64)ln * nf.fnch * 64, fs + ln, lane);
                 if (writer && nf.gq != nullptr) act8_quantize_pair(o, c, nf.gq + (i64)ln * nf.ldgq, nf.gs + ln, lane);
                 if (yr != nullptr) {  // the normed rows (rmsnorm_row writes k < H)
                     if (k < nf.H) yr[k] = o.x;
@@ -789,6 +790,51 @@ GWG_KERNEL(gemv8w_q4_n8d, 8, GWG_CTAS_N8D, 0, GWG_CPS, GWG_STAGES_N8D)
 #endif
 GWG_KERNEL_NF(gemv8w_q4_n8_nf, 8, GWG_CTAS_N8, GWG_STAGES)
 GWG_KERNEL_NF(gemv8w_q4_n8d_nf, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)
+
+// constants NORM_TAIL (kernels.GemvPlan.set_norm_tail, FastModel._norm): a residual GEMV (gdn_out / attn_o: MODE_ADD
+// into h) whose next launch would be the post-attention RMSNorm of h feeding gate_up: its CTAs count out on the plan's
+// own ticket (ctl[0]) after their unit, and the last one, every row group's epilogue being in, computes that norm
+// for the launch's lanes -- the normed fp32 rows y and gate_up's a8 codes gq / gs, wg_norm_fold's replay of
+// rmsnorm_row's order over every chunk (fnch: the norm's), the bytes rmsnorm_rows_a8 writes -- so the norm launch
+// and one grid boundary go, and no CTA repeats the norm (NORM_FOLD's cost). The ring's shared memory is free by then
+// (red lives there). Arguments after GWG_KERNEL's: NormFold's, then ctl and the launch's CTA count.
+#define GWG_KERNEL_NT(NAME, NL, CTAS, STAGES)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                                    \
+        NAME(const i64* __restrict__ desc, int nmat, int units, const u8* __restrict__ xq, int ldq,            \
+             const float* __restrict__ xs, u32 sgn, int nlanes, int lane0, const float* __restrict__ h,        \
+             int ldh, const float* __restrict__ w, float add_one, float eps, int H, int nb,                    \
+             float* __restrict__ y, int ldy, int fnch, u8* __restrict__ gq, int ldgq, float* __restrict__ gs,  \
+             int* __restrict__ ctl) {                                                                          \
+        GWG_CALL_NT(NL, STAGES)                                                                                \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GWG_CALL_NT(NL, STAGES)                                                                                \
+    wg_body<NL, 0, GWG_CPS, STAGES, GWG_CPS>(desc, nmat, xq, ldq, xs, sgn, nlanes, lane0);                     \
+    const NormFold nf{h, w, y, gq, gs, ldh, ldy, H, nb, fnch, ldgq, add_one, eps};                             \
+    wg_norm_tail(nf, nlanes, ctl, units);
+#else
+#define GWG_CALL_NT(NL, STAGES) __trap();
+#endif
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// the last of the launch's n CTAs to get here (acq_rel: every other CTA's epilogue writes to h are visible to it)
+// computes the norm; it leaves the ticket zero for the next launch
+__device__ __forceinline__ void wg_norm_tail(const NormFold& nf, int nlanes, int* __restrict__ ctl, int n) {
+    extern __shared__ __align__(128) u8 dyn_smem[];
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int prev;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(ctl) : "memory");
+        s_last = prev == n - 1;
+        if (s_last) *ctl = 0;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    wg_norm_fold(nf, nlanes, 0, nf.fnch, nullptr, nullptr, reinterpret_cast<float*>(dyn_smem), true);
+}
+#endif
+GWG_KERNEL_NT(gemv8w_q4_n8_nt, 8, GWG_CTAS_N8, GWG_STAGES)
+GWG_KERNEL_NT(gemv8w_q4_n8d_nt, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)
 
 // constants GATED_FOLD (kernels.GemvPlan.folds_gated): gemv8w_q4_n8 / n8d with the GDN output norm in front
 // (wg_gated_fold): o / ldo rows, z / ldz gate rows, w (dv weights), eps, dv, fnch (the fold buffer's chunks a lane).

@@ -57,3 +57,12 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="no CUDA GPU / cupy")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def wg():
+    """GPU tests of cuda/gemv_wg.cu's entries: skip on a card without its sm_90a build."""
+    from q27py.gpu import kernels as K
+
+    if not K.gemv_wgmma_supported():
+        pytest.skip("no sm_90a gemv_wg build on this card")

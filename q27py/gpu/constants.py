@@ -309,6 +309,13 @@ A8_FOLD = 3
 MLP_WALK = 0
 MLP_WALK_LANES = 8
 MLP_WALK_SLEEP = 128
+# a decode / verify layer's residual GEMV before its MLP (gdn_out / attn_o, 1-8 lanes on gemv8w_q4_n8 / n8d) computes
+# the post-attention RMSNorm in its own last CTA (cuda/gemv_wg.cu *_nt entries, kernels.GemvPlan.set_norm_tail,
+# FastModel._norm): its CTAs count out on a plan-owned ticket after their unit and the last one writes the normed
+# rows and gate_up's a8 activations, so the rmsnorm_rows_a8 launch (~3.7 us of the chain, 64 a 27B step: docs/PERF.md
+# seventeenth session's timeline) and one grid boundary go, with no work repeated. Bitwise the norm launch. Read at
+# launch time. 0: off (built, not yet measured); 1: on.
+NORM_TAIL = 0
 ATT_A8_MAX_HD = 1024  # the attention combines' a8 output (attention_a8_fuses): head dims they stage (a block of hd)
 GATED_ROWS = 16  # gated_rmsnorm_rows (prefill chunks): tokens of one value head per block
 CONV_ROWS = 32  # gdn_conv_rows_k4 (prefill chunks): consecutive tokens of one head slot per block

@@ -817,6 +817,9 @@ class FastModel:
                 p["in_big"] = K.GemvPlan([g.qkvz, g.ab], [(self.proj_big, self.ld_proj), (self.ab, self.ab.shape[1])], ws)
             p["out"] = K.GemvPlan([g.out], [(self.h, self.hp)], ws)
             p["gi"] = gi
+        # NORM_TAIL: the post-attention norm, as _mlp's _norm would launch it, in the out projection's last CTA
+        p["out"].set_norm_tail(K.NormIn(self.h, self.hp, lw.post_ln, self.cfg.rms_norm_eps, self.cfg.hidden_size,
+                                        self.x, self.hp), p["up"])
         return p
 
     # ------------------------------------------------------------------ public interface
@@ -1778,6 +1781,10 @@ class FastModel:
         the same activations and self.x bitwise."""
         cfg = self.cfg
         assert self._norm_folded is None, "a folded norm was not taken by its plan's run"
+        done = plan.take_norm_done()
+        if done is not None:  # NORM_TAIL: the residual GEMV before it computed this norm in its last CTA
+            assert done[0] is w and done[1] == t and not skip_bf16, "the tail computed another norm"
+            return
         if t <= VERIFY_SPAN:
             nin = K.NormIn(self.h, self.hp, w, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp)
             if plan.folds_norm(t, skip_bf16, nin):

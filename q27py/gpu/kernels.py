@@ -622,6 +622,8 @@ class GemvPlan:
         # MLP_WALK: (this plan's descriptors, rows, units; ctl; nq; the next plan's descriptors, rows) as a walk grid
         # runs them
         self.walk = None
+        self.tail = None  # NORM_TAIL: (the next norm, the plan it feeds, the ticket) -- set_norm_tail
+        self.norm_done = None  # NORM_TAIL: what the previous plan's tail computed for this plan (take_norm_done)
         self._walk_into = None
         if walk:
             m, ldy = mats[0], outputs[0][1]
@@ -781,6 +783,45 @@ class GemvPlan:
                    i32(nlanes), i32(0), d2, i32(m2), i32(u2), nxt.xq, i32(nxt.xq.shape[1]), nxt.xs, ctl, i32(nq)),
                   shared_mem=wg_entry_bytes(name, nl))
 
+    def set_norm_tail(self, norm: "NormIn", nxt: "GemvPlan") -> None:
+        """constants NORM_TAIL: this plan (one q4 matrix adding into the residual rows norm.h) is followed by the RMSNorm
+        `norm` feeding nxt's a8 activations (a layer's post-attention norm before gate_up): run() of a block of lanes
+        0 .. n - 1 <= 8 then launches the *_nt entry, whose last CTA computes that norm (cuda/gemv_wg.cu
+        wg_norm_tail), and leaves nxt a marker that FastModel._norm takes instead of launching the norm."""
+        assert len(self.mats) == 1 and self.mats[0].mode == MODE_ADD and norm.w is not None and norm.y is not None
+        self.tail = (norm, nxt, Runtime.get().cp.zeros(1, dtype=Runtime.get().cp.int32))
+
+    def _tails(self, n: int) -> bool:
+        """Whether run() of lanes 0 .. n - 1 takes the *_nt entry (set_norm_tail; constants NORM_TAIL, read at launch
+        time): one q4 launch on gemv8w_q4_n8 / n8d, n <= 8, the next plan fed prequantized, the norm's row within
+        wg_norm_fold's registers."""
+        if not C.NORM_TAIL or self.tail is None or not 1 <= n <= 8 or len(self.launches) != 1:
+            return False
+        norm, nxt, _ctl = self.tail
+        fmt, _desc, _nmat, units = self.launches[0]
+        return (fmt == L.FMT_Q4 and self.clusters[0] == 1 and self._on_wg(fmt, units, 1, n, self.pf)
+                and gemv_wg_kernel(8, units, self.unit_chunks[0]) in ("gemv8w_q4_n8", "gemv8w_q4_n8d")
+                and nxt.fuses_quant(n) and norm.hidden <= C.NORM_PER_THREAD * norm.block() and norm.block() <= 8 * 128
+                and norm.hidden <= nxt.kpad)
+
+    def _launch_tail(self, rt, n: int) -> None:
+        norm, nxt, ctl = self.tail
+        fmt, desc, nmat, units = self.launches[0]
+        name = gemv_wg_kernel(8, units, self.unit_chunks[0])
+        rt.launch("gemv_wg", name + "_nt", units, 128,
+                  (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs, np.uint32(0x80808080),
+                   i32(n), i32(0), norm.h, i32(norm.ldh), norm.w, f32(1.0 if norm.add_one else 0.0), f32(norm.eps),
+                   i32(norm.hidden), i32(norm.block()), norm.y, i32(norm.ldy), i32(-(-norm.hidden // L.CHUNK_K)),
+                   nxt.xq, i32(nxt.xq.shape[1]), nxt.xs, ctl),
+                  shared_mem=gemv_wg_launch_bytes(8, units, self.unit_chunks[0]))
+        nxt.norm_done = (norm.w, n)
+
+    def take_norm_done(self):
+        """(norm weights, lanes) of the norm the previous plan's *_nt launch computed for this plan (NORM_TAIL), once;
+        else None."""
+        done, self.norm_done = self.norm_done, None
+        return done
+
     def quantizes_for(self, nxt: "GemvPlan", nlanes: int) -> bool:
         """Whether run(nlanes) writes nxt's a8 activations (quant_into; then nxt.run(prequantized=True)): the
         GEMV's one block of lanes 0 .. nlanes - 1 (no prefill GEMM)."""
@@ -881,6 +922,10 @@ class GemvPlan:
                 rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                           (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
                            i32(self.xq.shape[1]), self.xs))
+            if n == nlanes and lane0 == 0 and not use_gemm and self._tails(n):  # NORM_TAIL: the next norm in its tail
+                self._launch_tail(rt, n)
+                done += n
+                continue
             merged = None if skip_bf16 else self._merged_kernel(n, final, use_gemm)
             if merged is not None:  # GEMV_MERGE: the bf16 launch's units in the q4 launch's grid
                 self._launch_merged(rt, merged, x, ldx, n, lane0 + done)

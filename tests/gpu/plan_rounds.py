@@ -50,3 +50,12 @@ def decode_counts(m):
     with Runtime.get().count_launches() as ver:
         m.forward(st, [5, 6], verify=True)
     return dec, ver
+
+
+def normed_rows(m, ids):
+    """self.x after a decode step: the last layer's post-attention / MLP norm (NORM_FOLD: the row-group-0 CTAs' rows;
+    NORM_TAIL: the out projection's last CTA's)."""
+    st = m.new_state()
+    m.forward(st, ids, logits_rows="last")
+    m.forward(st, [7])
+    return m.x.get()[:1, : m.cfg.hidden_size].copy()

@@ -309,6 +309,9 @@ class _Plan:
     def walks_into(self, nxt, nlanes):  # MLP_WALK: GPU tests (tests/gpu/test_mlp_walk.py)
         return False
 
+    def take_norm_done(self):  # NORM_TAIL: GPU tests (tests/gpu/test_norm_tail.py)
+        return None
+
     def run(self, x, ldx, nlanes, lane0=0, allow_gemm=True, prequantized=False, x_bf16=None, y_bf16=None,
             skip_bf16=False, norm=None):
         assert x_bf16 is None and y_bf16 is None, "bf16 rows are for prefill chunks only"

@@ -661,7 +661,7 @@ def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
                            "gemv8w_q4_n32", "gemv8w_q4_n32s", "gemv8w_q4_n8", "gemv8w_q4_n8_g", "gemv8w_q4_n8_gf",
                            "gemv8w_q4_n8_nf", "gemv8w_q4_n8d", "gemv8w_q4_n8d_g", "gemv8w_q4_n8d_gf", "gemv8w_q4_n8d_nf",
                            "gemv8w_q4_n8q", "gemv8w_q4_n8w", "gemv8w_q4_n16t_walk", "gemv8w_q4_n8_walk",
-                           "gemv8w_q4_n8d_walk"]), rep
+                           "gemv8w_q4_n8d_walk", "gemv8w_q4_n8_nt", "gemv8w_q4_n8d_nt"]), rep
     ctas = {"gemv8w_q4_n8": C.GWG_CTAS_N8, "gemv8w_q4_n16": C.GWG_CTAS_N16, "gemv8w_q4_n32": C.GWG_CTAS_N32,
             "gemv8w_q4_n16t": C.GWG_CTAS_N16T, "gemv8w_q4_n32s": C.GWG_CTAS_N32S,
             "gemv8w_q4_n8w": C.GWG_CTAS_N8, "gemv8w_q4_n16w": C.GWG_CTAS_N16, "gemv8w_q4_n8q": C.GWG_CTAS_N8Q,
@@ -669,6 +669,7 @@ def test_sm90a_build_keeps_wgmma_async_and_does_not_spill(tmp_path):
     ctas.update({k + "_g": ctas[k] for k in ("gemv8w_q4_n8", "gemv8w_q4_n8d", "gemv8w_q4_n16")})  # GEMV_MERGE's twins
     ctas.update({k + sfx: ctas[k] for k in ("gemv8w_q4_n8", "gemv8w_q4_n8d") for sfx in ("_nf", "_gf")})  # the folds
     ctas.update({k + "_walk": ctas[k] for k in ("gemv8w_q4_n8", "gemv8w_q4_n8d", "gemv8w_q4_n16t")})  # MLP_WALK
+    ctas.update({k + "_nt": ctas[k] for k in ("gemv8w_q4_n8", "gemv8w_q4_n8d")})  # NORM_TAIL
     bound = {k: min(255, 65536 // (128 * ctas[k])) for k in rep}
     assert all(regs <= bound[k] for k, (regs, _spill) in rep.items()), rep
     # n32s (launches of more than a wave at 32 lanes, which the engine does not run yet) spills ~120 bytes at 3

@@ -29,14 +29,6 @@ def K():
     return kernels
 
 
-@pytest.fixture
-def wg():
-    from q27py.gpu import kernels as K
-
-    if not K.gemv_wgmma_supported():
-        pytest.skip("no sm_90a gemv_wg build on this card")
-
-
 def _pair(K, rng, cols, inter, rows, up_splits, down_splits, walk):
     import cupy as cp
 

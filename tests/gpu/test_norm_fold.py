@@ -16,25 +16,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.gpu.plan_rounds import decode_counts
+from tests.gpu.plan_rounds import decode_counts, normed_rows
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def wg():
-    from q27py.gpu import kernels as K
-
-    if not K.gemv_wgmma_supported():
-        pytest.skip("no sm_90a gemv_wg build on this card")
-
-
-def normed_rows(m, ids):
-    """self.x after a decode step: the last layer's post-attention / MLP norm (folded: the row-group-0 CTAs' rows)."""
-    st = m.new_state()
-    m.forward(st, ids, logits_rows="last")
-    m.forward(st, [7])
-    return m.x.get()[:1, : m.cfg.hidden_size].copy()
 
 
 @pytest.mark.parametrize("nlanes", [1, 2, 5, 8])

@@ -47,7 +47,7 @@ def test_every_pdl_kernel_waits_first():
             first = body.lstrip().lstrip("\\").lstrip()
             ok = first.startswith("pdl_entry();") or (mod == "gemv" and first.startswith("gemv_body<")) or (
                 mod == "gemv_wg" and first.startswith(("GWG_CALL(", "GWG_CALL_G(", "GWG_CALL_NF(", "GWG_CALL_GF(",
-                                                       "GWG_CALL_WALK("))) or (
+                                                       "GWG_CALL_WALK(", "GWG_CALL_NT("))) or (
                 mod == "gemv_dp" and first.startswith(("dp_body<", "dpa_body<")))  # wg_body / gemv_body_w4 / dp*_body wait inside
             if not ok and "pdl_entry();" in first:
                 # constants loaded before the wait (norm.cu: the norm weights; conv.cu: the GDN gates' weights):
