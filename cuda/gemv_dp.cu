@@ -135,23 +135,17 @@ __device__ __forceinline__ void dp_finish(const GemvUnit& un, float (&plo)[DP_OW
 
 // A unit's place for this thread (4 warps, warp w on tile rg * GEMV_R + w): the unit, its chunk range, the thread's
 // 16-byte fragment of chunk c0 (chunk c0 + k at wsrc + k * DP_CW) and its scale word of chunk c (ssrc + (c / GSC_Q4) * 8:
-// rows g and g + 8 as two halves)
+// rows g and g + 8 as two halves). Out-parameters, not a struct taken apart by a structured binding: NVRTC rejects a
+// lambda capturing one (C++17), and the bodies' lambdas capture these.
 constexpr int DP_CW = CB_Q4 / 16;  // a tile chunk's 16-byte words
-struct DpUnit {
-    GemvUnit un;
-    int c0, nch;
-    const uint4* wsrc;
-    const u32* ssrc;
-};
-__device__ __forceinline__ DpUnit dp_unit(const i64* __restrict__ desc, int nmat, int lane0) {
-    DpUnit u;
-    u.un = gemv_unit(desc, nmat, lane0, (int)blockIdx.x);
+__device__ __forceinline__ void dp_unit(const i64* __restrict__ desc, int nmat, int lane0, GemvUnit& un, int& c0,
+                                        int& nch, const uint4*& wsrc, const u32*& ssrc) {
+    un = gemv_unit(desc, nmat, lane0, (int)blockIdx.x);
     const int lane = threadIdx.x & 31;
-    const i64 tile = (i64)u.un.rg * GEMV_R + (threadIdx.x >> 5);
-    u.c0 = u.un.c0, u.nch = u.un.c1 - u.un.c0;
-    u.wsrc = reinterpret_cast<const uint4*>(u.un.w + tile * u.un.kch * CB_Q4) + (i64)u.c0 * DP_CW + lane;
-    u.ssrc = u.un.sc + tile * u.un.ngroups * 8 + (lane >> 2);
-    return u;
+    const i64 tile = (i64)un.rg * GEMV_R + (threadIdx.x >> 5);
+    c0 = un.c0, nch = un.c1 - un.c0;
+    wsrc = reinterpret_cast<const uint4*>(un.w + tile * un.kch * CB_Q4) + (i64)c0 * DP_CW + lane;
+    ssrc = un.sc + tile * un.ngroups * 8 + (lane >> 2);
 }
 
 // One unit (64 rows, chunks c0 .. c1 - 1) of a launch of nlanes <= NL lanes (NL = 1, 2, 4, 8): 4 warps, warp w on tile
@@ -169,12 +163,11 @@ __device__ __forceinline__ void dp_body(const i64* __restrict__ desc, int nmat, 
     const int lane = threadIdx.x & 31, t = lane & 3;
 
     GSTAMP(0);
-    // the unit's fields bound one by one: NVRTC rejects a lambda capturing a structured binding (C++17)
-    const DpUnit du = dp_unit(desc, nmat, lane0);
-    const GemvUnit& un = du.un;
-    const int c0 = du.c0, nch = du.nch;
-    const uint4* wsrc = du.wsrc;
-    const u32* ssrc = du.ssrc;
+    GemvUnit un;
+    int c0, nch;
+    const uint4* wsrc;
+    const u32* ssrc;
+    dp_unit(desc, nmat, lane0, un, c0, nch, wsrc, ssrc);
 
     // The weights and their scales are constants: the ring fills before the wait on the activations' producer (PDL)
     uint4 wr[D];
@@ -239,12 +232,11 @@ __device__ __forceinline__ void dpa_body(const i64* __restrict__ desc, int nmat,
     const int tid = threadIdx.x, t = tid & 3;
 
     GSTAMP(0);
-    // the unit's fields bound one by one: NVRTC rejects a lambda capturing a structured binding (C++17)
-    const DpUnit du = dp_unit(desc, nmat, lane0);
-    const GemvUnit& un = du.un;
-    const int c0 = du.c0, nch = du.nch;
-    const uint4* wsrc = du.wsrc;
-    const u32* ssrc = du.ssrc;
+    GemvUnit un;
+    int c0, nch;
+    const uint4* wsrc;
+    const u32* ssrc;
+    dp_unit(desc, nmat, lane0, un, c0, nch, wsrc, ssrc);
     const u32 wring = smem_addr(dyn_smem) + tid * 16, sring = smem_addr(dyn_smem) + S * 2048 + tid * 4;
     auto issue = [&](int kk) {  // chunk kk into its slot (one commit group a chunk, empty past the unit)
         if (kk < nch) {
