@@ -771,8 +771,7 @@ class GemvPlan:
         assert self.walks_into(nxt, nlanes)
         rt = Runtime.get()
         if not prequantized:
-            rt.launch("gemv", "quant_act8", (-(-(self.kpad // L.CHUNK_K) // 8), nlanes), 256,
-                      (x, i32(ldx), i32(self.kpad // L.CHUNK_K), self.xq, i32(self.xq.shape[1]), self.xs))
+            self._quant_act8(rt, x, ldx, 0, nlanes)
         wd, wm, wu, ctl, nq, d2, m2 = self.walk
         u2 = nxt.launches[0][3]
         # the entry both plans' units run on: 1-8 lanes gemv8w_q4_n8's (MLP_WALK 1) or n8d's (2), 9-16 n16t's
@@ -783,13 +782,21 @@ class GemvPlan:
                    i32(nlanes), i32(0), d2, i32(m2), i32(u2), nxt.xq, i32(nxt.xq.shape[1]), nxt.xs, ctl, i32(nq)),
                   shared_mem=wg_entry_bytes(name, nl))
 
+    def _quant_act8(self, rt, x, ldx: int, l0: int, n: int, xq=None, xs=None) -> None:
+        """The a8 activations of lanes l0 .. l0 + n - 1 of x into rows 0 .. n - 1 of xq / xs (default: the plan's)."""
+        xq, xs = (self.xq, self.xs) if xq is None else (xq, xs)
+        kch = self.kpad // L.CHUNK_K
+        rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
+                  (x[l0:] if l0 else x, i32(ldx), i32(kch), xq, i32(xq.shape[1]), xs))
+
     def set_norm_tail(self, norm: "NormIn", nxt: "GemvPlan") -> None:
         """constants NORM_TAIL: this plan (one q4 matrix adding into the residual rows norm.h) is followed by the RMSNorm
         `norm` feeding nxt's a8 activations (a layer's post-attention norm before gate_up): run() of a block of lanes
         0 .. n - 1 <= 8 then launches the *_nt entry, whose last CTA computes that norm (cuda/gemv_wg.cu
         wg_norm_tail), and leaves nxt a marker that FastModel._norm takes instead of launching the norm."""
         assert len(self.mats) == 1 and self.mats[0].mode == MODE_ADD and norm.w is not None and norm.y is not None
-        self.tail = (norm, nxt, Runtime.get().cp.zeros(1, dtype=Runtime.get().cp.int32))
+        cp = Runtime.get().cp
+        self.tail = (norm, nxt, cp.zeros(1, dtype=cp.int32))
 
     def _tails(self, n: int) -> bool:
         """Whether run() of lanes 0 .. n - 1 takes the *_nt entry (set_norm_tail; constants NORM_TAIL, read at launch
@@ -907,7 +914,6 @@ class GemvPlan:
                 return  # nothing is left for the GEMV
         done = 0
         last = len(self.launches) - 1
-        kch = self.kpad // L.CHUNK_K
         while done < nlanes:
             quant = self.a8 and not use_gemm and not prequantized
             # 17-32 lanes left whose q4 launches may run on gemv8w_q4_n32: one block (_run_wide)
@@ -919,9 +925,7 @@ class GemvPlan:
             n = min(GEMV_MAX_LANES, nlanes - done)
             final = done + n >= nlanes  # only the last 16-lane block precedes the next plan
             if quant:
-                rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
-                          (x[lane0 + done:] if lane0 + done else x, i32(ldx), i32(kch), self.xq,
-                           i32(self.xq.shape[1]), self.xs))
+                self._quant_act8(rt, x, ldx, lane0 + done, n)
             if n == nlanes and lane0 == 0 and not use_gemm and self._tails(n):  # NORM_TAIL: the next norm in its tail
                 self._launch_tail(rt, n)
                 done += n
@@ -1055,13 +1059,11 @@ class GemvPlan:
         gemv8w_q4_n32 launch over all n lanes (the weights streamed once), and every other launch -- bf16 /
         q8 matrices, clusters, the next-launch prefetch -- as the two 16-lane launches of the narrow loop
         (the prefetch, as there, on the second). Each lane's outputs are the same bits either way."""
-        kch = self.kpad // L.CHUNK_K
         ldq = self.xq.shape[1]
         halves = [(0, GEMV_MAX_LANES, self.xq, self.xs[0]),
                   (GEMV_MAX_LANES, n - GEMV_MAX_LANES, self.xq[GEMV_MAX_LANES:], self.xs[1])]
         for o, m, xq, xs in halves:
-            rt.launch("gemv", "quant_act8", (-(-kch // 8), m), 256,
-                      (x[l0 + o:] if l0 + o else x, i32(ldx), i32(kch), xq, i32(ldq), xs))
+            self._quant_act8(rt, x, ldx, l0 + o, m, xq, xs)
         last = len(self.launches) - 1
         for li, ((fmt, desc, nmat, units), cluster) in enumerate(zip(self.launches, self.clusters)):
             if skip_bf16 and fmt == L.FMT_BF16:
