@@ -817,7 +817,13 @@ GWG_KERNEL_NF(gemv8w_q4_n8d_nf, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)
 #endif
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // the last of the launch's n CTAs to get here (acq_rel: every other CTA's epilogue writes to h are visible to it)
-// computes the norm; it leaves the ticket zero for the next launch
+// computes the norm; it leaves the ticket zero for the next launch. The norm is on the step's chain, so it is built
+// for latency, not reuse of wg_norm_fold (whose chunk loop re-reads h and w from global memory FU chunks a round:
+// 5 dependent L2 / DRAM rounds a lane at the 27B hidden, measured +15 us a norm at 1 lane, docs/PERF.md eighteenth
+// session): w lands in shared memory by cp.async while lane 0's loads of h are in flight; each lane's row is loaded
+// once (rmsnorm_row's replay, wg_norm_fold's first phase) and kept in shared memory for the chunk phase, whose chunks
+// then only read shared memory, four a warp at a time. Shared memory (the ring's, free by now): w [fnch 64], the
+// row [fnch 64], red[32]. The same values in the same order as wg_norm_fold's writer: the same bits.
 __device__ __forceinline__ void wg_norm_tail(const NormFold& nf, int nlanes, int* __restrict__ ctl, int n) {
     extern __shared__ __align__(128) u8 dyn_smem[];
     __shared__ int s_last;
@@ -830,7 +836,67 @@ __device__ __forceinline__ void wg_norm_tail(const NormFold& nf, int nlanes, int
     }
     __syncthreads();
     if (!s_last) return;
-    wg_norm_fold(nf, nlanes, 0, nf.fnch, nullptr, nullptr, reinterpret_cast<float*>(dyn_smem), true);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int vb = nf.nb >> 7, nwv = nf.nb >> 5, KP = nf.fnch * 64;
+    float* ws = reinterpret_cast<float*>(dyn_smem);
+    float* row = ws + KP;
+    float* red = row + KP;
+    const u32 wbase = smem_addr(ws);
+    for (int k = tid; k < nf.H; k += 128)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(wbase + 4 * k), "l"(nf.w + k) : "memory");
+    cp_async_commit();
+#pragma unroll 1
+    for (int ln = 0; ln < nlanes; ln++) {
+        const float* xr = nf.h + (i64)ln * nf.ldh;
+        float v[8][NORM_PER_THREAD], s[8];
+#pragma unroll
+        for (int m = 0; m < 8; m++)
+#pragma unroll
+            for (int i = 0; i < NORM_PER_THREAD; i++) {
+                const int k = tid + 128 * m + i * nf.nb;
+                const float x = xr[min(k, nf.H - 1)];
+                v[m][i] = m < vb && k < nf.H ? x : 0.f;
+            }
+        __syncthreads();  // row / red: the previous lane's readers are done
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            float ss = 0.f;
+#pragma unroll
+            for (int i = 0; i < NORM_PER_THREAD; i++) {
+                ss = fmaf(v[m][i], v[m][i], ss);
+                const int k = tid + 128 * m + i * nf.nb;
+                if (m < vb && k < nf.H) row[k] = v[m][i];
+            }
+            s[m] = warp_sum(ss);  // m >= vb: 0, unused
+        }
+        if (lane == 0)
+#pragma unroll
+            for (int m = 0; m < 8; m++)
+                if (m < vb) red[warp + 4 * m] = s[m];
+        if (ln == 0) asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies of w have landed (the barrier publishes them)
+        __syncthreads();
+        const float den = sqrtf(warp_sum(lane < nwv ? red[lane] : 0.f) / (float)nf.H + nf.eps);
+        float* yr = nf.y != nullptr ? nf.y + (i64)ln * nf.ldy : nullptr;
+        constexpr int FU = 4;
+#pragma unroll 1
+        for (int cb = warp; cb < nf.fnch; cb += 4 * FU) {
+#pragma unroll
+            for (int u = 0; u < FU; u++) {
+                const int c = cb + 4 * u, k = c * 64 + 2 * lane;
+                if (c >= nf.fnch) break;  // warp-uniform
+                const float2 xv = *reinterpret_cast<const float2*>(row + k);
+                const float2 wv = *reinterpret_cast<const float2*>(ws + k);
+                float2 o;
+                o.x = k < nf.H ? (xv.x / den) * (wv.x + nf.add_one) : 0.f;
+                o.y = k + 1 < nf.H ? (xv.y / den) * (wv.y + nf.add_one) : 0.f;
+                if (nf.gq != nullptr) act8_quantize_pair(o, c, nf.gq + (i64)ln * nf.ldgq, nf.gs + ln, lane);
+                if (yr != nullptr) {  // the normed rows (rmsnorm_row writes k < H)
+                    if (k < nf.H) yr[k] = o.x;
+                    if (k + 1 < nf.H) yr[k + 1] = o.y;
+                }
+            }
+        }
+    }
 }
 #endif
 GWG_KERNEL_NT(gemv8w_q4_n8_nt, 8, GWG_CTAS_N8, GWG_STAGES)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail dp dpa tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail tail2 dp dpa tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -679,6 +679,23 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
           timeout 150 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify4 verify8 --configs - \
             NORM_TAIL=1 --json "$OUT/tail_switch.json" > "$OUT/tail_switch.txt" 2>&1 || rc=1
           grep -E "^switch|read probe" "$OUT/tail_switch.txt" || tail -5 "$OUT/tail_switch.txt"
+          timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_TAIL = 1; \
+sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/tail_gates.txt" 2>&1 || rc=1
+          echo "--- gates, NORM_TAIL=1"; tail -4 "$OUT/tail_gates.txt"
+        fi ;;
+    tail2)  # (<= ~7 min) issue 10: NORM_TAIL with wg_norm_tail's shared-memory row (eighteenth session) -- its bitwise
+            # tests first (a failure stops here), the steps off / on / on at 1 lane alternated in one process, the
+            # decode step's timeline with it on, the gates with it on
+        timeout 240 $PYTEST tests/gpu/test_norm_tail.py > "$OUT/tail_tests.txt" 2>&1 || rc=1; tail -3 "$OUT/tail_tests.txt"
+        if grep -q " passed" "$OUT/tail_tests.txt" && ! grep -qE "failed|error" "$OUT/tail_tests.txt"; then
+          timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify2 verify4 verify8 --configs - \
+            NORM_TAIL=1 "NORM_TAIL=1 NORM_TAIL_LANES=1" --json "$OUT/tail_switch.json" > "$OUT/tail_switch.txt" 2>&1 || rc=1
+          grep -E "^switch|read probe" "$OUT/tail_switch.txt" || tail -5 "$OUT/tail_switch.txt"
+          for t in 0 1; do
+            timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes 1 --top 6 --set NORM_TAIL=$t \
+              --json "$OUT/tail_trace$t.json" > "$OUT/tail_trace$t.txt" 2>&1 || rc=1
+          done
+          timeout 20 python3 tools/step_trace.py --compare "$OUT/tail_trace0.json" "$OUT/tail_trace1.json" 2>&1 | head -30
           timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_TAIL = 1; \
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/tail_gates.txt" 2>&1 || rc=1
           echo "--- gates, NORM_TAIL=1"; tail -4 "$OUT/tail_gates.txt"

@@ -52,8 +52,9 @@ def main() -> int:
     probe = copy_bandwidth(1 << 30)
     b = Bench(tier=args.tier, max_context=32768 + 64, log=lambda *a: print(*a, flush=True))
     m, st, s = b.model, b.state, b.stream
-    ctx = {"decode2k": 2048, "decode32k": 32768, "verify4": 2048, "verify8": 2048, "verify16": 2048}
-    width = {"decode2k": 1, "decode32k": 1, "verify4": 4, "verify8": 8, "verify16": 16}
+    # decode2k / decode32k: one lane at that context; verifyW: a round of W lanes at 2K
+    ctx = {n: 32768 if n == "decode32k" else 2048 for n in args.shapes}
+    width = {n: int(n[6:]) if n.startswith("verify") else 1 for n in args.shapes}
 
     def reset(name):
         w = width[name]

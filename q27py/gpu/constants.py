@@ -314,8 +314,13 @@ MLP_WALK_SLEEP = 128
 # FastModel._norm): its CTAs count out on a plan-owned ticket after their unit and the last one writes the normed
 # rows and gate_up's a8 activations, so the rmsnorm_rows_a8 launch (~3.7 us of the chain, 64 a 27B step: docs/PERF.md
 # seventeenth session's timeline) and one grid boundary go, with no work repeated. Bitwise the norm launch. Read at
-# launch time. 0: off (built, not yet measured); 1: on.
+# launch time. 0: off; 1: on, for blocks of at most NORM_TAIL_LANES lanes (read at launch time; the tail's norm runs
+# lane after lane in one CTA, so its cost grows with the lanes while the launch it replaces does not).
+# Measured 2026-12-07 (H100, eighteenth session): the first tail (wg_norm_fold's chunk loop, reading h and w from
+# global memory a few chunks a round) was bitwise and much slower -- decode 2K 6.973 -> 7.963 ms (+15 us a norm),
+# verify W=8 8.032 -> 13.840 ms; wg_norm_tail since keeps w and the row in shared memory (one load round a lane).
 NORM_TAIL = 0
+NORM_TAIL_LANES = 8
 ATT_A8_MAX_HD = 1024  # the attention combines' a8 output (attention_a8_fuses): head dims they stage (a block of hd)
 GATED_ROWS = 16  # gated_rmsnorm_rows (prefill chunks): tokens of one value head per block
 CONV_ROWS = 32  # gdn_conv_rows_k4 (prefill chunks): consecutive tokens of one head slot per block

@@ -802,14 +802,16 @@ class GemvPlan:
         """Whether run() of lanes 0 .. n - 1 takes the *_nt entry (set_norm_tail; constants NORM_TAIL, read at launch
         time): one q4 launch on gemv8w_q4_n8 / n8d, n <= 8, the next plan fed prequantized, the norm's row within
         wg_norm_fold's registers."""
-        if not C.NORM_TAIL or self.tail is None or not 1 <= n <= 8 or len(self.launches) != 1:
+        if not C.NORM_TAIL or self.tail is None or not 1 <= n <= min(8, C.NORM_TAIL_LANES) or len(self.launches) != 1:
             return False
         norm, nxt, _ctl = self.tail
         fmt, _desc, _nmat, units = self.launches[0]
+        kp = -(-norm.hidden // L.CHUNK_K) * L.CHUNK_K  # wg_norm_tail's shared memory: w and one row of kp, red[32]
         return (fmt == L.FMT_Q4 and self.clusters[0] == 1 and self._on_wg(fmt, units, 1, n, self.pf)
                 and gemv_wg_kernel(8, units, self.unit_chunks[0]) in ("gemv8w_q4_n8", "gemv8w_q4_n8d")
                 and nxt.fuses_quant(n) and norm.hidden <= C.NORM_PER_THREAD * norm.block() and norm.block() <= 8 * 128
-                and norm.hidden <= nxt.kpad)
+                and norm.hidden <= nxt.kpad
+                and 8 * kp + 128 <= gemv_wg_launch_bytes(8, units, self.unit_chunks[0]))
 
     def _launch_tail(self, rt, n: int) -> None:
         norm, nxt, ctl = self.tail

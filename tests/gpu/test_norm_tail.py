@@ -46,7 +46,7 @@ def test_tail_keeps_the_bits(graphs, hidden, wg, monkeypatch):
 
 
 def test_tail_rules(wg, monkeypatch):
-    """Off by default; past 8 lanes the plain launch and the norm launch run."""
+    """Off by default; past 8 lanes (or NORM_TAIL_LANES) the plain launch and the norm launch run."""
     from q27py.gpu import constants as C
     from tests.gpu.plan_rounds import heads27b
 
@@ -55,3 +55,5 @@ def test_tail_rules(wg, monkeypatch):
     assert C.NORM_TAIL == 0 and not out._tails(1)
     monkeypatch.setattr(C, "NORM_TAIL", 1)
     assert [out._tails(n) for n in (1, 8, 9, 16)] == [True, True, False, False]
+    monkeypatch.setattr(C, "NORM_TAIL_LANES", 2)  # past NORM_TAIL_LANES the norm launch runs again
+    assert [out._tails(n) for n in (1, 2, 3, 8)] == [True, True, False, False]
