@@ -683,22 +683,22 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/tail_gates.txt" 2>&1 || rc=1
           echo "--- gates, NORM_TAIL=1"; tail -4 "$OUT/tail_gates.txt"
         fi ;;
-    tail2)  # (<= ~7 min) issue 10: NORM_TAIL with wg_norm_tail's shared-memory row (eighteenth session) -- its bitwise
-            # tests first (a failure stops here), the steps off / on / on at 1 lane alternated in one process, the
-            # decode step's timeline with it on, the gates with it on
+    tail2)  # (<= ~8 min) issue 10: NORM_TAIL with wg_norm_tail's shared-memory row (eighteenth session) -- its bitwise
+            # tests first (a failure stops here), the steps off / 1 (post-attention norms) / 3 (+ the input norms)
+            # alternated in one process, the decode step's timeline off / 3, the gates with 3
         timeout 240 $PYTEST tests/gpu/test_norm_tail.py > "$OUT/tail_tests.txt" 2>&1 || rc=1; tail -3 "$OUT/tail_tests.txt"
         if grep -q " passed" "$OUT/tail_tests.txt" && ! grep -qE "failed|error" "$OUT/tail_tests.txt"; then
           timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify2 verify4 verify8 --configs - \
-            NORM_TAIL=1 "NORM_TAIL=1 NORM_TAIL_LANES=1" --json "$OUT/tail_switch.json" > "$OUT/tail_switch.txt" 2>&1 || rc=1
+            NORM_TAIL=1 NORM_TAIL=3 --json "$OUT/tail_switch.json" > "$OUT/tail_switch.txt" 2>&1 || rc=1
           grep -E "^switch|read probe" "$OUT/tail_switch.txt" || tail -5 "$OUT/tail_switch.txt"
           for t in 0 1; do
-            timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes 1 --top 6 --set NORM_TAIL=$t \
+            timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes 1 --top 6 --set NORM_TAIL=$((3 * t)) \
               --json "$OUT/tail_trace$t.json" > "$OUT/tail_trace$t.txt" 2>&1 || rc=1
           done
           timeout 20 python3 tools/step_trace.py --compare "$OUT/tail_trace0.json" "$OUT/tail_trace1.json" 2>&1 | head -30
-          timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_TAIL = 1; \
+          timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_TAIL = 3; \
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/tail_gates.txt" 2>&1 || rc=1
-          echo "--- gates, NORM_TAIL=1"; tail -4 "$OUT/tail_gates.txt"
+          echo "--- gates, NORM_TAIL=3"; tail -4 "$OUT/tail_gates.txt"
         fi ;;
     walk)  # (<= ~9 min) issue 10: MLP_WALK, a layer's gate_up and down as one grid -- a smoke pair first (a deadlock
            # stops here), the decode / verify steps off / n8 / n8d alternated in one process, the bitwise tests, the

@@ -777,6 +777,11 @@ class FastModel:
             self.layer_plans.append(self._layer_plan(lw, gi))
             if lw.kind != FULL:
                 gi += 1
+        # NORM_TAIL bit 2: the next layer's input norm, as _input_norm would launch it, in down's last CTA (the last
+        # layer's down is followed by the final norm, whose rows feed the lm_head's own path: no tail there)
+        for lw, p, q in zip(self.w.layers[1:], self.layer_plans, self.layer_plans[1:]):
+            p["down"].set_norm_tail(K.NormIn(self.h, self.hp, lw.input_ln, self.cfg.rms_norm_eps, self.cfg.hidden_size,
+                                             self.x, self.hp), q["in"], bit=2)
         self.lm_plan = K.GemvPlan([self.w.lm_head], [(self.logits, self.vocab)], ws)
         if self.has_mtp:
             m = self.w.mtp
@@ -819,7 +824,7 @@ class FastModel:
             p["gi"] = gi
         # NORM_TAIL: the post-attention norm, as _mlp's _norm would launch it, in the out projection's last CTA
         p["out"].set_norm_tail(K.NormIn(self.h, self.hp, lw.post_ln, self.cfg.rms_norm_eps, self.cfg.hidden_size,
-                                        self.x, self.hp), p["up"])
+                                        self.x, self.hp), p["up"], bit=1)
         return p
 
     # ------------------------------------------------------------------ public interface
@@ -1315,6 +1320,7 @@ class FastModel:
         h, hp = cfg.hidden_size, self.hp
         eps = cfg.rms_norm_eps
         self._norm_folded = None  # a forward cut short (an exception) leaves none behind
+        K.GemvPlan.drop_open_tail()  # nor a NORM_TAIL marker
         K.embed(self.ids, t, self.w.embed, h, self.h, hp)
         ai = 0
         for li, lw in enumerate(self.w.layers):
@@ -1345,6 +1351,7 @@ class FastModel:
         cfg = self.cfg
         h, hp = cfg.hidden_size, self.hp
         self._norm_folded = None  # a forward cut short (an exception) leaves none behind
+        K.GemvPlan.drop_open_tail()  # nor a NORM_TAIL marker
         K.embed(self.lane_ids, n, self.w.embed, h, self.h, hp)
         ai = 0
         for li, lw in enumerate(self.w.layers):
@@ -1405,6 +1412,7 @@ class FastModel:
         h, hp = cfg.hidden_size, self.hp
         eps = cfg.rms_norm_eps
         self._norm_folded = None  # a forward cut short (an exception) leaves none behind
+        K.GemvPlan.drop_open_tail()  # nor a NORM_TAIL marker
         K.embed(self.mtp_ids, t, self.w.embed, h, self.x, hp)
         norm = K.rmsnorm_rows if t > VERIFY_SPAN else K.rmsnorm  # same bits; the rows form for prefill chunks
         norm(self.x, hp, m.pre_e, eps, h, self.cat, self.ld_cat, t)
@@ -1465,6 +1473,7 @@ class FastModel:
         h, hp = cfg.hidden_size, self.hp
         eps = cfg.rms_norm_eps
         self._norm_folded = None  # a forward cut short (an exception) leaves none behind
+        K.GemvPlan.drop_open_tail()  # nor a NORM_TAIL marker
         K.embed(ids, n, self.w.embed, h, self.x, hp)
         K.rmsnorm(self.x, hp, m.pre_e, eps, h, self.cat, self.ld_cat, n)
         K.rmsnorm(self.mtp_hidden_in, hp, m.pre_h, eps, h, self.cat[:, h:], self.ld_cat, n)
@@ -1782,8 +1791,9 @@ class FastModel:
         cfg = self.cfg
         assert self._norm_folded is None, "a folded norm was not taken by its plan's run"
         done = plan.take_norm_done()
-        if done is not None:  # NORM_TAIL: the residual GEMV before it computed this norm in its last CTA
-            assert done[0] is w and done[1] == t and not skip_bf16, "the tail computed another norm"
+        if done is not None:  # NORM_TAIL: the residual GEMV before it computed this norm in its last CTA (the fp32
+            # rows too, which a GDN layer's in plan leaves unread where skip_bf16 says its conv computes the gates)
+            assert done[0] is w and done[1] == t, "the tail computed another norm"
             return
         if t <= VERIFY_SPAN:
             nin = K.NormIn(self.h, self.hp, w, cfg.rms_norm_eps, cfg.hidden_size, self.x, self.hp)

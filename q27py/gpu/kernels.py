@@ -623,6 +623,7 @@ class GemvPlan:
         # runs them
         self.walk = None
         self.tail = None  # NORM_TAIL: (the next norm, the plan it feeds, the ticket) -- set_norm_tail
+        self.tail_bit = 0  # NORM_TAIL: the bit of the constant that turns this plan's tail on
         self.norm_done = None  # NORM_TAIL: what the previous plan's tail computed for this plan (take_norm_done)
         self._walk_into = None
         if walk:
@@ -789,20 +790,34 @@ class GemvPlan:
         rt.launch("gemv", "quant_act8", (-(-kch // 8), n), 256,
                   (x[l0:] if l0 else x, i32(ldx), i32(kch), xq, i32(xq.shape[1]), xs))
 
-    def set_norm_tail(self, norm: "NormIn", nxt: "GemvPlan") -> None:
+    # NORM_TAIL: the plan whose norm_done a tail launch set and nobody has taken yet (drop_open_tail)
+    _open_tail: "GemvPlan | None" = None
+
+    def set_norm_tail(self, norm: "NormIn", nxt: "GemvPlan", bit: int = 1) -> None:
         """constants NORM_TAIL: this plan (one q4 matrix adding into the residual rows norm.h) is followed by the RMSNorm
-        `norm` feeding nxt's a8 activations (a layer's post-attention norm before gate_up): run() of a block of lanes
-        0 .. n - 1 <= 8 then launches the *_nt entry, whose last CTA computes that norm (cuda/gemv_wg.cu
+        `norm` feeding nxt's a8 activations (bit 1: a layer's post-attention norm before gate_up; bit 2: the next
+        layer's input norm after down): where NORM_TAIL has `bit`, run() of a block of lanes 0 .. n - 1 <=
+        NORM_TAIL_LANES then launches the *_nt entry, whose last CTA computes that norm (cuda/gemv_wg.cu
         wg_norm_tail), and leaves nxt a marker that FastModel._norm takes instead of launching the norm."""
         assert len(self.mats) == 1 and self.mats[0].mode == MODE_ADD and norm.w is not None and norm.y is not None
         cp = Runtime.get().cp
         self.tail = (norm, nxt, cp.zeros(1, dtype=cp.int32))
+        self.tail_bit = bit
+
+    @staticmethod
+    def drop_open_tail() -> None:
+        """Forget a tail's marker nobody took (a forward cut short between the tail launch and its norm), so the
+        next forward's norm launches."""
+        p, GemvPlan._open_tail = GemvPlan._open_tail, None
+        if p is not None:
+            p.norm_done = None
 
     def _tails(self, n: int) -> bool:
         """Whether run() of lanes 0 .. n - 1 takes the *_nt entry (set_norm_tail; constants NORM_TAIL, read at launch
         time): one q4 launch on gemv8w_q4_n8 / n8d, n <= 8, the next plan fed prequantized, the norm's row within
         wg_norm_fold's registers."""
-        if not C.NORM_TAIL or self.tail is None or not 1 <= n <= min(8, C.NORM_TAIL_LANES) or len(self.launches) != 1:
+        if (self.tail is None or not C.NORM_TAIL & self.tail_bit or not 1 <= n <= min(8, C.NORM_TAIL_LANES)
+                or len(self.launches) != 1):
             return False
         norm, nxt, _ctl = self.tail
         fmt, _desc, _nmat, units = self.launches[0]
@@ -824,11 +839,14 @@ class GemvPlan:
                    nxt.xq, i32(nxt.xq.shape[1]), nxt.xs, ctl),
                   shared_mem=gemv_wg_launch_bytes(8, units, self.unit_chunks[0]))
         nxt.norm_done = (norm.w, n)
+        GemvPlan._open_tail = nxt
 
     def take_norm_done(self):
         """(norm weights, lanes) of the norm the previous plan's *_nt launch computed for this plan (NORM_TAIL), once;
         else None."""
         done, self.norm_done = self.norm_done, None
+        if done is not None:
+            GemvPlan._open_tail = None
         return done
 
     def quantizes_for(self, nxt: "GemvPlan", nlanes: int) -> bool:
