@@ -814,8 +814,9 @@ class GemvPlan:
 
     def _tails(self, n: int) -> bool:
         """Whether run() of lanes 0 .. n - 1 takes the *_nt entry (set_norm_tail; constants NORM_TAIL, read at launch
-        time): one q4 launch on gemv8w_q4_n8 / n8d, n <= 8, the next plan fed prequantized, the norm's row within
-        wg_norm_fold's registers."""
+        time): one q4 launch on gemv8w_q4_n8 / n8d, n <= NORM_TAIL_LANES (at most 8), the next plan fed
+        prequantized, the norm's row within the replay's registers and its weights and one row within the ring's
+        shared memory (wg_norm_tail)."""
         if (self.tail is None or not C.NORM_TAIL & self.tail_bit or not 1 <= n <= min(8, C.NORM_TAIL_LANES)
                 or len(self.launches) != 1):
             return False
