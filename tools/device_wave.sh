@@ -691,11 +691,12 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
           timeout 170 python3 tools/switch_ab.py --rounds 3 --shapes decode2k decode32k verify2 verify4 verify8 --configs - \
             NORM_TAIL=1 NORM_TAIL=3 --json "$OUT/tail_switch.json" > "$OUT/tail_switch.txt" 2>&1 || rc=1
           grep -E "^switch|read probe" "$OUT/tail_switch.txt" || tail -5 "$OUT/tail_switch.txt"
-          for t in 0 1; do
+          for t in $([ "${TAIL_TRACE:-1}" = 1 ] && echo 0 1); do  # TAIL_TRACE=0: no timelines (a short call)
             timeout 60 python3 tools/step_trace.py --ctx 2048 --lanes 1 --top 6 --set NORM_TAIL=$((3 * t)) \
               --json "$OUT/tail_trace$t.json" > "$OUT/tail_trace$t.txt" 2>&1 || rc=1
           done
-          timeout 20 python3 tools/step_trace.py --compare "$OUT/tail_trace0.json" "$OUT/tail_trace1.json" 2>&1 | head -30
+          [ "${TAIL_TRACE:-1}" = 1 ] && timeout 20 python3 tools/step_trace.py --compare "$OUT/tail_trace0.json" \
+            "$OUT/tail_trace1.json" 2>&1 | head -30
           timeout 150 python3 -c "import runpy, sys; import q27py.gpu.constants as C; C.NORM_TAIL = 3; \
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/tail_gates.txt" 2>&1 || rc=1
           echo "--- gates, NORM_TAIL=3"; tail -4 "$OUT/tail_gates.txt"
