@@ -818,12 +818,12 @@ GWG_KERNEL_NF(gemv8w_q4_n8d_nf, 8, GWG_CTAS_N8D, GWG_STAGES_N8D)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // the last of the launch's n CTAs to get here (acq_rel: every other CTA's epilogue writes to h are visible to it)
 // computes the norm; it leaves the ticket zero for the next launch. The norm is on the step's chain, so it is built
-// for latency, not reuse of wg_norm_fold (whose chunk loop re-reads h and w from global memory FU chunks a round:
-// 5 dependent L2 / DRAM rounds a lane at the 27B hidden, measured +15 us a norm at 1 lane, docs/PERF.md eighteenth
-// session): w lands in shared memory by cp.async while lane 0's loads of h are in flight; each lane's row is loaded
-// once (rmsnorm_row's replay, wg_norm_fold's first phase) and kept in shared memory for the chunk phase, whose chunks
-// then only read shared memory, four a warp at a time. Shared memory (the ring's, free by now): w [fnch 64], the
-// row [fnch 64], red[32]. The same values in the same order as wg_norm_fold's writer: the same bits.
+// for latency: w lands in shared memory by cp.async while lane 0's loads of h are in flight; each lane's row is loaded
+// once (rmsnorm_row's replay, wg_norm_fold's first phase) and kept in shared memory for the chunk phase, which then
+// reads only shared memory, four chunks a warp at a time. Shared memory (the ring's, free by now): w [fnch 64], the
+// row [fnch 64], red[32]. The same values in the same order as wg_norm_fold's writer: the same bits. Measured (docs/
+// PERF.md eighteenth session, H100): the grid ends ~19 us later at 1 lane, this form and wg_norm_fold's alike -- the
+// norm (3.6 us busy in the norm kernel's 32 warps) runs latency-bound in this CTA's 4 -- so NORM_TAIL stays off.
 __device__ __forceinline__ void wg_norm_tail(const NormFold& nf, int nlanes, int* __restrict__ ctl, int n) {
     extern __shared__ __align__(128) u8 dyn_smem[];
     __shared__ int s_last;

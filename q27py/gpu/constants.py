@@ -309,16 +309,17 @@ A8_FOLD = 3
 MLP_WALK = 0
 MLP_WALK_LANES = 8
 MLP_WALK_SLEEP = 128
-# a decode / verify layer's residual GEMV before its MLP (gdn_out / attn_o, 1-8 lanes on gemv8w_q4_n8 / n8d) computes
-# the post-attention RMSNorm in its own last CTA (cuda/gemv_wg.cu *_nt entries, kernels.GemvPlan.set_norm_tail,
-# FastModel._norm): its CTAs count out on a plan-owned ticket after their unit and the last one writes the normed
-# rows and gate_up's a8 activations, so the rmsnorm_rows_a8 launch (~3.7 us of the chain, 64 a 27B step: docs/PERF.md
-# seventeenth session's timeline) and one grid boundary go, with no work repeated. Bitwise the norm launch. Read at
-# launch time. 0: off; 1: on, for blocks of at most NORM_TAIL_LANES lanes (read at launch time; the tail's norm runs
-# lane after lane in one CTA, so its cost grows with the lanes while the launch it replaces does not).
-# Measured 2026-12-07 (H100, eighteenth session): the first tail (wg_norm_fold's chunk loop, reading h and w from
-# global memory a few chunks a round) was bitwise and much slower -- decode 2K 6.973 -> 7.963 ms (+15 us a norm),
-# verify W=8 8.032 -> 13.840 ms; wg_norm_tail since keeps w and the row in shared memory (one load round a lane).
+# a decode / verify layer's residual GEMVs (bit 1: gdn_out / attn_o before the MLP; bit 2: down before the next layer,
+# the last layer's excepted; 1-8 lanes on gemv8w_q4_n8 / n8d) compute the next RMSNorm in their own last CTA
+# (cuda/gemv_wg.cu *_nt entries, wg_norm_tail; kernels.GemvPlan.set_norm_tail, FastModel._norm): the CTAs count out on
+# a plan-owned ticket after their unit and the last one writes the normed rows and the next plan's a8 activations, so
+# the rmsnorm_rows_a8 launch (~3.7 us of the chain: docs/PERF.md seventeenth session's timeline) and one grid boundary
+# go, with no work repeated. Bitwise the norm launch. Read at launch time, as is NORM_TAIL_LANES (the widest block it
+# takes). Measured 2026-12-07 (H100, eighteenth session): bitwise, and much slower -- decode 2K 6.945 -> 7.945 ms (1)
+# / 8.900 (3), verify W=8 8.009 -> 13.789 / 19.361. The timeline: the out projection's grid ends ~19 us later at 1
+# lane (busy 11.0 -> 30.2 us), against the 3.6 us norm launch it replaces: the norm's latency-bound chain, spread over
+# the norm kernel's 32 warps, runs in the GEMV CTA's 4 (keeping the row and the weights in shared memory changed
+# nothing measurable). Off; the entries stay as the measured experiment.
 NORM_TAIL = 0
 NORM_TAIL_LANES = 8
 ATT_A8_MAX_HD = 1024  # the attention combines' a8 output (attention_a8_fuses): head dims they stage (a block of hd)
