@@ -289,6 +289,22 @@ __device__ __forceinline__ void fold_zero_scales(float* fs, int fnch, int nlanes
         if ((i & (GEMV_MAX_LANES - 1)) >= nlanes) fs[i] = 0.f;
 }
 
+// rmsnorm_row's elements of row xr for the replay of its sum order: thread tid of the 128 stands for the norm block's
+// threads tid + 128 m (m < nb / 128), each holding k = that thread + i nb; every load first (clamped addresses, no
+// predicated loads: they issue together), zeros where the norm block has no thread or the row no element
+__device__ __forceinline__ void norm_replay_load(const NormFold& nf, const float* __restrict__ xr,
+                                                 float (&v)[8][NORM_PER_THREAD]) {
+    const int tid = threadIdx.x, vb = nf.nb >> 7;
+#pragma unroll
+    for (int m = 0; m < 8; m++)
+#pragma unroll
+        for (int i = 0; i < NORM_PER_THREAD; i++) {
+            const int k = tid + 128 * m + i * nf.nb;
+            const float x = xr[min(k, nf.H - 1)];
+            v[m][i] = m < vb && k < nf.H ? x : 0.f;
+        }
+}
+
 // fq / fs: the unit's codes and chunk scales (chunk c at c - c0; null: none, NORM_TAIL's global-only pass), red: 32
 // floats of shared memory; writer: this CTA
 // (one of the first matrix's row group 0: one a K split, so every chunk once) also writes its chunks' normed rows to
@@ -304,16 +320,9 @@ __device__ __forceinline__ void wg_norm_fold(const NormFold& nf, int nlanes, int
         const float* xr = nf.h + (i64)ln * nf.ldh;
         float den = 1.f;
         if (normed) {
-            // every load first (clamped addresses, no predicated loads: they issue together), then the sums
+            // every load first (norm_replay_load), then the sums
             float v[8][NORM_PER_THREAD], s[8];
-#pragma unroll
-            for (int m = 0; m < 8; m++)
-#pragma unroll
-                for (int i = 0; i < NORM_PER_THREAD; i++) {
-                    const int k = tid + 128 * m + i * nf.nb;
-                    const float x = xr[min(k, nf.H - 1)];
-                    v[m][i] = m < vb && k < nf.H ? x : 0.f;
-                }
+            norm_replay_load(nf, xr, v);
 #pragma unroll
             for (int m = 0; m < 8; m++) {
                 float ss = 0.f;
@@ -849,14 +858,7 @@ __device__ __forceinline__ void wg_norm_tail(const NormFold& nf, int nlanes, int
     for (int ln = 0; ln < nlanes; ln++) {
         const float* xr = nf.h + (i64)ln * nf.ldh;
         float v[8][NORM_PER_THREAD], s[8];
-#pragma unroll
-        for (int m = 0; m < 8; m++)
-#pragma unroll
-            for (int i = 0; i < NORM_PER_THREAD; i++) {
-                const int k = tid + 128 * m + i * nf.nb;
-                const float x = xr[min(k, nf.H - 1)];
-                v[m][i] = m < vb && k < nf.H ? x : 0.f;
-            }
+        norm_replay_load(nf, xr, v);
         __syncthreads();  // row / red: the previous lane's readers are done
 #pragma unroll
         for (int m = 0; m < 8; m++) {
