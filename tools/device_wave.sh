@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail tail2 dp dpa tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail tail2 splitk dp dpa tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -683,6 +683,13 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/tail_gates.txt" 2>&1 || rc=1
           echo "--- gates, NORM_TAIL=1"; tail -4 "$OUT/tail_gates.txt"
         fi ;;
+    splitk)  # (<= ~6 min) issue 10: GEMV_SPLIT_CTAS = 3 for every a8 q4 matrix vs for K <= 96 chunks only
+             # (GEMV_SPLIT_MAX_KCH: gdn_out / attn_o / attention q, not down) against the default, one process each
+             # (the splits are fixed at plan time); bits change with the splits, so no gates here
+        for cfg in "GEMV_SPLIT_CTAS=0" "GEMV_SPLIT_CTAS=3" "GEMV_SPLIT_CTAS=3 GEMV_SPLIT_MAX_KCH=96"; do
+          timeout 110 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/splitk.txt" 2>&1 || rc=1
+          echo "--- steps, $cfg"; grep -E "^prefetch|read probe" "$OUT/splitk.txt" || tail -4 "$OUT/splitk.txt"
+        done ;;
     tail2)  # (<= ~8 min) issue 10: NORM_TAIL with wg_norm_tail's shared-memory row (eighteenth session) -- its bitwise
             # tests first (a failure stops here), the steps off / 1 (post-attention norms) / 3 (+ the input norms)
             # alternated in one process, the decode step's timeline off / 3, the gates with 3

@@ -56,6 +56,11 @@ GEMV_SPLIT_CTAS = 0
 # 1,864 -> 1,935 at 16; decode 2K -1.7%, verify W=16 -1.0%, the 16-lane batched round -0.9%. GEMV_SPLIT_CTAS = 3
 # (the other matrices' splits too) gained 3.6% at 1 lane but lost 1.5% at 16: left at 0.
 GEMV_TAIL_CTAS = 3
+# GEMV_SPLIT_CTAS only for the matrices of at most this many chunks of K (0: every one). Why: at 27B it moves down
+# (272 chunks, 3 -> 4 splits), gdn_out / attn_o (96: 3 -> 4; the launches at half their bytes' floor, docs/PERF.md
+# eighteenth session) and attention's q (80: 1 -> 2) together; 96 keeps down as it is, to tell which of them carried
+# the 1-lane gain and which the 16-lane loss (`device_wave.sh splitk`). A function of the shape: bits width-invariant.
+GEMV_SPLIT_MAX_KCH = 0
 # next-launch L2 prefetch (cuda/gemv.cu gemv_prefetch, kernels.link_prefetch): L2 ranges one CTA of
 # a launch may prefetch for the launch after it (its last warp's lanes 0..GEMV_PF_PER-1, one each)
 GEMV_PF_PER = 8

@@ -82,13 +82,17 @@ def choose_splits(row_groups: int, kchunks: int, sm_count: int, ctas_per_sm: int
     return int(max(1, min(want, kchunks // 8)))
 
 
-def split_ctas_per_sm(impl: str, fmt: int, tail: bool = False) -> int:
+def split_ctas_per_sm(impl: str, fmt: int, tail: bool = False, kchunks: int = 0) -> int:
     """Resident CTAs per SM a matrix's splits are sized for (choose_splits / tail_split): GEMV_SPLIT_CTAS
     (tail: GEMV_TAIL_CTAS) for a8 q4 matrices on a card with cuda/gemv_wg.cu's sm_90a build (its 3-CTA entries
-    run them), else 0 (the v1 / a8 rule). A function of the card and the plan's implementation, never of the lane count or the
-    GEMV_WGMMA mode (gemv.cu runs the same units with the same bits where the mode sends a launch there)."""
+    run them), else 0 (the v1 / a8 rule); GEMV_SPLIT_CTAS only for matrices of at most GEMV_SPLIT_MAX_KCH chunks of K
+    (kchunks; 0: any). A function of the card, the plan's implementation and the matrix's shape, never of the lane
+    count or the GEMV_WGMMA mode (gemv.cu runs the same units with the same bits where the mode sends a launch
+    there)."""
     ctas = C.GEMV_TAIL_CTAS if tail else C.GEMV_SPLIT_CTAS
     if not ctas or impl != "a8" or fmt != L.FMT_Q4 or not gemv_wgmma_supported():
+        return 0
+    if not tail and C.GEMV_SPLIT_MAX_KCH and kchunks > C.GEMV_SPLIT_MAX_KCH:
         return 0
     return ctas
 
@@ -516,7 +520,8 @@ class GemvPlan:
             parts = [(1, max(1, min(partition[1], m.shape.kchunks))) for m in mats]
         else:
             parts = [(1, choose_splits(m.row_groups, m.shape.kchunks, rt.sm_count,
-                                       split_ctas_per_sm(self.impl, m.shape.fmt))) for m in mats]
+                                       split_ctas_per_sm(self.impl, m.shape.fmt, kchunks=m.shape.kchunks)))
+                     for m in mats]
         self.rgb = [p[0] for p in parts]  # row groups per CTA
         self.splits = [p[1] for p in parts]
         if C.GEMV_MERGE == 1 and partition is None:  # the bf16 launch sized to the slots qkvz leaves (merge_splits)

@@ -165,3 +165,19 @@ def test_merge_splits_fit_the_gates_beside_qkvz_in_one_wave(sms):
     # the H100 / H200 case: 256 qkvz units on 264 slots leave 8, four splits a row group (was 10: a second wave)
     assert K.merge_splits(2, 10, 256, 264) == 4
     assert K.merge_splits(2, 10, 263, 264) == 10 and K.merge_splits(2, 3, 200, 264) == 3
+
+
+def test_split_max_kch_limits_the_split_rule_to_short_matrices(monkeypatch):
+    """GEMV_SPLIT_MAX_KCH (0 by default: every matrix) keeps GEMV_SPLIT_CTAS to the matrices of at most that many
+    chunks of K -- at 96, the 27B's gdn_out / attn_o (96) and attention's q (80) but not down (272) -- and never
+    touches the tail split's rule."""
+    assert C.GEMV_SPLIT_MAX_KCH == 0
+    monkeypatch.setattr(K, "gemv_wgmma_supported", lambda *a, **k: True)
+    monkeypatch.setattr(C, "GEMV_SPLIT_CTAS", 3)
+    assert K.split_ctas_per_sm("a8", L.FMT_Q4, kchunks=272) == 3  # 0: no limit
+    monkeypatch.setattr(C, "GEMV_SPLIT_MAX_KCH", 96)
+    assert [K.split_ctas_per_sm("a8", L.FMT_Q4, kchunks=k) for k in (80, 96, 97, 272)] == [3, 3, 0, 0]
+    assert K.split_ctas_per_sm("a8", L.FMT_Q4, tail=True, kchunks=272) == C.GEMV_TAIL_CTAS
+    # what the plans get at the 27B's shapes: gdn_out 3 -> 4 splits, down keeps the old rule's 3
+    assert K.choose_splits(80, 96, 132, K.split_ctas_per_sm("a8", L.FMT_Q4, kchunks=96)) == 4
+    assert K.choose_splits(80, 272, 132, K.split_ctas_per_sm("a8", L.FMT_Q4, kchunks=272)) == 3
