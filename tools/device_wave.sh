@@ -687,7 +687,7 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
              # (GEMV_SPLIT_MAX_KCH: gdn_out / attn_o / attention q, not down) against the default, one process each
              # (the splits are fixed at plan time); bits change with the splits, so no gates here
         for cfg in "GEMV_SPLIT_CTAS=0" "GEMV_SPLIT_CTAS=3" "GEMV_SPLIT_CTAS=3 GEMV_SPLIT_MAX_KCH=96"; do
-          timeout 110 python3 tools/gemv_prefetch_ab.py --mb 0 --set $cfg > "$OUT/splitk.txt" 2>&1 || rc=1
+          timeout 120 python3 tools/gemv_prefetch_ab.py --mb 0 0 --set $cfg > "$OUT/splitk.txt" 2>&1 || rc=1
           echo "--- steps, $cfg"; grep -E "^prefetch|read probe" "$OUT/splitk.txt" || tail -4 "$OUT/splitk.txt"
         done ;;
     tail2)  # (<= ~8 min) issue 10: NORM_TAIL with wg_norm_tail's shared-memory row (eighteenth session) -- its bitwise
