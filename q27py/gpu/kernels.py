@@ -426,6 +426,10 @@ class NormIn:
         """rmsnorm's block for this row length (kernels.rmsnorm): the order the fold replays."""
         return 1024 if self.hidden >= 2048 else 256
 
+    def chunks(self) -> int:
+        """64-k chunks of the row (its a8 activations' chunks; NORM_TAIL's fnch)."""
+        return -(-self.hidden // L.CHUNK_K)
+
 
 def norm_fold_bytes(nlanes: int, fnch: int) -> int:
     """Shared memory an *_nf launch adds after its ring (cuda/gemv_wg.cu wg_norm_fold): the unit's codes
@@ -827,7 +831,7 @@ class GemvPlan:
             return False
         norm, nxt, _ctl = self.tail
         fmt, _desc, _nmat, units = self.launches[0]
-        kp = -(-norm.hidden // L.CHUNK_K) * L.CHUNK_K  # wg_norm_tail's shared memory: w and one row of kp, red[32]
+        kp = norm.chunks() * L.CHUNK_K  # wg_norm_tail's shared memory: w and one row of kp, red[32]
         return (fmt == L.FMT_Q4 and self.clusters[0] == 1 and self._on_wg(fmt, units, 1, n, self.pf)
                 and gemv_wg_kernel(8, units, self.unit_chunks[0]) in ("gemv8w_q4_n8", "gemv8w_q4_n8d")
                 and nxt.fuses_quant(n) and norm.hidden <= C.NORM_PER_THREAD * norm.block() and norm.block() <= 8 * 128
@@ -841,7 +845,7 @@ class GemvPlan:
         rt.launch("gemv_wg", name + "_nt", units, 128,
                   (desc, i32(nmat), i32(units), self.xq, i32(self.xq.shape[1]), self.xs, np.uint32(0x80808080),
                    i32(n), i32(0), norm.h, i32(norm.ldh), norm.w, f32(1.0 if norm.add_one else 0.0), f32(norm.eps),
-                   i32(norm.hidden), i32(norm.block()), norm.y, i32(norm.ldy), i32(-(-norm.hidden // L.CHUNK_K)),
+                   i32(norm.hidden), i32(norm.block()), norm.y, i32(norm.ldy), i32(norm.chunks()),
                    nxt.xq, i32(nxt.xq.shape[1]), nxt.xs, ctl),
                   shared_mem=gemv_wg_launch_bytes(8, units, self.unit_chunks[0]))
         nxt.norm_done = (norm.w, n)
