@@ -27,7 +27,11 @@
 // Precision: every product is 3xTF32 (a_hi b_hi + a_hi b_lo + a_lo b_hi, fp32 accumulate,
 // ~2^-22 per product): the state path (W S_c, K^T V_new, and W / U through the solve) compounds
 // over hundreds of chunks, and the output products are held to the same 2e-5 class as the
-// sequential kernel (single-pass tf32 would be ~5e-4 relative there).
+// sequential kernel (single-pass tf32 would be ~5e-4 relative there). Two opt-in classes run P = 1 (one TF32
+// product a mma, mma_p): the output pass alone (gdn2_out1_*, "tf32 out": the state bitwise the 3xTF32 run's), and
+// the pre-pass and the state recurrence (gdn2_prep1_* / gdn2_state1_*_w8, "tf32 state": W, U, V_new, every S_c
+// and the final state within ~5e-4 relative of the fp32-grade run, no growth with the chunk count in the spec's
+// study: docs/QUANT.md). Spec of both: gdn_chunked_wy(tf32=...).
 //
 // Chunk boundaries sit at absolute positions that are multiples of GDN2_C (pos0 = position of the
 // first lane): a prefill split into pieces at multiples of GDN2_C gives the same bits as one run.
@@ -102,8 +106,9 @@ __device__ __forceinline__ void split_ctile(const float (&c)[4], u32 (&h)[4], u3
     split_a(c[0], c[2], c[1], c[3], h, l);
 }
 
-// Standard-layout product for the solve: d[nt] += A[16 x kdim] B[kdim x 8 NT], row strides ars / brs.
-template <int NT>
+// Standard-layout product for the solve: d[nt] += A[16 x kdim] B[kdim x 8 NT], row strides ars / brs; P products a
+// mma (mma_p).
+template <int NT, int P = 3>
 __device__ __forceinline__ void warp_mma_std(float (&d)[NT][4], const float* A, int ars, const float* B, int brs,
                                              int kdim) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -114,7 +119,7 @@ __device__ __forceinline__ void warp_mma_std(float (&d)[NT][4], const float* A, 
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             const float* b = B + (k0 + t) * brs + nt * 8 + g;
-            mma3(d[nt], ah, al, b[0], b[4 * brs]);
+            mma_p<P>(d[nt], ah, al, b[0], b[4 * brs]);
         }
     }
 }
@@ -202,7 +207,8 @@ __device__ __forceinline__ float gdiff(const float* hi, const float* lo, int i, 
 }
 
 // ------------------------------------------------------------------------------------------------
-// 1. Pre-pass: one CTA (8 warps) per (chunk, value head).
+// 1. Pre-pass: one CTA (8 warps) per (chunk, value head). P: products a mma (3: gdn2_prep_*, 1: gdn2_prep1_*, the
+// "tf32 state" class).
 template <int DK, int DV>
 struct PrepSmem {
     static constexpr int C = GDN2_C, LDY = DK + DV + 8, LDA = C + 4, LDT = 16 + 4;
@@ -210,7 +216,7 @@ struct PrepSmem {
                          RS = B + C, FLOATS = RS + C;
 };
 
-template <int DK, int DV>
+template <int DK, int DV, int P = 3>
 __device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const float* __restrict__ gb,
                                           float* __restrict__ wsc, float* __restrict__ usc, float* __restrict__ gsc,
                                           int H, int HV, int nlanes, int pos0, int nchunks) {
@@ -257,7 +263,7 @@ __device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const 
         int tm, tn0, nn;
         lower_segment(warp, tm, tn0, nn);
         float kk[3][4];
-        segment_xyt<DK / 8>(kk, sY, sY, LDY, tm, tn0, nn, [](int, int c) { return c; });
+        segment_xyt<DK / 8, P>(kk, sY, sY, LDY, tm, tn0, nn, [](int, int c) { return c; });
 #pragma unroll
         for (int j = 0; j < 3; j++) {
             if (j >= nn) continue;
@@ -311,7 +317,7 @@ __device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const 
             float z[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) z[nt][0] = z[nt][1] = z[nt][2] = z[nt][3] = 0.f;
-            if (b) warp_mma_std<NT>(z, sA + b * 16 * LDA, LDA, yw, LDY, b * 16);
+            if (b) warp_mma_std<NT, P>(z, sA + b * 16 * LDA, LDA, yw, LDY, b * 16);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -321,7 +327,7 @@ __device__ __forceinline__ void prep_body(const float* __restrict__ qkvn, const 
             float u[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) u[nt][0] = u[nt][1] = u[nt][2] = u[nt][3] = 0.f;
-            warp_mma_std<NT>(u, sT + b * 16 * LDT, LDT, yw + b * 16 * LDY, LDY, 16);
+            warp_mma_std<NT, P>(u, sT + b * 16 * LDT, LDT, yw + b * 16 * LDY, LDY, 16);
             __syncwarp();  // every lane has read Z_b before Y_b overwrites it
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
@@ -468,9 +474,11 @@ __device__ __forceinline__ void state_split_k(float* stage, float* klo, int tid)
 // operands, the same k order, the same per-element ops in both.
 // p[nt] += S^T W^T for NT token tiles whose W rows start at float offset w0 of the stage's W: k = key dims
 // (permuted: W read as float2 along its row); W presplit (SPLIT: tf32 hi in sW, lo in sWl) or split per use.
-template <int KT, int NT, int DK, bool SPLIT>
+// P: products a mma (mma_p; 1, the "tf32 state" class, only without the presplit: its lo halves would go unread).
+template <int KT, int NT, int DK, bool SPLIT, int P = 3>
 __device__ __forceinline__ void state_p_product(float (&p)[NT][4], const float (&S)[KT][4], const float* sW,
                                                 const u32* sWl, int w0) {
+    static_assert(P == 3 || !SPLIT, "one TF32 product reads no lo halves");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int s = 0; s < KT; s++) {
@@ -485,7 +493,7 @@ __device__ __forceinline__ void state_p_product(float (&p)[NT][4], const float (
                 mma3_split_b(p[nt], ah, al, bh.x, bl.x, bh.y, bl.y);
             } else {
                 const float2 b = *reinterpret_cast<const float2*>(sW + at);
-                mma3(p[nt], ah, al, b.x, b.y);
+                mma_p<P>(p[nt], ah, al, b.x, b.y);
             }
         }
     }
@@ -493,9 +501,10 @@ __device__ __forceinline__ void state_p_product(float (&p)[NT][4], const float (
 
 // T[s] += (the split A fragment of token tile m: ah / al) K for NS key-dim tiles from column kcol (a multiple of
 // 32: sw_col / k_pair_at unchanged): K rows r0 = 8 m + 2 t and r0 + 1, presplit as row pairs (SPLIT) or split per use.
-template <int NS, int DK, bool SPLIT>
+template <int NS, int DK, bool SPLIT, int P = 3>
 __device__ __forceinline__ void state_update_tile(float (&T)[NS][4], const u32 (&ah)[4], const u32 (&al)[4], int r0,
                                                   int kcol, const float* sK, const u32* sKl) {
+    static_assert(P == 3 || !SPLIT, "one TF32 product reads no lo halves");
     const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int s = 0; s < NS; s++) {
@@ -506,7 +515,7 @@ __device__ __forceinline__ void state_update_tile(float (&T)[NS][4], const u32 (
             mma3_split_b(T[s], ah, al, bh.x, bl.x, bh.y, bl.y);
         } else {
             const int col = sw_col(r0, 8 * s + g) + kcol;  // rows r0 and r0 + 1 share the swizzle
-            mma3(T[s], ah, al, sK[r0 * DK + col], sK[(r0 + 1) * DK + col]);
+            mma_p<P>(T[s], ah, al, sK[r0 * DK + col], sK[(r0 + 1) * DK + col]);
         }
     }
 }
@@ -653,7 +662,8 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
 // done), one per pair (bar.sync 1 + q, 64) after the S^T halves are written. One stage: one more CTA-wide (chunk
 // ci's copies go in after chunk ci - 1's closing barrier and land before the next). Shared memory: StateSmem and
 // the lo buffer, nothing added (the S^T exchange takes BV DK <= C DK floats of the stage's W).
-template <int DK, int STAGES, int SPLIT>
+// P: products a mma (3, or 1 for the "tf32 state" class: gdn2_state1_*_w8, SPLIT 0 only).
+template <int DK, int STAGES, int SPLIT, int P = 3>
 __device__ __forceinline__ void state8_body(float* __restrict__ state, const float* __restrict__ qkvn,
                                             const float* __restrict__ wsc, float* __restrict__ usc,
                                             float* __restrict__ ssc, const float* __restrict__ gsc, int H, int HV,
@@ -662,7 +672,7 @@ __device__ __forceinline__ void state8_body(float* __restrict__ state, const flo
     constexpr int C = GDN2_C, BV = GDN2_BV, NQ = BV / 16, NW = 2 * NQ, KT = DK / 8, CT = C / 8, KH = KT / 2,
                   CH = CT / 2;
     static_assert(C == 64 && BV % 16 == 0 && BV <= C && DK % 32 == 0 && (STAGES == 1 || STAGES == 2) && SPLIT >= 0 &&
-                  SPLIT <= 2, "state shape");
+                  SPLIT <= 2 && (P == 3 || (P == 1 && SPLIT == 0)), "state shape");
     constexpr bool SW = SPLIT == 2, SK = SPLIT >= 1;  // W presplit, K presplit
     extern __shared__ float smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -728,7 +738,7 @@ __device__ __forceinline__ void state8_body(float* __restrict__ state, const flo
         float p[CH][4];
 #pragma unroll
         for (int nt = 0; nt < CH; nt++) p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
-        state_p_product<KT, CH, DK, SW>(p, S, sW, sWl, 8 * CH * f * DK);
+        state_p_product<KT, CH, DK, SW, P>(p, S, sW, sWl, 8 * CH * f * DK);
         // V_new^T = U^T - P (to scratch over U, for the output pass), scaled by ED per token, over the stage's U tile
         const int ut = (q * CT + CH * f) * 32 + lane;  // this lane's slot of the pair's first own U tile
         float* vn = usc + ((i64)h * nchunks + ci) * C * dv + (i64)j0 * C + ut * 4;
@@ -756,7 +766,7 @@ __device__ __forceinline__ void state8_body(float* __restrict__ state, const flo
             const float4 a = *reinterpret_cast<const float4*>(sUp + m * 128);
             u32 ah[4], al[4];
             split_a(a.x, a.z, a.y, a.w, ah, al);  // split_ctile order
-            state_update_tile<KH, DK, SK>(T, ah, al, m * 8 + 2 * t, kcol, sK, sKl);
+            state_update_tile<KH, DK, SK, P>(T, ah, al, m * 8 + 2 * t, kcol, sK, sKl);
         }
         if (ci + 1 < nchunks) {
             // the pair's S^T through the stage's W: [pair][KT][32][4], each warp its half, then both read all of it
@@ -960,12 +970,20 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
     }
 
 // The 8-warp form (state8_body): gdn2_state_d<D>_s<S>[k|p]_w8 (k: K presplit alone, p: W and K), 2 GDN2_BV / 16
-// warps.
-#define GDN2_STATE8_KERNEL(D, S, P, NAME)                                                                         \
+// warps; PP products a mma (gdn2_state1_d<D>_s<S>_w8: 1, the "tf32 state" class, no presplit).
+#define GDN2_STATE8_KERNEL(D, S, P, PP, NAME)                                                                     \
     extern "C" __global__ void __launch_bounds__(GDN2_BV * 4, 1)                                                  \
         NAME(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc, const float* gsc, int H,  \
              int HV, int dv, int nlanes, int pos0, int nchunks) {                                                 \
-        state8_body<D, S, P>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);                  \
+        state8_body<D, S, P, PP>(state, qkvn, wsc, usc, ssc, gsc, H, HV, dv, nlanes, pos0, nchunks);              \
+    }
+
+// The pre-pass in PP products a mma: gdn2_prep_d<D> (3), gdn2_prep1_d<D> (1, the "tf32 state" class)
+#define GDN2_PREP_KERNEL(D, PP, NAME)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                          \
+        NAME(const float* qkvn, const float* gb, float* wsc, float* usc, float* gsc, int H, int HV, int nlanes,   \
+             int pos0, int nchunks) {                                                                             \
+        prep_body<D, D, PP>(qkvn, gb, wsc, usc, gsc, H, HV, nlanes, pos0, nchunks);                               \
     }
 
 // The output pass, plain and with the gated norm, in P passes a product (mma_p: gdn2_out* 3, gdn2_out1* 1)
@@ -984,20 +1002,19 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
     }
 
 #define GDN2_KERNELS(D)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                                          \
-        gdn2_prep_d##D(const float* qkvn, const float* gb, float* wsc, float* usc, float* gsc, int H, int HV,     \
-                       int nlanes, int pos0, int nchunks) {                                                       \
-        prep_body<D, D>(qkvn, gb, wsc, usc, gsc, H, HV, nlanes, pos0, nchunks);                                   \
-    }                                                                                                             \
+    GDN2_PREP_KERNEL(D, 3, gdn2_prep_d##D)                                                                        \
+    GDN2_PREP_KERNEL(D, 1, gdn2_prep1_d##D)                                                                       \
     GDN2_STATE_KERNEL(D, 2, false, gdn2_state_d##D##_s2)                                                          \
     GDN2_STATE_KERNEL(D, 1, false, gdn2_state_d##D##_s1)                                                          \
     GDN2_STATE_KERNEL(D, 2, true, gdn2_state_d##D##_s2p)                                                          \
     GDN2_STATE_KERNEL(D, 1, true, gdn2_state_d##D##_s1p)                                                          \
-    GDN2_STATE8_KERNEL(D, 2, 0, gdn2_state_d##D##_s2_w8)                                                          \
-    GDN2_STATE8_KERNEL(D, 1, 0, gdn2_state_d##D##_s1_w8)                                                          \
-    GDN2_STATE8_KERNEL(D, 2, 1, gdn2_state_d##D##_s2k_w8)                                                         \
-    GDN2_STATE8_KERNEL(D, 2, 2, gdn2_state_d##D##_s2p_w8)                                                         \
-    GDN2_STATE8_KERNEL(D, 1, 2, gdn2_state_d##D##_s1p_w8)                                                         \
+    GDN2_STATE8_KERNEL(D, 2, 0, 3, gdn2_state_d##D##_s2_w8)                                                          \
+    GDN2_STATE8_KERNEL(D, 1, 0, 3, gdn2_state_d##D##_s1_w8)                                                          \
+    GDN2_STATE8_KERNEL(D, 2, 1, 3, gdn2_state_d##D##_s2k_w8)                                                         \
+    GDN2_STATE8_KERNEL(D, 2, 2, 3, gdn2_state_d##D##_s2p_w8)                                                         \
+    GDN2_STATE8_KERNEL(D, 1, 2, 3, gdn2_state_d##D##_s1p_w8)                                                         \
+    GDN2_STATE8_KERNEL(D, 2, 0, 1, gdn2_state1_d##D##_s2_w8)                                                      \
+    GDN2_STATE8_KERNEL(D, 1, 0, 1, gdn2_state1_d##D##_s1_w8)                                                      \
     GDN2_OUT_KERNELS(D, 3, gdn2_out_d##D, gdn2_out_gated_d##D)                                                    \
     GDN2_OUT_KERNELS(D, 1, gdn2_out1_d##D, gdn2_out1_gated_d##D)
 

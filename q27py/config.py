@@ -154,6 +154,13 @@ class EngineConfig:
     # relative L2 off float64, tiny-model KL mean 2.07e-5 / top-1 0.9990 (the bf16 gate_up class), gates unchanged;
     # 8K and 32K prefill +0.8%. Off: a small gain, and the other GPU suites have not run with it on (issue 14).
     prefill_gdn_out_tf32: bool = False
+    # cuda, chunked2 GDN prefill: True runs the W / U pre-pass and the state recurrence with one TF32 product a mma
+    # instead of three (cuda/gdn_chunk2.cu gdn2_prep1_* / gdn2_state1_*_w8: a third of their tensor-core work, and a
+    # third of the state pass's dependent mma chain per chunk). Its own tolerance class, "tf32 state" (docs/QUANT.md):
+    # W, U, V_new, every chunk's start state and the final state move by ~2-5e-4 relative (no growth with the chunk
+    # count over 4K tokens in the spec's study, gdn_chunked_wy(tf32=...)), so the decode steps and prefix snapshots
+    # after such a prefill carry it. Off until measured on the device (issue 14).
+    prefill_gdn_state_tf32: bool = False
     # cuda: prefill attention kernel. "v1" (cuda/attention_prefill.cu: Q and P as bf16 hi + lo,
     # fp32-grade) or "v2" (cuda/attention_prefill2.cu: single bf16 Q and P, cp.async + ldmatrix,
     # 128-row tiles, key blocks for long contexts; bf16 / fp8 KV, fp32 KV keeps v1). v2 is the
@@ -506,6 +513,7 @@ ENV_VARS = {
     "Q27_GDN_PREFILL": ("engine", "gdn_prefill", str),
     "Q27_GDN_OUT_FUSED": ("engine", "gdn_out_fused", parse_switch),
     "Q27_PREFILL_GDN_OUT_TF32": ("engine", "prefill_gdn_out_tf32", parse_switch),
+    "Q27_PREFILL_GDN_STATE_TF32": ("engine", "prefill_gdn_state_tf32", parse_switch),
     "Q27_GDN_FUSED": ("engine", "gdn_fused", parse_switch),
     "Q27_ATTN_PREFILL": ("engine", "attn_prefill", str),
     "Q27_ATTN_PREFILL_WGMMA": ("engine", "attn_prefill_wgmma", parse_switch),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail tail2 splitk dp dpa tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail tail2 tf32st tf32stp splitk dp dpa tf32suite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -68,6 +68,14 @@ s10_nowait() {
 s10_tf32() {
   timeout $1 $PYTEST -s tests/gpu/test_gdn_out_tf32.py > "$OUT/s10_tf32.txt" 2>&1 || rc=1
   grep -E "rel L2|kl_mean|passed|failed" "$OUT/s10_tf32.txt" | tail -14
+}
+# the per-kernel 8K prefill profiles with the "tf32 state" class off / on (one process each)
+tf32st_prof() {
+  for v in 0 1; do
+    Q27_PREFILL_GDN_STATE_TF32=$v timeout 90 python3 tools/prefill_profile.py --tokens 8192 --warm-new 0 --top 12 \
+      > "$OUT/tf32st_prof$v.txt" 2>&1 || rc=1
+    echo "--- prefill_profile 8K, state tf32 $v"; grep -E "gdn2|device|tok/s" "$OUT/tf32st_prof$v.txt" | head -8
+  done
 }
 # MLP_WALK: a smoke pair (a deadlock stops here; false if it did not pass), then the steps off / n8 / n8d / 16 lanes
 # alternated in one process
@@ -683,6 +691,19 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/tail_gates.txt" 2>&1 || rc=1
           echo "--- gates, NORM_TAIL=1"; tail -4 "$OUT/tail_gates.txt"
         fi ;;
+    tf32st)  # (<= ~9 min) issue 14: the "tf32 state" class (prep + state pass in one TF32 product): its tests first (the
+             # class against float64, pieces bitwise one run, the forward, quality on the tiny model), then the 8K and
+             # 32K prefill A/B against today's defaults and with tf32 out on top, then the per-pass split at 8K
+        timeout 240 $PYTEST -s tests/gpu/test_gdn_state_tf32.py > "$OUT/tf32st_tests.txt" 2>&1 || rc=1
+        grep -E "rel L2|kl_mean|passed|failed|Error" "$OUT/tf32st_tests.txt" | tail -24
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
+          --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdnst rope+bf16x3f+gateup+gdn1+gdnst \
+          > "$OUT/tf32st_prefill.txt" 2>&1 || rc=1
+        grep -E "^prefill|H[12]00" "$OUT/tf32st_prefill.txt" | tail -8
+        [ "${TF32ST_PROF:-1}" = 1 ] && tf32st_prof  # TF32ST_PROF=0: no per-kernel profiles (a short call)
+        ;;
+    tf32stp)  # (<= ~3 min) the per-kernel 8K profiles of tf32st alone (state tf32 off / on)
+        tf32st_prof ;;
     splitk)  # (<= ~6 min) issue 10: GEMV_SPLIT_CTAS = 3 for every a8 q4 matrix vs for K <= 96 chunks only
              # (GEMV_SPLIT_MAX_KCH: gdn_out / attn_o / attention q, not down) against the default, one process each
              # (the splits are fixed at plan time); bits change with the splits, so no gates here

@@ -7,6 +7,8 @@ Levers (each a module default the engine sets from EngineConfig at load):
   small   kernels.PREFILL_SMALL_GEMM: the GDN gates' ab route ("f32" SGEMM, "bf16x3" cuBLAS, "bf16x3f" fused kernel)
   gateup  kernels.PREFILL_GATE_UP_BF16: the MLP's gate_up rows as bf16 before SwiGLU (a tolerance-class change)
   gdn1    kernels.GDN2_OUT_TF32: the chunked2 GDN output pass in one TF32 product a mma (the "tf32 out" class)
+  gdnst   kernels.GDN2_STATE_TF32: the chunked2 GDN pre-pass and state recurrence in one TF32 product a mma (the
+          "tf32 state" class)
 
     PYTHONPATH=. Q27_PREFILL_WEIGHT_CACHE_GB=60 python3 tools/prefill_levers.py [--reps 3] [--tokens 8192]
 """
@@ -20,22 +22,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# name -> (rope rows, small GEMM route, gate_up bf16, GDN output pass in one TF32 product)
+# name -> (rope rows, small GEMM route, gate_up bf16, GDN output pass in one TF32 product, GDN pre-pass and state
+# recurrence in one TF32 product)
 CONFIGS = {
-    "before": (False, "f32", False, False),
-    "rope": (True, "f32", False, False),
-    "rope+bf16x3f": (True, "bf16x3f", False, False),
-    "rope+bf16x3f+gateup": (True, "bf16x3f", True, False),
-    "rope+bf16x3f+gateup+gdn1": (True, "bf16x3f", True, True),
+    "before": (False, "f32", False, False, False),
+    "rope": (True, "f32", False, False, False),
+    "rope+bf16x3f": (True, "bf16x3f", False, False, False),
+    "rope+bf16x3f+gateup": (True, "bf16x3f", True, False, False),
+    "rope+bf16x3f+gateup+gdn1": (True, "bf16x3f", True, True, False),
+    "rope+bf16x3f+gateup+gdnst": (True, "bf16x3f", True, False, True),
+    "rope+bf16x3f+gateup+gdn1+gdnst": (True, "bf16x3f", True, True, True),
 }
 
 
 def apply(K, cfg) -> None:
-    rope, small, gateup, gdn1 = cfg
+    rope, small, gateup, gdn1, gdnst = cfg
     K.ROPE_ROWS_MIN = 64 if rope else 1 << 30
     K.PREFILL_SMALL_GEMM = small
     K.PREFILL_GATE_UP_BF16 = gateup
     K.GDN2_OUT_TF32 = gdn1
+    K.GDN2_STATE_TF32 = gdnst
 
 
 def main() -> int:
@@ -64,7 +70,7 @@ def main() -> int:
         first = statistics.median(tps[args.configs[0]])
         for c in args.configs:
             med = statistics.median(tps[c])
-            print(f"prefill {n} {c:<22} median {med:8.0f} tok/s  x{med / first:.4f}  "
+            print(f"prefill {n} {c:<30} median {med:8.0f} tok/s  x{med / first:.4f}  "
                   f"(runs {' '.join(f'{x:.0f}' for x in tps[c])})", flush=True)
     return 0
 

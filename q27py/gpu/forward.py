@@ -2136,6 +2136,7 @@ def load_fast_model(cfg) -> FastModel:
     K.GEMV_WGMMA = K.gemv_wgmma_mode(e.gemv_wgmma)
     K.GDN2_OUT_GATED = bool(e.gdn_out_fused)
     K.GDN2_OUT_TF32 = bool(e.prefill_gdn_out_tf32)  # its own tolerance class (docs/QUANT.md "tf32 out")
+    K.GDN2_STATE_TF32 = bool(e.prefill_gdn_state_tf32)  # its own tolerance class (docs/QUANT.md "tf32 state")
     K.ATTN_DECODE = K.attn_decode_mode(e.attn_decode)
     K.ATTN_DECODE_FP8 = bool(e.attn_decode_fp8)
     model = FastModel(weights, max_context=ctx, kv_dtype=kv, chunk=e.gpu_prefill_chunk, gdn_fused=e.gdn_fused,

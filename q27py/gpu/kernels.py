@@ -1874,6 +1874,15 @@ def gdn2_state_kernel(dk: int, stages: int, presplit: bool | str, warps: int) ->
     return f"gdn2_state_d{dk}_s{stages}{tag}{'_w8' if warps == 8 else ''}", warps * 32
 
 
+def gdn2_tf32_state_variant(dk: int, dv: int) -> tuple[int, bool, int]:
+    """(stages, presplit, warps) of the state pass under GDN2_STATE_TF32 (gdn2_state1_d<dk>_s<stages>_w8): 8 warps,
+    no presplit (one TF32 product reads no lo halves), two stages where they fit, else one; (0, False, 0) where the
+    card cannot run the pipeline for this shape."""
+    if not gdn2_state_variant(dk, dv)[0]:
+        return 0, False, 0
+    return (2 if gdn2_fits(dk, dv, 2, False) else 1), False, 8
+
+
 def gdn2_stages(dk: int, dv: int) -> int:
     """cp.async stages of the state pass (gdn2_state_variant); 0: no chunked2 pipeline on this card."""
     return gdn2_state_variant(dk, dv)[0]
@@ -1889,20 +1898,30 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
     TF32 product under GDN2_OUT_TF32, the "tf32 out" class).
     stages / presplit / warps: the state pass's variant (default gdn2_state_variant; every variant gives the same
     bits; presplit "k": K alone, 8 warps only).
-    events: four CUDA events recorded around the three launches (the bench's per-kernel split)."""
+    events: four CUDA events recorded around the three launches (the bench's per-kernel split).
+    Under GDN2_STATE_TF32 the pre-pass and the state pass run one TF32 product a mma (gdn2_prep1_* /
+    gdn2_state1_*_w8, the "tf32 state" class): 8 warps, no presplit (gdn2_tf32_state_variant; a variant asked for
+    beyond that is refused)."""
     import cupy as cp
 
     if nlanes <= 0:
         return
-    warps = GDN2_STATE_WARPS if warps is None else warps
+    tf32 = GDN2_STATE_TF32
+    warps = (8 if tf32 else GDN2_STATE_WARPS) if warps is None else warps
     if stages is None:
-        stages, best, _ = gdn2_state_variant(dk, dv, warps)
+        stages, best, _ = gdn2_tf32_state_variant(dk, dv) if tf32 else gdn2_state_variant(dk, dv, warps)
         presplit = best if presplit is None else presplit
     elif presplit is None:  # the split buffer where it fits beside the stages asked for
-        presplit = gdn2_fits(dk, dv, stages, True)
+        presplit = False if tf32 else gdn2_fits(dk, dv, stages, True)
     if not stages:
         raise ValueError(f"no chunked2 GDN kernels for dk={dk}, dv={dv} on this card")
-    state_fn, state_threads = gdn2_state_kernel(dk, stages, presplit, warps)
+    if tf32:
+        if presplit or warps != 8 or stages not in (1, 2):
+            raise ValueError(f"the tf32 state pass has 8 warps, no presplit and 1-2 stages (asked: {warps} warps, "
+                             f"presplit={presplit!r}, {stages} stages)")
+        state_fn, state_threads = f"gdn2_state1_d{dk}_s{stages}_w8", 8 * 32
+    else:
+        state_fn, state_threads = gdn2_state_kernel(dk, stages, presplit, warps)
     if not gdn_chunk_aligned(qkvn, h, hv, dk, dv):
         raise ValueError("gdn_prefill_chunked2 reads qkvn 16 bytes at a time: its rows must start 16-byte aligned")
     nc = gdn2_nchunks(nlanes, pos0)
@@ -1921,7 +1940,7 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
     rt = Runtime.get()
     mark = (lambda i: events[i].record()) if events else (lambda i: None)  # noqa: E731
     mark(0)
-    rt.launch("gdn_chunk2", f"gdn2_prep_d{dk}", (nc, hv), 256,
+    rt.launch("gdn_chunk2", f"gdn2_prep{'1' if tf32 else ''}_d{dk}", (nc, hv), 256,
               (qkvn, gb, wsc, usc, gsc, i32(h), i32(hv), i32(nlanes), i32(pos0), i32(nc)), shared_mem=4 * smem["prep"])
     mark(1)
     rt.launch("gdn_chunk2", state_fn, (dv // C.GDN2_BV, hv), state_threads,
@@ -1976,6 +1995,18 @@ def _gdn_out_tf32_default() -> bool:
 
 
 GDN2_OUT_TF32 = _gdn_out_tf32_default()
+
+
+# Whether the chunked2 pre-pass and state recurrence run one TF32 product a mma (gdn2_prep1_* / gdn2_state1_*_w8, the
+# "tf32 state" tolerance class) instead of 3xTF32. EngineConfig.prefill_gdn_state_tf32 (env Q27_PREFILL_GDN_STATE_TF32)
+# is the module default; read per call.
+def _gdn_state_tf32_default() -> bool:
+    from q27py.config import engine_env
+
+    return bool(engine_env().prefill_gdn_state_tf32)
+
+
+GDN2_STATE_TF32 = _gdn_state_tf32_default()
 
 
 def gdn_prefill_run(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: int, dv: int, nlanes: int,

@@ -80,7 +80,7 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
     return out.transpose(1, 0, 2), s
 
 
-def gdn_chunked_wy(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
+def gdn_chunked_wy(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0, tf32=()):
     """The same map in the three-phase order of cuda/gdn_chunk2.cu (route "chunked2"); same contract
     as gdn_chunked. With T = (I + A)^-1 (A as above):
       phase 1, every chunk independently: W = T diag(b e^G) K,  U = T diag(b) V
@@ -91,11 +91,25 @@ def gdn_chunked_wy(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
     G is summed in float64 whatever the inputs' dtype, as the kernels do (a double scan kept as
     hi + lo floats): in fp32, |G| ~ 1e3 under strong decays leaves ~1e-4 of absolute error in
     G_i - G_m, i.e. ~1e-5..1e-4 relative on every decay factor -- so a float32 run of this
-    function is the kernels' error class, not that of a worse cumulative sum."""
+    function is the kernels' error class, not that of a worse cumulative sum.
+
+    tf32: the phases ("prep", "state", "out") whose matrix products take their operands rounded to
+    TF32 (round to nearest, ties away: cuda/gdn_chunk2.cu to_tf32) with fp32 accumulation -- the
+    kernels' one-product-a-mma classes (gdn2_out1_* "tf32 out", gdn2_prep1_* / gdn2_state1_* "tf32
+    state"; docs/QUANT.md). Float32 inputs only. With "prep" the solve runs blockwise as the kernel
+    does (16 x 16 diagonal inverses by fp32 substitution, then tensor-core block products):
+    Y_b = T_b (X_b - A_{b,<b} Y_{<b}). The error class, not the kernels' bits (their sums run in mma
+    order)."""
     t_all, h, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     rep = hv // h
     dt = np.result_type(q.dtype, v.dtype, state.dtype)
+    tf32 = frozenset(tf32)
+    if not tf32 <= {"prep", "state", "out"}:
+        raise ValueError(f"tf32 phases: prep, state, out (got {sorted(tf32)})")
+    if tf32 and dt != np.float32:
+        raise ValueError("tf32 products are a float32 class")
+    rp, rs, ro = (round_tf32 if ph in tf32 else _same for ph in ("prep", "state", "out"))
     qh = np.repeat(q, rep, axis=1).astype(dt).transpose(1, 0, 2)
     kh = np.repeat(k, rep, axis=1).astype(dt).transpose(1, 0, 2)
     vh = v.astype(dt).transpose(1, 0, 2)
@@ -108,23 +122,64 @@ def gdn_chunked_wy(q, k, v, g, beta, state, chunk: int = CHUNK, pos0: int = 0):
         gam = np.cumsum(gh[:, sl], axis=1, dtype=np.float64)
         low = np.tri(n, dtype=bool)
         decay = np.exp(np.where(low, gam[:, :, None] - gam[:, None, :], -np.inf)).astype(dt)
-        a = b[:, :, None] * (kc @ kc.transpose(0, 2, 1)) * decay
+        a = b[:, :, None] * (rp(kc) @ rp(kc).transpose(0, 2, 1)) * decay
         a[:, np.arange(n), np.arange(n)] = 0.0
         rhs = np.concatenate([(b * np.exp(gam).astype(dt))[:, :, None] * kc, b[:, :, None] * vh[:, sl]], axis=2)
-        y = np.empty_like(rhs)
-        for i in range(n):  # forward substitution of (I + A) Y = RHS
-            y[:, i] = rhs[:, i] - np.einsum("hm,hmv->hv", a[:, i, :i], y[:, :i])
+        y = _solve_blocks(a, rhs) if "prep" in tf32 else _solve_rows(a, rhs)
         pre.append((gam, decay, y[:, :, :dk], y[:, :, dk:]))
     s = state.astype(dt, copy=True)
     starts, vnew = [], []  # phase 2
     for (c0, n), (gam, _, w, u) in zip(spans, pre):
         starts.append(s)
-        vn = u - w @ s
+        vn = u - rs(w) @ rs(s)
         vnew.append(vn)
         ed = np.exp(gam[:, -1:] - gam).astype(dt)
-        s = np.exp(gam[:, -1]).astype(dt)[:, None, None] * s + kh[:, c0 : c0 + n].transpose(0, 2, 1) @ (ed[:, :, None] * vn)
+        s = np.exp(gam[:, -1]).astype(dt)[:, None, None] * s + (
+            rs(kh[:, c0 : c0 + n]).transpose(0, 2, 1) @ rs(ed[:, :, None] * vn))
     out = np.empty((hv, t_all, dv), dtype=dt)  # phase 3
     for (c0, n), (gam, decay, _, _), s0, vn in zip(spans, pre, starts, vnew):
         qc, kc = qh[:, c0 : c0 + n], kh[:, c0 : c0 + n]
-        out[:, c0 : c0 + n] = np.exp(gam).astype(dt)[:, :, None] * (qc @ s0) + ((qc @ kc.transpose(0, 2, 1)) * decay) @ vn
+        m = (ro(qc) @ ro(kc).transpose(0, 2, 1)) * decay
+        out[:, c0 : c0 + n] = np.exp(gam).astype(dt)[:, :, None] * (ro(qc) @ ro(s0)) + ro(m) @ ro(vn)
     return out.transpose(1, 0, 2), s
+
+
+def round_tf32(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to TF32 (10 mantissa bits), nearest with ties away from zero: the
+    kernels' to_tf32 ((bits + 0x1000) & 0xffffe000 on finite values)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return ((x.view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _same(x):
+    return x
+
+
+def _solve_rows(a: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """(I + A) Y = RHS by forward substitution, row by row (A strictly lower, [HV, n, n])."""
+    y = np.empty_like(rhs)
+    for i in range(a.shape[1]):
+        y[:, i] = rhs[:, i] - np.einsum("hm,hmv->hv", a[:, i, :i], y[:, :i])
+    return y
+
+
+def _solve_blocks(a: np.ndarray, rhs: np.ndarray, blk: int = 16) -> np.ndarray:
+    """(I + A) Y = RHS as gdn2_prep1_* solves it: T_b = (I + A_bb)^-1 by fp32 substitution, then
+    Y_b = T_b (X_b - A_{b,<b} Y_{<b}) with both block products on TF32 operands."""
+    hv, n, _ = a.shape
+    y = np.empty_like(rhs)
+    for b0 in range(0, n, blk):
+        b1 = min(b0 + blk, n)
+        nb = b1 - b0
+        t = np.empty((hv, nb, nb), dtype=a.dtype)  # columns of the inverse, one substitution each
+        eye = np.eye(nb, dtype=a.dtype)
+        for j in range(nb):
+            col = np.empty((hv, nb), dtype=a.dtype)
+            for i in range(nb):
+                col[:, i] = eye[i, j] - np.einsum("hm,hm->h", a[:, b0 + i, b0 : b0 + i], col[:, :i])
+            t[:, :, j] = col
+        x = rhs[:, b0:b1]
+        if b0:
+            x = x - round_tf32(a[:, b0:b1, :b0]) @ round_tf32(y[:, :b0])
+        y[:, b0:b1] = round_tf32(t) @ round_tf32(x)
+    return y

@@ -381,6 +381,7 @@ def test_chunked2_state_variant_by_shared_memory(monkeypatch):
 
 STATE8 = [f"gdn2_state_d{d}_s{st}{p}_w8" for d in (64, 128)
           for st, p in ((1, ""), (1, "p"), (2, ""), (2, "k"), (2, "p"))]
+STATE8 += [f"gdn2_state1_d{d}_s{st}_w8" for d in (64, 128) for st in (1, 2)]  # the "tf32 state" class
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
@@ -394,7 +395,7 @@ def test_chunked2_compiles_without_spills(tmp_path, arch):
     rc, err = nvcc_build.build(tmp_path, "gdn_chunk2", arch)  # with the constants table, as the runtime compiles it
     assert rc == 0, err[-2000:]
     entries = re.findall(r"Compiling entry function '(\w+)'", err)
-    want = [f"gdn2_{k}_d{d}" for d in (64, 128) for k in ("prep", "out", "out_gated", "out1", "out1_gated")]
+    want = [f"gdn2_{k}_d{d}" for d in (64, 128) for k in ("prep", "prep1", "out", "out_gated", "out1", "out1_gated")]
     want += [f"gdn2_state_d{d}_s{st}{p}" for d in (64, 128) for st in (1, 2) for p in ("", "p")]
     assert sorted(entries) == sorted(want + STATE8)
     report = nvcc_build.ptxas_report(err)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from q27py.model import ops
-from q27py.model.gdn_chunked import chunk_spans, gdn_chunked
+from q27py.model.gdn_chunked import chunk_spans, gdn_chunked, gdn_chunked_wy
 
 
 def rel(a, b) -> float:
@@ -105,3 +105,33 @@ def test_agrees_with_the_cpu_fast_path_form():
     o1, s1 = gdn_chunked(q, k, v, g, beta, s0, chunk=64, pos0=0)
     o2, s2 = fast_chunked(q, k, v, g, beta, s0, chunk=64)
     assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5
+
+
+def test_round_tf32_is_the_kernels_rna():
+    """round_tf32 keeps 10 mantissa bits, nearest with ties away from zero (cuda/gdn_chunk2.cu to_tf32), and leaves
+    TF32 values (and zeros) alone."""
+    from q27py.model.gdn_chunked import round_tf32
+
+    ulp = 2.0 ** -10
+    x = np.array([1.0, 1 + ulp / 2, 1 + ulp / 4, 1 + 3 * ulp / 4, -(1 + ulp / 2), -1 - ulp, 0.0, -0.0, 3.5],
+                 np.float32)
+    want = np.array([1.0, 1 + ulp, 1.0, 1 + ulp, -(1 + ulp), -1 - ulp, 0.0, -0.0, 3.5], np.float32)
+    np.testing.assert_array_equal(round_tf32(x).view(np.uint32), want.view(np.uint32))
+    r = round_tf32(np.random.default_rng(0).standard_normal(1000).astype(np.float32))
+    assert not (r.view(np.uint32) & 0x1FFF).any()
+
+
+def test_tf32_phases_are_checked():
+    rng = np.random.default_rng(1)
+    t, h, hv, dk, dv = 10, 1, 1, 8, 8
+    q, k = rng.standard_normal((t, h, dk)), rng.standard_normal((t, h, dk))
+    v, g, b = rng.standard_normal((t, hv, dv)), -np.abs(rng.standard_normal((t, hv))), np.full((t, hv), 0.5)
+    s0 = np.zeros((hv, dk, dv))
+    with pytest.raises(ValueError, match="float32"):
+        gdn_chunked_wy(q, k, v, g, b, s0, tf32=("state",))
+    args = [a.astype(np.float32) for a in (q, k, v, g, b, s0)]
+    with pytest.raises(ValueError, match="phases"):
+        gdn_chunked_wy(*args, tf32=("solve",))
+    o, s = gdn_chunked_wy(*args, tf32=("prep", "state", "out"))
+    o0, s0_ = gdn_chunked_wy(*args)
+    assert o.dtype == np.float32 and 0 < np.abs(o - o0).max() < 1e-2
