@@ -13,6 +13,12 @@ the whole scratch (S_c and V_new included) compared BITWISE on the device agains
 a table of ms per layer (prep / state / out) and the state pass against the 4-warp default:
 
     PYTHONPATH=. python3 tools/kernel_ab.py --state-ab --tokens 8192 [--reps 7]
+
+--tf32-ab: the one-TF32-product classes against today's fp32-grade passes in one process: off, "tf32 state"
+(kernels.GDN2_STATE_TF32: gdn2_prep1 / gdn2_state1), and with "tf32 out" on top (GDN2_OUT_TF32), round-robin;
+ms per layer of each pass and the relative L2 of out and the final state against the off run:
+
+    PYTHONPATH=. python3 tools/kernel_ab.py --tf32-ab --tokens 8192 [--reps 7]
 """
 
 from __future__ import annotations
@@ -144,6 +150,62 @@ def state_ab(cp, K, cases, reps: int) -> tuple[list, bool]:
     return res, ok
 
 
+TF32_CASES = (("off", False, False), ("state", True, False), ("state+out", True, True))
+
+
+def tf32_ab(cp, K, cases, reps: int) -> list:
+    """Each (GDN2_STATE_TF32, GDN2_OUT_TF32) setting of TF32_CASES on each case, round-robin over --reps (+ one
+    warm-up whose results are compared: relative L2 of out and the final state against the off run)."""
+    res = []
+    saved = (K.GDN2_STATE_TF32, K.GDN2_OUT_TF32)
+    try:
+        for name, s, t, pos0 in cases:
+            h, hv, dk, dv = s["h"], s["hv"], s["dk"], s["dv"]
+            d = gdn_inputs(np.random.default_rng(t + pos0), t, **s)
+            qkvn, gb = cp.asarray(d["qkvn"]), cp.asarray(d["gb"])
+            scratch = cp.empty(K.gdn2_scratch_floats(K.gdn2_nchunks(t, pos0), hv, dk, dv), dtype=cp.float32)
+            times = {c[0]: [] for c in TF32_CASES}
+            got = {}
+            for r in range(reps + 1):
+                for label, st_on, out_on in TF32_CASES:
+                    K.GDN2_STATE_TF32, K.GDN2_OUT_TF32 = st_on, out_on
+                    state = cp.asarray(d["s0"])
+                    out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
+                    ev = [cp.cuda.Event() for _ in range(4)]
+                    K.gdn_prefill_chunked2(state, qkvn, gb, out, hv * dv, h, hv, dk, dv, t, pos0=pos0,
+                                           scratch=scratch, events=ev)
+                    ev[3].synchronize()
+                    if r == 0:
+                        got[label] = (out.get().astype(np.float64), state.get().astype(np.float64))
+                    else:
+                        times[label].append([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(3)])
+            o0, s0 = got["off"]
+            for label, _, _ in TF32_CASES:
+                o, st = got[label]
+                res.append({"case": name, "tokens": t, "pos0": pos0, "class": label,
+                            "ms": np.median(np.array(times[label]), axis=0).tolist(),
+                            "out_rel": float(np.linalg.norm(o - o0) / np.linalg.norm(o0)),
+                            "state_rel": float(np.linalg.norm(st - s0) / np.linalg.norm(s0)),
+                            "nan": bool(np.isnan(o).any() or np.isnan(st).any())})
+            del scratch
+    finally:
+        K.GDN2_STATE_TF32, K.GDN2_OUT_TF32 = saved
+    return res
+
+
+def print_tf32_table(res: list) -> None:
+    print("| case | class | prep ms | **state ms** | out ms | sum | x off | out rel L2 | state rel L2 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    base = {}
+    for r in res:
+        ms = r["ms"]
+        key = (r["case"], r["tokens"], r["pos0"])
+        base.setdefault(key, sum(ms))
+        print(f"| {r['case']} T={r['tokens']} pos0={r['pos0']} | {r['class']} | {ms[0]:.3f} | **{ms[1]:.3f}** | "
+              f"{ms[2]:.3f} | {sum(ms):.3f} | {sum(ms) / base[key]:.3f} | {r['out_rel']:.2e} | {r['state_rel']:.2e}"
+              f"{' NaN' if r['nan'] else ''} |", flush=True)
+
+
 def print_state_table(res: list) -> None:
     print("| case | warps | stages | presplit | prep ms | **state ms** | state / 4-warp default | out ms | bits |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -159,11 +221,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=Path, help="the earlier cuda/gdn_chunk2.cu")
     ap.add_argument("--state-ab", action="store_true", help="the state pass's variants of this source, one process")
+    ap.add_argument("--tf32-ab", action="store_true", help="the one-TF32-product classes against off, one process")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    if not args.old and not args.state_ab:
-        ap.error("give --old FILE and / or --state-ab")
+    if not args.old and not args.state_ab and not args.tf32_ab:
+        ap.error("give --old FILE and / or --state-ab / --tf32-ab")
     import cupy as cp
 
     from q27py.gpu import kernels as K
@@ -174,6 +237,14 @@ def main() -> int:
              ("27b-ragged", dict(h=16, hv=48, dk=128, dv=128), 1000, 37),
              ("small", dict(h=2, hv=6, dk=64, dv=64), 1000, 5)]
     res, ok = [], True
+    if args.tf32_ab:
+        tres = tf32_ab(cp, K, cases, args.reps)
+        print_tf32_table(tres)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "kernel_ab_tf32.json").write_text(json.dumps(tres, indent=1))
+        ok = not any(r["nan"] for r in tres)
+        if not args.old and not args.state_ab:
+            return 0 if ok else 1
     if args.state_ab:
         sres, ok = state_ab(cp, K, cases, args.reps)
         print_state_table(sres)
