@@ -428,8 +428,9 @@ __device__ __forceinline__ void state_split_w(float* stage, float* wlo, int tid)
 // state_body's loop (every lane on the same slot of its unit: the 8 lanes of a quarter warp hit only the 4 even
 // 16-byte bank groups, 2-way conflicts on all 12 accesses), lanes 4-7 of each quarter warp take the two halves in
 // the other order (sw = 1), so each 16-byte read and write covers all 32 banks; the slot contents are chosen by sw
-// (16 selects per unit) and the values written are the same.
-template <int DK, int NT>
+// (16 selects per unit) and the values written are the same. LO = false (the one-TF32-product pass): the hi halves
+// alone, in place (to_tf32, the value split_tf32's hi is), klo not written.
+template <int DK, int NT, bool LO = true>
 __device__ __forceinline__ void state_split_k(float* stage, float* klo, int tid) {
     using L = StateSmem<DK>;
     constexpr int C = GDN2_C;
@@ -459,13 +460,18 @@ __device__ __forceinline__ void state_split_k(float* stage, float* klo, int tid)
                        : q == 1 ? (sw ? Y[e] : X[e])
                        : q == 2 ? (sw ? X[e] : Y[e])
                                 : (sw ? P[e] : V[e]);
-            uint4 hi, lo;
-            split_tf32(x[0], hi.x, lo.x);
-            split_tf32(x[1], hi.y, lo.y);
-            split_tf32(x[2], hi.z, lo.z);
-            split_tf32(x[3], hi.w, lo.w);
-            *reinterpret_cast<uint4*>(kh + at[q]) = hi;
-            *reinterpret_cast<uint4*>(kl + at[q]) = lo;
+            if constexpr (LO) {
+                uint4 hi, lo;
+                split_tf32(x[0], hi.x, lo.x);
+                split_tf32(x[1], hi.y, lo.y);
+                split_tf32(x[2], hi.z, lo.z);
+                split_tf32(x[3], hi.w, lo.w);
+                *reinterpret_cast<uint4*>(kh + at[q]) = hi;
+                *reinterpret_cast<uint4*>(kl + at[q]) = lo;
+            } else {
+                *reinterpret_cast<uint4*>(kh + at[q]) = make_uint4(to_tf32(x[0]), to_tf32(x[1]), to_tf32(x[2]),
+                                                                   to_tf32(x[3]));
+            }
         }
     }
 }
@@ -501,14 +507,18 @@ __device__ __forceinline__ void state_p_product(float (&p)[NT][4], const float (
 
 // T[s] += (the split A fragment of token tile m: ah / al) K for NS key-dim tiles from column kcol (a multiple of
 // 32: sw_col / k_pair_at unchanged): K rows r0 = 8 m + 2 t and r0 + 1, presplit as row pairs (SPLIT) or split per use.
+// P: products a mma; with SPLIT and P = 1 the row pairs hold the tf32 values alone (state_split_k<LO = false>).
 template <int NS, int DK, bool SPLIT, int P = 3>
 __device__ __forceinline__ void state_update_tile(float (&T)[NS][4], const u32 (&ah)[4], const u32 (&al)[4], int r0,
                                                   int kcol, const float* sK, const u32* sKl) {
-    static_assert(P == 3 || !SPLIT, "one TF32 product reads no lo halves");
     const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int s = 0; s < NS; s++) {
-        if constexpr (SPLIT) {
+        if constexpr (SPLIT && P == 1) {
+            const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sK) + k_pair_at(r0, 8 * s + g, DK) +
+                                                             kcol);
+            mma_tf32(T[s], ah, bh.x, bh.y);
+        } else if constexpr (SPLIT) {
             const int at = k_pair_at(r0, 8 * s + g, DK) + kcol;
             const uint2 bh = *reinterpret_cast<const uint2*>(reinterpret_cast<const u32*>(sK) + at);
             const uint2 bl = *reinterpret_cast<const uint2*>(sKl + at);
@@ -662,7 +672,8 @@ __device__ __forceinline__ void state_body(float* __restrict__ state, const floa
 // done), one per pair (bar.sync 1 + q, 64) after the S^T halves are written. One stage: one more CTA-wide (chunk
 // ci's copies go in after chunk ci - 1's closing barrier and land before the next). Shared memory: StateSmem and
 // the lo buffer, nothing added (the S^T exchange takes BV DK <= C DK floats of the stage's W).
-// P: products a mma (3, or 1 for the "tf32 state" class: gdn2_state1_*_w8, SPLIT 0 only).
+// P: products a mma (3, or 1 for the "tf32 state" class: gdn2_state1_*_w8, SPLIT 0 or 1: K rounded to tf32 in place
+// as row pairs, no lo halves).
 template <int DK, int STAGES, int SPLIT, int P = 3>
 __device__ __forceinline__ void state8_body(float* __restrict__ state, const float* __restrict__ qkvn,
                                             const float* __restrict__ wsc, float* __restrict__ usc,
@@ -672,7 +683,7 @@ __device__ __forceinline__ void state8_body(float* __restrict__ state, const flo
     constexpr int C = GDN2_C, BV = GDN2_BV, NQ = BV / 16, NW = 2 * NQ, KT = DK / 8, CT = C / 8, KH = KT / 2,
                   CH = CT / 2;
     static_assert(C == 64 && BV % 16 == 0 && BV <= C && DK % 32 == 0 && (STAGES == 1 || STAGES == 2) && SPLIT >= 0 &&
-                  SPLIT <= 2 && (P == 3 || (P == 1 && SPLIT == 0)), "state shape");
+                  SPLIT <= 2 && (P == 3 || (P == 1 && SPLIT <= 1)), "state shape");
     constexpr bool SW = SPLIT == 2, SK = SPLIT >= 1;  // W presplit, K presplit
     extern __shared__ float smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -728,7 +739,7 @@ __device__ __forceinline__ void state8_body(float* __restrict__ state, const flo
         }
         // K's split needs no barrier of its own: its lo buffer was last read in chunk ci - 1's update (before this
         // chunk's first barrier), and this chunk's update reads it after the CTA barrier past V_new
-        if constexpr (SK) state_split_k<DK, NW * 32>(stage, klo, tid);
+        if constexpr (SK) state_split_k<DK, NW * 32, P == 3>(stage, klo, tid);
         // the chunk's start state for the output pass, fragment-native [dv/16][KT][32][4]: this warp's half
         float* sc = ssc + ((((i64)h * nchunks + ci) * (dv / 16) + j0 / 16 + q) * KT + KH * f) * 128 + lane * 4;
 #pragma unroll
@@ -970,7 +981,7 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
     }
 
 // The 8-warp form (state8_body): gdn2_state_d<D>_s<S>[k|p]_w8 (k: K presplit alone, p: W and K), 2 GDN2_BV / 16
-// warps; PP products a mma (gdn2_state1_d<D>_s<S>_w8: 1, the "tf32 state" class, no presplit).
+// warps; PP products a mma (gdn2_state1_d<D>_s<S>[k]_w8: 1, the "tf32 state" class; k: K rounded once per chunk).
 #define GDN2_STATE8_KERNEL(D, S, P, PP, NAME)                                                                     \
     extern "C" __global__ void __launch_bounds__(GDN2_BV * 4, 1)                                                  \
         NAME(float* state, const float* qkvn, const float* wsc, float* usc, float* ssc, const float* gsc, int H,  \
@@ -1015,6 +1026,7 @@ __device__ __forceinline__ void out_body(const float* __restrict__ qkvn, const f
     GDN2_STATE8_KERNEL(D, 1, 2, 3, gdn2_state_d##D##_s1p_w8)                                                         \
     GDN2_STATE8_KERNEL(D, 2, 0, 1, gdn2_state1_d##D##_s2_w8)                                                      \
     GDN2_STATE8_KERNEL(D, 1, 0, 1, gdn2_state1_d##D##_s1_w8)                                                      \
+    GDN2_STATE8_KERNEL(D, 2, 1, 1, gdn2_state1_d##D##_s2k_w8)                                                     \
     GDN2_OUT_KERNELS(D, 3, gdn2_out_d##D, gdn2_out_gated_d##D)                                                    \
     GDN2_OUT_KERNELS(D, 1, gdn2_out1_d##D, gdn2_out1_gated_d##D)
 

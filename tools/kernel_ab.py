@@ -15,7 +15,8 @@ a table of ms per layer (prep / state / out) and the state pass against the 4-wa
     PYTHONPATH=. python3 tools/kernel_ab.py --state-ab --tokens 8192 [--reps 7]
 
 --tf32-ab: the one-TF32-product classes against today's fp32-grade passes in one process: off, "tf32 state"
-(kernels.GDN2_STATE_TF32: gdn2_prep1 / gdn2_state1), and with "tf32 out" on top (GDN2_OUT_TF32), round-robin;
+(kernels.GDN2_STATE_TF32: gdn2_prep1 / gdn2_state1; "state-k": its K rounded once a chunk, gdn2_state1_*_s2k_w8),
+and with "tf32 out" on top (GDN2_OUT_TF32), round-robin;
 ms per layer of each pass and the relative L2 of out and the final state against the off run:
 
     PYTHONPATH=. python3 tools/kernel_ab.py --tf32-ab --tokens 8192 [--reps 7]
@@ -150,7 +151,9 @@ def state_ab(cp, K, cases, reps: int) -> tuple[list, bool]:
     return res, ok
 
 
-TF32_CASES = (("off", False, False), ("state", True, False), ("state+out", True, True))
+# (label, GDN2_STATE_TF32, GDN2_OUT_TF32, the state pass's (stages, presplit) or None for the default)
+TF32_CASES = (("off", False, False, None), ("state", True, False, None), ("state-k", True, False, (2, "k")),
+              ("state+out", True, True, None))
 
 
 def tf32_ab(cp, K, cases, reps: int) -> list:
@@ -167,20 +170,21 @@ def tf32_ab(cp, K, cases, reps: int) -> list:
             times = {c[0]: [] for c in TF32_CASES}
             got = {}
             for r in range(reps + 1):
-                for label, st_on, out_on in TF32_CASES:
+                for label, st_on, out_on, var in TF32_CASES:
                     K.GDN2_STATE_TF32, K.GDN2_OUT_TF32 = st_on, out_on
+                    stages, presplit = var if var and K.gdn2_fits(dk, dv, *var) else (None, None)
                     state = cp.asarray(d["s0"])
                     out = cp.full((t, hv * dv), np.nan, dtype=cp.float32)
                     ev = [cp.cuda.Event() for _ in range(4)]
                     K.gdn_prefill_chunked2(state, qkvn, gb, out, hv * dv, h, hv, dk, dv, t, pos0=pos0,
-                                           scratch=scratch, events=ev)
+                                           scratch=scratch, stages=stages, presplit=presplit, events=ev)
                     ev[3].synchronize()
                     if r == 0:
                         got[label] = (out.get().astype(np.float64), state.get().astype(np.float64))
                     else:
                         times[label].append([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(3)])
             o0, s0 = got["off"]
-            for label, _, _ in TF32_CASES:
+            for label, *_ in TF32_CASES:
                 o, st = got[label]
                 res.append({"case": name, "tokens": t, "pos0": pos0, "class": label,
                             "ms": np.median(np.array(times[label]), axis=0).tolist(),

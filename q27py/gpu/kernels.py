@@ -1900,8 +1900,9 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
     bits; presplit "k": K alone, 8 warps only).
     events: four CUDA events recorded around the three launches (the bench's per-kernel split).
     Under GDN2_STATE_TF32 the pre-pass and the state pass run one TF32 product a mma (gdn2_prep1_* /
-    gdn2_state1_*_w8, the "tf32 state" class): 8 warps, no presplit (gdn2_tf32_state_variant; a variant asked for
-    beyond that is refused)."""
+    gdn2_state1_*_w8, the "tf32 state" class): 8 warps, no presplit by default (gdn2_tf32_state_variant), or
+    presplit "k" with two stages (gdn2_state1_*_s2k_w8: K rounded to tf32 once a chunk, as row pairs); a variant
+    asked for beyond those is refused."""
     import cupy as cp
 
     if nlanes <= 0:
@@ -1916,10 +1917,10 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
     if not stages:
         raise ValueError(f"no chunked2 GDN kernels for dk={dk}, dv={dv} on this card")
     if tf32:
-        if presplit or warps != 8 or stages not in (1, 2):
-            raise ValueError(f"the tf32 state pass has 8 warps, no presplit and 1-2 stages (asked: {warps} warps, "
-                             f"presplit={presplit!r}, {stages} stages)")
-        state_fn, state_threads = f"gdn2_state1_d{dk}_s{stages}_w8", 8 * 32
+        if presplit not in (False, "k") or warps != 8 or stages not in (1, 2) or (presplit == "k" and stages != 2):
+            raise ValueError(f"the tf32 state pass has 8 warps, 1-2 stages, no presplit or K's with two stages (asked: "
+                             f"{warps} warps, presplit={presplit!r}, {stages} stages)")
+        state_fn, state_threads = f"gdn2_state1_d{dk}_s{stages}{'k' if presplit else ''}_w8", 8 * 32
     else:
         state_fn, state_threads = gdn2_state_kernel(dk, stages, presplit, warps)
     if not gdn_chunk_aligned(qkvn, h, hv, dk, dv):

@@ -381,7 +381,7 @@ def test_chunked2_state_variant_by_shared_memory(monkeypatch):
 
 STATE8 = [f"gdn2_state_d{d}_s{st}{p}_w8" for d in (64, 128)
           for st, p in ((1, ""), (1, "p"), (2, ""), (2, "k"), (2, "p"))]
-STATE8 += [f"gdn2_state1_d{d}_s{st}_w8" for d in (64, 128) for st in (1, 2)]  # the "tf32 state" class
+STATE8 += [f"gdn2_state1_d{d}_s{v}_w8" for d in (64, 128) for v in ("1", "2", "2k")]  # the "tf32 state" class
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")

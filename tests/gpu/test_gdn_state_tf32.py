@@ -120,6 +120,25 @@ def test_pieces_at_chunk_multiples_give_one_runs_bits(cp, K, shape, pos0, cuts):
 
 
 @gpu
+@pytest.mark.parametrize("shape", sorted(SHAPES2))
+@pytest.mark.parametrize("t,pos0", [(65, 0), (1000, 5)])
+def test_k_rounded_once_is_bitwise_per_use(cp, K, shape, t, pos0):
+    """gdn2_state1_*_s2k_w8 (K rounded to tf32 once a chunk, stored as row pairs) against gdn2_state1_*_s2_w8 (K
+    rounded at each use): the same tf32 values into the same products in the same order, so the same bits: out, the
+    final state."""
+    s = SHAPES2[shape]
+    h, hv, dk, dv = s["h"], s["hv"], s["dk"], s["dv"]
+    if not K.gdn2_fits(dk, dv, 2, "k"):
+        pytest.skip("two stages with K's split buffer do not fit this card")
+    d = make(np.random.default_rng(t + 3), t, h, hv, dk, dv)
+    with _switch(K, True):
+        o_k, s_k = run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, stages=(2, "k", 8))
+        o_p, s_p = run_chunked2(cp, K, d, h, hv, dk, dv, t, pos0, stages=(2, False, 8))
+    np.testing.assert_array_equal(s_k.view(np.uint32), s_p.view(np.uint32))
+    np.testing.assert_array_equal(o_k.view(np.uint32), o_p.view(np.uint32))
+
+
+@gpu
 def test_output_switch_stays_its_own(cp, K):
     """GDN2_OUT_TF32 on top of this switch: the state is this switch's alone (bitwise), O moves once more."""
     s = SHAPES2["27b"]
@@ -277,9 +296,14 @@ def test_switch_picks_the_one_product_entries(monkeypatch, fits2):
     assert names[True, False] == [("gdn2_prep1_d128", 256), (f"gdn2_state1_d128_s{st}_w8", 256),
                                   ("gdn2_out_d128", 256)]
     assert names[True, True][2] == ("gdn2_out1_d128", 256)
+    rt.names.clear()
+    monkeypatch.setattr(K, "GDN2_STATE_TF32", True)
+    K.gdn_prefill_chunked2(None, None, None, None, 0, 16, 48, 128, 128, 100, scratch=scratch, stages=2, presplit="k")
+    assert rt.names[1] == ("gdn2_state1_d128_s2k_w8", 256)  # K rounded once a chunk (kernel_ab --tf32-ab's state-k)
 
 
-@pytest.mark.parametrize("ask", [dict(presplit="k"), dict(presplit=True), dict(warps=4), dict(stages=2, warps=4)])
+@pytest.mark.parametrize("ask", [dict(presplit=True), dict(warps=4), dict(stages=2, warps=4),
+                                 dict(stages=1, presplit="k")])
 def test_switch_refuses_variants_it_has_no_entry_for(monkeypatch, ask):
     from q27py.gpu import kernels as K
 
