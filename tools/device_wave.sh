@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail tail2 tf32st tf32stp splitk dp dpa tf32suite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail tail2 tf32st tf32stp splitk dp dpa tf32suite tf32stsuite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -767,6 +767,12 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
           tests/gpu/test_gdn_chunk.py tests/gpu/test_prefill_blas.py tests/gpu/test_gates.py tests/gpu/test_gdn_out_tf32.py \
           > "$OUT/tf32suite.txt" 2>&1 || rc=1
         tail -12 "$OUT/tf32suite.txt" ;;
+    tf32stsuite)  # (<= ~7 min) issue 14: the suites a default change of prefill_gdn_state_tf32 needs -- forward, prefix,
+                  # the GDN chunk kernels, prefill BLAS and the gates -- with the switch on (TF32_OUT=1: tf32 out too)
+        Q27_PREFILL_GDN_STATE_TF32=1 Q27_PREFILL_GDN_OUT_TF32=${TF32_OUT:-0} timeout ${SUITE_S:-400} $PYTEST \
+          tests/gpu/test_forward.py tests/gpu/test_prefix_gpu.py tests/gpu/test_gdn_chunk.py tests/gpu/test_prefill_blas.py \
+          tests/gpu/test_gates.py > "$OUT/tf32stsuite.txt" 2>&1 || rc=1
+        tail -12 "$OUT/tf32stsuite.txt" ;;
     s10b)  # (<= ~7 min; s10 for a nearly spent budget) the 8K prefill A/B (an H200 only), the PDL_NOWAIT probe and
            # steps, the tf32-out GPU tests and quality, an H100's 8K prefill A/B last
         H200=""; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && H200=1

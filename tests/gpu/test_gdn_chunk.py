@@ -423,9 +423,14 @@ def cp():
 
 @pytest.fixture(scope="module")
 def K(cp):
+    """The kernels module with the one-TF32-product classes off for this file (it holds the fp32-grade pipeline to
+    its 2e-5 class; test_gdn_out_tf32.py / test_gdn_state_tf32.py hold theirs), whatever the environment asks."""
     from q27py.gpu import kernels
 
-    return kernels
+    saved = kernels.GDN2_OUT_TF32, kernels.GDN2_STATE_TF32
+    kernels.GDN2_OUT_TF32 = kernels.GDN2_STATE_TF32 = False
+    yield kernels
+    kernels.GDN2_OUT_TF32, kernels.GDN2_STATE_TF32 = saved
 
 
 def chunks_here(K, dk, dv):
