@@ -427,7 +427,7 @@ PY
         timeout 150 $PYTEST tests/gpu/test_prefill_split3.py -m gpu tests/gpu/test_prefill_rows.py > "$OUT/prefill14_tests.txt" 2>&1 || rc=1
         tail -2 "$OUT/prefill14_tests.txt"
         timeout 150 python3 gates/run.py > "$OUT/prefill14_gates.txt" 2>&1 || rc=1; tail -5 "$OUT/prefill14_gates.txt"
-        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 tools/prefill_levers.py --reps 3 --tokens ${LEVERS_TOKENS:-8192 32768} \
           --configs before rope+bf16x3f+gateup > "$OUT/prefill14_levers.txt" 2>&1 || rc=1; grep -E "^prefill" "$OUT/prefill14_levers.txt"
         Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 200 python3 -m q27py bench replay --random-weights 27b --tier q4s \
           --system-tokens 20000 --turns 10 > "$OUT/prefill14_replay.txt" 2>&1 || rc=1
@@ -699,7 +699,7 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         grep -E "rel L2|kl_mean|passed|failed|Error" "$OUT/tf32st_tests.txt" | tail -24
         timeout 100 python3 tools/kernel_ab.py --tf32-ab --tokens 8192 --reps 5 > "$OUT/tf32st_kab.txt" 2>&1 || rc=1
         grep -E "^\|" "$OUT/tf32st_kab.txt" | tail -11 || tail -5 "$OUT/tf32st_kab.txt"
-        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 tools/prefill_levers.py --reps 3 --tokens 8192 32768 \
+        Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 tools/prefill_levers.py --reps 3 --tokens ${LEVERS_TOKENS:-8192 32768} \
           --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdnst rope+bf16x3f+gateup+gdn1+gdnst \
           > "$OUT/tf32st_prefill.txt" 2>&1 || rc=1
         grep -E "^prefill|H[12]00" "$OUT/tf32st_prefill.txt" | tail -8
