@@ -691,14 +691,14 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
 sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')" > "$OUT/tail_gates.txt" 2>&1 || rc=1
           echo "--- gates, NORM_TAIL=1"; tail -4 "$OUT/tail_gates.txt"
         fi ;;
-    tf32st)  # (<= ~9 min) issue 14: the "tf32 state" class (prep + state pass in one TF32 product): its tests first (the
-             # class against float64, pieces bitwise one run, the forward, quality on the tiny model), then the passes'
-             # ms per 27B layer (kernel_ab --tf32-ab), the 8K and 32K prefill A/B against today's defaults and with tf32
+    tf32st)  # (<= ~9 min) issue 14: the "tf32 state" class (prep + state pass in one TF32 product): the passes' ms per
+             # 27B layer and their error (kernel_ab --tf32-ab) first, then its tests (the class against float64, pieces
+             # bitwise one run, the forward, quality on the tiny model), the 8K and 32K prefill A/B against today's defaults and with tf32
              # out on top, then (TF32ST_PROF=1) the per-kernel 8K profiles
-        timeout 200 $PYTEST -s tests/gpu/test_gdn_state_tf32.py > "$OUT/tf32st_tests.txt" 2>&1 || rc=1
-        grep -E "rel L2|kl_mean|passed|failed|Error" "$OUT/tf32st_tests.txt" | tail -24
         timeout 100 python3 tools/kernel_ab.py --tf32-ab --tokens 8192 --reps 5 > "$OUT/tf32st_kab.txt" 2>&1 || rc=1
         grep -E "^\|" "$OUT/tf32st_kab.txt" | tail -11 || tail -5 "$OUT/tf32st_kab.txt"
+        timeout 200 $PYTEST -s tests/gpu/test_gdn_state_tf32.py > "$OUT/tf32st_tests.txt" 2>&1 || rc=1
+        grep -E "rel L2|kl_mean|passed|failed|Error" "$OUT/tf32st_tests.txt" | tail -24
         Q27_PREFILL_WEIGHT_CACHE_GB=${CACHE_GB:-60} timeout 240 python3 tools/prefill_levers.py --reps 3 --tokens ${LEVERS_TOKENS:-8192 32768} \
           --configs rope+bf16x3f+gateup rope+bf16x3f+gateup+gdnst rope+bf16x3f+gateup+gdn1+gdnst \
           > "$OUT/tf32st_prefill.txt" 2>&1 || rc=1
