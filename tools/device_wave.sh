@@ -693,8 +693,8 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         fi ;;
     tf32st)  # (<= ~9 min) issue 14: the "tf32 state" class (prep + state pass in one TF32 product): the passes' ms per
              # 27B layer and their error (kernel_ab --tf32-ab) first, then its tests (the class against float64, pieces
-             # bitwise one run, the forward, quality on the tiny model), the 8K and 32K prefill A/B against today's defaults and with tf32
-             # out on top, then (TF32ST_PROF=1) the per-kernel 8K profiles
+             # bitwise one run, the forward, quality on the tiny model), the 8K and 32K (LEVERS_TOKENS) prefill A/B
+             # against today's defaults and with tf32 out on top, then (TF32ST_PROF=1) the per-kernel 8K profiles
         timeout 100 python3 tools/kernel_ab.py --tf32-ab --tokens 8192 --reps 5 > "$OUT/tf32st_kab.txt" 2>&1 || rc=1
         grep -E "^\|" "$OUT/tf32st_kab.txt" | tail -11 || tail -5 "$OUT/tf32st_kab.txt"
         timeout 200 $PYTEST -s tests/gpu/test_gdn_state_tf32.py > "$OUT/tf32st_tests.txt" 2>&1 || rc=1
