@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call over this session's new GPU paths (each stage logs to $OUT/<stage>.txt and prints a
-# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail tail2 tf32st tf32stp splitk dp dpa tf32suite tf32stsuite trace all
+# short tail). Stages: rows rowsq gdnab warm gatesall replay a8 probe ncu fused kvrot gdn2 attn fa masks slots bench gates gates_old gates_new suite pdl ahead gdnst gdnbench budget cache pending defaults prefill profile reuse load groups groupsbench hostprof early mixed roomy splits splitsprobe flip n8q prefill14 wg3 wg3s gateup gateupturn first cold n16t n32s next gwgncu s10 s10b s11 s12 fold next12 merge s13 s13b s13c s14 s14b s15 bnd s16 s16h s17h walk tail tail2 tf32st tf32stq tf32stp splitk dp dpa tf32suite tf32stsuite trace all
 #   PYTHONPATH=. bash tools/device_wave.sh a8 fused kvrot gdn2 bench
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 Q27_SHARED=${Q27_SHARED:-.out/shared}
@@ -705,6 +705,11 @@ sys.argv = ['gates/run.py']; runpy.run_path('gates/run.py', run_name='__main__')
         grep -E "^prefill|H[12]00" "$OUT/tf32st_prefill.txt" | tail -8
         [ "${TF32ST_PROF:-1}" = 1 ] && tf32st_prof  # TF32ST_PROF=0: no per-kernel profiles (a short call)
         ;;
+    tf32stq)  # (<= ~5 min) tf32st without the prefill A/B: the passes' A/B per 27B layer, then the class's tests
+        timeout 110 python3 tools/kernel_ab.py --tf32-ab --tokens 8192 --reps 5 > "$OUT/tf32st_kab.txt" 2>&1 || rc=1
+        grep -E "^\|" "$OUT/tf32st_kab.txt" | tail -14 || tail -5 "$OUT/tf32st_kab.txt"
+        timeout 190 $PYTEST -s tests/gpu/test_gdn_state_tf32.py > "$OUT/tf32st_tests.txt" 2>&1 || rc=1
+        grep -E "rel L2|kl_mean|passed|failed|Error" "$OUT/tf32st_tests.txt" | tail -24 ;;
     tf32stp)  # (<= ~3 min) the per-kernel 8K profiles of tf32st alone (state tf32 off / on)
         tf32st_prof ;;
     splitk)  # (<= ~6 min) issue 10: GEMV_SPLIT_CTAS = 3 for every a8 q4 matrix vs for K <= 96 chunks only
