@@ -258,21 +258,29 @@ def test_route_end_to_end(cp, K, tiny):
     Greedy: the 33 tokens after each prefill are equal; if a prompt diverges, it must be at a near tie -- the fp32
     route's margin between its pick and the other route's under 4x the largest logit change the prefill rows saw
     (the study flips 0.16-0.29% of top-1 picks, all such ties)."""
+    switch_end_to_end(K, tiny, _switch)
+
+
+def switch_end_to_end(K, tiny, switch, prompts: int = 3, bound: float = 5e-3) -> list[float]:
+    """`prompts` 300-token prefills of held-out text with a prefill switch off and on (`switch(K, on)`: this file's or
+    another prefill switch's, e.g. test_gdn_out_tf32.py's): every row's logits moved and within `bound` relative L2; the
+    33 greedy tokens after each equal, or diverging only at a near tie (test_route_end_to_end's rule). Returns the
+    relative L2 of each prompt."""
     from q27py.gpu.forward import FastModel
 
     weights, ids = tiny
     model = FastModel(weights, max_context=PREFILL_TOKENS + DECODE_STEPS + 64, kv_dtype="bf16", chunk=512)
-    diverged = []
-    for p in range(3):
+    rels, diverged = [], []
+    for p in range(prompts):
         prompt = ids[p * PREFILL_TOKENS : (p + 1) * PREFILL_TOKENS]
-        with _switch(K, False):
+        with switch(K, False):
             off = _prefill_and_decode(model, prompt, DECODE_STEPS)
-        with _switch(K, True):
+        with switch(K, True):
             on = _prefill_and_decode(model, prompt, DECODE_STEPS)
         a, b = on["logits"], off["logits"]
-        rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+        rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
         print(f"prompt {p}: logits rel L2 {rel:.2e}, max abs {np.abs(a - b).max():.2e} (scale {np.abs(b).max():.2f})")
-        assert rel < 5e-3, rel
+        assert rel < bound, rel
         assert rel > 0, "the switch changed nothing: the route did not run"
         same = on["greedy"] == off["greedy"]
         if not same.all():
@@ -282,7 +290,46 @@ def test_route_end_to_end(cp, K, tiny):
             tie = 4 * np.abs(a - b).max()
             diverged.append((p, i, margin, tie))
             assert margin <= tie, f"prompt {p}: greedy diverged at step {i} with a margin {margin:.3g} > {tie:.3g}"
-    print(f"greedy: {3 - len(diverged)} of 3 prompts equal over {DECODE_STEPS + 1} tokens; near ties: {diverged}")
+        rels.append(rel)
+    print(f"greedy: {prompts - len(diverged)} of {prompts} prompts equal over {DECODE_STEPS + 1} tokens; near ties: "
+          f"{diverged}")
+    return rels
+
+
+def switch_launches_and_bits(K, tiny, switch, monkeypatch) -> tuple[list, list, list]:
+    """A 300-token prefill of the tiny model with the switch off, on, off again: the kernel names each launched
+    (three lists, for the caller's route checks); asserts that both off runs give the same bits (logits, KV rows, GDN
+    state, window) and that the on run moved the logits."""
+    from q27py.gpu.forward import FastModel
+    from q27py.gpu.runtime import Runtime
+
+    weights, ids = tiny
+    rt = Runtime.get()
+    launched = []
+    real = rt.launch
+
+    def launch(module, kernel, *a, **kw):
+        launched.append(kernel)
+        return real(module, kernel, *a, **kw)
+
+    monkeypatch.setattr(rt, "launch", launch)
+    model = FastModel(weights, max_context=PREFILL_TOKENS + 64, kv_dtype="bf16", chunk=512)
+
+    def run(on: bool):
+        launched.clear()
+        with switch(K, on):
+            st = model.new_state()
+            out = model.forward(st, ids[:PREFILL_TOKENS], logits_rows=np.arange(0, PREFILL_TOKENS, 7))
+            got = {"logits": out.logits.copy(), **{k: np.asarray(v) for k, v in model.export_prefix(st).items()}}
+        return got, list(launched)
+
+    off1, k1 = run(False)
+    on, k2 = run(True)
+    off2, k3 = run(False)
+    for k in off1:
+        np.testing.assert_array_equal(np.asarray(off1[k]).view(np.uint8), np.asarray(off2[k]).view(np.uint8), err_msg=k)
+    assert not np.array_equal(on["logits"], off1["logits"])
+    return k1, k2, k3
 
 
 def quality(K, weights, ids, tokens: int = 2048, switch=_switch) -> dict:

@@ -32,8 +32,9 @@ from q27py.model.gdn_chunked import gdn_chunked_wy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_gate_up_bf16_gpu import (  # noqa: E402,F401  (tiny: a fixture)
-    _prefill_and_decode, device_quality, module_switch, quality, tiny)
+    device_quality, module_switch, quality, switch_end_to_end, switch_launches_and_bits, tiny)
 from test_gdn_chunk import SHAPES2, klast, make, rel, run_chunked2  # noqa: E402
+from test_gdn_out_tf32 import cp  # noqa: E402,F401  (a fixture: CuPy with the gdn_chunk2 module built)
 
 gpu = pytest.mark.gpu
 CLASS = 2e-3  # "tf32 state": O's and the final state's relative L2 against float64 (module docstring)
@@ -41,16 +42,6 @@ CLASS = 2e-3  # "tf32 state": O's and the final state's relative L2 against floa
 
 def _switch(K, on: bool):
     return module_switch(K, "GDN2_STATE_TF32", on)
-
-
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    from q27py.gpu.runtime import Runtime
-
-    Runtime.get().module("gdn_chunk2")
-    return cupy
 
 
 @pytest.fixture
@@ -157,26 +148,8 @@ def test_output_switch_stays_its_own(cp, K):
 def test_prefill_end_to_end(cp, K, tiny):
     """Three 300-token prefills of held-out text (chunked2 route) with the switch off and on: logits within 5e-3
     relative L2; the 33 greedy tokens after each (decoding from the switched state) equal, or diverging only at a
-    near tie (test_gate_up_bf16_gpu's rule); the exported GDN state moved, within the class."""
-    from q27py.gpu.forward import FastModel
-
-    weights, ids = tiny
-    model = FastModel(weights, max_context=300 + 32 + 64, kv_dtype="bf16", chunk=512)
-    for p in range(3):
-        prompt = ids[p * 300 : (p + 1) * 300]
-        with _switch(K, False):
-            off = _prefill_and_decode(model, prompt, 32)
-        with _switch(K, True):
-            on = _prefill_and_decode(model, prompt, 32)
-        a, b = on["logits"], off["logits"]
-        r = np.linalg.norm(a - b) / np.linalg.norm(b)
-        print(f"prompt {p}: logits rel L2 {r:.2e}")
-        assert 0 < r < 5e-3, r
-        same = on["greedy"] == off["greedy"]
-        if not same.all():
-            i = int(np.argmin(same))
-            lo = off["greedy_logits"][i]
-            assert lo[off["greedy"][i]] - lo[on["greedy"][i]] <= 4 * np.abs(a - b).max(), (p, i)
+    near tie (test_gate_up_bf16_gpu's rule)."""
+    switch_end_to_end(K, tiny, _switch)
 
 
 @gpu
@@ -192,41 +165,13 @@ def test_quality_inside_the_a8_gate(cp, K, tiny):
 
 @gpu
 def test_switch_off_launches_todays_passes_and_keeps_their_bits(cp, K, tiny, monkeypatch):
-    from q27py.gpu.forward import FastModel
-    from q27py.gpu.runtime import Runtime
-
-    weights, ids = tiny
-    rt = Runtime.get()
-    launched = []
-    real = rt.launch
-
-    def launch(module, kernel, *a, **kw):
-        launched.append(kernel)
-        return real(module, kernel, *a, **kw)
-
-    monkeypatch.setattr(rt, "launch", launch)
-    model = FastModel(weights, max_context=300 + 64, kv_dtype="bf16", chunk=512)
-
-    def run(on: bool):
-        launched.clear()
-        with _switch(K, on):
-            st = model.new_state()
-            out = model.forward(st, ids[:300], logits_rows=np.arange(0, 300, 7))
-            got = {"logits": out.logits.copy(), **{k: np.asarray(v) for k, v in model.export_prefix(st).items()}}
-        return got, list(launched)
-
     def ours(ks):
         return [k for k in ks if k.startswith(("gdn2_prep1", "gdn2_state1"))]
 
-    off1, k1 = run(False)
-    on, k2 = run(True)
-    off2, k3 = run(False)
+    k1, k2, k3 = switch_launches_and_bits(K, tiny, _switch, monkeypatch)
     for ks in (k1, k3):
         assert not ours(ks) and any(k.startswith("gdn2_state_") for k in ks)
     assert {k.split("_d")[0] for k in ours(k2)} == {"gdn2_prep1", "gdn2_state1"}, "the switched passes did not run"
-    for k in off1:
-        np.testing.assert_array_equal(np.asarray(off1[k]).view(np.uint8), np.asarray(off2[k]).view(np.uint8), err_msg=k)
-    assert not np.array_equal(on["logits"], off1["logits"])
 
 
 # ---------------------------------------------------------------- CPU checks (no GPU)
