@@ -89,7 +89,7 @@ def test_switched_state_in_class(cp, K, shape, t, pos0, decay):
 
 @gpu
 @pytest.mark.parametrize("shape", sorted(SHAPES2))
-@pytest.mark.parametrize("pos0,cuts", [(0, (64, 1000)), (37, (27, 91, 603))])
+@pytest.mark.parametrize("pos0,cuts", [(0, (64, 960)), (37, (27, 91, 603))])
 def test_pieces_at_chunk_multiples_give_one_runs_bits(cp, K, shape, pos0, cuts):
     """A prefill split where pos0 + cut is a multiple of 64 (the prefix snapshots' boundaries) gives the bits of one run
     under the switch: the final state and every row of O."""
@@ -179,14 +179,14 @@ def test_config_field_env_and_module_default(monkeypatch):
     from q27py.config import EngineConfig, Q27Config, apply_env
     from q27py.gpu import kernels as K
 
-    assert EngineConfig().prefill_gdn_state_tf32 is False  # off until measured (q27py/config.py)
-    assert apply_env(Q27Config(), {"Q27_PREFILL_GDN_STATE_TF32": "1"}).engine.prefill_gdn_state_tf32 is True
+    assert EngineConfig().prefill_gdn_state_tf32 is True  # on since 2026-12-08 (q27py/config.py)
+    assert apply_env(Q27Config(), {"Q27_PREFILL_GDN_STATE_TF32": "0"}).engine.prefill_gdn_state_tf32 is False
     with pytest.raises(ValueError):
         apply_env(Q27Config(), {"Q27_PREFILL_GDN_STATE_TF32": "tf32"})
     monkeypatch.delenv("Q27_PREFILL_GDN_STATE_TF32", raising=False)
-    assert K._gdn_state_tf32_default() is False
-    monkeypatch.setenv("Q27_PREFILL_GDN_STATE_TF32", "1")
     assert K._gdn_state_tf32_default() is True
+    monkeypatch.setenv("Q27_PREFILL_GDN_STATE_TF32", "0")
+    assert K._gdn_state_tf32_default() is False
 
 
 def _stub_launcher(monkeypatch, K, fits2: bool = True):
