@@ -1894,8 +1894,9 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
     """gdn_prefill's contract through the three-kernel pipeline; chunk boundaries at absolute
     multiples of GDN2_C (pieces split there give the bits of one run). scratch: a float32 device
     buffer of at least gdn2_scratch_floats(gdn2_nchunks(nlanes, pos0), hv, dk, dv) floats
-    (allocated here when None). Matches the sequential kernel within fp32 rounding (3xTF32; the output pass one
-    TF32 product under GDN2_OUT_TF32, the "tf32 out" class).
+    (allocated here when None). With both TF32 classes off it matches the sequential kernel within fp32 rounding
+    (3xTF32); by default (GDN2_STATE_TF32 / GDN2_OUT_TF32, the "tf32 state" / "tf32 out" classes of docs/QUANT.md) O
+    and the state sit ~2-5e-4 relative off it, and pieces cut at multiples of GDN2_C still give one run's bits.
     stages / presplit / warps: the state pass's variant (default gdn2_state_variant; every variant gives the same
     bits; presplit "k": K alone, 8 warps only).
     events: four CUDA events recorded around the three launches (the bench's per-kernel split).
