@@ -1861,17 +1861,22 @@ def _gdn2_state_variant(rt, dk: int, dv: int, warps: int) -> tuple[int, bool | s
     return 0, False, 0
 
 
-def gdn2_state_kernel_exists(stages: int, presplit: bool | str, warps: int) -> bool:
-    """Whether cuda/gdn_chunk2.cu has this state-pass variant (K's presplit alone: 8 warps, two stages)."""
+def gdn2_state_kernel_exists(stages: int, presplit: bool | str, warps: int, tf32: bool = False) -> bool:
+    """Whether cuda/gdn_chunk2.cu has this state-pass variant (K's presplit alone: 8 warps, two stages; tf32, the
+    "tf32 state" class's gdn2_state1_*: 8 warps, no presplit or K's, no lo halves to keep)."""
+    if tf32 and (warps != 8 or presplit not in (False, "k")):
+        return False
     return warps in (4, 8) and stages in (1, 2) and (presplit != "k" or (warps == 8 and stages == 2))
 
 
-def gdn2_state_kernel(dk: int, stages: int, presplit: bool | str, warps: int) -> tuple[str, int]:
-    """(entry name, threads per CTA) of one state-pass variant: gdn2_state_d<dk>_s<stages>[k|p][_w8]."""
-    if not gdn2_state_kernel_exists(stages, presplit, warps):
-        raise ValueError(f"no gdn2 state pass with {stages} stages, presplit={presplit!r} and {warps} warps")
+def gdn2_state_kernel(dk: int, stages: int, presplit: bool | str, warps: int, tf32: bool = False) -> tuple[str, int]:
+    """(entry name, threads per CTA) of one state-pass variant: gdn2_state[1]_d<dk>_s<stages>[k|p][_w8] (1: tf32,
+    one TF32 product a mma)."""
+    if not gdn2_state_kernel_exists(stages, presplit, warps, tf32):
+        what = "tf32 state pass" if tf32 else "gdn2 state pass"
+        raise ValueError(f"no {what} with {stages} stages, presplit={presplit!r} and {warps} warps")
     tag = ("", "k", "p")[GDN2_SPLIT[presplit]]
-    return f"gdn2_state_d{dk}_s{stages}{tag}{'_w8' if warps == 8 else ''}", warps * 32
+    return f"gdn2_state{'1' if tf32 else ''}_d{dk}_s{stages}{tag}{'_w8' if warps == 8 else ''}", warps * 32
 
 
 def gdn2_tf32_state_variant(dk: int, dv: int) -> tuple[int, bool, int]:
@@ -1917,13 +1922,7 @@ def gdn_prefill_chunked2(state, qkvn, gb, out, ldo: int, h: int, hv: int, dk: in
         presplit = False if tf32 else gdn2_fits(dk, dv, stages, True)
     if not stages:
         raise ValueError(f"no chunked2 GDN kernels for dk={dk}, dv={dv} on this card")
-    if tf32:
-        if presplit not in (False, "k") or warps != 8 or stages not in (1, 2) or (presplit == "k" and stages != 2):
-            raise ValueError(f"the tf32 state pass has 8 warps, 1-2 stages, no presplit or K's with two stages (asked: "
-                             f"{warps} warps, presplit={presplit!r}, {stages} stages)")
-        state_fn, state_threads = f"gdn2_state1_d{dk}_s{stages}{'k' if presplit else ''}_w8", 8 * 32
-    else:
-        state_fn, state_threads = gdn2_state_kernel(dk, stages, presplit, warps)
+    state_fn, state_threads = gdn2_state_kernel(dk, stages, presplit, warps, tf32)
     if not gdn_chunk_aligned(qkvn, h, hv, dk, dv):
         raise ValueError("gdn_prefill_chunked2 reads qkvn 16 bytes at a time: its rows must start 16-byte aligned")
     nc = gdn2_nchunks(nlanes, pos0)

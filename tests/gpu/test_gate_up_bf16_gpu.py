@@ -332,6 +332,14 @@ def switch_launches_and_bits(K, tiny, switch, monkeypatch) -> tuple[list, list, 
     return k1, k2, k3
 
 
+def assert_in_a8_gate(r: dict) -> None:
+    """quality()'s result inside the a8 tier's accepted gate (docs/QUANT.md): mean KL 2.5e-4, p99.9 1.8e-3, top-1
+    agreement 0.990, NLL within 5e-4."""
+    assert r["kl_mean"] < 2.5e-4 and r["kl_p999"] < 1.8e-3, r
+    assert r["top1_agree"] >= 0.990, r
+    assert abs(r["nll_on"] - r["nll_off"]) < 5e-4, r
+
+
 def quality(K, weights, ids, tokens: int = 2048, switch=_switch) -> dict:
     """Held-out text in 512-token chunks (each on the cuBLAS route), every row's logits, switch off vs on: KL mean /
     p99.9 / max, top-1 agreement, NLL (tools/fp8_prefill.py's quality(), for this switch; `switch(K, on)`: another
@@ -367,9 +375,7 @@ def test_quality_inside_the_a8_gate(cp, K, tiny):
     2.5e-4, p99.9 1.8e-3, top-1 0.990, NLL within 5e-4: docs/QUANT.md); the CPU study expects 35-40x under it."""
     r = quality(K, *tiny)
     print(r)
-    assert r["kl_mean"] < 2.5e-4 and r["kl_p999"] < 1.8e-3, r
-    assert r["top1_agree"] >= 0.990, r
-    assert abs(r["nll_on"] - r["nll_off"]) < 5e-4, r
+    assert_in_a8_gate(r)
 
 
 @gpu
@@ -430,19 +436,27 @@ def test_switch_off_keeps_todays_route(cp, K, tiny, monkeypatch):
 
 
 # ---------------------------------------------------------------- CPU checks (no GPU)
-def test_config_field_env_and_module_default(monkeypatch):
+def check_switch_config(monkeypatch, field: str, env: str, module_default, bad: str) -> None:
+    """A prefill switch that is on by default: EngineConfig's field True, the env's 1 / 0 mapped into it and a value
+    that is neither refused, and the kernels module's default (`module_default()`) following the env."""
     from q27py.config import EngineConfig, Q27Config, apply_env
+
+    assert getattr(EngineConfig(), field) is True  # q27py/config.py says since when and why
+    assert getattr(apply_env(Q27Config(), {env: "1"}).engine, field) is True
+    assert getattr(apply_env(Q27Config(), {env: "0"}).engine, field) is False
+    with pytest.raises(ValueError):
+        apply_env(Q27Config(), {env: bad})
+    monkeypatch.delenv(env, raising=False)
+    assert module_default() is True
+    monkeypatch.setenv(env, "0")
+    assert module_default() is False
+
+
+def test_config_field_env_and_module_default(monkeypatch):
     from q27py.gpu import kernels as K
 
-    assert EngineConfig().prefill_gate_up_bf16 is True  # on since 2026-12-06 (q27py/config.py says why)
-    assert apply_env(Q27Config(), {"Q27_PREFILL_GATE_UP_BF16": "1"}).engine.prefill_gate_up_bf16 is True
-    assert apply_env(Q27Config(), {"Q27_PREFILL_GATE_UP_BF16": "0"}).engine.prefill_gate_up_bf16 is False
-    with pytest.raises(ValueError):
-        apply_env(Q27Config(), {"Q27_PREFILL_GATE_UP_BF16": "yes"})
-    monkeypatch.delenv("Q27_PREFILL_GATE_UP_BF16", raising=False)
-    assert K._prefill_gate_up_bf16_default() is True
-    monkeypatch.setenv("Q27_PREFILL_GATE_UP_BF16", "0")
-    assert K._prefill_gate_up_bf16_default() is False
+    check_switch_config(monkeypatch, "prefill_gate_up_bf16", "Q27_PREFILL_GATE_UP_BF16", K._prefill_gate_up_bf16_default,
+                        "yes")
 
 
 def _swiglu_matrix(C):
